@@ -1,0 +1,1 @@
+"""Cache bookkeeping and sizing (pure Python: never imports torch)."""

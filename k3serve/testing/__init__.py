@@ -1,0 +1,1 @@
+"""Tiny checkpoints in the real formats, for tests, benchmarks and the bundled default."""

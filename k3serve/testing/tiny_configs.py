@@ -1,0 +1,70 @@
+"""Tiny configs with every structural feature of the real ones (k3-model-spec.md §1).
+
+Tiny K3 (default): 8 layers, MLA at 0-based 3, 6, 7 (last two MLA, like 91/92), AttnRes
+blocks of 3 (starts 0, 3, 6), layer 0 dense, latent MoE with 8 experts top-2 (MXFP4),
+bounded-decay KDA with a full-rank gate, q-LoRA, gated MLA, SiTU, a tiny vision tower.
+Tiny Kimi-Linear: flat config, softplus decay, low-rank gate, plain MoE, SiLU, no AttnRes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from k3serve.tokenizer.specials import NUM_RESERVED_SPECIAL
+
+BUNDLED_DIR = Path(__file__).resolve().parents[1] / "config" / "bundled"
+TINY_BASE_VOCAB = 512  # 256 bytes + 256 merges
+
+
+def _schedule(num_layers: int, last_two_mla: bool) -> tuple[list[int], list[int]]:
+    """1-based full-attention / KDA layer lists with the 3:1 pattern."""
+    full = {i + 1 for i in range(num_layers) if (i + 1) % 4 == 0}
+    full |= {num_layers - 1, num_layers} if last_two_mla else {num_layers}
+    kda = [i for i in range(1, num_layers + 1) if i not in full]
+    return sorted(full), kda
+
+
+def tiny_k3_config(num_layers: int = 8, hidden_size: int = 64, num_experts: int = 8,
+                   top_k: int = 2, attn_res_block_size: int = 3,
+                   base_vocab: int = TINY_BASE_VOCAB) -> dict[str, Any]:
+    raw = json.loads((BUNDLED_DIR / "moonshotai--Kimi-K3.json").read_text())
+    full, kda = _schedule(num_layers, last_two_mla=True)
+    specials = base_vocab
+    text = raw["text_config"]
+    text.update(
+        vocab_size=base_vocab + NUM_RESERVED_SPECIAL, hidden_size=hidden_size,
+        num_hidden_layers=num_layers, intermediate_size=2 * hidden_size,
+        bos_token_id=specials, eos_token_id=specials + 2, pad_token_id=specials + 255,
+        attn_res_block_size=attn_res_block_size, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        num_experts=num_experts, num_experts_per_token=top_k, num_shared_experts=2,
+        moe_intermediate_size=32, routed_expert_hidden_size=32, max_position_embeddings=4096,
+    )
+    text["linear_attn_config"].update(num_heads=4, head_dim=16, full_attn_layers=full, kda_layers=kda)
+    raw.update(bos_token_id=specials, eos_token_id=specials + 2, pad_token_id=specials + 255,
+               media_placeholder_token_id=specials + 21)
+    raw["vision_config"].update(
+        patch_size=2, init_pos_emb_height=4, init_pos_emb_width=4, vt_hidden_size=32,
+        vt_num_hidden_layers=1, vt_num_attention_heads=2, vt_intermediate_size=64,
+        qkv_hidden_size=32, mm_hidden_size=32, text_hidden_size=hidden_size)
+    return raw
+
+
+def tiny_kimi_linear_config(num_layers: int = 6, hidden_size: int = 64, num_experts: int = 8,
+                            top_k: int = 2, base_vocab: int = TINY_BASE_VOCAB) -> dict[str, Any]:
+    raw = json.loads((BUNDLED_DIR / "moonshotai--Kimi-Linear-48B-A3B-Instruct.json").read_text())
+    full, kda = _schedule(num_layers, last_two_mla=False)
+    raw.update(
+        vocab_size=base_vocab + NUM_RESERVED_SPECIAL, hidden_size=hidden_size,
+        num_hidden_layers=num_layers, intermediate_size=2 * hidden_size,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_experts=num_experts, num_experts_per_token=top_k,
+        num_shared_experts=1, moe_intermediate_size=32, bos_token_id=base_vocab,
+        eos_token_id=base_vocab + 2, pad_token_id=base_vocab + 255, model_max_length=4096,
+    )
+    raw["linear_attn_config"] = dict(full_attn_layers=full, kda_layers=kda, head_dim=16, num_heads=4,
+                                     short_conv_kernel_size=4)
+    return copy.deepcopy(raw)

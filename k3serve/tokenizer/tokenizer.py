@@ -1,0 +1,112 @@
+"""Tokenizer loading: Kimi's `tiktoken.model` rank file or a Hugging Face `tokenizer.json`.
+
+Kimi (K2/K3) ships `tiktoken.model` + `tokenizer_config.json` whose `added_tokens_decoder`
+names the 256 reserved specials (k3-model-spec.md §7.2); the regex pre-tokenizer is fixed in
+their tokenizer code and reproduced in `specials.PAT_STR`. Ordinary text never produces
+special ids: specials are only emitted by the chat renderer (as ids) or on explicit request.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tiktoken
+
+from k3serve.tokenizer.specials import K3_SPECIALS, PAT_STR, special_token_map
+from k3serve.tokenizer.tiktoken_file import read_ranks
+
+
+class TokenizerError(ValueError):
+    """Tokenizer files are missing or malformed."""
+
+
+class Tokenizer:
+    """encode/decode with named special tokens; one interface over both backends."""
+
+    def __init__(self, *, tiktoken_enc: tiktoken.Encoding | None = None, hf=None,
+                 special_tokens: dict[str, int], vocab_size: int):
+        self._tk, self._hf = tiktoken_enc, hf
+        if hf is not None:  # a twin that treats special-token names in text as plain text
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._hf_plain = HFTokenizer.from_str(hf.to_str())
+            self._hf_plain.encode_special_tokens = True
+        self.special_tokens = dict(special_tokens)
+        self.special_ids = {i: s for s, i in special_tokens.items()}
+        self.vocab_size = vocab_size
+
+    # ---- loading -------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if (path / "tiktoken.model").is_file():
+            return cls._from_tiktoken(path)
+        if (path / "tokenizer.json").is_file():
+            return cls._from_hf(path / "tokenizer.json")
+        raise TokenizerError(f"no tiktoken.model or tokenizer.json in {path}")
+
+    @classmethod
+    def _from_tiktoken(cls, path: Path) -> "Tokenizer":
+        try:
+            ranks = read_ranks(path / "tiktoken.model")
+        except (OSError, ValueError) as e:
+            raise TokenizerError(str(e)) from e
+        specials = _specials_from_config(path / "tokenizer_config.json", len(ranks))
+        enc = tiktoken.Encoding(name=path.name or "kimi", pat_str=PAT_STR,
+                                mergeable_ranks=ranks, special_tokens=specials)
+        return cls(tiktoken_enc=enc, special_tokens=specials, vocab_size=enc.n_vocab)
+
+    @classmethod
+    def _from_hf(cls, file: Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            hf = HFTokenizer.from_file(str(file))
+        except Exception as e:  # the Rust side raises plain Exceptions
+            raise TokenizerError(f"{file}: {e}") from e
+        specials = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        return cls(hf=hf, special_tokens=specials, vocab_size=hf.get_vocab_size(with_added_tokens=True))
+
+    # ---- use -----------------------------------------------------------------------
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        if self._tk is not None:
+            if allow_special:
+                return self._tk.encode(text, allowed_special="all")
+            return self._tk.encode_ordinary(text)
+        hf = self._hf if allow_special else self._hf_plain
+        return hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """Raw bytes of a token sequence (specials included by name); never splits UTF-8 itself."""
+        if self._tk is not None:
+            return self._tk.decode_bytes(ids)
+        return self._hf.decode(ids, skip_special_tokens=False).encode()
+
+    def token_to_id(self, name: str) -> int:
+        try:
+            return self.special_tokens[name]
+        except KeyError:
+            raise TokenizerError(f"special token {name!r} is not in this tokenizer") from None
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+
+def _specials_from_config(cfg_path: Path, base_vocab: int) -> dict[str, int]:
+    if not cfg_path.is_file():
+        return special_token_map(base_vocab, K3_SPECIALS)
+    try:
+        decoder = json.loads(cfg_path.read_text()).get("added_tokens_decoder", {})
+        named = {int(k): v["content"] for k, v in decoder.items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise TokenizerError(f"{cfg_path}: bad added_tokens_decoder ({e})") from e
+    bad = [i for i in named if i < base_vocab]
+    if bad:
+        raise TokenizerError(f"{cfg_path}: special id {bad[0]} collides with the BPE ranks "
+                             f"(0..{base_vocab - 1})")
+    return special_token_map(base_vocab, {i - base_vocab: s for i, s in named.items()})
+

@@ -1,0 +1,113 @@
+"""Validate a checkpoint against its config, then stream it shard by shard (mmap).
+
+Name rules (k3-model-spec.md §1.6, §3.1, §8): the `language_model.` prefix of K3 is dropped
+so both models share canonical names (`model.layers.{i}...`, `lm_head.weight`);
+`<module>.weight_packed` + `<module>.weight_scale` become one `PackedMXFP4` under
+`<module>.weight`; `A_log` keeps its first `num_heads` entries (K3 pads it to 128).
+All validation runs on headers before any data is read, so a bad checkpoint fails before
+serving and no partial model is ever returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Union
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from k3serve.config.model_config import ModelConfig
+from k3serve.weights.checkpoint import CheckpointIndex, TensorInfo
+from k3serve.weights.errors import (DtypeMismatchError, MissingTensorError, ShapeMismatchError,
+                                    UnexpectedTensorError)
+from k3serve.weights.mxfp4 import PackedMXFP4
+from k3serve.weights.schema import FLOAT_DTYPES, TensorSpec, model_tensor_specs
+
+logger = logging.getLogger(__name__)
+LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors")  # all use the mmap path
+Weight = Union[torch.Tensor, PackedMXFP4]
+
+
+def validate_checkpoint(index: CheckpointIndex, cfg: ModelConfig) -> list[TensorSpec]:
+    """Check names, shapes and dtypes; return the specs of the tensors present."""
+    specs = {s.name: s for s in model_tensor_specs(cfg)}
+    for name, info in index.tensors.items():
+        if name not in specs:
+            raise UnexpectedTensorError(_unexpected_hint(name, cfg), tensor=name, file=str(info.file))
+    present = []
+    for name, spec in specs.items():
+        info = index.tensors.get(name)
+        if info is None:
+            if spec.vision:
+                continue  # text-only exports may drop the tower; the text engine never reads it
+            raise MissingTensorError(f"required by the config ({spec.dtype}{list(spec.shape)})",
+                                     tensor=name, file=str(index.root))
+        _check_tensor(spec, info, cfg)
+        present.append(spec)
+    return present
+
+
+def _unexpected_hint(name: str, cfg: ModelConfig) -> str:
+    if cfg.tensor_prefix and not name.startswith(cfg.tensor_prefix) and name.startswith("model."):
+        return f"not described by the config (kimi_k3 checkpoints prefix text tensors with " \
+               f"'{cfg.tensor_prefix}')"
+    return "not described by the config (wrong model or config?)"
+
+
+def _check_tensor(spec: TensorSpec, info: TensorInfo, cfg: ModelConfig) -> None:
+    where = dict(tensor=info.name, file=str(info.file))
+    if spec.role in ("packed", "scale"):
+        if info.dtype != "U8":
+            raise DtypeMismatchError(f"MXFP4 {spec.role} tensor must be U8, found {info.dtype}", **where)
+    elif info.dtype not in FLOAT_DTYPES:
+        raise DtypeMismatchError(f"expected a float tensor ({spec.dtype}), found {info.dtype}", **where)
+    if spec.name.endswith(".A_log"):
+        ok = _a_log_ok(info.shape, cfg.kda.num_heads)
+    else:
+        ok = info.shape == spec.shape
+    if not ok:
+        raise ShapeMismatchError(f"shape {list(info.shape)} but the config implies {list(spec.shape)}", **where)
+
+
+def _a_log_ok(shape: tuple[int, ...], heads: int) -> bool:
+    return (len(shape) == 1 and shape[0] >= heads) or shape == (1, 1, heads, 1)
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, *, device: str | torch.device = "cpu",
+                 load_format: str = "auto", include_vision: bool = False,
+                 progress: bool = True) -> dict[str, Weight]:
+    """Canonical name -> tensor (stored dtype) or PackedMXFP4."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    index = CheckpointIndex.open(path)
+    specs = validate_checkpoint(index, cfg)
+    wanted = {s.name for s in specs if include_vision or not s.vision}
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(wanted):
+        by_file.setdefault(index.tensors[name].file, []).append(name)
+    raw: dict[str, torch.Tensor] = {}
+    files = sorted(by_file)
+    for f in tqdm(files, desc="loading shards", unit="shard", disable=not progress or len(files) < 2):
+        with safe_open(str(f), framework="pt", device=str(device)) as fh:
+            for name in by_file[f]:
+                raw[name] = fh.get_tensor(name)
+    return _canonicalize(raw, cfg)
+
+
+def _canonicalize(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Weight]:
+    prefix = cfg.tensor_prefix
+    out: dict[str, Weight] = {}
+    for name, t in raw.items():
+        key = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        if key.endswith(".weight_scale"):
+            continue
+        if key.endswith(".weight_packed"):
+            module = name[: -len(".weight_packed")]
+            out[key[: -len("_packed")]] = PackedMXFP4(t, raw[module + ".weight_scale"])
+        elif key.endswith(".A_log"):
+            out[key] = t.reshape(-1)[: cfg.kda.num_heads].float().contiguous()
+        else:
+            out[key] = t
+    return out

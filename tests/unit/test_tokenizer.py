@@ -1,0 +1,74 @@
+import json
+
+import pytest
+
+from k3serve.tokenizer import Tokenizer, TokenizerError
+from k3serve.tokenizer.tiktoken_file import read_ranks
+from k3serve.testing.tiny_configs import TINY_BASE_VOCAB
+
+
+def test_tiktoken_round_trip_and_k3_specials(tiny_k3_dir):
+    tk = Tokenizer.from_dir(tiny_k3_dir)
+    text = "Hello world! The weather in Paris is 21 degrees. 你好世界 def add(a, b):"
+    ids = tk.encode(text)
+    assert tk.decode(ids) == text and max(ids) < TINY_BASE_VOCAB
+    assert tk.vocab_size == TINY_BASE_VOCAB + 256
+    base = TINY_BASE_VOCAB  # specials keep the real offsets from the end of the BPE ranks
+    assert tk.token_to_id("[BOS]") == base and tk.token_to_id("<|end_of_msg|>") == base + 2
+    assert tk.token_to_id("<|open|>") == base + 3 and tk.token_to_id("<|media_pad|>") == base + 21
+    assert tk.token_to_id("[PAD]") == base + 255
+    assert tk.token_to_id(f"<|reserved_token_{base + 8}|>") == base + 8
+
+
+def test_special_names_in_text_stay_text(tiny_k3_dir):
+    tk = Tokenizer.from_dir(tiny_k3_dir)
+    ids = tk.encode("a <|open|> b")
+    assert not any(tk.is_special(i) for i in ids)
+    assert tk.token_to_id("<|open|>") in tk.encode("a <|open|> b", allow_special=True)
+
+
+def test_pretokenizer_keeps_han_runs_and_digit_triples(tiny_k3_dir):
+    tk = Tokenizer.from_dir(tiny_k3_dir)
+    pieces = [tk.decode([i]) for i in tk.encode("12345")]
+    assert "".join(pieces) == "12345" and all(len(p) <= 3 for p in pieces)
+
+
+def test_kimi_linear_uses_k2_names(tiny_kl_dir):
+    tk = Tokenizer.from_dir(tiny_kl_dir)
+    assert tk.token_to_id("<|im_end|>") == TINY_BASE_VOCAB + 2
+    assert tk.token_to_id("<|im_middle|>") == TINY_BASE_VOCAB + 17
+
+
+def test_rank_file_is_dense(tiny_k3_dir):
+    ranks = read_ranks(tiny_k3_dir / "tiktoken.model")
+    assert sorted(ranks.values()) == list(range(TINY_BASE_VOCAB))
+
+
+def test_hf_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers, trainers, decoders
+
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_end|>", "[BOS]"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(["hello world, hello tokenizer"] * 50, trainer)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tk = Tokenizer.from_dir(tmp_path)
+    text = "hello world <|im_end|>"
+    assert tk.decode(tk.encode(text)) == text
+    end = tk.token_to_id("<|im_end|>")
+    assert end not in tk.encode(text) and end in tk.encode(text, allow_special=True)
+
+
+def test_bad_tokenizer_dirs(tmp_path):
+    with pytest.raises(TokenizerError, match="no tiktoken.model"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tiktoken.model").write_text("!!notbase64 0\n")
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tiktoken.model").write_text("YQ== 0\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {"0": {"content": "[BOS]", "special": True}}}))
+    with pytest.raises(TokenizerError, match="collides"):
+        Tokenizer.from_dir(tmp_path)
