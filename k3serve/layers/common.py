@@ -1,0 +1,30 @@
+"""Small module helpers so parameter names match checkpoint names exactly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def linear(out_features: int, in_features: int) -> nn.Linear:
+    """Bias-free linear; weight [out, in] as in the checkpoint."""
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class WeightOnly(nn.Module):
+    """A module whose only parameter is `weight` (norms, conv taps, AttnRes vectors)."""
+
+    def __init__(self, *shape: int, fill: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full(shape, fill))
+
+
+class RMSNorm(WeightOnly):
+    def __init__(self, size: int, eps: float):
+        super().__init__(size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from k3serve.layers.norm import rms_norm
+
+        return rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,80 @@
+"""Routed experts: stacked weights, either packed MXFP4 (K3) or plain (Kimi-Linear).
+
+`experts_forward` sorts tokens by expert and runs each *selected* expert once on all its
+tokens, dequantizing only that expert's MXFP4 weights at use (spec §8.3: compute on the
+stored codes; no re-encoding). `experts_reference` is the plain per-token loop the tests
+compare against. W4A8 mode rounds expert inputs through MXFP8 (spec §1.3).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from k3serve.weights.mxfp4 import GROUP, PackedMXFP4, e2m1_decode, e8m0_to_float, unpack_nibbles
+from k3serve.weights.mxfp8 import fake_quantize_mxfp8
+
+ExpertWeight = torch.Tensor | PackedMXFP4  # [E, out, in]
+Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mxfp4_linear(x: torch.Tensor, w: PackedMXFP4) -> torch.Tensor:
+    """x [T, in] @ W^T for one packed matrix [out, in]: LUT-decode codes straight into x's dtype."""
+    vals = e2m1_decode(unpack_nibbles(w.packed)).to(x.dtype)  # [out, in]
+    scale = e8m0_to_float(w.scale).to(x.dtype)  # [out, in/32]
+    weight = (vals.view(*vals.shape[:-1], -1, GROUP) * scale.unsqueeze(-1)).view(vals.shape)
+    return x @ weight.t()
+
+
+def expert_linear(x: torch.Tensor, w: ExpertWeight, e: int) -> torch.Tensor:
+    if isinstance(w, PackedMXFP4):
+        return mxfp4_linear(x, w.select(e))
+    return x @ w[e].to(x.dtype).t()
+
+
+def _one_expert(x, w1, w2, w3, e, act: Act, a8: bool) -> torch.Tensor:
+    if a8:
+        x = fake_quantize_mxfp8(x)
+    h = act(expert_linear(x, w1, e), expert_linear(x, w3, e))
+    if a8:
+        h = fake_quantize_mxfp8(h)
+    return expert_linear(h, w2, e)
+
+
+def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    w1: ExpertWeight, w2: ExpertWeight, w3: ExpertWeight, act: Act,
+                    a8: bool = False) -> torch.Tensor:
+    """x [N, h], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), FP32 [N, h_out]."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // ids.shape[1]  # token of each sorted assignment
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    out_dim = w2.shape[1]
+    out = torch.zeros(x.shape[0], out_dim, dtype=torch.float32, device=x.device)
+    pos = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue  # only selected experts are ever dequantized
+        sel = order[pos:pos + n]
+        y = _one_expert(x[token[pos:pos + n]], w1, w2, w3, e, act, a8)
+        out.index_add_(0, token[pos:pos + n], y.float() * weights.reshape(-1)[sel, None])
+        pos += n
+    return out
+
+
+def experts_reference(x, ids, weights, w1, w2, w3, act: Act, a8: bool = False) -> torch.Tensor:
+    """Plain loop over tokens and their selected experts, dequantize-then-matmul in FP32."""
+    def deq(w, e):
+        return w.select(e).dequantize(torch.float32) if isinstance(w, PackedMXFP4) else w[e].float()
+
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            xt = fake_quantize_mxfp8(x[t:t + 1]) if a8 else x[t:t + 1]
+            h = act(xt.float() @ deq(w1, e).t(), xt.float() @ deq(w3, e).t())
+            if a8:
+                h = fake_quantize_mxfp8(h)
+            out[t] += weights[t, j] * (h @ deq(w2, e).t())[0]
+    return out

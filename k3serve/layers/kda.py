@@ -1,0 +1,96 @@
+"""Kimi Delta Attention layer (k3-model-spec.md §3; HF-REF `KimiDeltaAttention`).
+
+x [N, d] (normed) -> q/k/v proj [N, P] -> short conv (state) + SiLU -> per-head l2norm,
+q * D^-1/2 -> beta = sigmoid(b_proj x) -> decay g (K3: lb * sigmoid(exp(A_log) z); Kimi-Linear:
+-exp(A_log) softplus(z), z = f_b(f_a x) + dt_bias) -> gated delta rule (chunked for prefill,
+one batched recurrent step for decodes) -> RMSNorm_D(o) * sigmoid(gate) -> o_proj.
+States live in `CacheTensors` rows chosen by the batch's state slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3serve.config.model_config import ModelConfig
+from k3serve.layers.common import WeightOnly, linear
+from k3serve.layers.kda_ops import kda_chunked, kda_step
+from k3serve.layers.norm import l2_normalize, rms_norm
+from k3serve.layers.short_conv import short_conv, short_conv_step
+from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+
+
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        k, d = cfg.kda, cfg.hidden_size
+        self.layer_idx, self.heads, self.head_dim = layer_idx, k.num_heads, k.head_dim
+        self.lower_bound, self.eps = k.gate_lower_bound, cfg.rms_norm_eps
+        P = k.proj_dim
+        self.q_proj, self.k_proj, self.v_proj = linear(P, d), linear(P, d), linear(P, d)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (WeightOnly(P, 1, k.conv_kernel) for _ in range(3))
+        self.f_a_proj, self.f_b_proj = linear(k.head_dim, d), linear(P, k.head_dim)
+        self.dt_bias = nn.Parameter(torch.zeros(P))
+        self.A_log = nn.Parameter(torch.zeros(k.num_heads))
+        self.b_proj = linear(k.num_heads, d)
+        if k.use_full_rank_gate:
+            self.g_proj = linear(P, d)
+        else:
+            self.g_a_proj, self.g_b_proj = linear(k.head_dim, d), linear(P, k.head_dim)
+        self.o_norm = WeightOnly(k.head_dim)
+        self.o_proj = linear(d, P)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        N = x.shape[0]
+        H, D = self.heads, self.head_dim
+        u = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1).float()  # [N, 3P]
+        conv_w = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), 0).squeeze(1).float()  # [3P, K]
+        beta = torch.sigmoid(self.b_proj(x).float())  # [N, H]
+        g = self._decay(x).view(N, H, D)
+        rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
+        o = torch.empty(N, H, D, dtype=torch.float32, device=x.device)
+        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0]
+        bounds = batch.seq_bounds()
+        if decodes:
+            self._decode(decodes, bounds, u, conv_w, g, beta, batch, rec, conv, o)
+        for i, (s, e) in enumerate(bounds):
+            if i in decodes or s == e:
+                continue
+            slot = batch.state_slots[i]
+            fresh = batch.context_lens[i] == 0  # a new sequence starts from zero state
+            c0 = torch.zeros_like(conv[slot]) if fresh else conv[slot]
+            s0 = torch.zeros_like(rec[slot]) if fresh else rec[slot]
+            c, conv[slot] = short_conv(u[s:e], conv_w, c0)
+            q, k, v = self._qkv(c)
+            o[s:e], rec[slot] = kda_chunked(q, k, v, g[s:e], beta[s:e], s0)
+        return self._output(x, o)
+
+    def _decode(self, idx, bounds, u, conv_w, g, beta, batch, rec, conv, o) -> None:
+        """All single-token decodes of the batch in one vectorized recurrent step."""
+        rows = torch.tensor([bounds[i][0] for i in idx])
+        slots = torch.tensor([batch.state_slots[i] for i in idx])
+        c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
+        q, k, v = self._qkv(c)
+        o[rows], rec[slots] = kda_step(q, k, v, g[rows], beta[rows], rec[slots])
+
+    def _qkv(self, c: torch.Tensor):
+        """Post-conv [T, 3P] -> q (l2norm, * D^-1/2), k (l2norm), v, each [T, H, D]."""
+        q, k, v = c.view(c.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        return l2_normalize(q) * self.head_dim ** -0.5, l2_normalize(k), v
+
+    def _decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Log decay g [N, P] (<= 0), FP32."""
+        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        a = self.A_log.float().exp().repeat_interleave(self.head_dim)  # per channel
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(a * z)
+        return -a * F.softplus(z)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        gate = gate.float().view_as(o)
+        y = rms_norm(o, self.o_norm.weight.float(), self.eps) * torch.sigmoid(gate)  # [N, H, D]
+        return self.o_proj(y.reshape(x.shape[0], -1).to(x.dtype))

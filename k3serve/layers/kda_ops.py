@@ -1,0 +1,125 @@
+"""Gated delta rule with per-channel decay (KDA core): chunked prefill + recurrent step.
+
+Math: k3-model-spec.md §3.5 (recurrence) and §3.7 (chunked WY form); FLA `fla/ops/kda/naive.py`
+is the external reference the tests compare against. Per head, state S [D_k, D_v] (FP32):
+    S <- Diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t
+Inputs are already normalised and scaled (q = l2norm(q) / sqrt(D), k = l2norm(k)).
+The chunked form never factors exp(G_i - G_j) into exp(G_i) * exp(-G_j): with the K3 lower
+bound g >= -5, G reaches -320 inside a 64-chunk and exp(320) overflows FP32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for a batch. q,k,g [B,H,Dk], v [B,H,Dv], beta [B,H], state [B,H,Dk,Dv]."""
+    s = state * g.exp().unsqueeze(-1)  # decay key rows
+    pred = torch.einsum("bhk,bhkv->bhv", k, s)  # S^T k
+    s = s + torch.einsum("bhk,bhv->bhkv", beta.unsqueeze(-1) * k, v - pred)
+    return torch.einsum("bhk,bhkv->bhv", q, s), s
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: token-by-token. q,k,g [T,H,Dk], v [T,H,Dv], beta [T,H], state [H,Dk,Dv]."""
+    outs, s = [], state.unsqueeze(0)
+    for t in range(q.shape[0]):
+        o, s = kda_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+        outs.append(o)
+    return torch.cat(outs, 0), s[0]
+
+
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked-parallel prefill (WY form), same contract as `kda_recurrent`.
+
+    A ragged tail is padded with k = v = 0, g = 0, beta = 0: padded steps neither decay nor
+    write the state, so the result is exact for any length.
+    """
+    T = q.shape[0]
+    pad = (-T) % chunk
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    n = q.shape[0] // chunk
+    # [T, H, D] -> [H, n, C, D]
+    q, k, v, g = (x.reshape(n, chunk, *x.shape[1:]).permute(2, 0, 1, 3) for x in (q, k, v, g))
+    beta = beta.reshape(n, chunk, -1).permute(2, 0, 1)  # [H, n, C]
+    # Gamma: cumulative log decay inside each chunk, in FP64: with strong decay Gamma reaches
+    # -1e3..-1e4 and FP32 differences of such sums would lose ~1e-4 relative accuracy.
+    gam = g.double().cumsum(-2)
+    outs, s = [], state
+    step = max(1, _MAX_INTRA_ELEMS // (q.shape[0] * chunk * SUB * q.shape[-1]))
+    for c0 in range(0, n, step):  # intra-chunk terms for a group of chunks at once
+        sl = slice(c0, min(n, c0 + step))
+        w, u, qk, qg = _intra_chunk(q[:, sl], k[:, sl], v[:, sl], gam[:, sl], beta[:, sl])
+        for c in range(w.shape[1]):  # the only sequential part: the state hand-off
+            v_new = u[:, c] - w[:, c] @ s  # pseudo-values V' = U - W S
+            outs.append(qg[:, c] @ s + qk[:, c] @ v_new)
+            g_last = gam[:, c0 + c, -1:]  # [H, 1, Dk]
+            s = g_last.exp().to(s.dtype).transpose(1, 2) * s + \
+                ((g_last - gam[:, c0 + c]).exp().to(s.dtype) * k[:, c0 + c]).transpose(1, 2) @ v_new
+    o = torch.stack(outs, 1).reshape(q.shape[0], n * chunk, -1).transpose(0, 1)  # [T+pad, H, Dv]
+    return o[:T], s
+
+
+_MAX_INTRA_ELEMS = 1 << 24  # bounds the [H, chunks, C, S, Dk] diagonal pairwise-decay tensor
+SUB = 16  # sub-block for the intra-chunk interactions
+
+
+def _intra_chunk(q, k, v, gam, beta):
+    """State-independent WY terms. q,k,gam [H,n,C,Dk], v [H,n,C,Dv], beta [H,n,C].
+
+    Returns W = T (exp(G) * K), U = T V, masked A_qk (diagonal kept) and Q * exp(G), where
+    T = (I + L)^-1 Diag(beta), L_ij = beta_i sum_k k_ik exp(G_ik - G_jk) k_jk for j < i.
+    """
+    C = q.shape[2]
+    kk, qk = _decayed_dots(k, q, gam, min(SUB, C))
+    lower = beta.unsqueeze(-1) * kk.tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(lower)
+    t = torch.linalg.solve_triangular(eye + lower, torch.diag_embed(beta), upper=False,
+                                      unitriangular=True)
+    eg = gam.exp().to(q.dtype)
+    return t @ (eg * k), t @ v, qk.tril(), q * eg
+
+
+def _decayed_dots(k, q, gam, sub):
+    """kk_ij = sum_d k_id e^(G_id - G_jd) k_jd and qk_ij (same with q_i), for j <= i.
+
+    Row block a = [a, a+S) is one matmul against all columns j < a+S, factored through the
+    reference position r = a: e^(G_i - G_r) <= 1 for i >= r, e^(G_r - G_j) <= 1 for j <= r, and
+    for j inside the block e^(G_r - G_j) <= e^(span of one sub-block). When some sub-block's
+    decay span could overflow FP32 (only possible with unbounded decay, i.e. Kimi-Linear with
+    very large steps), the diagonal blocks use pairwise differences instead, which never overflow.
+    """
+    H, n, C, D = k.shape
+    kk = k.new_zeros(H, n, C, C)
+    qk = k.new_zeros(H, n, C, C)
+    blocks = gam.reshape(H, n, C // sub, sub, D)
+    span_ok = bool(((blocks[:, :, :, 0] - blocks[:, :, :, -1]).amax() < _SAFE_SPAN).item())
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
+    for a in range(0, C, sub):
+        rows, upto = slice(a, a + sub), a + sub
+        ga, ka, qa = gam[:, :, rows], k[:, :, rows], q[:, :, rows]  # [H, n, S, D]
+        g_ref = gam[:, :, a:a + 1]  # Gamma at r = a
+        left = (ga - g_ref).exp().to(k.dtype)  # exponent <= 0
+        cols = upto if span_ok else a
+        right = k[:, :, :cols] * (g_ref - gam[:, :, :cols]).exp().to(k.dtype)  # [H, n, cols, D]
+        kk[:, :, rows, :cols] = (ka * left) @ right.transpose(-1, -2)
+        qk[:, :, rows, :cols] = (qa * left) @ right.transpose(-1, -2)
+        if not span_ok:  # pairwise differences inside the diagonal block
+            diff = ga.unsqueeze(3) - ga.unsqueeze(2)  # [H, n, S(i), S(j), D]
+            decay = torch.where(causal[:, :, None], diff, torch.full_like(diff, -torch.inf)).exp().to(k.dtype)
+            kd = decay * ka.unsqueeze(2)
+            kk[:, :, rows, rows] = (kd * ka.unsqueeze(3)).sum(-1)
+            qk[:, :, rows, rows] = (kd * qa.unsqueeze(3)).sum(-1)
+    return kk, qk
+
+
+_SAFE_SPAN = 80.0  # e^-80 > FP32 min normal (1e-38) and e^80 << FP32 max: both factors stay representable

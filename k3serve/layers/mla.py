@@ -1,0 +1,92 @@
+"""Gated MLA, NoPE (k3-model-spec.md §4; HF-REF `KimiMLAAttention`, LCPP absorbed form).
+
+Per token: q = q_b(RMSNorm(q_a x)) or q_proj x -> [H, nope | rope]; kv_a x -> latent c | k_pe;
+c_n = RMSNorm(c). The cache holds [c_n | k_pe] (576 values/token/layer for K3). Keys are
+[W_UK c_n ; k_pe], values W_UV c_n, scale 1/sqrt(nope + rope), causal; K3 then multiplies
+by sigmoid(g_proj x) before o_proj. No rotary embedding anywhere.
+
+Two attention algorithms over the same cache: `attend_absorbed` (W_UK folded into q, scores
+against the latent, W_UV applied after mixing; used for decode) and `attend_naive`
+(decompress K/V; used for prefill and as the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3serve.config.model_config import ModelConfig
+from k3serve.layers.common import RMSNorm, linear
+from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+
+MLA_NORM_EPS = 1e-6  # HF-REF KimiRMSNorm default for q_a/kv_a layernorms
+
+
+def attend_naive(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, start, scale):
+    """q_nope [T,H,n], q_pe [T,H,r], latent [L,c], k_pe [L,r], w_kv_b [H, n+v, c]; queries sit at
+    positions start..start+T-1 of the L cached ones. Returns [T, H, v]."""
+    kv = torch.einsum("lc,hdc->lhd", latent, w_kv_b)  # [L, H, n+v]
+    k_nope, v = kv[..., :-v_dim], kv[..., -v_dim:]
+    scores = torch.einsum("thn,lhn->htl", q_nope, k_nope) + torch.einsum("thr,lr->htl", q_pe, k_pe)
+    p = _causal_softmax(scores * scale, start)
+    return torch.einsum("htl,lhv->thv", p, v)
+
+
+def attend_absorbed(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, start, scale):
+    """Same contract as `attend_naive`, computed in the latent space (no K/V decompression)."""
+    w_uk, w_uv = w_kv_b[:, :-v_dim], w_kv_b[:, -v_dim:]  # [H, n, c], [H, v, c]
+    q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, c]
+    scores = torch.einsum("thc,lc->htl", q_abs, latent) + torch.einsum("thr,lr->htl", q_pe, k_pe)
+    p = _causal_softmax(scores * scale, start)
+    mixed = torch.einsum("htl,lc->thc", p, latent)  # [T, H, c]
+    return torch.einsum("thc,hvc->thv", mixed, w_uv)
+
+
+def _causal_softmax(scores: torch.Tensor, start: int) -> torch.Tensor:
+    """scores [H, T, L]; query t (absolute position start+t) sees keys 0..start+t."""
+    T, L = scores.shape[1:]
+    allowed = torch.arange(L, device=scores.device)[None, :] <= (start + torch.arange(T, device=scores.device))[:, None]
+    return torch.softmax(scores.float().masked_fill(~allowed, -torch.inf), dim=-1)
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        m, d = cfg.mla, cfg.hidden_size
+        self.layer_idx, self.cfg = layer_idx, m
+        self.scale = m.qk_head_dim ** -0.5
+        if m.q_lora_rank is not None:
+            self.q_a_proj = linear(m.q_lora_rank, d)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, MLA_NORM_EPS)
+            self.q_b_proj = linear(m.num_heads * m.qk_head_dim, m.q_lora_rank)
+        else:
+            self.q_proj = linear(m.num_heads * m.qk_head_dim, d)
+        self.kv_a_proj_with_mqa = linear(m.cache_dim, d)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, MLA_NORM_EPS)
+        self.kv_b_proj = linear(m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        if m.use_output_gate:
+            self.g_proj = linear(m.num_heads * m.v_head_dim, d)
+        self.o_proj = linear(d, m.num_heads * m.v_head_dim)
+        self.absorbed_decode = True
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        m, N = self.cfg, x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank is not None else self.q_proj(x)
+        q = q.view(N, m.num_heads, m.qk_head_dim).float()
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat((self.kv_a_layernorm(ckv[:, : m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]), -1)
+        store = cache.latent[self.layer_idx]
+        w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank)
+        out = torch.empty(N, m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
+        for i, (s, e) in enumerate(batch.seq_bounds()):
+            ctx = batch.context_lens[i]
+            store[batch.cache_rows(i, ctx, ctx + e - s)] = latent[s:e].to(store.dtype)
+            seq = store[batch.cache_rows(i, 0, ctx + e - s)].float()  # [L, c + r]
+            attend = attend_absorbed if (e - s == 1 and self.absorbed_decode) else attend_naive
+            out[s:e] = attend(q_nope[s:e], q_pe[s:e], seq[:, : m.kv_lora_rank], seq[:, m.kv_lora_rank:],
+                              w_kv_b, m.v_head_dim, ctx, self.scale)
+        out = out.reshape(N, -1)
+        if m.use_output_gate:
+            out = out * torch.sigmoid(self.g_proj(x).float())
+        return self.o_proj(out.to(x.dtype))

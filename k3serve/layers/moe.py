@@ -1,0 +1,79 @@
+"""Dense GLU MLP (layer 0) and the (latent) MoE block (k3-model-spec.md §5.3).
+
+K3 latent MoE: z = down(x) [N, L]; y = sum_e w_e * w2_e(SiTU(w1_e z, w3_e z)) (FP32 sum);
+y = RMSNorm(y); y = up(y) [N, d]; output y + shared(x). Kimi-Linear: experts act on x with
+SwiGLU, output routed_scaling * sum + shared(x) (the factor is folded into the weights).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from k3serve.config.model_config import ModelConfig
+from k3serve.layers.activation import silu_and_mul, situ_and_mul
+from k3serve.layers.common import RMSNorm, WeightOnly, linear
+from k3serve.layers.experts import experts_forward, experts_reference
+from k3serve.layers.router import route
+
+
+def glu_activation(cfg: ModelConfig):
+    if cfg.use_situ:
+        return partial(situ_and_mul, beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
+    return silu_and_mul
+
+
+class GluMLP(nn.Module):
+    """gate/up/down MLP: dense layer 0 and the shared experts."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = linear(inter, hidden), linear(inter, hidden), linear(hidden, inter)
+        self.act = glu_activation(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class Gate(WeightOnly):
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__(num_experts, hidden)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m, d = cfg.moe, cfg.hidden_size
+        self.cfg, self.act = m, glu_activation(cfg)
+        self.gate = Gate(m.num_experts, d)
+        inner = m.latent_size or d
+        if m.latent_size is not None:
+            self.routed_expert_down_proj = linear(inner, d)
+            self.routed_expert_up_proj = linear(d, inner)
+            if m.latent_use_norm:
+                self.routed_expert_norm = RMSNorm(inner, cfg.rms_norm_eps)
+        # stacked experts [E, out, in]; replaced by PackedMXFP4 on load for K3
+        inter = m.expert_intermediate_size
+        self.w1 = torch.zeros(m.num_experts, inter, inner)
+        self.w3 = torch.zeros(m.num_experts, inter, inner)
+        self.w2 = torch.zeros(m.num_experts, inner, inter)
+        if m.num_shared_experts:
+            self.shared_experts = GluMLP(cfg, d, m.shared_intermediate_size)
+        self.w4a8 = False  # round expert inputs through MXFP8 (the QAT activation format)
+        self.use_reference = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+        z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
+        run = experts_reference if self.use_reference else experts_forward
+        y = run(z, ids, weights, self.w1, self.w2, self.w3, self.act, self.w4a8).to(x.dtype)
+        if self.cfg.latent_size is not None:
+            if self.cfg.latent_use_norm:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.cfg.num_shared_experts:
+            y = y + self.shared_experts(x)
+        return y

@@ -1,0 +1,110 @@
+"""Kimi-K3 and Kimi-Linear text models: one skeleton, features switched by ModelConfig.
+
+Reference forward (k3-model-spec.md §11): embed -> 93 layers of (KDA | gated MLA) attention and
+(dense | latent MoE) MLP, joined by Block AttnRes (§6.3) for K3 or a plain pre-norm residual
+for Kimi-Linear -> final Mix -> RMSNorm -> lm_head. Parameter names equal canonical checkpoint
+names (`model.layers.{i}.self_attn.q_proj.weight`, ...), so loading is a name lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3serve.config.model_config import LayerKind, ModelConfig
+from k3serve.layers.attnres import attnres_mix, attnres_vector
+from k3serve.layers.common import RMSNorm, WeightOnly
+from k3serve.layers.kda import KimiDeltaAttention
+from k3serve.layers.mla import GatedMLA
+from k3serve.layers.moe import GluMLP, SparseMoE
+from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.weights.mxfp4 import PackedMXFP4
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(d, eps), RMSNorm(d, eps)
+        kda = cfg.layer_kinds[i] is LayerKind.KDA
+        self.self_attn = KimiDeltaAttention(cfg, i) if kda else GatedMLA(cfg, i)
+        if cfg.is_moe_layer(i):
+            self.block_sparse_moe = SparseMoE(cfg)
+        else:
+            self.mlp = GluMLP(cfg, d, cfg.intermediate_size)
+        if cfg.use_attnres:
+            self.self_attention_res_norm, self.mlp_res_norm = WeightOnly(d), WeightOnly(d)
+            self.self_attention_res_proj, self.mlp_res_proj = WeightOnly(1, d), WeightOnly(1, d)
+
+    def attn(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), batch, cache)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return mlp(self.post_attention_layernorm(x))
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.use_attnres:
+            self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
+            self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)  # [N, d]
+        if not self.cfg.use_attnres:
+            for layer in self.layers:
+                h = h + layer.attn(h, batch, cache)
+                h = h + layer.ffn(h)
+            return self.norm(h)
+        return self.norm(self._attnres_forward(h, batch, cache))
+
+    def _attnres_forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Spec §6.3: B holds banked block vectors; P is the running intra-block partial sum."""
+        eps, bank = self.cfg.rms_norm_eps, []
+        for i, layer in enumerate(self.layers):
+            w_attn = attnres_vector(layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight)
+            w_mlp = attnres_vector(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight)
+            a_in = attnres_mix(bank + [h], w_attn, eps) if bank else h
+            if i % self.cfg.attn_res_block_size == 0:
+                bank.append(h)
+                partial = layer.attn(a_in, batch, cache)
+            else:
+                partial = h + layer.attn(a_in, batch, cache)
+            m_in = attnres_mix(bank + [partial], w_mlp, eps)
+            h = partial + layer.ffn(m_in)
+        w_out = attnres_vector(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
+        return attnres_mix(bank + [h], w_out, eps)
+
+
+class KimiForCausalLM(nn.Module):
+    """`KimiK3ForConditionalGeneration` / `KimiK3ForCausalLM` / `KimiLinearForCausalLM` (text)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = KimiModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = WeightOnly(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Final hidden states [N, d]."""
+        return self.model(batch, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return (hidden @ head.t()).float()
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [l.block_sparse_moe for l in self.model.layers if hasattr(l, "block_sparse_moe")]
+
+    def load_weights(self, weights: dict[str, torch.Tensor | PackedMXFP4]) -> None:
+        """Copy canonical-name weights in; every parameter and expert must be provided."""
+        from k3serve.models.weight_loading import assign_weights
+
+        assign_weights(self, weights)

@@ -1,0 +1,75 @@
+"""ForwardBatch (what the model is asked to compute) and CacheTensors (where state lives).
+
+The model receives both explicitly; there is no hidden global context (style-anchors §7).
+Tokens of several sequences are flattened into one [N] stream; per-sequence metadata says
+where each sequence's KDA state slot and MLA latent blocks are:
+
+  KDA layer l:  recurrent[l][slot] [H, D, D] fp32,  conv[l][slot] [K-1, 3P] fp32
+  MLA layer l:  latent[l][row] [kv_lora + rope], row = block_id * block_size + offset
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.config.model_config import LayerKind, ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [N] int64, sequences concatenated
+    seq_lens: list[int]  # new tokens per sequence (sum = N)
+    context_lens: list[int]  # tokens already in the cache before this step, per sequence
+    state_slots: list[int]  # KDA state slot per sequence
+    block_tables: list[list[int]]  # MLA latent block ids per sequence (cover context + new)
+    block_size: int
+    logits_indices: torch.Tensor | None = None  # rows of [N] to compute logits for; None = all
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def seq_bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of each sequence in the flattened token stream."""
+        out, pos = [], 0
+        for n in self.seq_lens:
+            out.append((pos, pos + n))
+            pos += n
+        return out
+
+    def cache_rows(self, seq: int, start: int, end: int) -> torch.Tensor:
+        """Latent-cache rows of positions [start, end) of sequence `seq`."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(self.block_tables[seq], dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def last_token_indices(self) -> torch.Tensor:
+        return torch.tensor([e - 1 for _, e in self.seq_bounds()], dtype=torch.long)
+
+
+@dataclass
+class CacheTensors:
+    """Device tensors for both cache kinds; indexed by layer (None for the other kind)."""
+
+    recurrent: list[torch.Tensor | None]
+    conv: list[torch.Tensor | None]
+    latent: list[torch.Tensor | None]
+    block_size: int
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "CacheTensors":
+        k, m = cfg.kda, cfg.mla
+        rec, conv, lat = [], [], []
+        for kind in cfg.layer_kinds:
+            if kind is LayerKind.KDA:
+                rec.append(torch.zeros(num_slots, k.num_heads, k.head_dim, k.head_dim, device=device))
+                conv.append(torch.zeros(num_slots, k.conv_kernel - 1, 3 * k.proj_dim, device=device))
+                lat.append(None)
+            else:
+                rec.append(None)
+                conv.append(None)
+                lat.append(torch.zeros(num_blocks * block_size, m.cache_dim, dtype=kv_dtype, device=device))
+        return cls(rec, conv, lat, block_size)
