@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 
 serve: $(STAMP)
 	$(PY) -m k3serve inspect
+	$(PY) -m k3serve generate --prompt "The capital of France is" --max-tokens 16
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -24,7 +25,8 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) bench/kda_prefill.py
+	$(PY) bench/generate_speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

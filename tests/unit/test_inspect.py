@@ -37,3 +37,13 @@ def test_inspect_cli_json_on_tiny_checkpoint(tiny_k3_dir, capsys):
 def test_inspect_cli_reports_errors(capsys):
     assert main(["inspect", "no/such-model"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_generate_cli_json(tiny_k3_dir, capsys):
+    assert main(["generate", "--model", str(tiny_k3_dir), "--prompt-token-ids", "1,2,3",
+                 "--max-tokens", "6", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_token_ids"] == [1, 2, 3] and len(out["token_ids"]) == 6
+    assert isinstance(out["text"], str) and out["finish_reason"] == "length"
+    assert main(["generate", "--model", str(tiny_k3_dir), "--prompt-token-ids", "1,99999"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
