@@ -1,6 +1,6 @@
 """Benchmark: chunked KDA prefill vs token-by-token recurrence at 2,048 tokens.
 
-Both algorithms run side by side in one process (this machine is noisy), several repeats,
+Runs with FTZ/DAZ on (what `build_model` sets for the engine). Both algorithms run side by side in one process (this machine is noisy), several repeats,
 best-of reported; prints the ratio and writes bench/results/kda_prefill.json.
 """
 
@@ -39,6 +39,7 @@ def best_of(fn, args, repeats: int = 3) -> float:
 
 def main(T: int = 2048) -> None:
     torch.set_grad_enabled(False)
+    torch.set_flush_denormal(True)  # as build_model() sets for the engine; applies to both algorithms
     rows = []
     for name, H, D in SHAPES:
         args = inputs(T, H, D)
