@@ -1,6 +1,6 @@
 """Benchmark: chunked KDA prefill vs token-by-token recurrence at 2,048 tokens.
 
-Runs with FTZ/DAZ on (what `build_model` sets for the engine). Both algorithms run side by side in one process (this machine is noisy), several repeats,
+Runs under `flush_denormals()` as the KDA layer does. Both algorithms run side by side in one process (this machine is noisy), several repeats,
 best-of reported; prints the ratio and writes bench/results/kda_prefill.json.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from k3serve.layers.kda_ops import kda_chunked, kda_recurrent
+from k3serve.layers.kda_ops import flush_denormals, kda_chunked, kda_recurrent
 from k3serve.layers.norm import l2_normalize
 
 SHAPES = [("tiny K3 (H=4, D=16)", 4, 16), ("H=2, D=128 (K3 head size)", 2, 128), ("H=8, D=64", 8, 64)]
@@ -39,11 +39,11 @@ def best_of(fn, args, repeats: int = 3) -> float:
 
 def main(T: int = 2048) -> None:
     torch.set_grad_enabled(False)
-    torch.set_flush_denormal(True)  # as build_model() sets for the engine; applies to both algorithms
     rows = []
     for name, H, D in SHAPES:
         args = inputs(T, H, D)
-        chunked, recurrent = best_of(kda_chunked, args), best_of(kda_recurrent, args)
+        with flush_denormals():  # as the KDA layer runs both paths; applies to both algorithms
+            chunked, recurrent = best_of(kda_chunked, args), best_of(kda_recurrent, args)
         rows.append({"shape": name, "tokens": T, "chunked_s": chunked, "recurrent_s": recurrent,
                      "speedup": recurrent / chunked})
         print(f"{name:28s} chunked {chunked * 1e3:8.1f} ms  recurrent {recurrent * 1e3:8.1f} ms  "

@@ -15,7 +15,7 @@ from torch import nn
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.layers.common import WeightOnly, linear
-from k3serve.layers.kda_ops import kda_chunked, kda_step
+from k3serve.layers.kda_ops import flush_denormals, kda_chunked, kda_step
 from k3serve.layers.norm import l2_normalize, rms_norm
 from k3serve.layers.short_conv import short_conv, short_conv_step
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
@@ -53,6 +53,11 @@ class KimiDeltaAttention(nn.Module):
         rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
         o = torch.empty(N, H, D, dtype=torch.float32, device=x.device)
         decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0]
+        with flush_denormals():
+            self._run(decodes, u, conv_w, g, beta, batch, rec, conv, o)
+        return self._output(x, o)
+
+    def _run(self, decodes, u, conv_w, g, beta, batch, rec, conv, o) -> None:
         bounds = batch.seq_bounds()
         if decodes:
             self._decode(decodes, bounds, u, conv_w, g, beta, batch, rec, conv, o)
@@ -66,7 +71,6 @@ class KimiDeltaAttention(nn.Module):
             c, conv[slot] = short_conv(u[s:e], conv_w, c0)
             q, k, v = self._qkv(c)
             o[s:e], rec[slot] = kda_chunked(q, k, v, g[s:e], beta[s:e], s0)
-        return self._output(x, o)
 
     def _decode(self, idx, bounds, u, conv_w, g, beta, batch, rec, conv, o) -> None:
         """All single-token decodes of the batch in one vectorized recurrent step."""

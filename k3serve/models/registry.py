@@ -22,9 +22,6 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> KimiFor
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ConfigError("architectures", f"{cfg.architecture!r} is not supported; known: {sorted(MODEL_REGISTRY)}")
-    # FP32 denormals (long products of decays in KDA) make CPU arithmetic ~10-50x slower;
-    # flushing them to zero changes nothing above 1.2e-38. Process-wide, as engines do.
-    torch.set_flush_denormal(True)
     model = cls(cfg).to(dtype)
     model.dtype_ = dtype
     return model.eval()

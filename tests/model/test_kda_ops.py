@@ -97,3 +97,12 @@ def test_conv_prefill_then_decode_equals_longer_prefill():
     padded = torch.cat((torch.zeros(3, 12), u))
     ref = torch.stack([F.silu(sum(w[:, j] * padded[t + j] for j in range(4))) for t in range(20)])
     assert torch.allclose(full, ref, atol=1e-6)
+
+
+def test_flush_denormals_is_scoped():
+    from k3serve.layers.kda_ops import flush_denormals
+
+    tiny = torch.tensor([1e-39])
+    with flush_denormals():
+        assert (tiny * 1.0).item() == 0.0
+    assert (tiny * 1.0).item() > 0.0  # MXFP4 scales down to 2^-127 need denormals
