@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3serve.layers.norm import rms_norm
+
 
 def linear(out_features: int, in_features: int) -> nn.Linear:
     """Bias-free linear; weight [out, in] as in the checkpoint."""
@@ -25,6 +27,4 @@ class RMSNorm(WeightOnly):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from k3serve.layers.norm import rms_norm
-
         return rms_norm(x, self.weight, self.eps)
