@@ -29,40 +29,34 @@ def _cmd_build_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import logging
     import time
 
-    import torch
+    from k3serve import LLM, SamplingParams
 
-    from k3serve.generate import SimpleGenerator
-    from k3serve.models.registry import load_model
-    from k3serve.testing.builder import ensure_default_model
-    from k3serve.tokenizer import Tokenizer
-
-    path = args.model or str(ensure_default_model())
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = load_model(path, dtype=dtype, load_format=args.load_format, progress=not args.json)
-    tok = Tokenizer.from_dir(path)
+    if not args.json:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.prompt_token_ids:
-        prompts = [[int(t) for t in args.prompt_token_ids.split(",")]]
+        prompts = [{"prompt_token_ids": [int(t) for t in args.prompt_token_ids.split(",")]}]
     elif args.prompt:
-        prompts = [tok.encode(p) for p in args.prompt]
+        prompts = args.prompt
     else:
         raise ValueError("give --prompt TEXT (repeatable) or --prompt-token-ids 1,2,3")
-    bad = [t for p in prompts for t in p if not 0 <= t < model.cfg.vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{model.cfg.vocab_size - 1})")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [])
+    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, cache_memory=args.cache_memory, seed=args.seed)
     start = time.perf_counter()
-    results = SimpleGenerator(model).generate(prompts, args.max_tokens, args.temperature, args.seed,
-                                              args.ignore_eos)
+    results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    out = [{"prompt_token_ids": p, "token_ids": r.token_ids, "text": tok.decode(r.token_ids),
-            "finish_reason": r.finish_reason} for p, r in zip(prompts, results)]
+    out = [{"prompt_token_ids": r.prompt_token_ids, "token_ids": r.outputs[0].token_ids,
+            "text": r.outputs[0].text, "finish_reason": r.outputs[0].finish_reason} for r in results]
     if args.json:
         print(json.dumps(out if len(out) > 1 else out[0]))
     else:
         for o in out:
             print(o["text"])
-        n = sum(len(r.token_ids) for r in results)
+        n = sum(len(o["token_ids"]) for o in out)
         print(f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
     return 0
 
@@ -76,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the bundled tiny model")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_inspect)
-    p = sub.add_parser("generate", help="offline generation (prefill + cached decode)")
+    p = sub.add_parser("generate", help="offline generation through the engine (continuous batching)")
     p.add_argument("--model", help="checkpoint dir (default: the bundled tiny model)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
     p.add_argument("--prompt-token-ids", help="comma-separated token ids")
@@ -84,8 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop string; repeatable")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")
     p.add_argument("--json", action="store_true", help="print token ids and text as JSON")
     p.set_defaults(func=_cmd_generate)
     p = sub.add_parser("build-tiny", help="write a tiny random-weight checkpoint in the real layout")

@@ -9,6 +9,8 @@ Pure Python on purpose: the scheduler and planner must not import torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from k3serve.config.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -50,3 +52,85 @@ def kda_state_bytes_per_request(cfg: ModelConfig, state_dtype: str = "float32",
     """One state slot: recurrent + conv state of every KDA layer."""
     per_layer = kda_recurrent_bytes_per_layer(cfg, state_dtype) + kda_conv_bytes_per_layer(cfg, conv_dtype)
     return len(cfg.kda_layers) * per_layer
+
+
+# ---- splitting a cache budget between the two pools ------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'1GiB', '512MiB', '2GB', '1073741824' -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 1GiB, 512MiB or 2GB")
+    return int(float(num) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How a cache budget is split: latent blocks for MLA, state slots for KDA."""
+
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    block_bytes: int  # one block across all MLA layers
+    slot_bytes: int  # one request's recurrent + conv state across all KDA layers
+    token_bytes: int  # one token's latent rows across all MLA layers
+    max_model_len: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+
+    def max_concurrency(self, context_len: int) -> int:
+        """Requests of `context_len` tokens that fit at once = min(slots, latent tokens / len)."""
+        by_tokens = self.num_blocks // max(1, -(-context_len // self.block_size))
+        return min(self.num_slots, by_tokens)
+
+
+def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 16,
+                       kv_dtype: str = "bfloat16") -> int:
+    """Cache bytes of one request at max_model_len: its state slot plus whole latent blocks."""
+    blocks = -(-max_model_len // block_size)
+    return kda_state_bytes_per_request(cfg) + blocks * latent_block_bytes(cfg, block_size, kv_dtype)
+
+
+def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_num_seqs: int,
+               block_size: int = 16, kv_dtype: str = "bfloat16", num_slots: int | None = None) -> CachePlan:
+    """Split `cache_bytes` by the expected request shape.
+
+    Default: as many slots as requests of `max_model_len` tokens fit whole (slot + latent
+    blocks), capped at `max_num_seqs`; every remaining byte becomes latent blocks, so short
+    requests can share them. `num_slots` fixes the slot count instead (operators whose
+    requests are much shorter than max_model_len). Either way one request of max_model_len
+    must fit, or this raises with the numbers.
+    """
+    token_bytes = mla_cache_bytes_per_token(cfg, kv_dtype)
+    block_bytes = block_size * token_bytes
+    slot_bytes = kda_state_bytes_per_request(cfg)
+    blocks_per_req = -(-max_model_len // block_size)
+    per_request = slot_bytes + blocks_per_req * block_bytes
+    if per_request > cache_bytes:
+        raise ValueError(
+            f"cache memory {cache_bytes:,} B cannot hold one request of max_model_len {max_model_len:,}: "
+            f"it needs {per_request:,} B (KDA state {slot_bytes:,} B + latent KV {blocks_per_req * block_bytes:,} B); "
+            f"lower --max-model-len or raise --cache-memory")
+    if num_slots is None:
+        num_slots = max(1, min(max_num_seqs, cache_bytes // per_request))
+    elif num_slots < 1 or num_slots * slot_bytes + blocks_per_req * block_bytes > cache_bytes:
+        raise ValueError(f"{num_slots} state slots ({num_slots * slot_bytes:,} B) leave no room for one "
+                         f"request of max_model_len {max_model_len:,} in {cache_bytes:,} B")
+    rest = cache_bytes - num_slots * slot_bytes
+    # Without MLA layers blocks cost nothing; keep enough for every slot at max_model_len.
+    num_blocks = rest // block_bytes if block_bytes else num_slots * blocks_per_req
+    return CachePlan(block_size, num_blocks, num_slots, block_bytes, slot_bytes, token_bytes, max_model_len)

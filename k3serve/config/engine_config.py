@@ -1,0 +1,56 @@
+"""EngineConfig: every engine knob, named like the CLI flags (`--max-model-len` -> max_model_len).
+
+Knobs whose feature is not built yet fail loudly instead of being ignored (issue contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint dir; None = the bundled default tiny model
+    tokenizer: str | None = None  # default: the model dir
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
+    kv_cache_dtype: str = "auto"  # auto = the model dtype
+    max_model_len: int | None = None  # None = min(max_position_embeddings, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    cache_memory: int | str | None = None  # absolute ("1GiB"); wins over the fraction
+    cache_memory_fraction: float | None = None  # of free memory after weights; default 0.9 GPU, 0.1 CPU
+    num_state_slots: int | None = None  # fix the KDA slot count instead of deriving it
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = False
+    speculative_config: dict[str, Any] | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    device: str = "auto"  # auto = cuda when available, else cpu
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.cache_memory_fraction is not None and not 0 < self.cache_memory_fraction <= 1:
+            raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: prefix caching is not available in this build yet; "
+                             "run without --enable-prefix-caching")
+        if self.speculative_config:
+            raise ValueError("speculative_config: speculative decoding is not available in this build yet")
+        if self.extra:
+            raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)} - {"extra"}
+        extra = {k: v for k, v in kwargs.items() if k not in known}
+        return cls(model=model, extra=extra, **{k: v for k, v in kwargs.items() if k in known})

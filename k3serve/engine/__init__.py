@@ -1,0 +1,1 @@
+"""Engines: LLMEngine (synchronous step loop), AsyncEngine (asyncio streams), LLM (offline API)."""

@@ -1,0 +1,145 @@
+"""AsyncEngine: asyncio front of LLMEngine for the server (reference: vLLM `AsyncLLM`).
+
+- One worker thread owns the LLMEngine; every engine call (add, step, abort) runs there, so
+  the model never runs concurrently with bookkeeping and the event loop never blocks on it.
+- Each request gets a stream that keeps only the newest *cumulative* RequestOutput: a slow
+  consumer skips intermediate snapshots but loses no tokens (backpressure without buffers).
+- Leaving the stream early (client disconnect, task cancellation, `break`) aborts the request
+  and frees its cache before the next step.
+- Admission backpressure: beyond `max_waiting` queued requests, `generate` raises
+  EngineOverloaded (the server answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from k3serve.engine.llm_engine import LLMEngine, PromptInput
+from k3serve.engine.outputs import RequestOutput
+from k3serve.sampling.params import SamplingParams
+
+log = logging.getLogger("k3serve.engine")
+
+
+class EngineOverloaded(RuntimeError):
+    pass
+
+
+class _Stream:
+    """Latest-value mailbox: put() replaces, get() waits for a value not yet taken."""
+
+    def __init__(self):
+        self._value: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._value = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._value = self._value, None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 4096):
+        self.engine, self.max_waiting = engine, max_waiting
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="k3serve-engine")
+        self._streams: dict[str, _Stream] = {}
+        self._to_abort: set[str] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs) -> "AsyncEngine":
+        return cls(LLMEngine.from_args(model, **kwargs))
+
+    async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request until it finishes."""
+        self._ensure_loop()
+        rid = request_id or f"req-{next(self._ids)}"
+        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+            raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stream = self._streams[rid] = _Stream()
+        try:
+            await self._call(self.engine.add_request, rid, prompt, params, priority)
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # consumer left early: free the request before the next step
+                self._to_abort.add(rid)
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._to_abort.add(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    # ---- the step loop -------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="k3serve-engine-loop")
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests() and not self._to_abort:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            aborts, self._to_abort = self._to_abort, set()
+            try:
+                outs = await self._call(self._step, aborts)
+            except Exception as e:  # a bug in a step must not take the server down
+                log.exception("engine step failed; failing the running requests")
+                await self._fail_all(e)
+                continue
+            for out in outs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+
+    def _step(self, aborts: set[str]) -> list[RequestOutput]:
+        for rid in aborts:
+            self.engine.abort(rid)
+        return self.engine.step() if self.engine.has_unfinished_requests() else []
+
+    async def _fail_all(self, error: Exception) -> None:
+        rids = list(self._streams)
+        await self._call(lambda: [self.engine.abort(r) for r in rids])
+        for rid in rids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(RuntimeError(f"engine step failed: {error}"))

@@ -1,0 +1,189 @@
+"""LLMEngine: add_request / step / abort over scheduler + runner (vLLM `LLMEngine` shape).
+
+One step = schedule (pure Python) -> execute (model + sampler) -> update progress -> detokenize,
+check stop strings -> RequestOutputs for requests that produced tokens or finished. An n > 1
+request fans out into n scheduler requests with seeds offset by sample index (vLLM v1 does
+the same); prefix caching (issue 6) will let them share the prompt's cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from k3serve.cache.manager import HybridCacheManager
+from k3serve.config.engine_config import EngineConfig
+from k3serve.engine.outputs import CompletionOutput, RequestOutput
+from k3serve.engine.setup import make_plan, placement, resolve_max_model_len, startup_lines
+from k3serve.sampling.detokenizer import IncrementalDetokenizer
+from k3serve.sampling.params import SamplingParams
+from k3serve.scheduler.batch import SampledToken
+from k3serve.scheduler.request import Request
+from k3serve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("k3serve.engine")
+PromptInput = str | list[int] | dict
+
+
+@dataclass
+class _Sample:
+    req: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.req.finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from k3serve.models.registry import load_model
+        from k3serve.runner.model_runner import ModelRunner
+        from k3serve.testing.builder import ensure_default_model
+        from k3serve.tokenizer import Tokenizer
+
+        self.config = config
+        self.model_path = str(config.model or ensure_default_model())
+        where = placement(config)
+        self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
+                                progress=False).to(where.device)
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
+        self.max_model_len = resolve_max_model_len(config, self.model)
+        self.plan = make_plan(config, self.model, where, self.max_model_len)
+        self.startup_log = startup_lines(self.model_path, self.model, where, self.plan)
+        for line in self.startup_log:
+            log.info(line)
+        self.cache = HybridCacheManager(self.plan.num_blocks, self.plan.num_slots, self.plan.block_size,
+                                        self.plan.slot_bytes, self.plan.token_bytes)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, config.scheduling_policy), self.cache)
+        self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device)
+        self._groups: dict[str, _Group] = {}
+        self._owner: dict[str, _Group] = {}  # scheduler request id -> its group
+        self._arrivals = itertools.count()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        group = _Group(request_id, text, ids, [], {"arrival_time": time.monotonic()})
+        for i in range(params.n):
+            p = params.for_sample(i) if params.n > 1 else params
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(rid, list(ids), p, self.model.cfg.eos_token_id, self.max_model_len,
+                          arrival=next(self._arrivals), priority=priority)
+            group.samples.append(_Sample(req, IncrementalDetokenizer(self.tokenizer, p),
+                                         [] if p.logprobs is not None else None))
+            self.scheduler.add(req)
+            self._owner[rid] = group
+        self._groups[request_id] = group
+        self.counters["prompt_tokens"] += len(ids)
+
+    def abort(self, request_id: str) -> bool:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for s in group.samples:
+            if not s.req.finished:
+                self.scheduler.abort(s.req.request_id)
+            self._release(s.req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        out = self.runner.execute(batch)
+        self.scheduler.update(batch, out)
+        touched: dict[str, _Group] = {}
+        for seq in batch.seqs:
+            tok = out.sampled.get(seq.request_id)
+            group = self._owner.get(seq.request_id)
+            if tok is None or group is None:
+                continue
+            self._on_token(group, seq.request, tok)
+            touched[group.request_id] = group
+        return [self._output(g) for g in touched.values()]
+
+    def _on_token(self, group: _Group, req: Request, tok: SampledToken) -> None:
+        sample = next(s for s in group.samples if s.req is req)
+        self.counters["generation_tokens"] += 1
+        group.metrics.setdefault("first_token_time", time.monotonic())
+        if sample.logprobs is not None and tok.logprob is not None:
+            sample.logprobs.append({tok.token_id: tok.logprob, **dict(tok.top_logprobs)})
+            sample.cumulative_logprob += tok.logprob
+        ended_by_token = req.finished and req.finish_reason == "stop"
+        if not ended_by_token or req.params.include_stop_str_in_output:
+            stop = sample.detok.add(tok.token_id)
+            if stop is not None and not req.finished:
+                self.scheduler.finish(req, "stop", stop)
+        if req.finished:
+            sample.detok.flush()
+            self._release(req)
+            if group.finished:
+                group.metrics["finish_time"] = time.monotonic()
+                self.counters["requests_finished"] += 1
+                self._groups.pop(group.request_id, None)
+
+    def _release(self, req: Request) -> None:
+        self.runner.release(req.request_id)
+        self._owner.pop(req.request_id, None)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, s in enumerate(group.samples):
+            done = s.req.finished
+            outs.append(CompletionOutput(
+                i, s.detok.visible_text(done), list(s.req.output_token_ids),
+                s.cumulative_logprob if s.logprobs is not None else None,
+                [dict(d) for d in s.logprobs] if s.logprobs is not None else None,
+                s.req.finish_reason if done else None, s.req.stop_reason if done else None))
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outs,
+                             group.finished, dict(group.metrics))
+
+    # ---- input checks ----------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, allow_special=True) if text is not None else list(prompt)
+        V = self.model.cfg.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary (0..{V - 1})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             f"at least one position must be left to generate")
+        return text, ids

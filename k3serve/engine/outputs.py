@@ -1,0 +1,34 @@
+"""What the engine returns (vLLM `RequestOutput` / `CompletionOutput` shape).
+
+Outputs are cumulative: each carries all tokens and text so far, so a slow consumer can skip
+intermediate ones and lose nothing (the async engine relies on this for backpressure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled first
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_token/finish times (s)

@@ -1,0 +1,1 @@
+"""Request lifecycle and step scheduling (pure Python: never imports torch)."""

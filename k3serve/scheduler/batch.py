@@ -1,0 +1,53 @@
+"""What the scheduler hands the runner (`ScheduledBatch`) and gets back (`StepOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k3serve.scheduler.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    """Compute tokens [start, start + num_tokens) of one request this step."""
+
+    request: Request
+    start: int  # = tokens already cached (the sequence's context length)
+    num_tokens: int
+    state_slot: int
+    block_table: list[int]
+    sample: bool  # the chunk reaches the newest token: sample the next one
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # log p(token) under the model's raw distribution
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the n most likely (id, logprob), best first
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)

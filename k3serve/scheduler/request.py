@@ -1,0 +1,72 @@
+"""A request as the scheduler sees it: token ids, progress, and why it finished (pure Python).
+
+Progress is one number, `num_computed_tokens`: tokens whose KDA state and MLA latent rows are
+in the cache. Preemption by recompute resets it to 0 and keeps the generated tokens, so the
+resumed prefill covers prompt + output and sampling continues where it stopped
+(vLLM v1 `Request`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from k3serve.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    max_model_len: int
+    arrival: int = 0  # admission order key (a counter, not wall time: deterministic)
+    priority: int = 0  # lower runs first under the "priority" policy (vLLM convention)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        limit = self.params.max_tokens
+        cap = self.max_model_len if limit is None else len(self.prompt_token_ids) + limit
+        return min(cap, self.max_model_len)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> bool:
+        """Record a sampled token; True when it ends the request (stop token or length)."""
+        self.output_token_ids.append(token_id)
+        p = self.params
+        past_min = len(self.output_token_ids) > p.min_tokens
+        if past_min and not p.ignore_eos and token_id == self.eos_token_id:
+            self.finish_reason = "stop"
+        elif past_min and token_id in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+        elif self.num_tokens >= self.max_total_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None

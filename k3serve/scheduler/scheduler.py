@@ -1,0 +1,180 @@
+"""Continuous-batching scheduler over the hybrid cache (pure Python).
+
+Each step gets a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
+  1. running decodes first (one token each), then running prefills continue their chunks,
+  2. waiting requests are admitted in policy order while both pools can serve their first chunk,
+  3. when latent blocks run out, the lowest-ranked running request is preempted by recompute
+     (blocks and slot freed, progress reset, sent to the front of the queue).
+Prefill chunks end on multiples of the KDA chunk size (64) unless the chunk is the last one:
+the chunked gated-delta kernel then sees the same chunk grid as a one-shot prefill, so chunked
+and unchunked prefill take the same arithmetic path (serving-notes.md §9 item 3).
+References: vLLM v1 `core/sched/scheduler.py`, nano-vllm `engine/scheduler.py`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from k3serve.cache.manager import HybridCacheManager
+from k3serve.scheduler.batch import ScheduledBatch, ScheduledSeq, StepOutput
+from k3serve.scheduler.request import Request, RequestStatus
+
+KDA_CHUNK = 64  # k3serve.layers.kda_ops.CHUNK (kept here so this module stays torch-free)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    chunk_align: int = KDA_CHUNK
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_align"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: HybridCacheManager):
+        self.config, self.cache = config, cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; the tail is preempted first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        need, have = self.cache.blocks_for(req.max_total_tokens), self.cache.blocks.num_blocks
+        if need > have:  # could never run: it would preempt itself forever
+            raise ValueError(f"request {req.request_id!r} may reach {req.max_total_tokens} tokens = {need} "
+                             f"latent blocks, but the whole cache has {have}")
+        self.requests[req.request_id] = req
+        self._enqueue(req, front=False)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request now (stop string, abort, stop token) and free its cache."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.cache.free(req.request_id)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        req.stop_reason = req.stop_reason if stop_reason is None else stop_reason
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        decodes = [r for r in self.running if r.num_uncomputed == 1]
+        prefills = [r for r in self.running if r.num_uncomputed > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = self._chunk(req, budget)
+            if n and self._reserve(req, n, scheduled, batch):
+                batch.seqs.append(self._seq(req, n))
+                scheduled.add(req.request_id)
+                budget -= n
+        if not batch.preempted:  # no admissions in a step that had to preempt
+            budget = self._admit(batch, budget)
+        return batch
+
+    def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
+        """Advance progress by what ran and append sampled tokens; the requests that finished."""
+        finished = []
+        for seq in batch.seqs:
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = seq.start + seq.num_tokens
+            tok = out.sampled.get(req.request_id)
+            if seq.sample and tok is not None and req.append_token(tok.token_id):
+                self.finish(req, req.finish_reason)
+                finished.append(req)
+        return finished
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _chunk(self, req: Request, budget: int) -> int:
+        remaining = req.num_uncomputed
+        n = min(remaining, budget)
+        if n < remaining:  # not the last chunk: end on the KDA chunk grid when possible
+            start, align = req.num_computed_tokens, self.config.chunk_align
+            aligned = (start + n) // align * align - start
+            n = aligned if aligned > 0 else n
+        return n
+
+    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+        rid = req.request_id
+        return ScheduledSeq(req, req.num_computed_tokens, n, self.cache.state_slot(rid),
+                            self.cache.block_table(rid), req.num_computed_tokens + n == req.num_tokens)
+
+    def _reserve(self, req: Request, n: int, scheduled: set[str], batch: ScheduledBatch) -> bool:
+        """Blocks for `n` more tokens of a running request, preempting others if needed."""
+        need = req.num_computed_tokens + n
+        while self.cache.append(req.request_id, need) is None:
+            victim = self._victim(exclude=scheduled)
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
+
+    def _victim(self, exclude: set[str]) -> Request:
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival))
+        return candidates[-1]
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self.cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(req.request_id)
+        self._enqueue(req, front=True)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = self._chunk(req, budget)
+            if not self.cache.can_admit(n):
+                break  # head-of-line waits: keeps FCFS order and avoids starving long prompts
+            self.waiting.popleft()
+            self.cache.allocate(req.request_id, n)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.seqs.append(self._seq(req, n))
+            budget -= n
+        return budget
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        req.status = RequestStatus.WAITING
+        if self.config.policy == "priority":
+            self.waiting.append(req)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival)))
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
