@@ -27,6 +27,7 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/kda_prefill.py
 	$(PY) bench/generate_speed.py
+	$(PY) bench/engine_concurrency.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,4 @@
-"""Benchmark: `generate` tokens/s on the default tiny K3 config, fp32 and bf16, batch 1.
+"""Benchmark: engine tokens/s on the default tiny K3 config, fp32 and bf16, batch 1.
 
 Both dtypes are measured alternately in one process; best of 3; writes
 bench/results/generate_speed.json.
@@ -10,26 +10,24 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from k3serve.generate import SimpleGenerator
-from k3serve.models.registry import load_model
+from k3serve import LLM, SamplingParams
 from k3serve.testing.builder import ensure_default_model
 
 PROMPT = list(range(1, 33))
 NEW_TOKENS = 64
 
 
-def run(gen: SimpleGenerator) -> float:
+def run(llm: LLM) -> float:
     t = time.perf_counter()
-    out = gen.generate([PROMPT], max_tokens=NEW_TOKENS, ignore_eos=True)
-    return len(out[0].token_ids) / (time.perf_counter() - t)
+    out = llm.generate([{"prompt_token_ids": PROMPT}],
+                       SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return len(out[0].outputs[0].token_ids) / (time.perf_counter() - t)
 
 
 def main() -> None:
     path = ensure_default_model()
-    gens = {name: SimpleGenerator(load_model(path, dtype=dt, progress=False))
-            for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    gens = {name: LLM(str(path), dtype=name, cache_memory="64MiB", max_num_seqs=1)
+            for name in ("float32", "bfloat16")}
     speeds: dict[str, list[float]] = {k: [] for k in gens}
     for _ in range(3):
         for name, gen in gens.items():

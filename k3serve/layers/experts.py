@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from k3serve.weights.mxfp4 import GROUP, PackedMXFP4, e2m1_decode, e8m0_to_float, unpack_nibbles
+from k3serve.weights.mxfp4 import PackedMXFP4, decode_mxfp4
 from k3serve.weights.mxfp8 import fake_quantize_mxfp8
 
 ExpertWeight = torch.Tensor | PackedMXFP4  # [E, out, in]
@@ -21,25 +21,26 @@ Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def mxfp4_linear(x: torch.Tensor, w: PackedMXFP4) -> torch.Tensor:
     """x [T, in] @ W^T for one packed matrix [out, in]: LUT-decode codes straight into x's dtype."""
-    vals = e2m1_decode(unpack_nibbles(w.packed)).to(x.dtype)  # [out, in]
-    scale = e8m0_to_float(w.scale).to(x.dtype)  # [out, in/32]
-    weight = (vals.view(*vals.shape[:-1], -1, GROUP) * scale.unsqueeze(-1)).view(vals.shape)
-    return x @ weight.t()
+    return x @ decode_mxfp4(w.packed, w.scale, x.dtype).t()
 
 
-def expert_linear(x: torch.Tensor, w: ExpertWeight, e: int) -> torch.Tensor:
+def expert_weights(w: ExpertWeight, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Weights of the selected experts only, [len(experts), out, in] in `dtype`; packed MXFP4 is
+    decoded in one pass for all of them (one call per layer and matrix, not per expert)."""
+    idx = torch.tensor(experts, dtype=torch.long)
     if isinstance(w, PackedMXFP4):
-        return mxfp4_linear(x, w.select(e))
-    return x @ w[e].to(x.dtype).t()
+        return decode_mxfp4(w.packed[idx], w.scale[idx], dtype)
+    return w[idx].to(dtype)
 
 
-def _one_expert(x, w1, w2, w3, e, act: Act, a8: bool) -> torch.Tensor:
+def _one_expert(x, w1, w2, w3, act: Act, a8: bool) -> torch.Tensor:
+    """x [T, in]; w1/w3 [inter, in], w2 [out, inter] already decoded."""
     if a8:
         x = fake_quantize_mxfp8(x)
-    h = act(expert_linear(x, w1, e), expert_linear(x, w3, e))
+    h = act(x @ w1.t(), x @ w3.t())
     if a8:
         h = fake_quantize_mxfp8(h)
-    return expert_linear(h, w2, e)
+    return h @ w2.t()
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -52,12 +53,13 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     out_dim = w2.shape[1]
     out = torch.zeros(x.shape[0], out_dim, dtype=torch.float32, device=x.device)
+    used = [e for e, n in enumerate(counts) if n]  # only selected experts are ever dequantized
+    W1, W2, W3 = (expert_weights(w, used, x.dtype) for w in (w1, w2, w3))
     pos = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue  # only selected experts are ever dequantized
+    for j, e in enumerate(used):
+        n = counts[e]
         sel = order[pos:pos + n]
-        y = _one_expert(x[token[pos:pos + n]], w1, w2, w3, e, act, a8)
+        y = _one_expert(x[token[pos:pos + n]], W1[j], W2[j], W3[j], act, a8)
         out.index_add_(0, token[pos:pos + n], y.float() * weights.reshape(-1)[sel, None])
         pos += n
     return out

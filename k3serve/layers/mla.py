@@ -42,6 +42,19 @@ def attend_absorbed(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, start, scale):
     return torch.einsum("thc,hvc->thv", mixed, w_uv)
 
 
+def attend_absorbed_batched(q_nope, q_pe, latent, k_pe, lens, w_kv_b, v_dim, scale):
+    """Decode form of `attend_absorbed` for B sequences at once, one query each (the newest
+    position). q_nope [B,H,n], q_pe [B,H,r]; latent [B,L,c], k_pe [B,L,r] padded to the longest
+    sequence; lens [B] valid rows per sequence. Returns [B, H, v]."""
+    w_uk, w_uv = w_kv_b[:, :-v_dim], w_kv_b[:, -v_dim:]
+    q_abs = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
+    scores = torch.einsum("bhc,blc->bhl", q_abs, latent) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)
+    valid = torch.arange(latent.shape[1], device=latent.device)[None, :] < lens[:, None]  # [B, L]
+    p = torch.softmax((scores * scale).masked_fill(~valid[:, None, :], -torch.inf), dim=-1)
+    mixed = torch.einsum("bhl,blc->bhc", p, latent)
+    return torch.einsum("bhc,hvc->bhv", mixed, w_uv)
+
+
 def _causal_softmax(scores: torch.Tensor, start: int) -> torch.Tensor:
     """scores [H, T, L]; query t (absolute position start+t) sees keys 0..start+t."""
     T, L = scores.shape[1:]
@@ -79,7 +92,14 @@ class GatedMLA(nn.Module):
         store = cache.latent[self.layer_idx]
         w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank)
         out = torch.empty(N, m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
+        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0]
+        if self.absorbed_decode and len(decodes) > 1:
+            self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out)
+        else:
+            decodes = []
         for i, (s, e) in enumerate(batch.seq_bounds()):
+            if decodes and i in decodes:
+                continue
             ctx = batch.context_lens[i]
             store[batch.cache_rows(i, ctx, ctx + e - s)] = latent[s:e].to(store.dtype)
             seq = store[batch.cache_rows(i, 0, ctx + e - s)].float()  # [L, c + r]
@@ -90,3 +110,17 @@ class GatedMLA(nn.Module):
         if m.use_output_gate:
             out = out * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(out.to(x.dtype))
+
+    def _decode_batched(self, idx, q_nope, q_pe, latent, w_kv_b, batch, store, out) -> None:
+        """All single-token decodes: write their rows, gather each sequence's rows padded to the
+        longest, one batched absorbed attention."""
+        m = self.cfg
+        starts = [batch.seq_bounds()[i][0] for i in idx]
+        lens = [batch.context_lens[i] + 1 for i in idx]
+        rows = batch.padded_rows(idx, lens)  # [B, Lmax]
+        new = rows[torch.arange(len(idx)), torch.tensor(lens) - 1]
+        store[new] = latent[starts].to(store.dtype)
+        seq = store[rows].float()  # [B, Lmax, c + r]
+        out[starts] = attend_absorbed_batched(q_nope[starts], q_pe[starts], seq[..., : m.kv_lora_rank],
+                                              seq[..., m.kv_lora_rank:], torch.tensor(lens, device=seq.device),
+                                              w_kv_b, m.v_head_dim, self.scale)

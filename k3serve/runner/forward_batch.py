@@ -45,6 +45,16 @@ class ForwardBatch:
         table = torch.tensor(self.block_tables[seq], dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def padded_rows(self, seqs: list[int], lengths: list[int]) -> torch.Tensor:
+        """Latent-cache rows of positions [0, lengths[j]) of sequences seqs[j], padded with row 0
+        to [len(seqs), max(lengths)] (callers mask the padding)."""
+        L = max(lengths)
+        pos = torch.arange(L)
+        width = -(-L // self.block_size)
+        table = torch.tensor([(self.block_tables[i] + [0] * width)[:width] for i in seqs], dtype=torch.long)
+        rows = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        return torch.where(pos[None, :] < torch.tensor(lengths)[:, None], rows, 0)
+
     def last_token_indices(self) -> torch.Tensor:
         return torch.tensor([e - 1 for _, e in self.seq_bounds()], dtype=torch.long)
 

@@ -95,6 +95,29 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
     return vals.reshape(*packed.shape[:-1], -1).to(dtype)
 
 
+_LUTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _luts(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """byte -> (fp4 of low nibble, fp4 of high nibble) [256, 2], and E8M0 byte -> 2^(s-127) [256]."""
+    key = (device, dtype)
+    if key not in _LUTS:
+        b = torch.arange(256, dtype=torch.uint8)
+        pair = e2m1_decode(unpack_nibbles(b[:, None])).to(dtype).to(device)  # [256, 2]
+        scale = e8m0_to_float(b).to(dtype).to(device)  # [256]
+        _LUTS[key] = (pair, scale)
+    return _LUTS[key]
+
+
+def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Fast dequant by two table lookups (byte -> value pair, byte -> scale); same values as
+    `dequantize_mxfp4` (the reference) whenever the product is representable in `dtype`."""
+    pair, scales = _luts(packed.device, dtype)
+    vals = pair[packed.to(torch.int64)]  # [..., K/2, 2]
+    vals = vals.view(*packed.shape[:-1], -1, GROUP) * scales[scale.to(torch.int64)].unsqueeze(-1)
+    return vals.view(*packed.shape[:-1], -1)
+
+
 def to_ggml_blocks(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """compressed-tensors layout -> ggml block_mxfp4 bytes [..., K/32, 17]."""
     codes = unpack_nibbles(packed).reshape(*packed.shape[:-1], -1, GROUP)  # [..., G, 32]

@@ -11,7 +11,7 @@ from k3serve.config.model_config import MoEConfig
 from k3serve.layers.activation import situ_and_mul
 from k3serve.layers.attnres import attnres_mix
 from k3serve.layers.experts import experts_forward, experts_reference, mxfp4_linear
-from k3serve.layers.mla import attend_absorbed, attend_naive
+from k3serve.layers.mla import attend_absorbed, attend_absorbed_batched, attend_naive
 from k3serve.layers.router import route
 from k3serve.weights.mxfp4 import PackedMXFP4
 
@@ -32,6 +32,21 @@ def test_mla_absorbed_equals_naive(start, T):
     scores = (kv[:, :n] @ q_nope[-1, 1] + k_pe @ q_pe[-1, 1]) * (n + r) ** -0.5
     out = torch.softmax(scores, 0) @ kv[:, n:]
     assert torch.allclose(a[-1, 1], out, atol=1e-5)
+
+
+def test_mla_batched_decode_equals_per_sequence_naive():
+    """Padded batched decode (one query per sequence, different lengths) == naive per sequence."""
+    g = torch.Generator().manual_seed(3)
+    H, n, r, v, c = 4, 16, 8, 12, 32
+    lens = [1, 7, 20, 13]
+    w = torch.randn(H, n + v, c, generator=g) / c ** 0.5
+    qn, qp = torch.randn(4, H, n, generator=g), torch.randn(4, H, r, generator=g)
+    lat = torch.randn(4, max(lens), c, generator=g) * 5  # padding rows hold garbage on purpose
+    kpe = torch.randn(4, max(lens), r, generator=g)
+    got = attend_absorbed_batched(qn, qp, lat, kpe, torch.tensor(lens), w, v, (n + r) ** -0.5)
+    for b, L in enumerate(lens):
+        want = attend_naive(qn[b:b + 1], qp[b:b + 1], lat[b, :L], kpe[b, :L], w, v, L - 1, (n + r) ** -0.5)
+        assert torch.allclose(got[b], want[0], atol=1e-5, rtol=1e-5)
 
 
 def _moe_cfg(groups=1, topk_group=1):

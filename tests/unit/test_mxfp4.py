@@ -114,3 +114,19 @@ def test_packed_experts_take_at_most_054_bytes_per_param():
     p = PackedMXFP4.quantize(torch.randn(3072, 3584))
     assert p.nbytes / p.numel == 0.53125 <= 0.54
     assert p.packed.dtype == torch.uint8 and p.shape == (3072, 3584)
+
+
+def test_lut_decode_equals_reference_dequant_on_every_byte():
+    """Fast two-lookup decode == reference dequant, bit for bit in fp32, over all code bytes and
+    every finite E8M0 scale (0..254, which includes fp32-subnormal 2^-127..2^-127+22)."""
+    from k3serve.weights.mxfp4 import decode_mxfp4, dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (255, 64), generator=g, dtype=torch.int64).to(torch.uint8)
+    packed[0, :] = torch.arange(64, dtype=torch.uint8) * 4  # cover low/high nibble combinations
+    scale = torch.arange(255, dtype=torch.uint8)[:, None].repeat(1, 4)  # [255, 128/32]
+    fast, ref = decode_mxfp4(packed, scale, torch.float32), dequantize_mxfp4(packed, scale)
+    assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
+    bf = decode_mxfp4(packed, scale, torch.bfloat16).float()
+    normal = ref.abs() >= 2.0 ** -126
+    assert torch.equal(bf[normal], ref[normal])  # products of a power of two and an fp4 value are exact
