@@ -20,10 +20,12 @@ class IncrementalDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._keep = frozenset(params.keep_special_token_ids)
 
     def add(self, token_id: int) -> str | None:
         """Append one token's text; the stop string it completed, if any (text is then cut)."""
-        if self.params.skip_special_tokens and self.tokenizer.is_special(token_id):
+        p = self.params
+        if p.skip_special_tokens and self.tokenizer.is_special(token_id) and token_id not in self._keep:
             return None
         before = len(self.text)
         self.text += self._utf8.decode(self.tokenizer.decode_bytes([token_id]))

@@ -29,6 +29,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled one)
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    keep_special_token_ids: list[int] = field(default_factory=list)  # rendered even when skipping
+    # specials: the structural markers output parsers read (K3 <|open|> <|close|> <|sep|>)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

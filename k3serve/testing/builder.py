@@ -133,6 +133,9 @@ def write_tokenizer(out: Path, base_vocab: int = TINY_BASE_VOCAB, k3_names: bool
     tk_cfg = {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "[EOS]",
               "pad_token": "[PAD]", "unk_token": "[UNK]", "tokenizer_class": "TikTokenTokenizer",
               "model_max_length": 1048576, "clean_up_tokenization_spaces": False}
+    if not k3_names:  # K2 family renders chat through Jinja (K3 renders in Python: no template)
+        from k3serve.chat.k2_jinja import K2_STYLE_TEMPLATE
+        tk_cfg["chat_template"] = K2_STYLE_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(tk_cfg, indent=2))
 
 

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: FastAPI app, request/response shapes, output parsers, metrics."""

@@ -1,0 +1,194 @@
+"""K3 XTML and K2 output parsers: round trips, failure modes, streaming == non-streaming."""
+
+from __future__ import annotations
+
+import json
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from k3serve.chat.k3_xtml import close_tag, element, open_tag, segments_text, tool_calls_body
+from k3serve.chat.messages import ToolCall
+from k3serve.sampling.detokenizer import IncrementalDetokenizer
+from k3serve.sampling.params import SamplingParams
+from k3serve.server.output_parser import OutputParser
+
+
+def xtml_calls(calls: list[tuple[str, object]]) -> str:
+    return segments_text(tool_calls_body([ToolCall(f"c{i}", n, a if isinstance(a, str) else json.dumps(a))
+                                          for i, (n, a) in enumerate(calls)]))
+
+
+def k3_output(reasoning: str | None, content: str, calls=(), close_think=True, close_response=True,
+              close_message=True) -> str:
+    """What a K3 model emits after a prompt ending in <|open|>think<|sep|> (reasoning given)
+    or <|open|>response<|sep|> (reasoning None)."""
+    text = ""
+    if reasoning is not None:
+        text += reasoning + (segments_text(close_tag("think")) if close_think else "")
+        text += segments_text(open_tag("response"))
+    text += content + (segments_text(close_tag("response")) if close_response else "")
+    if calls:
+        text += xtml_calls(list(calls))
+    return text + (segments_text(close_tag("message")) if close_message else "")
+
+
+ARGS = [
+    {"city": "Zürich", "days": 3, "units": {"temp": "C", "nested": [1, {"a": None}]}},
+    {"q": 'he said "hi" & <b>bold</b> 1 < 2'},
+    {},
+    {"flag": True, "n": -1.5e3, "list": ["x", "y"], "s": "{not json}"},
+]
+
+
+@pytest.mark.parametrize("args", ARGS)
+def test_k3_round_trip_typed_arguments(args):
+    text = k3_output("think about it", "Let me check.", [("get_weather", args), ("calc", {"expr": "2*3"})])
+    p = OutputParser("kimi_k3", "think", tools_enabled=True, history_calls=2).parse(text)
+    assert p.reasoning == "think about it" and p.content == "Let me check."
+    assert [c.name for c in p.tool_calls] == ["get_weather", "calc"]
+    assert json.loads(p.tool_calls[0].arguments) == args
+    assert [c.id for c in p.tool_calls] == ["functions.get_weather:2", "functions.calc:3"]
+
+
+def test_k3_attribute_unescaping_and_raw_json_form():
+    text = (segments_text(open_tag("tools") + element("call", element("argument", [], [("key", 'a"b&c'),
+                                                                                         ("type", "string")]),
+                                                      [("tool", "t&x"), ("index", "1")]) + close_tag("tools")))
+    text += segments_text(element("tools", element("call", element("json", []), [("tool", "raw"), ("index", "1")])))
+    text = text.replace("<|sep|><|close|>argument", "<|sep|>v<|close|>argument")
+    text = text.replace("<|sep|><|close|>json", '<|sep|>["not", "an object"]<|close|>json')
+    p = OutputParser("kimi_k3", "response", reasoning=True, tools_enabled=True).parse(text)
+    assert p.tool_calls[0].name == "t&x" and json.loads(p.tool_calls[0].arguments) == {'a"b&c': "v"}
+    assert p.tool_calls[1].arguments == '["not", "an object"]'
+
+
+def test_k3_string_args_not_json_decoded_and_bad_json_kept_raw():
+    text = k3_output(None, "", []) .replace(segments_text(close_tag("message")), "")
+    text += ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+             '<|open|>argument key="s" type="string"<|sep|>123<|close|>argument<|sep|>'
+             '<|open|>argument key="n" type="number"<|sep|>12x<|close|>argument<|sep|>'
+             '<|close|>call<|sep|><|close|>tools<|sep|>')
+    p = OutputParser("kimi_k3", "response", tools_enabled=True).parse(text)
+    assert json.loads(p.tool_calls[0].arguments) == {"s": "123", "n": "12x"}
+
+
+def test_k3_missing_think_close_is_implied_by_next_channel():
+    text = k3_output("plan", "answer", [("f", {"x": 1})], close_think=False)
+    p = OutputParser("kimi_k3", "think", tools_enabled=True).parse(text)
+    assert p.reasoning == "plan" and p.content == "answer" and len(p.tool_calls) == 1
+    direct_tools = "plan" + xtml_calls([("f", {"x": 1})])  # tools straight after thinking
+    p = OutputParser("kimi_k3", "think", tools_enabled=True).parse(direct_tools)
+    assert p.reasoning == "plan" and p.content == "" and p.tool_calls[0].name == "f"
+
+
+def test_k3_message_close_without_response_close_never_leaks():
+    text = k3_output("r", "visible", close_response=False)
+    p = OutputParser("kimi_k3", "think").parse(text)
+    assert p.content == "visible" and "<|" not in p.content and "message" not in p.content
+
+
+def test_k3_tools_markup_without_declared_tools_is_stripped():
+    text = k3_output("r", "hello", [("f", {"x": 1})])
+    p = OutputParser("kimi_k3", "think", tools_enabled=False).parse(text)
+    assert p.content == "hello" and p.tool_calls == []
+
+
+def test_k3_thinking_off_and_unprefilled_think():
+    assert OutputParser("kimi_k3", "response").parse(k3_output(None, "hi")).content == "hi"
+    text = segments_text(open_tag("think")) + k3_output("deep", "ok")
+    p = OutputParser("kimi_k3", None).parse(text)
+    assert (p.reasoning, p.content) == ("deep", "ok")
+
+
+def test_k3_incomplete_call_at_length_cutoff_is_not_emitted():
+    text = k3_output("r", "c", [("f", {"x": 1})], close_message=False)
+    cut = text[:text.index("<|close|>call")]
+    p = OutputParser("kimi_k3", "think", tools_enabled=True).parse(cut)
+    assert p.tool_calls == [] and p.content == "c"
+
+
+def test_k2_sections_ids_and_reasoning():
+    text = ("<think>why</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3"
+            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>search:4'
+            "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+    p = OutputParser("kimi_k2", None, tools_enabled=True).parse(text)
+    assert (p.reasoning, p.content) == ("why", "Sure.")
+    assert [(c.name, c.id, c.arguments) for c in p.tool_calls] == [
+        ("get_weather", "functions.get_weather:3", '{"city": "Paris"}'), ("search", "search:4", "{}")]
+    p = OutputParser("kimi_k2", None, tools_enabled=False).parse(text)
+    assert p.content == "Sure." and p.tool_calls == []
+
+
+# ---- streaming == non-streaming -------------------------------------------------------------
+
+TEXT = st.lists(st.sampled_from(list("ab <>&\"'{}é🙂\n|") + ["<|", "|>", "x"]), max_size=12).map("".join)
+VALUES = st.one_of(TEXT, st.integers(-5, 5), st.booleans(), st.none(),
+                   st.lists(st.integers(0, 3), max_size=2), st.dictionaries(st.sampled_from("kq"), TEXT, max_size=2))
+CALLS = st.lists(st.tuples(st.sampled_from(["get_weather", "calc", "f"]),
+                           st.dictionaries(st.sampled_from(["a", "b", 'q"&']), VALUES, max_size=3)), max_size=3)
+
+
+@pytest.fixture(scope="module")
+def k3_tok(tiny_k3_dir):
+    from k3serve.tokenizer import Tokenizer
+    return Tokenizer.from_dir(tiny_k3_dir)
+
+
+def stream_pieces(tok, text: str, cuts: list[int]) -> list[str]:
+    """Token ids of `text`, detokenized incrementally as the engine does for chat requests;
+    returns the accumulated text at each chosen token boundary."""
+    ids = tok.encode(text, allow_special=True)
+    keep = [tok.token_to_id(n) for n in ("<|open|>", "<|close|>", "<|sep|>")]
+    d = IncrementalDetokenizer(tok, SamplingParams(keep_special_token_ids=keep))
+    out = []
+    for i, t in enumerate(ids):
+        d.add(t)
+        if i in cuts:
+            out.append(d.text)
+    d.flush()
+    return out + [d.text]
+
+
+def check_streaming(make, full: str, prefixes: list[str]) -> None:
+    ref = make().parse(full)
+    p = make()
+    got_r, got_c, got_calls = "", "", []
+    for i, text in enumerate(prefixes):
+        d = p.delta(text, final=i == len(prefixes) - 1)
+        got_r, got_c = got_r + d.reasoning, got_c + d.content
+        assert [j for j, _ in d.tool_calls] == list(range(len(got_calls), len(got_calls) + len(d.tool_calls)))
+        got_calls += [c for _, c in d.tool_calls]
+    assert (got_r, got_c, got_calls) == (ref.reasoning, ref.content, ref.tool_calls)
+
+
+@settings(max_examples=150, deadline=None)
+@given(reasoning=st.one_of(st.none(), TEXT), content=TEXT, calls=CALLS, close_think=st.booleans(),
+       close_response=st.booleans(), close_message=st.booleans(), tools_enabled=st.booleans(),
+       data=st.data())
+def test_k3_streaming_equals_non_streaming(k3_tok, reasoning, content, calls, close_think, close_response,
+                                           close_message, tools_enabled, data):
+    full = k3_output(reasoning, content, calls, close_think, close_response, close_message)
+    n = len(k3_tok.encode(full, allow_special=True))
+    every = data.draw(st.booleans())
+    cuts = list(range(n)) if every else sorted(data.draw(st.sets(st.integers(0, max(0, n - 1)), max_size=6)))
+    prefixes = stream_pieces(k3_tok, full, cuts)
+    start = "think" if reasoning is not None else "response"
+    check_streaming(lambda: OutputParser("kimi_k3", start, tools_enabled=tools_enabled), prefixes[-1], prefixes)
+    if tools_enabled and close_message:  # complete calls all come back, in order, with typed args
+        got = OutputParser("kimi_k3", start, tools_enabled=True).parse(prefixes[-1]).tool_calls
+        assert [(c.name, json.loads(c.arguments)) for c in got] == [(n_, a) for n_, a in calls]
+
+
+@settings(max_examples=100, deadline=None)
+@given(think=st.booleans(), before=TEXT, calls=CALLS, split=st.lists(st.integers(1, 200), max_size=8))
+def test_k2_streaming_equals_non_streaming(think, before, calls, split):
+    full = ("<think>plan</think>" if think else "") + before
+    if calls:
+        full += "<|tool_calls_section_begin|>" + "".join(
+            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+            for i, (n, a) in enumerate(calls)) + "<|tool_calls_section_end|>"
+    cuts = sorted({min(c, len(full)) for c in split})
+    prefixes = [full[:c] for c in cuts] + [full]  # character-level splits: markers split anywhere
+    check_streaming(lambda: OutputParser("kimi_k2", None, tools_enabled=True), full, prefixes)
