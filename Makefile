@@ -15,8 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(PY) -m k3serve inspect
-	$(PY) -m k3serve generate --prompt "The capital of France is" --max-tokens 16
+	$(PY) -m k3serve serve --enable-auto-tool-choice --tool-call-parser kimi_k3 --reasoning-parser kimi_k3
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -4,7 +4,8 @@
 pure-Python parts (config, cache bookkeeping, scheduler) never pull in torch.
 """
 
-__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

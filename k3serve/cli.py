@@ -1,4 +1,4 @@
-"""`k3serve` command line: inspect | generate | build-tiny (later: serve, plan, bench)."""
+"""`k3serve` command line: serve | generate | inspect | build-tiny (later: plan, bench)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from k3serve.server.launch import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from k3serve.server.launch import add_serve_args
+
     parser = argparse.ArgumentParser(prog="k3serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled tiny model)")
+    add_serve_args(p)
+    p.set_defaults(func=_cmd_serve)
     p = sub.add_parser("inspect", help="layer schedule, params, bytes, cache sizes of a model")
     p.add_argument("model", nargs="?", help="checkpoint dir, config.json, or bundled name "
                    "(moonshotai/Kimi-K3, moonshotai/Kimi-Linear-48B-A3B-Instruct); "

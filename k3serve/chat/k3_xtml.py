@@ -142,7 +142,7 @@ def render_k3(messages: list[Message], tools: list[dict] | None = None, *, think
         else:
             segs += message(m.role, [Seg(m.content)], [("name", m.name)] if m.name else [])
         i += 1
-    segs += _internal_messages(thinking, effort, tool_choice, response_format)
+    segs += _internal_messages(thinking, effort, tool_choice if tools else None, response_format)
     if add_generation_prompt:
         segs += open_tag("message", [("role", "assistant")]) + open_tag("think" if thinking else "response")
     return segs

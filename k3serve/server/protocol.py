@@ -1,0 +1,111 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their sampling parameters.
+
+Field names follow the OpenAI API plus vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Unknown fields are ignored
+as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from k3serve.server.errors import APIError
+from k3serve.sampling.params import SamplingParams
+
+
+MAX_N = 128  # parallel samples per request; each holds a KDA state slot
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n_in_range(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
+        return n
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, **extra: Any) -> SamplingParams:
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+        try:
+            return SamplingParams(
+                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
+                min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                logit_bias=bias, **extra)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ")[0]) from None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # parsed for vLLM compatibility; Kimi prompts carry no BOS
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)

@@ -1,0 +1,138 @@
+"""POST /v1/chat/completions: render -> engine -> parse (reasoning, content, tool calls)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from k3serve.chat.messages import ChatInputError
+from k3serve.chat.render import ChatOptions, RenderedPrompt
+from k3serve.server.errors import APIError, error_body
+from k3serve.server.logprobs import chat_logprobs
+from k3serve.server.output_parser import Delta, OutputParser
+from k3serve.server.protocol import ChatCompletionRequest
+from k3serve.server.runs import Run
+from k3serve.server.state import ServerState, new_id, sse, usage
+
+
+def _tool_choice(req: ChatCompletionRequest, state: ServerState):
+    tools = req.tools or None
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice in ("auto", "required") or isinstance(choice, dict):
+        if not tools:
+            raise APIError(400, f"tool_choice {choice!r} needs `tools`", param="tool_choice")
+    if choice == "auto" and not state.enable_auto_tool_choice:
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                            "to be set", param="tool_choice")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in {(t.get("function") or {}).get("name") for t in tools}:
+            raise APIError(400, f"tool_choice names tool {name!r}, which is not in `tools`", param="tool_choice")
+    return tools, choice
+
+
+def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> RenderedPrompt:
+    kw = dict(req.chat_template_kwargs or {})
+    thinking = bool(kw.pop("thinking", kw.pop("enable_thinking", True)))
+    try:
+        return state.renderer.render(req.messages, ChatOptions(
+            tools=tools, tool_choice=choice, response_format=req.response_format, thinking=thinking,
+            effort=req.reasoning_effort, add_generation_prompt=req.add_generation_prompt, template_kwargs=kw))
+    except ChatInputError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    state.check_model(req.model)
+    tools, choice = _tool_choice(req, state)
+    prompt = _render(req, state, tools, choice)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    max_tokens = state.max_tokens(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens)
+    top_n = req.top_logprobs or 0
+    params = req.sampling_params(max_tokens, top_n if req.logprobs else None,
+                                 keep_special_token_ids=state.structural_ids)
+
+    def parser() -> OutputParser:
+        return OutputParser(state.tool_call_parser, prompt.start_channel, reasoning=True,
+                            tools_enabled=bool(tools) and choice != "none",
+                            parallel_tool_calls=req.parallel_tool_calls, history_calls=prompt.history_tool_calls)
+
+    run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority)
+    await run.start()
+    head = {"id": run.request_id, "created": int(time.time()), "model": state.served_model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(state, run, head, parser, req.n, top_n if req.logprobs else None,
+                                         include_usage), media_type="text/event-stream")
+    last = None
+    async for out in run.outputs(raw):
+        last = out
+    if not last.finished:
+        raise APIError(499, "client disconnected")
+    choices = []
+    for o in last.outputs:
+        p = parser().parse(o.text)
+        msg = {"role": "assistant", "content": p.content if (p.content or not p.tool_calls) else None,
+               "reasoning_content": p.reasoning or None, "reasoning": p.reasoning or None}
+        if p.tool_calls:
+            msg["tool_calls"] = [_call_json(c) for c in p.tool_calls]
+        choices.append({"index": o.index, "message": msg, "finish_reason": _finish(o.finish_reason, p.tool_calls),
+                        "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n)
+                        if req.logprobs else None})
+    n_out = sum(len(o.token_ids) for o in last.outputs)
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                         "usage": usage(len(prompt.token_ids), n_out)})
+
+
+def _call_json(c, index: int | None = None) -> dict:
+    out = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+def _finish(reason: str | None, calls) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+async def _stream(state, run: Run, head, make_parser, n, top_n, include_usage):
+    chunk = {**head, "object": "chat.completion.chunk"}
+    parsers = [make_parser() for _ in range(n)]
+    sent_tokens, done, called = [0] * n, [False] * n, [False] * n
+    yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None} for i in range(n)]})
+    try:
+        async for out in run.outputs():
+            for o in out.outputs:
+                i = o.index
+                if done[i]:
+                    continue
+                d: Delta = parsers[i].delta(o.text, final=o.finished)
+                called[i] = called[i] or bool(d.tool_calls)
+                new_ids = o.token_ids[sent_tokens[i]:]
+                lp = None
+                if top_n is not None and new_ids:
+                    lp = chat_logprobs(state.tokenizer, new_ids, o.logprobs[sent_tokens[i]:], top_n)
+                sent_tokens[i] = len(o.token_ids)
+                if not d.empty or lp is not None:
+                    delta = {}
+                    if d.content:
+                        delta["content"] = d.content
+                    if d.reasoning:
+                        delta["reasoning_content"] = delta["reasoning"] = d.reasoning
+                    if d.tool_calls:
+                        delta["tool_calls"] = [_call_json(c, j) for j, c in d.tool_calls]
+                    yield sse({**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                                     "finish_reason": None}]})
+                if o.finished:
+                    done[i] = True
+                    reason = "tool_calls" if called[i] and o.finish_reason == "stop" else o.finish_reason
+                    yield sse({**chunk, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                     "finish_reason": reason}]})
+        if include_usage and run.last is not None:
+            n_out = sum(len(o.token_ids) for o in run.last.outputs)
+            yield sse({**chunk, "choices": [], "usage": usage(len(run.prompt_ids), n_out)})
+    except Exception as e:  # the engine failed mid-stream: tell the client in-band
+        yield sse(error_body(500, f"generation failed: {e}"))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,135 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), streaming or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from k3serve.server.errors import APIError, error_body
+from k3serve.server.logprobs import completion_logprobs
+from k3serve.server.protocol import CompletionRequest
+from k3serve.server.runs import Run
+from k3serve.server.state import ServerState, new_id, sse, usage
+
+
+def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+    """(text, ids) per prompt; a list of ints is one tokenized prompt."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((p, state.tokenizer.encode(p, allow_special=True)))
+        else:
+            out.append((None, list(p)))
+    for _, ids in out:
+        if not ids:
+            raise APIError(400, "prompt must contain at least one token", param="prompt")
+    return out
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
+    state.check_model(req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of not in (None, req.n):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    prompts = _prompts(state, req.prompt)
+    top_n = req.logprobs
+    rid = new_id("cmpl")
+    runs = []
+    for k, (_, ids) in enumerate(prompts):
+        params = req.sampling_params(state.max_tokens(len(ids), req.max_tokens, "prompt"), top_n)
+        runs.append(Run(state, ids, params, f"{rid}-{k}", req.priority))
+    try:
+        for r in runs:
+            await r.start()
+    except BaseException:
+        for r in runs:  # release the ones already submitted
+            await r.close()
+        raise
+    head = {"id": rid, "created": int(time.time()), "model": state.served_model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(state, runs, prompts, head, req, include_usage),
+                                 media_type="text/event-stream")
+    finals = await asyncio.gather(*(_last(r, raw) for r in runs))
+    if any(f is None or not f.finished for f in finals):
+        raise APIError(499, "client disconnected")
+    choices = []
+    for k, (final, (text, ids)) in enumerate(zip(finals, prompts)):
+        prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
+        for o in final.outputs:
+            choices.append({"index": k * req.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason,
+                            "logprobs": completion_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n,
+                                                            len(prefix)) if top_n is not None else None})
+    n_prompt = sum(len(ids) for _, ids in prompts)
+    n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": usage(n_prompt, n_out)})
+
+
+async def _last(run: Run, raw: Request):
+    last = None
+    async for out in run.outputs(raw):
+        last = out
+    return last
+
+
+async def _stream(state: ServerState, runs: list[Run], prompts, head, req: CompletionRequest, include_usage: bool):
+    chunk = {**head, "object": "text_completion"}
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, run: Run):
+        try:
+            async for out in run.outputs():
+                await queue.put((k, out))
+        except Exception as e:
+            await queue.put((k, e))
+        finally:
+            await queue.put((k, None))
+
+    tasks = [asyncio.create_task(pump(k, r)) for k, r in enumerate(runs)]
+    sent = {}  # (prompt, choice) -> (chars, tokens)
+    try:
+        if req.echo:
+            for k, (text, ids) in enumerate(prompts):
+                for i in range(req.n):
+                    echo = text if text is not None else state.tokenizer.decode(ids)
+                    yield sse({**chunk, "choices": [{"index": k * req.n + i, "text": echo, "logprobs": None,
+                                                     "finish_reason": None}]})
+        live = len(runs)
+        while live:
+            k, item = await queue.get()
+            if item is None:
+                live -= 1
+                continue
+            if isinstance(item, Exception):
+                yield sse(error_body(500, f"generation failed: {item}"))
+                continue
+            for o in item.outputs:
+                chars, toks = sent.get((k, o.index), (0, 0))
+                text, new_ids = o.text[chars:], o.token_ids[toks:]
+                lp = None
+                if req.logprobs is not None and new_ids:
+                    lp = completion_logprobs(state.tokenizer, new_ids, o.logprobs[toks:], req.logprobs, chars)
+                if not (text or lp or o.finished):
+                    continue  # bytes of a character still in flight: nothing to show yet
+                sent[(k, o.index)] = (len(o.text), len(o.token_ids))
+                yield sse({**chunk, "choices": [{"index": k * req.n + o.index, "text": text, "logprobs": lp,
+                                                 "finish_reason": o.finish_reason if o.finished else None}]})
+        if include_usage:
+            n_prompt = sum(len(ids) for _, ids in prompts)
+            n_out = sum(len(o.token_ids) for r in runs if r.last for o in r.last.outputs)
+            yield sse({**chunk, "choices": [], "usage": usage(n_prompt, n_out)})
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()

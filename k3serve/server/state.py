@@ -1,0 +1,71 @@
+"""Everything a request handler needs, built once at start-up (no module globals)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from k3serve.chat.render import ChatRenderer
+from k3serve.engine.async_engine import AsyncEngine
+from k3serve.server.errors import APIError
+from k3serve.server.metrics import ServerMetrics
+
+STRUCTURAL = {"kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
+              "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                          "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # None: the model family's parser
+    reasoning_parser: str | None = None
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        eng = self.engine.engine
+        self.tokenizer = eng.tokenizer
+        self.model_type = eng.model.cfg.model_type
+        self.max_model_len = eng.max_model_len
+        self.renderer = ChatRenderer(self.model_type, self.tokenizer, eng.model_path)
+        family = "kimi_k3" if self.model_type == "kimi_k3" else "kimi_k2"
+        self.tool_call_parser = self.tool_call_parser or family
+        self.reasoning_parser = self.reasoning_parser or family
+        names = set(STRUCTURAL[self.tool_call_parser]) | set(STRUCTURAL.get(self.reasoning_parser, ()))
+        self.structural_ids = sorted(i for n, i in self.tokenizer.special_tokens.items() if n in names)
+        self.metrics = ServerMetrics(self.engine)
+
+    def check_model(self, name: str | None) -> None:
+        if name not in (None, "", self.served_model_name):
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"`{self.served_model_name}`", param="model", type="NotFoundError")
+
+    def max_tokens(self, prompt_len: int, requested: int | None, where: str = "messages") -> int:
+        L = self.max_model_len
+        if prompt_len >= L or (requested is not None and prompt_len + requested > L):
+            asked = prompt_len + (requested or 0)
+            raise APIError(400, f"This model's maximum context length is {L} tokens. However, you requested "
+                                f"{asked} tokens ({prompt_len} in the {where}, {requested or 0} in the "
+                                f"completion). Please reduce the length of the {where} or completion.",
+                           param="max_tokens" if prompt_len < L else where)
+        if requested is not None and requested < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        return requested if requested is not None else L - prompt_len
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
