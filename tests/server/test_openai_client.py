@@ -95,3 +95,23 @@ def test_logprobs_chat_and_completions(client):
                                   extra_body=FIXED)
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_kimi_linear_chat_through_jinja_template(tiny_kl_dir):
+    """The K2-family path: Jinja-rendered prompt, kimi_k2 parsers, no special-token leakage."""
+    import asyncio
+
+    from tests.server.conftest import build_parser, build_server
+
+    args = build_parser().parse_args(["serve", str(tiny_kl_dir), "--cache-memory", "16MiB", "--max-model-len",
+                                      "512", "--served-model-name", "kl"])
+    app, state = build_server(args)
+    assert state.tool_call_parser == "kimi_k2" and state.structural_ids
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 6, "ignore_eos": True})
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert "<|" not in (msg["content"] or "") and r.json()["usage"]["completion_tokens"] == 6
