@@ -2,10 +2,13 @@
 
   MLA layers -> paged latent blocks (grow with the sequence)   [BlockPool]
   KDA layers -> one fixed-size state slot per request           [StatePool]
+  prefix caching -> hashed full blocks + KDA checkpoints        [BlockPool.cached, CheckpointStore]
 
 The two pools are sized apart (see `sizing.plan_cache`), unlike vLLM's single page size that
-inflates K3 attention blocks to 1,536 tokens (serving-notes.md §2.1). Answers are plain ints
-and lists; the device tensors live in the runner and are never seen here.
+inflates K3 attention blocks to 1,536 tokens (serving-notes.md §2.1). A prefix hit needs both
+kinds: the cached latent blocks of the prefix *and* a KDA checkpoint at its end; the usable hit
+is the longest prefix with both (SGLang MambaRadixCache: deepest node that owns a state).
+Answers are plain ints and lists; the device tensors live in the runner.
 """
 
 from __future__ import annotations
@@ -13,13 +16,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3serve.cache.block_pool import BlockPool, CacheAccountingError
+from k3serve.cache.prefix_cache import CheckpointStore, block_hashes
 from k3serve.cache.state_pool import StatePool
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    num_tokens: int = 0  # tokens whose latent rows and KDA state are restored
+    blocks: tuple[int, ...] = ()  # cached blocks covering them (shared, read-only)
+    checkpoint: bytes | None = None  # key of the KDA checkpoint at num_tokens
+    junction: int = 0  # tokens of the longest cached block prefix (where this request diverges)
 
 
 @dataclass(frozen=True)
 class CacheAllocation:
     state_slot: int
     blocks: list[int]
+    restore_from: int | None = None  # checkpoint slot to copy into state_slot before computing
 
 
 @dataclass(frozen=True)
@@ -32,24 +45,32 @@ class CacheUsage:
 
 
 class HybridCacheManager:
-    def __init__(self, num_blocks: int, num_slots: int, block_size: int,
-                 slot_bytes: int = 0, token_bytes: int = 0):
+    def __init__(self, num_blocks: int, num_slots: int, block_size: int, slot_bytes: int = 0,
+                 token_bytes: int = 0, enable_prefix_caching: bool = False, num_checkpoints: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.blocks = BlockPool(num_blocks)
         self.slots = StatePool(num_slots)
         self.slot_bytes, self.token_bytes = slot_bytes, token_bytes
+        self.prefix_caching = enable_prefix_caching
+        # checkpoint slots follow the live slots in the runner's state tensors
+        self.checkpoints = CheckpointStore(list(range(num_slots, num_slots + num_checkpoints)))
         self._tables: dict[str, list[int]] = {}
         self._slot_of: dict[str, int] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._registered: dict[str, int] = {}
 
     # ---- queries ---------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """A new request needing `num_tokens` latent rows fits: one slot and enough blocks."""
-        return self.slots.num_free > 0 and self.blocks_for(num_tokens) <= self.blocks.num_free
+    def can_admit(self, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """A new request needing rows [0, num_tokens) fits: one slot and enough blocks."""
+        shared = len(hit.blocks) if hit else 0
+        parked = sum(1 for b in (hit.blocks if hit else ()) if self.blocks.ref_count(b) == 0)
+        need = self.blocks_for(num_tokens) - shared
+        return self.slots.num_free > 0 and need <= self.blocks.num_free - parked
 
     def can_append(self, req_id: str, num_tokens: int) -> bool:
         return self._missing(req_id, num_tokens) <= self.blocks.num_free
@@ -79,16 +100,73 @@ class HybridCacheManager:
         return CacheUsage(self.slot_bytes, num_tokens * self.token_bytes,
                           len(self._tables[req_id]) * self.block_size * self.token_bytes)
 
+    # ---- prefix caching --------------------------------------------------------------------
+    def lookup(self, token_ids: list[int]) -> PrefixHit:
+        """Longest prefix with cached blocks and a valid checkpoint, leaving >= 1 token to compute."""
+        if not self.prefix_caching:
+            return PrefixHit()
+        bs, hashes = self.block_size, block_hashes(token_ids, self.block_size)
+        cached = 0
+        while cached < len(hashes) and hashes[cached] in self.blocks.cached:
+            cached += 1
+        for k in range(cached, 0, -1):
+            if k * bs < len(token_ids) and self.checkpoints.get(hashes[k - 1]) is not None:
+                blocks = tuple(self.blocks.cached[h] for h in hashes[:k])
+                return PrefixHit(k * bs, blocks, hashes[k - 1], cached * bs)
+        return PrefixHit(junction=cached * bs)
+
+    def record_query(self, query_tokens: int, hit_tokens: int) -> None:
+        st = self.checkpoints.stats
+        st.queries, st.query_tokens, st.hit_tokens = st.queries + 1, st.query_tokens + query_tokens, \
+            st.hit_tokens + hit_tokens
+
+    def checkpoint_key(self, req_id: str, token_ids: list[int], position: int) -> bytes:
+        """Hash of the block ending at `position` (a multiple of block_size)."""
+        return self._hashes_upto(req_id, token_ids, position // self.block_size)[position // self.block_size - 1]
+
+    def begin_checkpoint(self, key: bytes) -> int | None:
+        return self.checkpoints.begin(key)
+
+    def end_step(self, pinned: list[bytes]) -> None:
+        """After a step ran: checkpoints written in it become valid; restores from it unpin."""
+        self.checkpoints.commit()
+        for key in pinned:
+            self.checkpoints.unpin(key)
+
+    def register_computed(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Publish the request's blocks that are now fully computed."""
+        if not self.prefix_caching:
+            return
+        full = num_computed // self.block_size
+        done = self._registered.get(req_id, 0)
+        if full <= done:
+            return
+        hashes = self._hashes_upto(req_id, token_ids, full)
+        table = self._tables[req_id]
+        for i in range(done, full):
+            self.blocks.register(table[i], hashes[i])
+        self._registered[req_id] = full
+
+    def flush(self) -> tuple[int, int]:
+        """Reset the prefix cache: drop cached-free blocks and unpinned checkpoints."""
+        return self.blocks.flush(), self.checkpoints.flush()
+
     # ---- changes ---------------------------------------------------------------------
-    def allocate(self, req_id: str, num_tokens: int) -> CacheAllocation:
+    def allocate(self, req_id: str, num_tokens: int, hit: PrefixHit | None = None) -> CacheAllocation:
         if req_id in self._slot_of:
             raise CacheAccountingError(f"request {req_id!r} already holds cache")
-        if not self.can_admit(num_tokens):
+        if not self.can_admit(num_tokens, hit):
             raise CacheAccountingError(f"request {req_id!r} does not fit ({num_tokens} tokens)")
         slot = self.slots.allocate()
-        blocks = self.blocks.allocate(self.blocks_for(num_tokens))
+        restore = None
+        shared = list(hit.blocks) if hit else []
+        if shared:
+            self.blocks.share(shared)
+            restore = self.checkpoints.pin(hit.checkpoint)
+            self._registered[req_id] = len(shared)
+        blocks = shared + self.blocks.allocate(self.blocks_for(num_tokens) - len(shared))
         self._slot_of[req_id], self._tables[req_id] = slot, blocks
-        return CacheAllocation(slot, list(blocks))
+        return CacheAllocation(slot, list(blocks), restore)
 
     def append(self, req_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to cover `num_tokens` rows; the new blocks, or None if they
@@ -105,6 +183,16 @@ class HybridCacheManager:
             raise CacheAccountingError(f"request {req_id!r} holds no cache")
         self.blocks.free(self._tables.pop(req_id))
         self.slots.free(self._slot_of.pop(req_id))
+        self._hashes.pop(req_id, None)
+        self._registered.pop(req_id, None)
 
     def _missing(self, req_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self._tables[req_id]))
+
+    def _hashes_upto(self, req_id: str, token_ids: list[int], n_blocks: int) -> list[bytes]:
+        have = self._hashes.setdefault(req_id, [])
+        if len(have) < n_blocks:
+            parent = have[-1] if have else None
+            have += block_hashes(token_ids[:n_blocks * self.block_size], self.block_size, start=len(have),
+                                 parent=parent)
+        return have

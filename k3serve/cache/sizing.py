@@ -83,6 +83,7 @@ class CachePlan:
     slot_bytes: int  # one request's recurrent + conv state across all KDA layers
     token_bytes: int  # one token's latent rows across all MLA layers
     max_model_len: int
+    num_checkpoints: int = 0  # extra state slots holding prefix-cache KDA checkpoints
 
     @property
     def kv_tokens(self) -> int:
@@ -90,7 +91,7 @@ class CachePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+        return self.num_blocks * self.block_bytes + (self.num_slots + self.num_checkpoints) * self.slot_bytes
 
     def max_concurrency(self, context_len: int) -> int:
         """Requests of `context_len` tokens that fit at once = min(slots, latent tokens / len)."""
@@ -106,20 +107,26 @@ def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 1
 
 
 def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_num_seqs: int,
-               block_size: int = 16, kv_dtype: str = "bfloat16", num_slots: int | None = None) -> CachePlan:
+               block_size: int = 16, kv_dtype: str = "bfloat16", num_slots: int | None = None,
+               checkpoint_fraction: float = 0.0) -> CachePlan:
     """Split `cache_bytes` by the expected request shape.
 
     Default: as many slots as requests of `max_model_len` tokens fit whole (slot + latent
     blocks), capped at `max_num_seqs`; every remaining byte becomes latent blocks, so short
     requests can share them. `num_slots` fixes the slot count instead (operators whose
     requests are much shorter than max_model_len). Either way one request of max_model_len
-    must fit, or this raises with the numbers.
+    must fit, or this raises with the numbers. With prefix caching, `checkpoint_fraction` of the
+    budget is set aside first for KDA checkpoint slots (at least one).
     """
     token_bytes = mla_cache_bytes_per_token(cfg, kv_dtype)
     block_bytes = block_size * token_bytes
     slot_bytes = kda_state_bytes_per_request(cfg)
     blocks_per_req = -(-max_model_len // block_size)
     per_request = slot_bytes + blocks_per_req * block_bytes
+    num_ckpt = 0
+    if checkpoint_fraction > 0:
+        num_ckpt = max(1, int(cache_bytes * checkpoint_fraction) // slot_bytes) if slot_bytes else 0
+        cache_bytes -= num_ckpt * slot_bytes
     if per_request > cache_bytes:
         raise ValueError(
             f"cache memory {cache_bytes:,} B cannot hold one request of max_model_len {max_model_len:,}: "
@@ -133,4 +140,5 @@ def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_nu
     rest = cache_bytes - num_slots * slot_bytes
     # Without MLA layers blocks cost nothing; keep enough for every slot at max_model_len.
     num_blocks = rest // block_bytes if block_bytes else num_slots * blocks_per_req
-    return CachePlan(block_size, num_blocks, num_slots, block_bytes, slot_bytes, token_bytes, max_model_len)
+    return CachePlan(block_size, num_blocks, num_slots, block_bytes, slot_bytes, token_bytes, max_model_len,
+                     num_ckpt)

@@ -25,7 +25,9 @@ class EngineConfig:
     cache_memory_fraction: float | None = None  # of free memory after weights; default 0.9 GPU, 0.1 CPU
     num_state_slots: int | None = None  # fix the KDA slot count instead of deriving it
     scheduling_policy: str = "fcfs"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    prefix_cache_state_fraction: float = 0.1  # of the cache budget, for KDA checkpoints
+    prefix_cache_state_interval: int = 0  # extra checkpoint every N prompt tokens (multiple of block_size)
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
     load_format: str = "auto"
@@ -41,9 +43,10 @@ class EngineConfig:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching: prefix caching is not available in this build yet; "
-                             "run without --enable-prefix-caching")
+        if not 0 < self.prefix_cache_state_fraction < 1:
+            raise ValueError(f"prefix_cache_state_fraction must be in (0, 1), got {self.prefix_cache_state_fraction}")
+        if self.prefix_cache_state_interval % self.block_size:
+            raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
         if self.speculative_config:
             raise ValueError("speculative_config: speculative decoding is not available in this build yet")
         if self.extra:

@@ -67,9 +67,12 @@ class LLMEngine:
         for line in self.startup_log:
             log.info(line)
         self.cache = HybridCacheManager(self.plan.num_blocks, self.plan.num_slots, self.plan.block_size,
-                                        self.plan.slot_bytes, self.plan.token_bytes)
+                                        self.plan.slot_bytes, self.plan.token_bytes,
+                                        config.enable_prefix_caching, self.plan.num_checkpoints)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.scheduling_policy), self.cache)
+                                                   self.max_model_len, config.scheduling_policy,
+                                                   checkpoint_interval=config.prefix_cache_state_interval),
+                                   self.cache)
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, _Group] = {}  # scheduler request id -> its group
@@ -109,6 +112,10 @@ class LLMEngine:
                 self.scheduler.abort(s.req.request_id)
             self._release(s.req)
         return True
+
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Drop cached-free latent blocks and unpinned KDA checkpoints: (blocks, checkpoints)."""
+        return self.cache.flush()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

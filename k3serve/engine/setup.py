@@ -69,7 +69,8 @@ def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, ma
         budget = min(budget, config.max_num_seqs * full)
     return plan_cache(model.cfg, budget, max_model_len=max_model_len,
                       max_num_seqs=config.max_num_seqs, block_size=config.block_size, kv_dtype=kv_name,
-                      num_slots=config.num_state_slots)
+                      num_slots=config.num_state_slots,
+                      checkpoint_fraction=config.prefix_cache_state_fraction if config.enable_prefix_caching else 0.0)
 
 
 def startup_lines(model_path: str, model: KimiForCausalLM, where: Placement, plan: CachePlan) -> list[str]:
@@ -81,7 +82,9 @@ def startup_lines(model_path: str, model: KimiForCausalLM, where: Placement, pla
         f"weights: {weight_bytes(model):,} B",
         f"cache budget {plan.total_bytes:,} B: latent KV {plan.num_blocks:,} blocks x {plan.block_size} tokens "
         f"= {plan.kv_tokens:,} tokens ({plan.token_bytes:,} B/token), "
-        f"KDA state {plan.num_slots} slots x {plan.slot_bytes:,} B",
+        f"KDA state {plan.num_slots} slots x {plan.slot_bytes:,} B"
+        + (f" + {plan.num_checkpoints} prefix-cache checkpoints ({plan.num_checkpoints * plan.slot_bytes:,} B)"
+           if plan.num_checkpoints else ""),
         f"max concurrency at max_model_len {L:,}: min({plan.num_slots} slots, {by_tokens} by latent tokens) "
         f"= {plan.max_concurrency(L)}",
     ]

@@ -21,8 +21,9 @@ class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, seed: int = 0,
                  device: str | torch.device = "cpu"):
         self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
-        self.cache = CacheTensors.allocate(model.cfg, plan.num_slots, plan.num_blocks, plan.block_size,
-                                           kv_dtype=kv_dtype, device=self.device)
+        # checkpoint slots (prefix caching) follow the live slots in the same state tensors
+        self.cache = CacheTensors.allocate(model.cfg, plan.num_slots + plan.num_checkpoints, plan.num_blocks,
+                                           plan.block_size, kv_dtype=kv_dtype, device=self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -35,7 +36,9 @@ class ModelRunner:
             seq_lens=[s.num_tokens for s in seqs], context_lens=[s.start for s in seqs],
             state_slots=[s.state_slot for s in seqs], block_tables=[s.block_table for s in seqs],
             block_size=self.plan.block_size)
+        self._copy_states(batch.restore_states)  # a prefix hit resumes from its checkpoint
         hidden = self.model(fb, self.cache)  # [N, d]
+        self._copy_states(batch.save_states)  # states exactly at chunk ends become checkpoints
         rows = [e - 1 for s, (_, e) in zip(seqs, fb.seq_bounds()) if s.sample]
         if not rows:
             return StepOutput()
@@ -43,6 +46,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
         sampled = self.sampler(logits, reqs, [self._generator(r) for r in reqs])
         return StepOutput({r.request_id: t for r, t in zip(reqs, sampled)})
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for t in self.cache.recurrent + self.cache.conv:
+            if t is not None:
+                t[dst] = t[src]
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

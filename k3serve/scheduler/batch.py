@@ -31,6 +31,9 @@ class ScheduledSeq:
 class ScheduledBatch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting
+    restore_states: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, live slot) before
+    save_states: list[tuple[int, int]] = field(default_factory=list)  # (live slot, checkpoint slot) after
+    pinned: list[bytes] = field(default_factory=list)  # checkpoints read this step
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    checkpoint_at: list[int] = field(default_factory=list)  # prefix-cache save points still ahead
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at admission
 
     @property
     def all_token_ids(self) -> list[int]:

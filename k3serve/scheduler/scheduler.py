@@ -30,6 +30,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     policy: str = "fcfs"  # "fcfs" | "priority"
     chunk_align: int = KDA_CHUNK
+    checkpoint_interval: int = 0  # prefix caching: also save KDA state every N prompt tokens
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -37,6 +38,8 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_align"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval must be >= 0, got {self.checkpoint_interval}")
 
 
 class Scheduler:
@@ -94,7 +97,7 @@ class Scheduler:
                 continue  # preempted earlier in this step
             n = self._chunk(req, budget)
             if n and self._reserve(req, n, scheduled, batch):
-                batch.seqs.append(self._seq(req, n))
+                batch.seqs.append(self._seq(req, n, batch))
                 scheduled.add(req.request_id)
                 budget -= n
         if not batch.preempted:  # no admissions in a step that had to preempt
@@ -109,10 +112,12 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = seq.start + seq.num_tokens
+            self.cache.register_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
             tok = out.sampled.get(req.request_id)
             if seq.sample and tok is not None and req.append_token(tok.token_id):
                 self.finish(req, req.finish_reason)
                 finished.append(req)
+        self.cache.end_step(batch.pinned)
         return finished
 
     # ---- helpers ---------------------------------------------------------------------
@@ -123,12 +128,20 @@ class Scheduler:
             start, align = req.num_computed_tokens, self.config.chunk_align
             aligned = (start + n) // align * align - start
             n = aligned if aligned > 0 else n
+        ahead = [p for p in req.checkpoint_at if p > req.num_computed_tokens]
+        if ahead:  # a prefix-cache save point must be a chunk end
+            n = min(n, min(ahead) - req.num_computed_tokens)
         return n
 
-    def _seq(self, req: Request, n: int) -> ScheduledSeq:
-        rid = req.request_id
-        return ScheduledSeq(req, req.num_computed_tokens, n, self.cache.state_slot(rid),
-                            self.cache.block_table(rid), req.num_computed_tokens + n == req.num_tokens)
+    def _seq(self, req: Request, n: int, batch: ScheduledBatch) -> ScheduledSeq:
+        rid, end = req.request_id, req.num_computed_tokens + n
+        slot = self.cache.state_slot(rid)
+        if end in req.checkpoint_at:  # the state after this chunk is a prefix checkpoint
+            req.checkpoint_at.remove(end)
+            ckpt = self.cache.begin_checkpoint(self.cache.checkpoint_key(rid, req.all_token_ids, end))
+            if ckpt is not None:
+                batch.save_states.append((slot, ckpt))
+        return ScheduledSeq(req, req.num_computed_tokens, n, slot, self.cache.block_table(rid), end == req.num_tokens)
 
     def _reserve(self, req: Request, n: int, scheduled: set[str], batch: ScheduledBatch) -> bool:
         """Blocks for `n` more tokens of a running request, preempting others if needed."""
@@ -158,16 +171,39 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            hit = self.cache.lookup(req.all_token_ids)
+            req.num_computed_tokens = hit.num_tokens
+            req.checkpoint_at = self._save_points(req, hit)
             n = self._chunk(req, budget)
-            if not self.cache.can_admit(n):
+            if not self.cache.can_admit(hit.num_tokens + n, hit):
+                req.num_computed_tokens, req.checkpoint_at = 0, []
                 break  # head-of-line waits: keeps FCFS order and avoids starving long prompts
             self.waiting.popleft()
-            self.cache.allocate(req.request_id, n)
+            alloc = self.cache.allocate(req.request_id, hit.num_tokens + n, hit)
+            if alloc.restore_from is not None:
+                batch.restore_states.append((alloc.restore_from, alloc.state_slot))
+                batch.pinned.append(hit.checkpoint)
+            if self.cache.prefix_caching:
+                self.cache.record_query(len(req.prompt_token_ids), min(hit.num_tokens, len(req.prompt_token_ids)))
+            req.num_cached_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.seqs.append(self._seq(req, n))
+            batch.seqs.append(self._seq(req, n, batch))
             budget -= n
         return budget
+
+    def _save_points(self, req: Request, hit) -> list[int]:
+        """Where this request's prefill should leave KDA checkpoints: the end of the prompt's last
+        full block, the junction where it left the cached prefix, every `checkpoint_interval`."""
+        if not self.cache.prefix_caching:
+            return []
+        bs, start = self.cache.block_size, hit.num_tokens
+        prompt_end = len(req.prompt_token_ids) // bs * bs
+        points = {prompt_end, hit.junction}
+        step = self.config.checkpoint_interval
+        if step:
+            points.update(range(step, prompt_end + 1, step))
+        return sorted(p for p in points if start < p <= prompt_end and p % bs == 0)
 
     def _enqueue(self, req: Request, front: bool) -> None:
         req.status = RequestStatus.WAITING

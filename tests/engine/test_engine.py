@@ -47,12 +47,14 @@ def test_greedy_matches_a_plain_full_recompute(k3_llm):
     assert logits[len(p) - 1:].argmax(-1).tolist() == out
 
 
-def test_preemption_gives_the_same_outputs(tiny_k3_dir, k3_llm):
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_gives_the_same_outputs(tiny_k3_dir, k3_llm, caching):
     ps = prompts(6, seed=1)
     want = ids(k3_llm.generate(ps, GREEDY))
-    # 4 slots but latent rows for only ~2 requests: forces preemption by recompute
-    tight = LLM(str(tiny_k3_dir), cache_memory=4 * 32_000 + 14 * 16 * 480, num_state_slots=4,
-                max_model_len=200, max_num_batched_tokens=96)
+    # 4 slots but latent rows for only ~2 requests: forces preemption by recompute (with caching,
+    # one more slot's bytes buy the single checkpoint slot)
+    tight = LLM(str(tiny_k3_dir), cache_memory=(4 + caching) * 32_000 + 14 * 16 * 480, num_state_slots=4,
+                max_model_len=200, max_num_batched_tokens=96, enable_prefix_caching=caching)
     assert tight.engine.plan.num_blocks == 14
     got = ids(tight.generate(ps, GREEDY))
     assert got == want
@@ -170,8 +172,6 @@ def test_cache_tensors_match_the_sizing_module(k3_llm):
 
 
 def test_unbuilt_features_fail_loudly(tiny_k3_dir):
-    with pytest.raises(ValueError, match="prefix caching"):
-        LLM(str(tiny_k3_dir), enable_prefix_caching=True)
     with pytest.raises(ValueError, match="speculative"):
         LLM(str(tiny_k3_dir), speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="unknown engine arguments"):
