@@ -111,6 +111,10 @@ class AsyncEngine:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="k3serve-engine-loop")
 
+    async def call(self, fn, *args):
+        """Run `fn(*args)` on the engine thread, between steps."""
+        return await self._call(fn, *args)
+
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 

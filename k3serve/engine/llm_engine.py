@@ -171,7 +171,7 @@ class LLMEngine:
                 [dict(d) for d in s.logprobs] if s.logprobs is not None else None,
                 s.req.finish_reason if done else None, s.req.stop_reason if done else None))
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outs,
-                             group.finished, dict(group.metrics))
+                             group.finished, dict(group.metrics), group.samples[0].req.num_cached_tokens)
 
     # ---- input checks ----------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -32,3 +32,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_token/finish times (s)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -19,7 +19,7 @@ from k3serve.server.serving_completion import create_completion
 from k3serve.server.state import ServerState
 
 ROUTES = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/health",
-          "/version", "/metrics"}
+          "/version", "/metrics", "/reset_prefix_cache"}
 
 
 def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20) -> FastAPI:
@@ -50,6 +50,11 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        blocks, checkpoints = await state.engine.call(state.engine.engine.reset_prefix_cache)
+        return {"freed_blocks": blocks, "dropped_checkpoints": checkpoints}
 
     @app.get("/v1/models")
     async def models():

@@ -29,7 +29,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="hybrid prefix caching: latent blocks + exact KDA checkpoints (default on)")
+    p.add_argument("--prefix-cache-state-interval", type=int, default=0,
+                   help="also checkpoint KDA state every N prompt tokens (0: prompt ends and junctions only)")
+    p.add_argument("--prefix-cache-state-fraction", type=float, default=0.1,
+                   help="share of the cache memory reserved for KDA checkpoints")
     p.add_argument("--speculative-config", help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", choices=("kimi_k3", "kimi_k2"))
@@ -53,7 +58,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, cache_memory=args.cache_memory, seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching, speculative_config=spec)
+                enable_prefix_caching=args.enable_prefix_caching, speculative_config=spec,
+                prefix_cache_state_interval=args.prefix_cache_state_interval,
+                prefix_cache_state_fraction=args.prefix_cache_state_fraction)
 
 
 def build_server(args: argparse.Namespace):

@@ -2,7 +2,8 @@
 
 Counters: HTTP requests by endpoint and status, prompt / generation tokens, finished requests
 by reason. Histograms: TTFT, TPOT, end-to-end latency. Gauges read at scrape time: running and
-waiting requests, latent blocks and state slots used / total.
+waiting requests, latent blocks and state slots used / total, prefix-cache queries, hit tokens,
+hit rate, checkpoints stored / evicted / held and their bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,21 @@ class ServerMetrics:
             "state_slots_used": ("KDA state slots in use", lambda: eng.cache.slots.num_used),
             "state_slots_total": ("KDA state slots", lambda: eng.plan.num_slots),
         }
+        st, plan = eng.cache.checkpoints.stats, eng.plan
+        store = eng.cache.checkpoints
+        gauges.update({
+            "prefix_cache_queries": ("Prefix-cache lookups at admission", lambda: st.queries),
+            "prefix_cache_query_tokens": ("Prompt tokens looked up", lambda: st.query_tokens),
+            "prefix_cache_hit_tokens": ("Prompt tokens restored from the prefix cache", lambda: st.hit_tokens),
+            "prefix_cache_hit_rate": ("hit_tokens / query_tokens", lambda: st.hit_rate),
+            "prefix_cache_checkpoints_stored": ("KDA checkpoints written", lambda: st.checkpoints_stored),
+            "prefix_cache_checkpoints_evicted": ("KDA checkpoints evicted", lambda: st.checkpoints_evicted),
+            "prefix_cache_checkpoints": ("KDA checkpoints held now", lambda: store.num_stored),
+            "prefix_cache_checkpoint_bytes": ("State memory held by KDA checkpoints",
+                                              lambda: store.num_stored * plan.slot_bytes),
+            "prefix_cache_cached_free_blocks": ("Latent blocks kept for reuse, unreferenced",
+                                                lambda: eng.cache.blocks.num_cached_free),
+        })
         for name, (doc, fn) in gauges.items():
             Gauge(f"k3serve:{name}", doc, registry=r).set_function(fn)
 

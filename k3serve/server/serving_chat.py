@@ -84,7 +84,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                         if req.logprobs else None})
     n_out = sum(len(o.token_ids) for o in last.outputs)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": usage(len(prompt.token_ids), n_out)})
+                         "usage": usage(len(prompt.token_ids), n_out, last.num_cached_tokens)})
 
 
 def _call_json(c, index: int | None = None) -> dict:
@@ -132,7 +132,8 @@ async def _stream(state, run: Run, head, make_parser, n, top_n, include_usage):
                                                      "finish_reason": reason}]})
         if include_usage and run.last is not None:
             n_out = sum(len(o.token_ids) for o in run.last.outputs)
-            yield sse({**chunk, "choices": [], "usage": usage(len(run.prompt_ids), n_out)})
+            yield sse({**chunk, "choices": [], "usage": usage(len(run.prompt_ids), n_out,
+                                                              run.last.num_cached_tokens)})
     except Exception as e:  # the engine failed mid-stream: tell the client in-band
         yield sse(error_body(500, f"generation failed: {e}"))
     yield "data: [DONE]\n\n"

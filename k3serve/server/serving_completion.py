@@ -73,7 +73,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                                                             len(prefix)) if top_n is not None else None})
     n_prompt = sum(len(ids) for _, ids in prompts)
     n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
-    return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": usage(n_prompt, n_out)})
+    cached = sum(f.num_cached_tokens for f in finals)
+    return JSONResponse({**head, "object": "text_completion", "choices": choices,
+                         "usage": usage(n_prompt, n_out, cached)})
 
 
 async def _last(run: Run, raw: Request):

@@ -115,3 +115,16 @@ def test_kimi_linear_chat_through_jinja_template(tiny_kl_dir):
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
     assert "<|" not in (msg["content"] or "") and r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(client, live_server):
+    base, _ = live_server
+    shared = "The quick brown fox jumps over the lazy dog. " * 6
+    client.completions.create(model="tiny-k3", prompt=shared + "One", max_tokens=2, extra_body=FIXED)
+    second = client.completions.create(model="tiny-k3", prompt=shared + "Two", max_tokens=2, extra_body=FIXED)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.usage.prompt_tokens_details.cached_tokens % 16 == 0
+    metrics = httpx.get(base + "/metrics").text
+    assert "k3serve:prefix_cache_hit_tokens" in metrics and "k3serve:prefix_cache_checkpoint_bytes" in metrics
+    r = httpx.post(base + "/reset_prefix_cache").json()
+    assert r["freed_blocks"] > 0 or r["dropped_checkpoints"] > 0

@@ -112,3 +112,59 @@ def test_parse_bytes(text, want):
 def test_parse_bytes_rejects_garbage():
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
+
+
+def test_cached_blocks_park_in_lru_and_are_evicted_oldest_first():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    assert pool.register(a, b"ha") and pool.register(b, b"hb") and not pool.register(a, b"other")
+    pool.free([a])
+    pool.free([b])
+    assert pool.num_free == 3 and pool.num_cached_free == 2 and pool.cached == {b"ha": a, b"hb": b}
+    pool.share([b])  # a hit brings b back into use
+    assert pool.num_cached_free == 1 and pool.ref_count(b) == 1
+    got = pool.allocate(2)  # the never-used block first, then evict the LRU cached one (a)
+    assert a in got and b"ha" not in pool.cached and pool.num_evicted == 1
+    plain = next(x for x in got if x != a)
+    pool.free([plain])  # never registered: back to the plain free list, not shareable
+    with pytest.raises(CacheAccountingError, match="cannot be shared"):
+        pool.share([plain])
+
+
+def test_checkpoint_store_pending_pins_and_lru():
+    from k3serve.cache.prefix_cache import CheckpointStore
+
+    store = CheckpointStore([10, 11])
+    s1 = store.begin(b"k1")
+    assert s1 in (10, 11) and store.get(b"k1") is None  # pending until the step ran
+    assert store.begin(b"k1") is None  # no duplicate writes
+    store.commit()
+    assert store.get(b"k1") == s1
+    store.begin(b"k2")
+    store.commit()
+    store.pin(b"k1")  # in use this step: never evicted; k2 becomes the victim
+    s3 = store.begin(b"k3")
+    store.commit()
+    assert store.get(b"k2") is None and store.get(b"k1") == s1 and s3 not in (None, s1)
+    assert store.begin(b"k4") is None or store.get(b"k1") == s1
+    store.unpin(b"k1")
+    with pytest.raises(CacheAccountingError):
+        store.unpin(b"k1")
+
+
+def test_lookup_needs_blocks_and_checkpoint_and_leaves_one_token():
+    m = HybridCacheManager(num_blocks=16, num_slots=2, block_size=4, enable_prefix_caching=True, num_checkpoints=2)
+    toks = list(range(1, 13))  # 3 full blocks
+    assert m.lookup(toks).num_tokens == 0
+    m.allocate("a", 12)
+    m.register_computed("a", toks, 12)
+    assert m.lookup(toks + [99]).junction == 12 and m.lookup(toks + [99]).num_tokens == 0  # no state yet
+    m.begin_checkpoint(m.checkpoint_key("a", toks, 8))
+    m.begin_checkpoint(m.checkpoint_key("a", toks, 12))
+    m.end_step([])
+    assert m.lookup(toks + [99]).num_tokens == 12
+    assert m.lookup(toks).num_tokens == 8  # identical prompt: one token must be recomputed
+    assert m.lookup([1, 2, 3, 4, 7, 7, 7, 7, 9]).num_tokens == 0  # diverges inside block 2: no state at 4
+    m.free("a")
+    assert m.num_free_blocks == 16 and m.blocks.num_cached_free == 3
+    assert m.flush() == (3, 2) and m.lookup(toks + [99]).num_tokens == 0

@@ -161,8 +161,45 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.s.cache.num_free_blocks == 12 and self.s.cache.num_free_slots == 3
 
 
+class CachingSchedulerMachine(SchedulerMachine):
+    """Same, with prefix caching on and prompts drawn from a few shared prefixes: shared blocks'
+    ref counts always equal the number of tables holding them."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=24, max_model_len=40, chunk_align=8),
+                           HybridCacheManager(12, 3, 4, enable_prefix_caching=True, num_checkpoints=2))
+
+    @rule(prefix=st.sampled_from([(), (5, 6, 7, 8), (5, 6, 7, 8, 9, 9, 9, 9)]), tail=st.integers(1, 12),
+          max_tokens=st.integers(1, 6))
+    def arrive_shared(self, prefix, tail, max_tokens):
+        r = Request(f"r{self.n}", list(prefix) + [3] * tail, SamplingParams(max_tokens=max_tokens), EOS, 40,
+                    arrival=self.n)
+        self.n += 1
+        self.s.add(r)
+
+    @invariant()
+    def accounting(self):
+        c = self.s.cache
+        tables = [c.block_table(r.request_id) for r in self.s.running]
+        held = {b for t in tables for b in t}
+        for b in held:
+            assert c.blocks.ref_count(b) == sum(t.count(b) for t in tables)
+        assert len(held) == c.blocks.num_used
+        assert c.slots.num_used == len(self.s.running) == c.num_requests
+
+    def teardown(self):
+        for rid in list(self.s.requests):
+            self.s.abort(rid)
+        self.s.cache.flush()
+        assert self.s.cache.num_free_blocks == 12 and self.s.cache.num_free_slots == 3
+        assert self.s.cache.checkpoints.num_stored == 0 and not self.s.cache.blocks.cached
+
+
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestCachingSchedulerMachine = CachingSchedulerMachine.TestCase
+TestCachingSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
 def test_everything_finishes_under_pressure():
