@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) bench/kda_prefill.py
 	$(PY) bench/generate_speed.py
 	$(PY) bench/engine_concurrency.py
+	$(PY) bench/prefix_cache_ttft.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
