@@ -1,4 +1,4 @@
-"""`k3serve` command line: serve | generate | inspect | build-tiny (later: plan, bench)."""
+"""`k3serve` command line: serve | plan | generate | inspect | build-tiny (later: bench)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from k3serve.planner.cli import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from k3serve.planner.cli import add_plan_args
     from k3serve.server.launch import add_serve_args
 
     parser = argparse.ArgumentParser(prog="k3serve", description=__doc__)
@@ -75,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled tiny model)")
     add_serve_args(p)
     p.set_defaults(func=_cmd_serve)
+    p = sub.add_parser("plan", help="capacity planner: fit, GPU count, concurrency, latency, launch commands")
+    add_plan_args(p)
+    p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("inspect", help="layer schedule, params, bytes, cache sizes of a model")
     p.add_argument("model", nargs="?", help="checkpoint dir, config.json, or bundled name "
                    "(moonshotai/Kimi-K3, moonshotai/Kimi-Linear-48B-A3B-Instruct); "

@@ -108,7 +108,7 @@ def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 1
 
 def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_num_seqs: int,
                block_size: int = 16, kv_dtype: str = "bfloat16", num_slots: int | None = None,
-               checkpoint_fraction: float = 0.0) -> CachePlan:
+               checkpoint_fraction: float = 0.0, state_shards: int = 1) -> CachePlan:
     """Split `cache_bytes` by the expected request shape.
 
     Default: as many slots as requests of `max_model_len` tokens fit whole (slot + latent
@@ -116,11 +116,13 @@ def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_nu
     requests can share them. `num_slots` fixes the slot count instead (operators whose
     requests are much shorter than max_model_len). Either way one request of max_model_len
     must fit, or this raises with the numbers. With prefix caching, `checkpoint_fraction` of the
-    budget is set aside first for KDA checkpoint slots (at least one).
+    budget is set aside first for KDA checkpoint slots (at least one). `state_shards` is the
+    tensor-parallel degree of the attention: KDA state is split by heads across it, while the
+    MLA latent (one latent "head") is replicated on every rank (planner-data.md §5.2).
     """
     token_bytes = mla_cache_bytes_per_token(cfg, kv_dtype)
     block_bytes = block_size * token_bytes
-    slot_bytes = kda_state_bytes_per_request(cfg)
+    slot_bytes = -(-kda_state_bytes_per_request(cfg) // state_shards)
     blocks_per_req = -(-max_model_len // block_size)
     per_request = slot_bytes + blocks_per_req * block_bytes
     num_ckpt = 0

@@ -1,0 +1,71 @@
+"""`k3serve plan`: argument handling (the four workload questions are flags)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from k3serve.cache.sizing import parse_bytes
+from k3serve.planner.hardware import GPUS, get_gpu, load_gpu_file
+from k3serve.planner.memory import GiB, Workload
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="moonshotai/Kimi-K3", help="bundled name, config.json or checkpoint dir")
+    p.add_argument("--gpu", action="append", help=f"GPU type, repeatable, or 'all' ({', '.join(GPUS)})")
+    p.add_argument("--gpu-file", help="custom GPU as JSON/TOML")
+    p.add_argument("--num-gpus", type=int, help="plan exactly this many GPUs (default: search counts)")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--dp", type=int, help="attention data parallel (DP-attention) groups")
+    p.add_argument("--ep", type=int)
+    p.add_argument("--context", type=int, default=32768, help="tokens per request (max_model_len)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests the deployment must hold at once")
+    p.add_argument("--latency-sensitive", action="store_true", help="rank layouts by TPOT")
+    p.add_argument("--optimize", choices=("min-hardware", "cost"), default="min-hardware")
+    p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--memory-fraction", type=float, default=0.92, help="of total HBM (vLLM semantics)")
+    p.add_argument("--overhead-gib", type=float, default=3.0, help="non-torch reserve per rank")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--spec-tokens", type=int, default=0, help="speculative tokens (per-position KDA states)")
+    p.add_argument("--draft-params", type=float, default=0.0, help="draft model parameters (BF16, per rank)")
+    p.add_argument("--cache-memory", help="cache bytes per rank; skips the GPU arithmetic (engine check)")
+    p.add_argument("--top", type=int, default=10, help="layouts to show")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--markdown", action="store_true")
+    fmt.add_argument("--html", metavar="FILE")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from k3serve.config.bundled import load_model_config
+    from k3serve.planner.html import to_html
+    from k3serve.planner.report import print_table, to_json, to_markdown
+    from k3serve.planner.search import plan
+    from k3serve.planner.weights import weight_split
+
+    cfg = load_model_config(args.model)
+    is_dir = Path(args.model).is_dir() and any(Path(args.model).glob("*.safetensors"))
+    gpus = [load_gpu_file(args.gpu_file)] if args.gpu_file else []
+    names = args.gpu or ([] if gpus else ["all"])
+    gpus += list(GPUS.values()) if "all" in names else [get_gpu(n) for n in names]
+    w = Workload(context=args.context, concurrency=args.concurrency, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_cache_dtype,
+                 memory_fraction=args.memory_fraction, overhead_bytes=int(args.overhead_gib * GiB),
+                 prefix_cache_fraction=0.0 if args.no_prefix_caching else 0.1, spec_tokens=args.spec_tokens,
+                 draft_bytes=int(args.draft_params * 2))
+    report = plan(cfg, args.model, "checkpoint headers" if is_dir else "config + tensor schema", gpus,
+                  weight_split(cfg, args.model if is_dir else None), w, num_gpus=args.num_gpus, tp=args.tp,
+                  dp=args.dp, ep=args.ep, optimize=args.optimize, latency_sensitive=args.latency_sensitive,
+                  cache_bytes=parse_bytes(args.cache_memory) if args.cache_memory else None)
+    if args.json:
+        print(to_json(report, args.top))
+    elif args.markdown:
+        print(to_markdown(report, args.top))
+    elif args.html:
+        Path(args.html).write_text(to_html(report, args.top))
+        print(f"wrote {args.html}")
+    else:
+        print_table(report, args.top)
+    return 0

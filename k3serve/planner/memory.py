@@ -1,0 +1,99 @@
+"""Per-rank memory model: weights + activation reserve + runtime overhead -> cache budget, split
+into KDA state slots and MLA latent tokens by the engine's own `cache.sizing.plan_cache`.
+
+Activation reserve for one prefill chunk of C tokens (formula, calibrate against a profile run):
+  C x hidden x 2 B x (12 live [C, hidden] buffers + AttnRes bank snapshots, layers/block + 1)
+  + C x top_k x expert_intermediate x 2 x 2 B / EP   (routed-expert intermediates)
+  + max_num_seqs x vocab x 4 B                        (fp32 logits of the sampled rows)
+Memory fraction semantics (planner-data.md §3.2): k3serve and vLLM take `fraction x HBM` as the
+whole budget (weights, activations and overhead come out of it); SGLang's static fraction
+covers weights + cache only, activations live in the remainder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3serve.cache.sizing import CachePlan, kda_state_bytes_per_request, mla_cache_bytes_per_token, plan_cache
+from k3serve.config.model_config import ModelConfig
+from k3serve.planner.hardware import GPU
+from k3serve.planner.layout import Layout
+from k3serve.planner.weights import WeightSplit
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Workload:
+    context: int = 32768  # max_model_len: tokens per request (prompt + output)
+    concurrency: int = 1  # requests at once the deployment must hold
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # prefill chunk
+    kv_dtype: str = "bfloat16"
+    block_size: int = 16
+    memory_fraction: float = 0.92
+    overhead_bytes: int = 3 * GiB  # CUDA context, NCCL buffers, GEMM workspaces (non-torch)
+    prefix_cache_fraction: float = 0.1  # of the cache budget for KDA checkpoints (0 = caching off)
+    spec_tokens: int = 0  # speculative tokens k: per-position KDA states k per request
+    draft_bytes: int = 0  # speculative draft weights (replicated per rank)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    hbm: int
+    usable: int  # fraction x HBM
+    weights: int
+    draft_weights: int
+    activations: int
+    overhead: int
+    cache_budget: int  # what is left for the two cache pools (<= 0: does not fit)
+    plan: CachePlan | None  # None when not even one request of `context` fits
+    why_not: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def headroom(self) -> int:
+        return self.cache_budget
+
+
+def activation_bytes(cfg: ModelConfig, w: Workload, layout: Layout) -> int:
+    C, d = w.max_num_batched_tokens, cfg.hidden_size
+    snapshots = cfg.num_layers // cfg.attn_res_block_size + 1 if cfg.use_attnres else 0
+    moe = cfg.moe
+    experts = C * moe.top_k * moe.expert_intermediate_size * 2 * 2 // layout.ep if moe.num_experts else 0
+    return C * d * 2 * (12 + snapshots) + experts + w.max_num_seqs * cfg.vocab_size * 4
+
+
+def rank_memory(cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit, w: Workload,
+                cache_bytes: int | None = None) -> RankMemory:
+    """One rank's budget; `cache_bytes` skips the GPU arithmetic (what `--cache-memory` does)."""
+    tp = layout.tp
+    wbytes = weights.per_rank(tp, layout.ep)
+    act = activation_bytes(cfg, w, layout)
+    usable = int(gpu.hbm_bytes * w.memory_fraction)
+    budget = cache_bytes if cache_bytes is not None else usable - wbytes - w.draft_bytes - act - w.overhead_bytes
+    spec_states = w.spec_tokens * -(-kda_state_bytes_per_request(cfg) // tp)
+    plan, why = None, None
+    try:
+        if budget <= 0:
+            raise ValueError(f"weights and reserves exceed {w.memory_fraction:.2f} x HBM by {-budget / 1e9:.1f} GB")
+        plan = plan_cache(cfg, max(budget - spec_states * w.max_num_seqs, 0) if spec_states else budget,
+                          max_model_len=w.context, max_num_seqs=w.max_num_seqs, block_size=w.block_size,
+                          kv_dtype=w.kv_dtype, checkpoint_fraction=w.prefix_cache_fraction, state_shards=tp)
+    except ValueError as e:
+        why = str(e)
+    return RankMemory(gpu.hbm_bytes, usable, wbytes, w.draft_bytes, act, w.overhead_bytes, budget, plan, why)
+
+
+def max_context_one_request(cfg: ModelConfig, rank: RankMemory, tp: int, kv_dtype: str) -> int:
+    """Longest single request the cache budget holds (one state slot + its latent rows)."""
+    if rank.cache_budget <= 0:
+        return 0
+    state = -(-kda_state_bytes_per_request(cfg) // tp)
+    per_token = mla_cache_bytes_per_token(cfg, kv_dtype)
+    if not per_token:
+        return cfg.max_position_embeddings
+    return max(0, min(cfg.max_position_embeddings, (rank.cache_budget - state) // per_token))
