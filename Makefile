@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) bench/generate_speed.py
 	$(PY) bench/engine_concurrency.py
 	$(PY) bench/prefix_cache_ttft.py
+	$(PY) bench/spec_decode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,4 @@
-"""`k3serve` command line: serve | plan | generate | inspect | build-tiny (later: bench)."""
+"""`k3serve` command line: serve | plan | generate | inspect | train-dspark | build-tiny (later: bench)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _cmd_train_dspark(args: argparse.Namespace) -> int:
+    import logging
+
+    from k3serve.spec.train_dspark import distill_dspark
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from k3serve.testing.builder import ensure_default_model
+    target = args.target or str(ensure_default_model())
+    r = distill_dspark(target, args.out, block_size=args.block_size, steps=args.steps, num_seqs=args.num_seqs,
+                       seq_len=args.seq_len, seed=args.seed)
+    print(f"wrote dspark draft to {r['out']} (loss {r['first_loss']:.3f} -> {r['last_loss']:.3f})")
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from k3serve.planner.cli import run_plan
 
@@ -109,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")
     p.add_argument("--json", action="store_true", help="print token ids and text as JSON")
     p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("train-dspark", help="distil a tiny DSpark drafter from a target checkpoint")
+    p.add_argument("out")
+    p.add_argument("--target", help="target checkpoint dir (default: the bundled tiny model)")
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--num-seqs", type=int, default=48)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train_dspark)
     p = sub.add_parser("build-tiny", help="write a tiny random-weight checkpoint in the real layout")
     p.add_argument("out")
     p.add_argument("--kind", choices=("k3", "kimi_linear"), default="k3")

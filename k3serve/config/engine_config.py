@@ -48,7 +48,8 @@ class EngineConfig:
         if self.prefix_cache_state_interval % self.block_size:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
         if self.speculative_config:
-            raise ValueError("speculative_config: speculative decoding is not available in this build yet")
+            from k3serve.spec.config import SpeculativeConfig
+            SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
         if self.extra:
             raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")
 

@@ -73,10 +73,20 @@ class LLMEngine:
                                                    self.max_model_len, config.scheduling_policy,
                                                    checkpoint_interval=config.prefix_cache_state_interval),
                                    self.cache)
-        self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device)
+        self.spec = None
+        if config.speculative_config:
+            from k3serve.spec.config import SpeculativeConfig
+            from k3serve.spec.decoder import SpecDecoder
+            self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.model,
+                                    self.max_model_len, config.max_num_seqs)
+            log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
+                     self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
+                     self.spec.cfg.rejection_sample_method)
+        self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, _Group] = {}  # scheduler request id -> its group
         self._arrivals = itertools.count()
+        self._seen: dict[str, int] = {}  # output tokens already detokenized, per scheduler request
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
     @classmethod
@@ -122,6 +132,8 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:  # drafts first: the scheduler budgets 1 + k tokens for them
+            self.runner.propose([r for r in self.scheduler.running if r.num_uncomputed == 1])
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -129,27 +141,39 @@ class LLMEngine:
         self.scheduler.update(batch, out)
         touched: dict[str, _Group] = {}
         for seq in batch.seqs:
-            tok = out.sampled.get(seq.request_id)
+            toks = out.sampled.get(seq.request_id)
             group = self._owner.get(seq.request_id)
-            if tok is None or group is None:
+            if not toks or group is None:
                 continue
-            self._on_token(group, seq.request, tok)
+            kept = len(seq.request.output_token_ids) - self._seen.get(seq.request_id, 0)
+            for tok in toks[:kept]:  # tokens after a stop token were not appended by the scheduler
+                if self._seen.get(seq.request_id, 0) >= len(seq.request.output_token_ids):
+                    break  # a stop string cut the output short
+                self._on_token(group, seq.request, tok)
             touched[group.request_id] = group
         return [self._output(g) for g in touched.values()]
 
     def _on_token(self, group: _Group, req: Request, tok: SampledToken) -> None:
+        """One emitted token (several per step with speculation): logprobs, detokenize, stop strings."""
         sample = next(s for s in group.samples if s.req is req)
+        seen = self._seen[req.request_id] = self._seen.get(req.request_id, 0) + 1
         self.counters["generation_tokens"] += 1
         group.metrics.setdefault("first_token_time", time.monotonic())
         if sample.logprobs is not None and tok.logprob is not None:
             sample.logprobs.append({tok.token_id: tok.logprob, **dict(tok.top_logprobs)})
             sample.cumulative_logprob += tok.logprob
-        ended_by_token = req.finished and req.finish_reason == "stop"
+        last = seen == len(req.output_token_ids)
+        ended_by_token = last and req.finished and req.finish_reason == "stop"
         if not ended_by_token or req.params.include_stop_str_in_output:
             stop = sample.detok.add(tok.token_id)
-            if stop is not None and not req.finished:
-                self.scheduler.finish(req, "stop", stop)
-        if req.finished:
+            if stop is not None:
+                del req.output_token_ids[seen:]  # drafts accepted after the stop string are dropped
+                last = True
+                if req.finished:
+                    req.finish_reason, req.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(req, "stop", stop)
+        if req.finished and last:
             sample.detok.flush()
             self._release(req)
             if group.finished:
@@ -160,6 +184,7 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         self.runner.release(req.request_id)
         self._owner.pop(req.request_id, None)
+        self._seen.pop(req.request_id, None)
 
     def _output(self, group: _Group) -> RequestOutput:
         outs = []

@@ -52,17 +52,39 @@ class KimiDeltaAttention(nn.Module):
         g = self._decay(x).view(N, H, D)
         rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
         o = torch.empty(N, H, D, dtype=torch.float32, device=x.device)
-        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0]
+        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0
+                   and i not in batch.verify]
         with flush_denormals():
+            if batch.verify:
+                self._verify(u, conv_w, g, beta, batch, cache, o)
             self._run(decodes, u, conv_w, g, beta, batch, rec, conv, o)
         return self._output(x, o)
+
+    def _verify(self, u, conv_w, g, beta, batch, cache, o) -> None:
+        """Speculating sequences (last token + drafts): consecutive batched recurrent steps, the
+        decode arithmetic, recording the state after every position for rollback (spec/rollback.py)."""
+        rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
+        bounds, idx = batch.seq_bounds(), batch.verify
+        lens = [batch.seq_lens[i] for i in idx]
+        T = max(lens)
+        rec_buf = torch.empty(len(idx), T, *rec.shape[1:], device=rec.device)
+        conv_buf = torch.empty(len(idx), T, *conv.shape[1:], device=conv.device)
+        for t in range(T):
+            act = [j for j in range(len(idx)) if lens[j] > t]
+            rows = torch.tensor([bounds[idx[j]][0] + t for j in act])
+            slots = torch.tensor([batch.state_slots[idx[j]] for j in act])
+            c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
+            q, k, v = self._qkv(c)
+            o[rows], rec[slots] = kda_step(q, k, v, g[rows], beta[rows], rec[slots])
+            rec_buf[act, t], conv_buf[act, t] = rec[slots], conv[slots]
+        cache.spec_states[self.layer_idx] = (rec_buf, conv_buf)
 
     def _run(self, decodes, u, conv_w, g, beta, batch, rec, conv, o) -> None:
         bounds = batch.seq_bounds()
         if decodes:
             self._decode(decodes, bounds, u, conv_w, g, beta, batch, rec, conv, o)
         for i, (s, e) in enumerate(bounds):
-            if i in decodes or s == e:
+            if i in decodes or s == e or i in batch.verify:
                 continue
             slot = batch.state_slots[i]
             fresh = batch.context_lens[i] == 0  # a new sequence starts from zero state

@@ -92,7 +92,8 @@ class GatedMLA(nn.Module):
         store = cache.latent[self.layer_idx]
         w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank)
         out = torch.empty(N, m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
-        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0]
+        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0
+                   and i not in batch.verify]
         if self.absorbed_decode and len(decodes) > 1:
             self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out)
         else:
@@ -103,7 +104,10 @@ class GatedMLA(nn.Module):
             ctx = batch.context_lens[i]
             store[batch.cache_rows(i, ctx, ctx + e - s)] = latent[s:e].to(store.dtype)
             seq = store[batch.cache_rows(i, 0, ctx + e - s)].float()  # [L, c + r]
-            attend = attend_absorbed if (e - s == 1 and self.absorbed_decode) else attend_naive
+            # verify passes use the decode algorithm for every drafted position (same arithmetic as
+            # non-speculative decoding, so greedy outputs agree)
+            absorbed = self.absorbed_decode and (e - s == 1 or i in batch.verify)
+            attend = attend_absorbed if absorbed else attend_naive
             out[s:e] = attend(q_nope[s:e], q_pe[s:e], seq[:, : m.kv_lora_rank], seq[:, m.kv_lora_rank:],
                               w_kv_b, m.v_head_dim, ctx, self.scale)
         out = out.reshape(N, -1)

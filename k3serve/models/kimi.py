@@ -55,16 +55,22 @@ class KimiModel(nn.Module):
             self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
             self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
 
-    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: CacheTensors,
+                capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """`capture`: {layer index: None} to be filled with that layer's output hidden states
+        [N, d] (the tap layers a DSpark drafter reads)."""
         h = self.embed_tokens(batch.input_ids)  # [N, d]
         if not self.cfg.use_attnres:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 h = h + layer.attn(h, batch, cache)
                 h = h + layer.ffn(h)
+                if capture is not None and i in capture:
+                    capture[i] = h
             return self.norm(h)
-        return self.norm(self._attnres_forward(h, batch, cache))
+        return self.norm(self._attnres_forward(h, batch, cache, capture))
 
-    def _attnres_forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+    def _attnres_forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors,
+                         capture: dict | None = None) -> torch.Tensor:
         """Spec §6.3: B holds banked block vectors; P is the running intra-block partial sum."""
         eps, bank = self.cfg.rms_norm_eps, []
         for i, layer in enumerate(self.layers):
@@ -78,6 +84,8 @@ class KimiModel(nn.Module):
                 partial = h + layer.attn(a_in, batch, cache)
             m_in = attnres_mix(bank + [partial], w_mlp, eps)
             h = partial + layer.ffn(m_in)
+            if capture is not None and i in capture:
+                capture[i] = h
         w_out = attnres_vector(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
         return attnres_mix(bank + [h], w_out, eps)
 
@@ -92,9 +100,10 @@ class KimiForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = WeightOnly(cfg.vocab_size, cfg.hidden_size)
 
-    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: CacheTensors,
+                capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Final hidden states [N, d]."""
-        return self.model(batch, cache)
+        return self.model(batch, cache, capture)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight

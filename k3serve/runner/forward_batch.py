@@ -10,7 +10,7 @@ where each sequence's KDA state slot and MLA latent blocks are:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class ForwardBatch:
     block_tables: list[list[int]]  # MLA latent block ids per sequence (cover context + new)
     block_size: int
     logits_indices: torch.Tensor | None = None  # rows of [N] to compute logits for; None = all
+    verify: list[int] = field(default_factory=list)  # sequences verifying drafts: KDA records per-position states
 
     @property
     def num_seqs(self) -> int:
@@ -67,6 +68,8 @@ class CacheTensors:
     conv: list[torch.Tensor | None]
     latent: list[torch.Tensor | None]
     block_size: int
+    # per-position KDA states of the current verify pass: layer -> (rec [S, T, H, D, D], conv [S, T, K-1, 3P])
+    spec_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,

@@ -19,13 +19,19 @@ from k3serve.scheduler.request import Request
 
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, seed: int = 0,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", spec=None):
         self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
+        self.spec = spec  # SpecDecoder when speculative decoding is configured
         # checkpoint slots (prefix caching) follow the live slots in the same state tensors
         self.cache = CacheTensors.allocate(model.cfg, plan.num_slots + plan.num_checkpoints, plan.num_blocks,
                                            plan.block_size, kv_dtype=kv_dtype, device=self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request]) -> None:
+        if self.spec is not None:
+            self.spec.propose(reqs)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -35,17 +41,46 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             seq_lens=[s.num_tokens for s in seqs], context_lens=[s.start for s in seqs],
             state_slots=[s.state_slot for s in seqs], block_tables=[s.block_table for s in seqs],
-            block_size=self.plan.block_size)
+            block_size=self.plan.block_size, verify=[i for i, s in enumerate(seqs) if s.drafts])
+        capture = {i: None for i in self.spec.tap_layers} if self.spec is not None and self.spec.tap_layers else None
         self._copy_states(batch.restore_states)  # a prefix hit resumes from its checkpoint
-        hidden = self.model(fb, self.cache)  # [N, d]
+        hidden = self.model(fb, self.cache, capture)  # [N, d]
         self._copy_states(batch.save_states)  # states exactly at chunk ends become checkpoints
-        rows = [e - 1 for s, (_, e) in zip(seqs, fb.seq_bounds()) if s.sample]
-        if not rows:
+        bounds = fb.seq_bounds()
+        # logits: the last row of sampling sequences, every row of verifying ones
+        spans, first = [], 0  # (seq index, first logits row of it)
+        rows: list[int] = []
+        for i, (s, (b, e)) in enumerate(zip(seqs, bounds)):
+            if s.sample:
+                spans.append((i, len(rows)))
+                rows += list(range(b, e)) if s.drafts else [e - 1]
+        if not spans:
             return StepOutput()
-        reqs = [s.request for s in seqs if s.sample]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
-        sampled = self.sampler(logits, reqs, [self._generator(r) for r in reqs])
-        return StepOutput({r.request_id: t for r, t in zip(reqs, sampled)})
+        out = StepOutput()
+        plain = [(seqs[i], p) for i, p in spans if not seqs[i].drafts]
+        if plain:
+            reqs = [s.request for s, _ in plain]
+            toks = self.sampler(logits[torch.tensor([p for _, p in plain])], reqs, [self._generator(r) for r in reqs])
+            out.sampled.update({r.request_id: [t] for r, t in zip(reqs, toks)})
+        slots, taus, committed = [], [], {}
+        for i, p in spans:
+            s, row = seqs[i], bounds[i][1] - 1
+            if s.drafts:
+                emitted, tau = self.spec.verify(s.request, logits[p:p + 1 + len(s.drafts)], s.drafts,
+                                                self._generator(s.request))
+                out.sampled[s.request_id] = emitted
+                slots.append(s.state_slot)
+                taus.append(tau)
+                row = bounds[i][0] + tau  # the last committed input
+            committed[s.request_id] = row
+        if slots:
+            self.spec.rollback(self.cache, slots, taus)
+        if capture is not None:  # the drafter reads tap-layer states at the last committed position
+            taps = torch.stack([capture[i] for i in self.spec.tap_layers], 1)  # [N, taps, d]
+            for rid, row in committed.items():
+                self.spec.observe(rid, taps[row])
+        return out
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -58,6 +93,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.release(request_id)
 
     def _generator(self, req: Request) -> torch.Generator:
         gen = self._generators.get(req.request_id)

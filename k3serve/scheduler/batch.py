@@ -17,6 +17,7 @@ class ScheduledSeq:
     state_slot: int
     block_table: list[int]
     sample: bool  # the chunk reaches the newest token: sample the next one
+    drafts: list[int] = field(default_factory=list)  # speculative tokens verified after the newest one
 
     @property
     def request_id(self) -> str:
@@ -24,7 +25,8 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+        n = self.num_tokens - len(self.drafts)
+        return self.request.all_token_ids[self.start:self.start + n] + self.drafts
 
 
 @dataclass
@@ -53,4 +55,7 @@ class SampledToken:
 
 @dataclass
 class StepOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    """Tokens emitted per request this step: one, or with speculation the accepted drafts plus
+    the residual/bonus token."""
+
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)

@@ -37,6 +37,12 @@ class Request:
     num_preemptions: int = 0
     checkpoint_at: list[int] = field(default_factory=list)  # prefix-cache save points still ahead
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at admission
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts worth verifying now: every emitted token must fit under max_total_tokens."""
+        return max(0, self.max_total_tokens - self.num_tokens - 1)
 
     @property
     def all_token_ids(self) -> list[int]:

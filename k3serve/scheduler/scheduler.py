@@ -111,10 +111,15 @@ class Scheduler:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens = seq.start + seq.num_tokens
-            self.cache.register_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            tok = out.sampled.get(req.request_id)
-            if seq.sample and tok is not None and req.append_token(tok.token_id):
+            toks = out.sampled.get(req.request_id, []) if seq.sample else []
+            # with drafts only the committed inputs count: the newest token + accepted drafts
+            req.num_computed_tokens = seq.start + (len(toks) if seq.drafts else seq.num_tokens)
+            req.spec_token_ids = []
+            done = any(req.append_token(t.token_id) for t in toks)  # stops at the first ending token
+            # accepted drafts are inputs now in the cache: publish blocks once their ids are known
+            self.cache.register_computed(req.request_id, req.all_token_ids,
+                                         min(req.num_computed_tokens, req.num_tokens))
+            if done:
                 self.finish(req, req.finish_reason)
                 finished.append(req)
         self.cache.end_step(batch.pinned)
@@ -123,6 +128,8 @@ class Scheduler:
     # ---- helpers ---------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:
         remaining = req.num_uncomputed
+        if remaining == 1 and req.spec_token_ids:  # decode with drafts: newest token + drafts
+            return 1 + min(len(req.spec_token_ids), req.max_drafts, budget - 1)
         n = min(remaining, budget)
         if n < remaining:  # not the last chunk: end on the KDA chunk grid when possible
             start, align = req.num_computed_tokens, self.config.chunk_align
@@ -141,7 +148,9 @@ class Scheduler:
             ckpt = self.cache.begin_checkpoint(self.cache.checkpoint_key(rid, req.all_token_ids, end))
             if ckpt is not None:
                 batch.save_states.append((slot, ckpt))
-        return ScheduledSeq(req, req.num_computed_tokens, n, slot, self.cache.block_table(rid), end == req.num_tokens)
+        drafts = req.spec_token_ids[:n - 1] if req.num_uncomputed == 1 else []
+        return ScheduledSeq(req, req.num_computed_tokens, n, slot, self.cache.block_table(rid),
+                            end >= req.num_tokens, drafts)
 
     def _reserve(self, req: Request, n: int, scheduled: set[str], batch: ScheduledBatch) -> bool:
         """Blocks for `n` more tokens of a running request, preempting others if needed."""

@@ -3,7 +3,8 @@
 Counters: HTTP requests by endpoint and status, prompt / generation tokens, finished requests
 by reason. Histograms: TTFT, TPOT, end-to-end latency. Gauges read at scrape time: running and
 waiting requests, latent blocks and state slots used / total, prefix-cache queries, hit tokens,
-hit rate, checkpoints stored / evicted / held and their bytes.
+hit rate, checkpoints stored / evicted / held and their bytes; speculative decoding drafts,
+drafted and accepted tokens, mean acceptance length, accepted tokens per draft position.
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ class ServerMetrics:
             "prefix_cache_cached_free_blocks": ("Latent blocks kept for reuse, unreferenced",
                                                 lambda: eng.cache.blocks.num_cached_free),
         })
+        spec = eng.spec
+        if spec is not None:
+            ss = spec.stats
+            gauges.update({
+                "spec_decode_num_drafts": ("Verify passes with drafted tokens", lambda: ss.drafts),
+                "spec_decode_num_draft_tokens": ("Drafted tokens", lambda: ss.draft_tokens),
+                "spec_decode_num_accepted_tokens": ("Accepted drafted tokens", lambda: ss.accepted_tokens),
+                "spec_decode_mean_acceptance_length": ("1 + accepted / drafts", lambda: ss.mean_acceptance_length),
+            })
+            per_pos = Gauge("k3serve:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
+                            ["position"], registry=r)
+            for i in range(spec.cfg.num_speculative_tokens):
+                per_pos.labels(str(i)).set_function(
+                    lambda i=i: ss.accepted_per_position[i] if i < len(ss.accepted_per_position) else 0)
         for name, (doc, fn) in gauges.items():
             Gauge(f"k3serve:{name}", doc, registry=r).set_function(fn)
 

@@ -128,3 +128,23 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(client, live_server):
     assert "k3serve:prefix_cache_hit_tokens" in metrics and "k3serve:prefix_cache_checkpoint_bytes" in metrics
     r = httpx.post(base + "/reset_prefix_cache").json()
     assert r["freed_blocks"] > 0 or r["dropped_checkpoints"] > 0
+
+
+def test_server_with_speculative_config(tiny_k3_dir):
+    """--speculative-config is honoured: spec metrics appear and greedy output is unchanged."""
+    import asyncio
+
+    from tests.server.conftest import make_app
+
+    app, _ = make_app(tiny_k3_dir, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    plain, _ = make_app(tiny_k3_dir)
+    body = {"prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    async def go(a, path, **kw):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t") as c:
+            return await c.request("POST" if "json" in kw else "GET", path, **kw)
+    spec_text = asyncio.run(go(app, "/v1/completions", json=body)).json()["choices"][0]["text"]
+    plain_text = asyncio.run(go(plain, "/v1/completions", json=body)).json()["choices"][0]["text"]
+    assert spec_text == plain_text
+    metrics = asyncio.run(go(app, "/metrics")).text
+    assert "k3serve:spec_decode_num_drafts" in metrics and "k3serve:spec_decode_mean_acceptance_length" in metrics

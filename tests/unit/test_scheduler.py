@@ -28,7 +28,7 @@ def req(rid, n_prompt, max_tokens=4, arrival=0, priority=0, **kw):
 
 def run_step(s: Scheduler, token=7):
     batch = s.schedule()
-    out = StepOutput({q.request_id: SampledToken(token) for q in batch.seqs if q.sample})
+    out = StepOutput({q.request_id: [SampledToken(token)] for q in batch.seqs if q.sample})
     return batch, s.update(batch, out)
 
 
@@ -139,7 +139,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch = self.s.schedule()
         for q in batch.seqs:  # what is computed must lie inside the request's blocks
             assert len(q.block_table) * 4 >= q.start + q.num_tokens
-        out = StepOutput({q.request_id: SampledToken(EOS if eos else 3) for q in batch.seqs if q.sample})
+        out = StepOutput({q.request_id: [SampledToken(EOS if eos else 3)] for q in batch.seqs if q.sample})
         self.s.update(batch, out)
 
     @precondition(lambda self: self.s.requests)

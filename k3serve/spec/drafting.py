@@ -1,0 +1,41 @@
+"""Turning draft logits into draft tokens and the q they were drawn from, with the request's own
+sampling parameters (so top-k / top-p / temperature act on q exactly as on p)."""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.scheduler.request import Request
+from k3serve.spec.verifier import distribution, processed_logits
+
+
+def draft_token(logits: torch.Tensor, req: Request, prev_drafts: list[int], method: str,
+                gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """logits [V] for the next draft position -> (token, q row or None for one-hot)."""
+    proc = processed_logits(logits[None], req, [])[0] if not prev_drafts else \
+        processed_logits(torch.cat([logits[None]] * (len(prev_drafts) + 1)), req, prev_drafts)[-1]
+    if method == "greedy" or req.params.greedy:
+        return int(proc.argmax()), None
+    q = distribution(proc[None], req)[0]
+    return int(torch.multinomial(q, 1, generator=gen)[0]), q
+
+
+def stack_q(rows: list[torch.Tensor | None], tokens: list[int], vocab: int) -> torch.Tensor | None:
+    """[k, V] q for verification; one-hot rows where drafting was greedy. None if all greedy."""
+    if all(r is None for r in rows):
+        return None
+    out = torch.zeros(len(rows), vocab, dtype=torch.float64)
+    for i, (r, t) in enumerate(zip(rows, tokens)):
+        if r is None:
+            out[i, t] = 1.0
+        else:
+            out[i] = r
+    return out
+
+
+def request_generator(store: dict, req: Request, salt: int) -> torch.Generator:
+    gen = store.get(req.request_id)
+    if gen is None:
+        seed = (req.params.seed if req.params.seed is not None else req.arrival) * 7919 + salt
+        gen = store[req.request_id] = torch.Generator().manual_seed(seed)
+    return gen

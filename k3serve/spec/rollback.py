@@ -1,0 +1,30 @@
+"""KDA state rollback after verification: per-position state buffers (serving-notes.md §3.1,
+design 1 as in vLLM's native GDN path and SGLang's intermediate caches).
+
+During a verify pass each KDA layer runs the 1 + k positions of a speculating request as
+consecutive recurrent steps and records the recurrent state [H, D, D] and conv window
+[K-1, 3P] after every position in `CacheTensors.spec_states[layer] = (rec [S, T, ...],
+conv [S, T, ...])`, S = speculating sequences in batch order. After acceptance of tau drafts
+the request's live slot takes the entry at position tau (the last committed input: the token
+fed at position 0 plus tau accepted drafts). MLA needs nothing: rows past the committed length
+are rewritten before they are ever read. The buffers live for one step only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.runner.forward_batch import CacheTensors
+
+
+def rollback_states(cache: CacheTensors, slots: list[int], accepted: list[int]) -> None:
+    """For the j-th speculating sequence: live slot slots[j] <- recorded state at accepted[j]."""
+    if not slots:
+        return
+    dst = torch.tensor(slots)
+    pos = torch.tensor(accepted)
+    rows = torch.arange(len(slots))
+    for layer, (rec_buf, conv_buf) in cache.spec_states.items():
+        cache.recurrent[layer][dst] = rec_buf[rows, pos]
+        cache.conv[layer][dst] = conv_buf[rows, pos]
+    cache.spec_states.clear()

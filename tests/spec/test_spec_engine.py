@@ -1,0 +1,117 @@
+"""Speculative decoding end to end on tiny checkpoints: greedy spec == non-spec for ngram,
+dspark and draft_model; mixed batches with prefix caching and preemption; seeded sampling;
+stop strings; config errors; the DSpark distillation entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve import LLM, SamplingParams
+from k3serve.config.bundled import load_model_config
+from k3serve.spec.dspark import DSparkConfig, DSparkModel, load_dspark, save_dspark
+
+KW = dict(cache_memory="32MiB", max_model_len=512)
+# a bias toward four tokens makes greedy text loop, so n-gram drafts get accepted
+LOOPY = dict(logit_bias={11: 6.0, 22: 6.0, 33: 6.0, 44: 6.0})
+
+
+def prompts(n: int, length: int = 8, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(1, 500, (length,), generator=g).tolist()} for _ in range(n)]
+
+
+def ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_k3_dir):
+    return LLM(str(tiny_k3_dir), **KW)
+
+
+@pytest.fixture(scope="module")
+def random_dspark(tiny_k3_dir, tmp_path_factory):
+    cfg = load_model_config(tiny_k3_dir)
+    torch.manual_seed(0)
+    model = DSparkModel(DSparkConfig((1, 4, 6), 4, cfg.pad_token_id, cfg.vocab_size, cfg.hidden_size, markov_rank=8))
+    return str(save_dspark(model, tmp_path_factory.mktemp("dspark")))
+
+
+def spec_llm(model_dir, **spec):
+    return LLM(str(model_dir), speculative_config={"num_speculative_tokens": 4, **spec}, **KW)
+
+
+def test_ngram_greedy_equals_plain_and_accepts(tiny_k3_dir, base):
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, **LOOPY)
+    llm = spec_llm(tiny_k3_dir, method="ngram", prompt_lookup_min=2)
+    assert ids(llm.generate(prompts(5), sp)) == ids(base.generate(prompts(5), sp))
+    st = llm.engine.spec.stats
+    assert st.accepted_tokens > 10 and st.mean_acceptance_length > 1.1
+    assert st.accepted_per_position[0] >= st.accepted_per_position[-1]
+
+
+@pytest.mark.parametrize("method", ["dspark", "draft_model"])
+def test_model_drafters_greedy_equal_plain(tiny_k3_dir, tiny_kl_dir, base, random_dspark, method):
+    draft = random_dspark if method == "dspark" else str(tiny_kl_dir)
+    llm = spec_llm(tiny_k3_dir, method=method, model=draft)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **LOOPY)
+    assert ids(llm.generate(prompts(4, seed=3), sp)) == ids(base.generate(prompts(4, seed=3), sp))
+    assert llm.engine.spec.stats.drafts > 0
+
+
+def test_mixed_batch_with_prefix_cache_and_preemption(tiny_k3_dir, base):
+    shared = prompts(1, length=40, seed=9)[0]["prompt_token_ids"]
+    ps = [{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in prompts(6, seed=10)]
+    sps = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **(LOOPY if i % 2 else {}))
+           for i in range(6)]  # half loop (and speculate), half do not
+    want = ids(base.generate(ps, sps))
+    tight = LLM(str(tiny_k3_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                cache_memory=5 * 32_000 + 14 * 16 * 480, num_state_slots=4, max_model_len=200)
+    run_twice = ids(tight.generate(ps[:1], sps[:1])) + ids(tight.generate(ps[1:], sps[1:]))
+    assert run_twice == want
+    eng = tight.engine
+    assert eng.scheduler.num_preemptions > 0 and eng.cache.checkpoints.stats.hit_tokens > 0
+    assert eng.spec.stats.accepted_tokens > 0
+    assert eng.cache.num_free_slots == eng.plan.num_slots
+
+
+def test_seeded_sampling_with_probabilistic_block_verification(tiny_k3_dir, random_dspark):
+    llm = spec_llm(tiny_k3_dir, method="dspark", model=random_dspark, draft_sample_method="probabilistic",
+                   rejection_sample_method="block")
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=20, ignore_eos=True)
+    a = ids(llm.generate(prompts(3, seed=5), sp))
+    b = ids(llm.generate(prompts(3, seed=5), sp))
+    assert a == b and all(len(x) == 20 for x in a)
+
+
+def test_stop_string_cuts_accepted_drafts(tiny_k3_dir, base):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **LOOPY)
+    p = prompts(1, seed=21)
+    text = base.generate(p, sp)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    spx = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], **LOOPY)
+    want = base.generate(p, spx)[0].outputs[0]
+    got = spec_llm(tiny_k3_dir, method="ngram", prompt_lookup_min=2).generate(p, spx)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "dspark", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "magic"}, "rejection_sample_method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown keys"),
+])
+def test_config_errors_name_the_key(tiny_k3_dir, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_k3_dir), speculative_config=cfg, **KW)
+
+
+def test_dspark_distillation_learns(tiny_k3_dir, tmp_path):
+    from k3serve.spec.train_dspark import distill_dspark
+
+    r = distill_dspark(str(tiny_k3_dir), str(tmp_path / "d"), steps=40, num_seqs=8, seq_len=40, block_size=3)
+    assert r["last_loss"] < 0.7 * r["first_loss"]
+    m = load_dspark(tmp_path / "d")
+    assert m.cfg.block_size == 3 and m.cfg.target_layer_ids == (1, 4, 6) and m.cfg.markov_rank == 16
