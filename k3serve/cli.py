@@ -1,4 +1,4 @@
-"""`k3serve` command line: serve | plan | generate | inspect | train-dspark | build-tiny (later: bench)."""
+"""`k3serve` command line: serve | plan | bench | generate | inspect | train-dspark | build-tiny."""
 
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ def _cmd_train_dspark(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from k3serve.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from k3serve.planner.cli import run_plan
 
@@ -88,6 +94,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from k3serve.bench.cli import add_bench_args
     from k3serve.planner.cli import add_plan_args
     from k3serve.server.launch import add_serve_args
 
@@ -123,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")
     p.add_argument("--json", action="store_true", help="print token ids and text as JSON")
     p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("bench", help="load generator with vLLM bench-serve metrics and A/B ablations")
+    add_bench_args(p)
+    p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("train-dspark", help="distil a tiny DSpark drafter from a target checkpoint")
     p.add_argument("out")
     p.add_argument("--target", help="target checkpoint dir (default: the bundled tiny model)")

@@ -1,0 +1,124 @@
+"""`k3serve bench`: flags spelled like `vllm bench serve` so existing scripts carry over."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from k3serve.bench import datasets as ds
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mode", nargs="?", default="serve", choices=("serve",), help="(vLLM spelling) serve")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", help="model name sent in requests (default: the server's)")
+    p.add_argument("--dataset-name", default="random", choices=("random", "shared-prefix", "low-entropy",
+                                                                 "high-entropy", "jsonl"))
+    p.add_argument("--dataset-path", help="jsonl file for --dataset-name jsonl")
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=32)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--shared-prefix-len", type=int, default=256)
+    p.add_argument("--shared-prefix-ratio", type=float, default=0.9)
+    p.add_argument("--vocab-range", default="1,500", help="token ids drawn from [lo, hi) for synthetic prompts")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--sweep-max-concurrency", help="comma list, e.g. 1,4,16: one run per value")
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="50,90,99")
+    p.add_argument("--goodput", nargs="*", help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--ablate", nargs=2, metavar=("A_URL", "B_URL"), help="paired A/B replay of the same requests")
+    p.add_argument("--ablate-rounds", type=int, default=2)
+    p.add_argument("--api-key")
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--result-filename", default="bench-result.json")
+    p.add_argument("--plot", help="PNG file: latency CDFs (+ throughput vs concurrency for sweeps)")
+    p.add_argument("--precision", default="", help="recorded in the result (e.g. bf16, mxfp4-w4a8)")
+    p.add_argument("--engine", default="k3serve", help="recorded in the result")
+    p.add_argument("--devices", default="", help="recorded in the result (e.g. 1xH200)")
+    p.add_argument("--interconnect", default="", help="recorded in the result")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def build_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
+    lo, hi = (int(x) for x in a.vocab_range.split(","))
+    n, seed = a.num_prompts, a.seed
+    if a.dataset_name == "random":
+        return ds.random_requests(n, a.random_input_len, a.random_output_len, a.random_range_ratio, (lo, hi), seed)
+    if a.dataset_name == "shared-prefix":
+        return ds.shared_prefix_requests(n, a.shared_prefix_len, a.shared_prefix_ratio, a.random_input_len,
+                                         a.random_output_len, (lo, hi), seed)
+    if a.dataset_name in ("low-entropy", "high-entropy"):
+        return ds.entropy_requests(n, a.random_input_len, a.random_output_len, a.dataset_name == "low-entropy",
+                                   (lo, hi), seed)
+    if not a.dataset_path:
+        raise ValueError("--dataset-name jsonl needs --dataset-path")
+    return ds.jsonl_requests(a.dataset_path, n, a.random_output_len)
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        key, _, val = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not val:
+            raise ValueError(f"--goodput takes ttft:MS tpot:MS e2el:MS, got {item!r}")
+        out[key] = float(val)
+    return out
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    from k3serve.bench.ablate import ablate
+    from k3serve.bench.metrics import summarize
+    from k3serve.bench.report import format_summary, per_request, plot, save_result
+    from k3serve.bench.runner import LoadSettings, run_load
+
+    requests = build_requests(a)
+    metrics = [m for m in a.percentile_metrics.split(",") if m]
+    ps = [float(x) for x in a.metric_percentiles.split(",")]
+    goodput = parse_goodput(a.goodput)
+    sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("seed", a.seed)) if v is not None}
+    settings = LoadSettings(a.base_url, a.endpoint, a.model, a.request_rate, a.burstiness, a.max_concurrency,
+                            a.num_warmups, a.ignore_eos, a.seed, sampling, a.api_key, progress=not a.no_progress)
+    meta = {"engine": a.engine, "precision": a.precision, "devices": a.devices, "interconnect": a.interconnect,
+            "model": a.model, "base_url": a.base_url, "endpoint": a.endpoint, "dataset": a.dataset_name,
+            "num_prompts": len(requests), "input_len": a.random_input_len, "output_len": a.random_output_len,
+            "request_rate": a.request_rate, "burstiness": a.burstiness, "sampling": sampling,
+            "ignore_eos": a.ignore_eos, "seed": a.seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if a.ablate:
+        result = ablate(requests, settings, a.ablate[0], a.ablate[1], a.ablate_rounds, metrics, ps)
+        for key, r in result["ratios_B_over_A"].items():
+            print(f"{key:<24} B/A {r['mean']:.3f}  (min {r['min']:.3f}, max {r['max']:.3f}, {len(r['rounds'])} rounds)")
+        payload = {**meta, "max_concurrency": a.max_concurrency, "ablation": result,
+                   "requests": [r.to_dict() for r in requests]}
+        if a.save_result:
+            save_result(a.result_filename, payload)
+        return 0
+    concurrencies = [int(x) for x in a.sweep_max_concurrency.split(",")] if a.sweep_max_concurrency else \
+        [a.max_concurrency]
+    runs = []
+    for c in concurrencies:
+        s = settings if c == a.max_concurrency else type(settings)(**{**settings.__dict__, "max_concurrency": c})
+        results, duration, server = asyncio.run(run_load(requests, s))
+        summary = summarize(results, duration, metrics, ps, goodput)
+        print(format_summary(f"Serving Benchmark Result (max concurrency {c or 'inf'})", summary, server))
+        runs.append({"label": f"concurrency {c or 'inf'}", "concurrency": c, "results": results, "summary": summary,
+                     "server": server})
+    if a.save_result:
+        save_result(a.result_filename, {**meta, "runs": [
+            {"max_concurrency": r["concurrency"], **r["summary"], "server": r["server"],
+             "per_request": per_request(r["results"])} for r in runs], "requests": [r.to_dict() for r in requests]})
+    if a.plot:
+        plot(a.plot, runs)
+    failed = sum(r["summary"]["failed"] for r in runs)
+    return 0 if failed == 0 else 1

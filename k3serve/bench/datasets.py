@@ -1,0 +1,80 @@
+"""Request sets: random, shared-prefix, low-/high-entropy synthetic, and jsonl files. Every
+request carries the exact token ids it will send (or its text when the file gives text)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int] | None
+    prompt: str | None
+    output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _lens(rng, n: int, mean: int, ratio: float) -> list[int]:
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [int(x) for x in rng.integers(lo, hi + 1, size=n)] if ratio else [mean] * n
+
+
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab: tuple[int, int],
+                    seed: int) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    ins, outs = _lens(rng, n, input_len, range_ratio), _lens(rng, n, output_len, range_ratio)
+    return [BenchRequest(rng.integers(*vocab, size=i).tolist(), None, o) for i, o in zip(ins, outs)]
+
+
+def shared_prefix_requests(n: int, prefix_len: int, share_ratio: float, input_len: int, output_len: int,
+                           vocab: tuple[int, int], seed: int) -> list[BenchRequest]:
+    """`share_ratio` of the requests start with the same `prefix_len` tokens."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(*vocab, size=prefix_len).tolist()
+    out = []
+    for i in range(n):
+        tail = rng.integers(*vocab, size=input_len).tolist()
+        shared = i < round(n * share_ratio)
+        out.append(BenchRequest((prefix if shared else rng.integers(*vocab, size=prefix_len).tolist()) + tail,
+                                None, output_len))
+    return out
+
+
+def entropy_requests(n: int, input_len: int, output_len: int, low: bool, vocab: tuple[int, int],
+                     seed: int) -> list[BenchRequest]:
+    """low: a short random segment repeated (code-like, predictable); high: uniform random ids."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        if low:
+            seg = rng.integers(*vocab, size=max(2, input_len // 8)).tolist()
+            ids = (seg * (input_len // len(seg) + 1))[:input_len]
+        else:
+            ids = rng.integers(*vocab, size=input_len).tolist()
+        out.append(BenchRequest(ids, None, output_len))
+    return out
+
+
+def jsonl_requests(path: str | Path, n: int | None, output_len: int) -> list[BenchRequest]:
+    out = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+        if "prompt_token_ids" not in row and "prompt" not in row:
+            raise ValueError(f"{path}:{lineno}: needs 'prompt' or 'prompt_token_ids'")
+        out.append(BenchRequest(row.get("prompt_token_ids"), row.get("prompt"), int(row.get("output_len", output_len))))
+    return out[:n] if n else out

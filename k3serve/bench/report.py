@@ -1,0 +1,69 @@
+"""Readable summary, JSON result file (settings, per-request timings, the token ids sent) and
+PNG plots (latency CDFs; throughput vs concurrency for sweeps)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from k3serve.bench.metrics import RequestResult
+
+
+def format_summary(title: str, s: dict, server: dict) -> str:
+    lines = [f"{'=' * 18} {title} {'=' * 18}",
+             f"Successful requests:                     {s['completed']}",
+             f"Failed requests:                         {s['failed']}",
+             f"Benchmark duration (s):                  {s['duration_s']:.2f}",
+             f"Total input tokens:                      {s['total_input_tokens']}",
+             f"Total generated tokens:                  {s['total_output_tokens']}",
+             f"Request throughput (req/s):              {s['request_throughput']:.2f}",
+             f"Output token throughput (tok/s):         {s['output_throughput']:.2f}",
+             f"Peak output token throughput (tok/s):    {s['peak_output_throughput']:.2f}",
+             f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}"]
+    if "request_goodput" in s:
+        lines.append(f"Request goodput (req/s):                 {s['request_goodput']:.2f}")
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        if f"mean_{m}_ms" in s:
+            lines.append(f"{'-' * 12} {m.upper()} (ms) {'-' * 12}")
+            for k in sorted(k for k in s if k.endswith(f"_{m}_ms")):
+                lines.append(f"{k:<40} {s[k]:.2f}")
+    for k, v in server.items():
+        lines.append(f"{k:<40} {v:.3f}")
+    return "\n".join(lines)
+
+
+def per_request(results: list[RequestResult]) -> list[dict]:
+    return [{"index": r.index, "success": r.success, "error": r.error, "prompt_tokens": r.prompt_tokens,
+             "output_tokens": r.output_tokens, "start_s": r.start, "ttft_s": r.ttft, "tpot_s": r.tpot,
+             "e2el_s": r.latency, "itl_s": r.itl} for r in results]
+
+
+def save_result(path: str | Path, payload: dict) -> None:
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def plot(path: str | Path, runs: list[dict]) -> None:
+    """runs: [{"label", "concurrency", "results": [RequestResult], "summary": {...}}]."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4 if len(runs) > 1 else 3, figsize=(16 if len(runs) > 1 else 12, 3.6))
+    for ax, (metric, getter) in zip(axes, [("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot),
+                                           ("E2EL", lambda r: r.latency)]):
+        for run in runs:
+            vals = sorted(getter(r) * 1000 for r in run["results"] if r.success and getter(r) is not None)
+            if vals:
+                ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))], label=run["label"])
+        ax.set_xlabel(f"{metric} (ms)")
+        ax.set_ylabel("CDF")
+        ax.legend(fontsize=7)
+    if len(runs) > 1:
+        ax = axes[3]
+        xs = [r["concurrency"] or 0 for r in runs]
+        ax.plot(xs, [r["summary"]["output_throughput"] for r in runs], marker="o")
+        ax.set_xlabel("max concurrency")
+        ax.set_ylabel("output tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
