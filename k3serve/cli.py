@@ -11,10 +11,10 @@ from k3serve.weights.errors import CheckpointError
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from k3serve.testing.builder import ensure_default_model
+    from k3serve.demo import default_model
     from k3serve.weights.inspect import format_report, inspect_model, report_dict
 
-    target = args.model or str(ensure_default_model())
+    target = args.model or str(default_model())
     report = inspect_model(target)
     print(json.dumps(report_dict(report), indent=2) if args.json else format_report(report))
     return 0
@@ -67,14 +67,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _cmd_train_demo(args: argparse.Namespace) -> int:
+    import logging
+
+    from k3serve.demo.train import train_demo
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from k3serve.demo.train import train_demo_draft
+
+    if not args.draft_only:
+        r = train_demo(args.out, steps=args.steps, num_conversations=args.num_conversations, seed=args.seed,
+                       time_limit_s=args.time_limit)
+        print(f"wrote the demo model to {r['out']}: {r['steps']} steps, loss {r['first_loss']:.3f} -> "
+              f"{r['last_loss']:.3f}, {r['seconds']:.0f}s")
+    d = train_demo_draft(args.out, seed=args.seed)
+    print(f"wrote its DSpark draft to {d['out']} (loss {d['first_loss']:.3f} -> {d['last_loss']:.3f})")
+    return 0
+
+
 def _cmd_train_dspark(args: argparse.Namespace) -> int:
     import logging
 
     from k3serve.spec.train_dspark import distill_dspark
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    from k3serve.testing.builder import ensure_default_model
-    target = args.target or str(ensure_default_model())
+    from k3serve.demo import default_model
+    target = args.target or str(default_model())
     r = distill_dspark(target, args.out, block_size=args.block_size, steps=args.steps, num_seqs=args.num_seqs,
                        seq_len=args.seq_len, seed=args.seed)
     print(f"wrote dspark draft to {r['out']} (loss {r['first_loss']:.3f} -> {r['last_loss']:.3f})")
@@ -133,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="load generator with vLLM bench-serve metrics and A/B ablations")
     add_bench_args(p)
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("train-demo", help="train the bundled demo model (tokenizer, QAT K3, export)")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--num-conversations", type=int, default=6000)
+    p.add_argument("--time-limit", type=float, help="stop after this many seconds")
+    p.add_argument("--draft-only", action="store_true", help="only (re)distil the DSpark draft of OUT")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train_demo)
     p = sub.add_parser("train-dspark", help="distil a tiny DSpark drafter from a target checkpoint")
     p.add_argument("out")
     p.add_argument("--target", help="target checkpoint dir (default: the bundled tiny model)")

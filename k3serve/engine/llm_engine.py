@@ -52,11 +52,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from k3serve.models.registry import load_model
         from k3serve.runner.model_runner import ModelRunner
-        from k3serve.testing.builder import ensure_default_model
+        from k3serve.demo import default_model
         from k3serve.tokenizer import Tokenizer
 
         self.config = config
-        self.model_path = str(config.model or ensure_default_model())
+        self.model_path = str(config.model or default_model())
         where = placement(config)
         self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
                                 progress=False).to(where.device)
@@ -77,8 +77,8 @@ class LLMEngine:
         if config.speculative_config:
             from k3serve.spec.config import SpeculativeConfig
             from k3serve.spec.decoder import SpecDecoder
-            self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.model,
-                                    self.max_model_len, config.max_num_seqs)
+            spec_cfg = SpeculativeConfig.from_dict(config.speculative_config).resolve_model(self.model_path)
+            self.spec = SpecDecoder(spec_cfg, self.model, self.max_model_len, config.max_num_seqs)
             log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
                      self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
                      self.spec.cfg.rejection_sample_method)

@@ -70,7 +70,9 @@ def build_server(args: argparse.Namespace):
     from k3serve.server.state import ServerState
 
     engine = AsyncEngine(LLMEngine.from_args(args.model, **engine_kwargs(args)), max_waiting=args.max_waiting)
-    state = ServerState(engine, args.served_model_name or args.model or DEFAULT_SERVED_NAME,
+    from k3serve.demo import bundled_demo
+    default_name = "k3serve/demo-k3" if bundled_demo() else DEFAULT_SERVED_NAME
+    state = ServerState(engine, args.served_model_name or args.model or default_name,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         api_key=args.api_key)

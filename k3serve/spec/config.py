@@ -19,6 +19,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
 
+    def resolve_model(self, target_dir: str) -> "SpeculativeConfig":
+        """A draft path that does not exist as given is looked up inside the target's directory
+        (the demo ships its draft as `<model>/dspark`)."""
+        from dataclasses import replace
+        from pathlib import Path
+
+        if self.model and not Path(self.model).exists() and (Path(target_dir) / self.model).exists():
+            return replace(self, model=str(Path(target_dir) / self.model))
+        return self
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SpeculativeConfig":
         known = {"method", "num_speculative_tokens", "model", "draft_sample_method", "rejection_sample_method",

@@ -28,16 +28,23 @@ def default_taps(num_layers: int) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def target_data(target_dir: str, num_seqs: int, seq_len: int, taps: tuple[int, ...], seed: int):
-    """(tokens [S, L], taps [S, L, n_taps, d], target probs [S, L, V]) from sequences the target wrote."""
+def target_data(target_dir: str, num_seqs: int, seq_len: int, taps: tuple[int, ...], seed: int,
+                prompts: list[list[int]] | None = None, temperature: float = 1.0):
+    """(tokens, taps [L, n_taps, d], target probs [L, V]) per sequence the target wrote; with
+    `prompts` (e.g. chat prompts) the target continues those instead of random 4-token starts."""
     from k3serve import LLM, SamplingParams
 
-    llm = LLM(target_dir, cache_memory="64MiB", max_model_len=seq_len + 8, enable_prefix_caching=False, seed=seed)
+    longest = max(map(len, prompts)) if prompts else 4
+    llm = LLM(target_dir, cache_memory="256MiB", max_model_len=longest + seq_len + 8, seed=seed)
     model, V = llm.engine.model, llm.engine.model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
-    prompts = [{"prompt_token_ids": torch.randint(1, min(V, 512), (4,), generator=g).tolist()} for _ in range(num_seqs)]
-    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_tokens=seq_len - 4, ignore_eos=True))
-    seqs = torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids for o in outs])
+    free_running = prompts is None  # random starts run to length; chat prompts stop at end-of-message
+    if prompts is None:
+        prompts = [torch.randint(1, min(V, 512), (4,), generator=g).tolist() for _ in range(num_seqs)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:num_seqs]],
+                        SamplingParams(temperature=temperature, seed=seed, max_tokens=seq_len,
+                                       ignore_eos=free_running))
+    seqs = [torch.tensor(o.prompt_token_ids + o.outputs[0].token_ids) for o in outs]
     all_taps, all_probs = [], []
     for row in seqs:
         L = row.shape[0]
@@ -47,19 +54,23 @@ def target_data(target_dir: str, num_seqs: int, seq_len: int, taps: tuple[int, .
         hidden = model(fb, cache, capture)
         all_taps.append(torch.stack([capture[i] for i in taps], 1).float())
         all_probs.append(torch.softmax(model.compute_logits(hidden).float(), -1))
-    return seqs, torch.stack(all_taps), torch.stack(all_probs)
+    return seqs, all_taps, all_probs
 
 
-def examples(seqs, taps, probs, k: int):
-    """Inputs and targets for every position with k tokens after it."""
-    S, L = seqs.shape
-    n = torch.arange(L - k - 1)
-    x_taps = taps[:, n].reshape(-1, *taps.shape[2:])
-    last = seqs[:, n + 1].reshape(-1)
-    idx = n[:, None] + torch.arange(2, k + 2)[None]  # [P, k] positions of the targets
-    tgt = seqs[:, idx].reshape(-1, k)
-    tgt_probs = probs[:, idx - 1].reshape(-1, k, probs.shape[-1])  # the target's p at those positions
-    return x_taps, last, tgt, tgt_probs
+def examples(seqs, taps, probs, k: int, start: list[int] | None = None):
+    """Inputs and targets for every position (from `start`, e.g. the completion) with k tokens after it."""
+    xs, lasts, tgts, tps = [], [], [], []
+    for j, (row, tp, pr) in enumerate(zip(seqs, taps, probs)):
+        L = row.shape[0]
+        n = torch.arange(max(0, (start[j] - 1) if start else 0), L - k - 1)
+        if not len(n):
+            continue
+        idx = n[:, None] + torch.arange(2, k + 2)[None]  # [P, k] positions of the targets
+        xs.append(tp[n])
+        lasts.append(row[n + 1])
+        tgts.append(row[idx])
+        tps.append(pr[idx - 1])  # the target's p at those positions
+    return torch.cat(xs), torch.cat(lasts), torch.cat(tgts), torch.cat(tps)
 
 
 def draft_logits(model: DSparkModel, x_taps, last, tgt) -> torch.Tensor:
@@ -70,14 +81,16 @@ def draft_logits(model: DSparkModel, x_taps, last, tgt) -> torch.Tensor:
 
 def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps: int = 300, num_seqs: int = 48,
                    seq_len: int = 64, hidden: int = 64, layers: int = 2, markov_rank: int = 16,
-                   lr: float = 3e-3, batch: int = 256, seed: int = 0, taps: tuple[int, ...] | None = None) -> dict:
+                   lr: float = 3e-3, batch: int = 256, seed: int = 0, taps: tuple[int, ...] | None = None,
+                   prompts: list[list[int]] | None = None, temperature: float = 1.0) -> dict:
     from k3serve.config.bundled import load_model_config
 
     torch.manual_seed(seed)
     tcfg = load_model_config(target_dir)
     taps = tuple(taps or default_taps(tcfg.num_layers))
-    seqs, tap_states, probs = target_data(target_dir, num_seqs, seq_len, taps, seed)
-    x_taps, last, tgt, tgt_probs = examples(seqs, tap_states, probs, block_size)
+    seqs, tap_states, probs = target_data(target_dir, num_seqs, seq_len, taps, seed, prompts, temperature)
+    start = [len(p) for p in prompts[:num_seqs]] if prompts else None
+    x_taps, last, tgt, tgt_probs = examples(seqs, tap_states, probs, block_size, start)
     cfg = DSparkConfig(taps, block_size, tcfg.pad_token_id or 0, tcfg.vocab_size, tcfg.hidden_size, hidden, layers,
                        max(1, hidden // 16), 2 * hidden, markov_rank)
     model = DSparkModel(cfg)
