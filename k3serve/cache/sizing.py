@@ -93,10 +93,13 @@ class CachePlan:
     def total_bytes(self) -> int:
         return self.num_blocks * self.block_bytes + (self.num_slots + self.num_checkpoints) * self.slot_bytes
 
+    def requests_by_tokens(self, context_len: int) -> int:
+        """Requests of `context_len` tokens the latent blocks alone could hold."""
+        return self.num_blocks // max(1, -(-context_len // self.block_size))
+
     def max_concurrency(self, context_len: int) -> int:
         """Requests of `context_len` tokens that fit at once = min(slots, latent tokens / len)."""
-        by_tokens = self.num_blocks // max(1, -(-context_len // self.block_size))
-        return min(self.num_slots, by_tokens)
+        return min(self.num_slots, self.requests_by_tokens(context_len))
 
 
 def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 16,

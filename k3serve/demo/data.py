@@ -161,8 +161,6 @@ def stdlib_text(max_chars: int, seed: int) -> str:
 
 def tokenizer_corpus(n: int, seed: int, stdlib_chars: int) -> str:
     """Text to train the demo tokenizer on: rendered conversations (specials as names) + stdlib."""
-    from k3serve.chat.k3_xtml import segments_text as text_of
-
     rng = random.Random(seed)
     parts = []
     for _ in range(n):
@@ -171,9 +169,8 @@ def tokenizer_corpus(n: int, seed: int, stdlib_chars: int) -> str:
         msgs = [Message("user", user), Message("assistant", "", "I should call.", [call]),
                 Message("tool", result, tool_call_id=call.id), Message("assistant", answer, thought2),
                 Message("user", q), Message("assistant", ans, thought)]
-        parts.append(text_of(render_k3(msgs, TOOLS, add_generation_prompt=False)))
+        parts.append(segments_text(render_k3(msgs, TOOLS, add_generation_prompt=False)))
     return "".join(parts) + stdlib_text(stdlib_chars, seed)
 
 
-__all__ = ["Sample", "conversations", "stdlib_text", "tokenizer_corpus", "arithmetic", "tool_case", "TOOLS",
-           "segments_text"]
+__all__ = ["Sample", "conversations", "stdlib_text", "tokenizer_corpus", "arithmetic", "tool_case", "TOOLS"]

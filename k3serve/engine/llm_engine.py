@@ -145,10 +145,9 @@ class LLMEngine:
             group = self._owner.get(seq.request_id)
             if not toks or group is None:
                 continue
-            kept = len(seq.request.output_token_ids) - self._seen.get(seq.request_id, 0)
-            for tok in toks[:kept]:  # tokens after a stop token were not appended by the scheduler
+            for tok in toks:  # stop after the tokens the scheduler appended (a stop cuts the rest)
                 if self._seen.get(seq.request_id, 0) >= len(seq.request.output_token_ids):
-                    break  # a stop string cut the output short
+                    break
                 self._on_token(group, seq.request, tok)
             touched[group.request_id] = group
         return [self._output(g) for g in touched.values()]

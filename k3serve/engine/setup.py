@@ -75,7 +75,7 @@ def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, ma
 
 def startup_lines(model_path: str, model: KimiForCausalLM, where: Placement, plan: CachePlan) -> list[str]:
     L = plan.max_model_len
-    by_tokens = plan.num_blocks // -(-L // plan.block_size)
+    by_tokens = plan.requests_by_tokens(L)
     return [
         f"model {model_path} ({model.cfg.architecture}), dtype {str(where.dtype).removeprefix('torch.')}, "
         f"device {where.device}",

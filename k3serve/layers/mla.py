@@ -119,7 +119,8 @@ class GatedMLA(nn.Module):
         """All single-token decodes: write their rows, gather each sequence's rows padded to the
         longest, one batched absorbed attention."""
         m = self.cfg
-        starts = [batch.seq_bounds()[i][0] for i in idx]
+        bounds = batch.seq_bounds()
+        starts = [bounds[i][0] for i in idx]
         lens = [batch.context_lens[i] + 1 for i in idx]
         rows = batch.padded_rows(idx, lens)  # [B, Lmax]
         new = rows[torch.arange(len(idx)), torch.tensor(lens) - 1]

@@ -48,7 +48,7 @@ class ModelRunner:
         self._copy_states(batch.save_states)  # states exactly at chunk ends become checkpoints
         bounds = fb.seq_bounds()
         # logits: the last row of sampling sequences, every row of verifying ones
-        spans, first = [], 0  # (seq index, first logits row of it)
+        spans = []  # (seq index, first logits row of it)
         rows: list[int] = []
         for i, (s, (b, e)) in enumerate(zip(seqs, bounds)):
             if s.sample:

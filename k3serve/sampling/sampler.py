@@ -28,14 +28,15 @@ class Sampler:
             probs = torch.softmax(truncate(processed[rows], *row_params([reqs[i] for i in sampled_rows])), -1)
             for j, i in enumerate(sampled_rows):
                 tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-        return [self._result(int(tokens[i]), raw_logprobs, i, r.params.logprobs) for i, r in enumerate(reqs)]
+        return [sampled_token(int(tokens[i]), raw_logprobs, i, r.params.logprobs) for i, r in enumerate(reqs)]
 
-    @staticmethod
-    def _result(token: int, raw: torch.Tensor | None, row: int, n: int | None) -> SampledToken:
-        if raw is None or n is None:
-            return SampledToken(token)
-        top = ()
-        if n > 0:
-            vals, ids = raw[row].topk(n)
-            top = tuple(zip(ids.tolist(), vals.tolist()))
-        return SampledToken(token, float(raw[row, token]), top)
+
+def sampled_token(token: int, raw: torch.Tensor | None, row: int, n: int | None) -> SampledToken:
+    """The token with its raw logprob and top-n (`raw` [B, V] log-softmax of the model logits)."""
+    if raw is None or n is None:
+        return SampledToken(token)
+    top = ()
+    if n > 0:
+        vals, ids = raw[row].topk(n)
+        top = tuple(zip(ids.tolist(), vals.tolist()))
+    return SampledToken(token, float(raw[row, token]), top)

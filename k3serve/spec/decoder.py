@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3serve.runner.forward_batch import CacheTensors
+from k3serve.sampling.sampler import sampled_token
 from k3serve.scheduler.batch import SampledToken
 from k3serve.scheduler.request import Request
 from k3serve.spec.config import SpeculativeConfig
@@ -53,14 +54,8 @@ class SpecDecoder:
         emitted, tau = verify(req, logits, drafts, q, self.cfg.rejection_sample_method, gen)
         self.stats.record(len(drafts), tau)
         n = req.params.logprobs
-        if n is None:
-            return [SampledToken(t) for t in emitted], tau
-        raw = torch.log_softmax(logits.float(), -1)
-        out = []
-        for j, t in enumerate(emitted):
-            top = tuple(zip(*[x.tolist() for x in raw[j].topk(n)][::-1])) if n else ()
-            out.append(SampledToken(t, float(raw[j, t]), tuple((int(i), float(v)) for i, v in top)))
-        return out, tau
+        raw = torch.log_softmax(logits.float(), -1) if n is not None else None
+        return [sampled_token(t, raw, j, n) for j, t in enumerate(emitted)], tau
 
     def rollback(self, cache: CacheTensors, slots: list[int], accepted: list[int]) -> None:
         rollback_states(cache, slots, accepted)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import torch
 
 from k3serve.scheduler.request import Request
-from k3serve.spec.verifier import distribution, processed_logits
+from k3serve.spec.verifier import distribution, processed_row
 
 
 def draft_token(logits: torch.Tensor, req: Request, prev_drafts: list[int], method: str,
                 gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
     """logits [V] for the next draft position -> (token, q row or None for one-hot)."""
-    proc = processed_logits(logits[None], req, [])[0] if not prev_drafts else \
-        processed_logits(torch.cat([logits[None]] * (len(prev_drafts) + 1)), req, prev_drafts)[-1]
+    proc = processed_row(logits, req, prev_drafts)[0]
     if method == "greedy" or req.params.greedy:
         return int(proc.argmax()), None
     q = distribution(proc[None], req)[0]

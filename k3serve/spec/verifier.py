@@ -53,11 +53,13 @@ class SpecStats:
 
 def processed_logits(logits: torch.Tensor, req: Request, drafts: list[int]) -> torch.Tensor:
     """[T, V] logits after bias / min_tokens / penalties, position by position."""
-    rows = []
-    for i in range(logits.shape[0]):
-        view = _View(req.params, req.prompt_token_ids, req.output_token_ids + drafts[:i], req.eos_token_id)
-        rows.append(apply_bias_and_penalties(logits[i:i + 1].float(), [view]))
-    return torch.cat(rows, 0)
+    return torch.cat([processed_row(logits[i], req, drafts[:i]) for i in range(logits.shape[0])], 0)
+
+
+def processed_row(logits: torch.Tensor, req: Request, drafts_before: list[int]) -> torch.Tensor:
+    """[V] logits of the position after `drafts_before` -> [1, V] processed."""
+    view = _View(req.params, req.prompt_token_ids, req.output_token_ids + drafts_before, req.eos_token_id)
+    return apply_bias_and_penalties(logits[None].float(), [view])
 
 
 def distribution(processed: torch.Tensor, req) -> torch.Tensor:

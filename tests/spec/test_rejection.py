@@ -42,7 +42,6 @@ def run(verify, p, q, draft_mode: str, seed: int):
     gen = torch.Generator().manual_seed(seed)
     first, second, taus = torch.zeros(V), torch.zeros(V), []
     n_second = 0
-    p_second = None
     for _ in range(N):
         if draft_mode == "accept_all":
             qq = p[:K].clone()
