@@ -118,11 +118,11 @@ def conversations(tokenizer, n: int, seed: int) -> list[Sample]:
     out = []
     for _ in range(n):
         u = rng.random()
-        if u < 0.15:  # copying drill: the skill tool arguments and answers need
+        if u < 0.12:  # copying drill: the skill tool arguments and answers need
             words = " ".join(rng.choice(CITIES + [str(rng.randint(0, 999))]) for _ in range(rng.randint(1, 4)))
             out.append(r.sample([Message("user", f"Repeat after me: {words}")], Message("assistant", words),
                                 False, None, "no-think"))
-        elif u < 0.45:
+        elif u < 0.47:
             q, thought, ans = arithmetic(rng)
             thinking = rng.random() < 0.8
             out.append(r.sample([Message("user", q)], Message("assistant", ans, thought if thinking else None),

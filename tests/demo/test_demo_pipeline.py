@@ -92,10 +92,34 @@ def test_training_is_reproducible(tmp_path):
     """Same seed -> byte-identical tokenizer and weights (deterministic algorithms, one process)."""
     from k3serve.demo.train import train_demo
 
-    kw = dict(steps=2, num_conversations=40, seq_len=512, batch=1, seed=5, tokenizer_conversations=40,
+    kw = dict(steps=2, num_conversations=40, batch=3, seed=5, tokenizer_conversations=40,
               text_chars=40_000)
     a = train_demo(tmp_path / "a", **kw)
     b = train_demo(tmp_path / "b", **kw)
     assert a["first_loss"] == b["first_loss"] and a["last_loss"] == b["last_loss"]
     for name in ("model.safetensors", "tiktoken.model", "config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_training_turns_are_independent_sequences(tmp_path):
+    """A turn's loss does not depend on its batch mates: each is its own sequence from a fresh
+    state, as the server sees a request (packing let attention read an earlier sample's words)."""
+    from k3serve.config.bundled import load_model_config
+    from k3serve.demo.train import _init_, _loss, demo_config, make_trainable
+    from k3serve.models.registry import build_model
+
+    (tmp_path / "config.json").write_text(json.dumps(demo_config(base_vocab=512)))
+    cfg = load_model_config(tmp_path)
+    model = build_model(cfg)
+    _init_(model, seed=2)
+    make_trainable(model)
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randint(0, 512, (70,), generator=g).tolist(), [0] * 50 + [1] * 20)
+    b = (torch.randint(0, 512, (33,), generator=g).tolist(), [0] * 10 + [1] * 23)
+    with torch.no_grad():
+        la, lb, both = _loss(model, cfg, [a]), _loss(model, cfg, [b]), _loss(model, cfg, [a, b])
+        everywhere = _loss(model, cfg, [(a[0], [1] * 70)])
+    wa, wb = sum(a[1][1:]), sum(b[1][1:])  # the first token is never a target
+    torch.testing.assert_close(both, (la * wa + lb * wb) / (wa + wb), rtol=1e-5, atol=1e-6)
+    # and the mask matters: the same ids with loss everywhere give a different value
+    assert abs(float(everywhere) - float(la)) > 1e-3
