@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(PY) -m k3serve serve --enable-auto-tool-choice --tool-call-parser kimi_k3 --reasoning-parser kimi_k3
+	$(PY) -m k3serve serve --enable-auto-tool-choice --tool-call-parser kimi_k3 --reasoning-parser kimi_k3 \
+		--speculative-config '{"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}'
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -29,6 +30,7 @@ bench: $(STAMP)
 	$(PY) bench/engine_concurrency.py
 	$(PY) bench/prefix_cache_ttft.py
 	$(PY) bench/spec_decode.py
+	$(PY) bench/demo_spec.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
