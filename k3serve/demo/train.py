@@ -188,7 +188,7 @@ def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
     return (nll * weight).sum() / weight.sum().clamp_min(1)
 
 
-def train_demo_draft(model_dir: str | Path, *, steps: int = 400, num_seqs: int = 160, seed: int = 0) -> dict:
+def train_demo_draft(model_dir: str | Path, *, steps: int = 800, num_seqs: int = 480, seed: int = 0) -> dict:
     """Distil the demo's DSpark draft on the demo model's own greedy chat completions."""
     from k3serve.spec.train_dspark import distill_dspark
     from k3serve.tokenizer import Tokenizer
