@@ -70,14 +70,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_train_demo(args: argparse.Namespace) -> int:
     import logging
 
-    from k3serve.demo.train import train_demo
+    from k3serve.demo.train import train_demo, train_demo_draft
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    from k3serve.demo.train import train_demo_draft
-
-    if not args.draft_only:
-        r = train_demo(args.out, steps=args.steps, num_conversations=args.num_conversations, seed=args.seed,
-                       time_limit_s=args.time_limit)
+    if not args.draft_only:  # unset flags keep train_demo's own defaults (the shipped recipe)
+        given = {"steps": args.steps, "num_conversations": args.num_conversations}
+        r = train_demo(args.out, seed=args.seed, time_limit_s=args.time_limit,
+                       **{k: v for k, v in given.items() if v is not None})
         print(f"wrote the demo model to {r['out']}: {r['steps']} steps, loss {r['first_loss']:.3f} -> "
               f"{r['last_loss']:.3f}, {r['seconds']:.0f}s")
     d = train_demo_draft(args.out, seed=args.seed)
@@ -153,15 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("train-demo", help="train the bundled demo model (tokenizer, QAT K3, export)")
     p.add_argument("out")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--num-conversations", type=int, default=12000)
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the shipped recipe's)")
+    p.add_argument("--num-conversations", type=int, help="synthetic conversations (default: the shipped recipe's)")
     p.add_argument("--time-limit", type=float, help="stop after this many seconds")
     p.add_argument("--draft-only", action="store_true", help="only (re)distil the DSpark draft of OUT")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_demo)
     p = sub.add_parser("train-dspark", help="distil a tiny DSpark drafter from a target checkpoint")
     p.add_argument("out")
-    p.add_argument("--target", help="target checkpoint dir (default: the bundled tiny model)")
+    p.add_argument("--target", help="target checkpoint dir (default: the default model)")
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--num-seqs", type=int, default=48)

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from k3serve.bench.datasets import BenchRequest, entropy_requests, random_requests, shared_prefix_requests
 from k3serve.bench.metrics import RequestResult, is_good, summarize
 from k3serve.bench.runner import LoadSettings, arrival_gaps, run_load
+from tests.live import serving
 
 
 def test_metric_arithmetic_by_hand():
@@ -86,17 +83,8 @@ def delayed_app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def delayed_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(delayed_app(), host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    t.join(5)
+    with serving(delayed_app()) as base:
+        yield base
 
 
 def test_timing_matches_injected_delays_and_failures_are_counted(delayed_server):

@@ -16,18 +16,15 @@ from __future__ import annotations
 import json
 import random
 import re
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import uvicorn
 
 from k3serve.cli import build_parser
 from k3serve.demo import DEMO_DIR, bundled_demo, default_model
 from k3serve.demo.data import TOOLS, arithmetic, tool_case
 from k3serve.demo.tools import run_tool
-from tests.server.conftest import free_port
+from tests.live import serving
 
 SERVE_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3",
                "--speculative-config", '{"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}']
@@ -47,16 +44,8 @@ def client():
     from k3serve.server.launch import build_server
 
     app, _ = build_server(build_parser().parse_args(["serve", *SERVE_FLAGS]))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield OpenAI(base_url=f"http://127.0.0.1:{server.config.port}/v1", api_key="unused", max_retries=0, timeout=300)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def chat_all(client, requests: list[dict]) -> list:

@@ -4,22 +4,10 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
-
-import uvicorn
 
 from k3serve.cli import main
-from tests.server.conftest import free_port, make_app
-
-
-def start(app) -> str:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{port}"
+from tests.live import serving
+from tests.server.conftest import make_app
 
 
 def test_sixteen_requests_json_and_png(live_server, tmp_path):
@@ -40,14 +28,14 @@ def test_sixteen_requests_json_and_png(live_server, tmp_path):
 def test_ablation_against_two_servers(live_server, tiny_k3_dir, tmp_path, capsys):
     base_a, _ = live_server
     app_b, _ = make_app(tiny_k3_dir, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
-    base_b = start(app_b)
-    out = tmp_path / "ab.json"
-    rc = main(["bench", "--base-url", base_a, "--ablate", base_a, base_b, "--ablate-rounds", "2", "--num-prompts",
-               "4", "--dataset-name", "low-entropy", "--random-input-len", "32", "--random-output-len", "8",
-               "--ignore-eos", "--temperature", "0", "--save-result", "--result-filename", str(out), "--no-progress"])
-    assert rc == 0
-    ab = json.loads(out.read_text())["ablation"]
-    ratio = ab["ratios_B_over_A"]["output_throughput"]
-    assert len(ratio["rounds"]) == 2 and ratio["min"] <= ratio["mean"] <= ratio["max"]
-    assert "output_throughput" in capsys.readouterr().out
-    assert all(s["completed"] == 4 for tag in ("A", "B") for s in ab["summaries"][tag])
+    with serving(app_b) as base_b:
+        out = tmp_path / "ab.json"
+        rc = main(["bench", "--base-url", base_a, "--ablate", base_a, base_b, "--ablate-rounds", "2", "--num-prompts",
+                   "4", "--dataset-name", "low-entropy", "--random-input-len", "32", "--random-output-len", "8",
+                   "--ignore-eos", "--temperature", "0", "--save-result", "--result-filename", str(out), "--no-progress"])
+        assert rc == 0
+        ab = json.loads(out.read_text())["ablation"]
+        ratio = ab["ratios_B_over_A"]["output_throughput"]
+        assert len(ratio["rounds"]) == 2 and ratio["min"] <= ratio["mean"] <= ratio["max"]
+        assert "output_throughput" in capsys.readouterr().out
+        assert all(s["completed"] == 4 for tag in ("A", "B") for s in ab["summaries"][tag])
