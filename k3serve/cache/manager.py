@@ -133,6 +133,12 @@ class HybridCacheManager:
         for key in pinned:
             self.checkpoints.unpin(key)
 
+    def abandon_step(self, pinned: list[bytes]) -> None:
+        """A step raised before it finished: its checkpoints were never fully written."""
+        self.checkpoints.discard_pending()
+        for key in pinned:
+            self.checkpoints.unpin(key)
+
     def register_computed(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Publish the request's blocks that are now fully computed."""
         if not self.prefix_caching:

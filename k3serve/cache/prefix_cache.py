@@ -101,6 +101,11 @@ class CheckpointStore:
             self.stats.checkpoints_stored += 1
         self._pending.clear()
 
+    def discard_pending(self) -> None:
+        """The step meant to write the pending checkpoints failed: their slots go back unused."""
+        self._free.extend(self._pending.values())
+        self._pending.clear()
+
     def flush(self) -> int:
         """Drop every unpinned valid checkpoint; how many."""
         drop = [k for k in self._valid if k not in self._pins]

@@ -29,6 +29,11 @@ class EngineOverloaded(RuntimeError):
     pass
 
 
+class RequestFailed(RuntimeError):
+    """This request failed alone (its sampling, output processing or model step raised); the
+    message is the engine's own sentence, safe to show to the client."""
+
+
 class _Stream:
     """Latest-value mailbox: put() replaces, get() waits for a value not yet taken."""
 
@@ -58,6 +63,12 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
+        self._adding = 0  # samples accepted but not yet in the scheduler's queue
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued samples, counting those still on their way to the scheduler."""
+        return len(self.engine.scheduler.waiting) + self._adding
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs) -> "AsyncEngine":
@@ -68,16 +79,22 @@ class AsyncEngine:
         """Stream cumulative outputs of one request until it finishes."""
         self._ensure_loop()
         rid = request_id or f"req-{next(self._ids)}"
-        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+        n = params.n if params is not None else 1
+        # check and reserve in one event-loop turn: a burst cannot all pass the check before
+        # the first of them reaches the scheduler's queue
+        if self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         stream = self._streams[rid] = _Stream()
+        self._adding += n
         try:
             await self._call(self.engine.add_request, rid, prompt, params, priority)
         except BaseException:
             self._streams.pop(rid, None)
             raise
+        finally:
+            self._adding -= n
         self._wakeup.set()
         finished = False
         try:
@@ -133,7 +150,7 @@ class AsyncEngine:
             for out in outs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream.put(out)
+                    stream.put(RequestFailed(out.error) if out.error else out)
 
     def _step(self, aborts: set[str]) -> list[RequestOutput]:
         for rid in aborts:

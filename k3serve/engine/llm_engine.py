@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
-from k3serve.engine.setup import make_plan, placement, resolve_max_model_len, startup_lines
+from k3serve.engine.setup import make_plan, placement, resolve_max_model_len, seq_limit_note, startup_lines
 from k3serve.sampling.detokenizer import IncrementalDetokenizer
 from k3serve.sampling.params import SamplingParams
 from k3serve.scheduler.batch import SampledToken
@@ -42,6 +42,7 @@ class _Group:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,7 +64,15 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)
         self.plan = make_plan(config, self.model, where, self.max_model_len)
-        self.startup_log = startup_lines(self.model_path, self.model, where, self.plan)
+        self.startup_log = startup_lines(self.model_path, self.model, where, self.plan, config.max_num_seqs)
+        self.seq_limit_note = seq_limit_note(self.plan, config.max_num_seqs)
+        # ids the model can emit but the tokenizer cannot decode: masked out of sampling, stated once
+        self.unmapped_ids = self.tokenizer.unmapped_ids(self.model.cfg.vocab_size)
+        if self.unmapped_ids:
+            self.startup_log.append(
+                f"tokenizer decodes {self.model.cfg.vocab_size - len(self.unmapped_ids):,} of the model's "
+                f"{self.model.cfg.vocab_size:,} vocabulary ids; the other {len(self.unmapped_ids):,} (first "
+                f"{self.unmapped_ids[0]}) are masked out of sampling and refused in prompts")
         for line in self.startup_log:
             log.info(line)
         self.cache = HybridCacheManager(self.plan.num_blocks, self.plan.num_slots, self.plan.block_size,
@@ -82,7 +91,8 @@ class LLMEngine:
             log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
                      self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
                      self.spec.cfg.rejection_sample_method)
-        self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec)
+        self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
+                                  masked_ids=self.unmapped_ids)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, _Group] = {}  # scheduler request id -> its group
         self._arrivals = itertools.count()
@@ -99,6 +109,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params.check_vocab(self.model.cfg.vocab_size)
         text, ids = self._tokenize(prompt)
         group = _Group(request_id, text, ids, [], {"arrival_time": time.monotonic()})
         for i in range(params.n):
@@ -132,25 +143,69 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.spec is not None:  # drafts first: the scheduler budgets 1 + k tokens for them
-            self.runner.propose([r for r in self.scheduler.running if r.num_uncomputed == 1])
+        """One engine step. A request whose sampling, detokenizing or model step fails ends alone
+        with `error` set; the other requests of the step go on with unchanged outputs."""
+        self._propose()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        out = self.runner.execute(batch)
+        try:
+            out = self.runner.execute(batch)
+        except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart
+            log.warning("model step over %d requests raised %s: %s; retrying them apart", len(batch.seqs),
+                        type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            culprits = self.scheduler.retry_apart(batch)
+            why = f"the model step failed for this request ({type(e).__name__})"
+            return [self._fail(self._owner[r.request_id], why) for r in culprits if r.request_id in self._owner]
         self.scheduler.update(batch, out)
         touched: dict[str, _Group] = {}
         for seq in batch.seqs:
-            toks = out.sampled.get(seq.request_id)
             group = self._owner.get(seq.request_id)
-            if not toks or group is None:
+            if group is None:
                 continue
-            for tok in toks:  # stop after the tokens the scheduler appended (a stop cuts the rest)
-                if self._seen.get(seq.request_id, 0) >= len(seq.request.output_token_ids):
-                    break
-                self._on_token(group, seq.request, tok)
+            if seq.request_id in out.failed:
+                touched[group.request_id] = self._fail(group, out.failed[seq.request_id])
+                continue
+            toks = out.sampled.get(seq.request_id)
+            if not toks:
+                continue
+            try:
+                for tok in toks:  # stop after the tokens the scheduler appended (a stop cuts the rest)
+                    if self._seen.get(seq.request_id, 0) >= len(seq.request.output_token_ids):
+                        break
+                    self._on_token(group, seq.request, tok)
+            except Exception as e:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode
+                log.warning("output processing failed for request %s: %s", group.request_id, e)
+                touched[group.request_id] = self._fail(group, f"output processing failed for this request "
+                                                              f"({type(e).__name__})")
+                continue
             touched[group.request_id] = group
-        return [self._output(g) for g in touched.values()]
+        return [g if isinstance(g, RequestOutput) else self._output(g) for g in touched.values()]
+
+    def _propose(self) -> None:
+        """Drafts first: the scheduler budgets 1 + k tokens for them. Drafting is an optimisation:
+        if it raises, this step runs without drafts."""
+        if self.spec is None:
+            return
+        reqs = [r for r in self.scheduler.running if r.num_uncomputed == 1]
+        try:
+            self.runner.propose(reqs)
+        except Exception as e:  # noqa: BLE001
+            log.warning("drafting raised %s: %s; this step runs without drafts", type(e).__name__, e)
+            for r in reqs:
+                r.spec_token_ids = []
+
+    def _fail(self, group: _Group, why: str) -> RequestOutput:
+        """End every sample of `group` with finish reason "error"; its final output."""
+        group.error = why
+        for s in group.samples:
+            if not s.req.finished:
+                self.scheduler.finish(s.req, "error")
+            s.req.finish_reason = s.req.finish_reason or "error"
+            self._release(s.req)
+        self._groups.pop(group.request_id, None)
+        group.metrics["finish_time"] = time.monotonic()
+        return self._output(group)
 
     def _on_token(self, group: _Group, req: Request, tok: SampledToken) -> None:
         """One emitted token (several per step with speculation): logprobs, detokenize, stop strings."""
@@ -195,7 +250,8 @@ class LLMEngine:
                 [dict(d) for d in s.logprobs] if s.logprobs is not None else None,
                 s.req.finish_reason if done else None, s.req.stop_reason if done else None))
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outs,
-                             group.finished, dict(group.metrics), group.samples[0].req.num_cached_tokens)
+                             group.finished, dict(group.metrics), group.samples[0].req.num_cached_tokens,
+                             group.error)
 
     # ---- input checks ----------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -214,6 +270,11 @@ class LLMEngine:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary (0..{V - 1})")
+        if self.unmapped_ids:
+            unmapped = set(self.unmapped_ids)
+            bad = next((t for t in ids if t in unmapped), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} has no text in this model's tokenizer")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                              f"at least one position must be left to generate")

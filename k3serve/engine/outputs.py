@@ -16,7 +16,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled first
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
     @property
@@ -33,3 +33,4 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_token/finish times (s)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when this request failed alone (the others in its steps go on)

@@ -4,6 +4,7 @@ start-up log lines (weights, latent KV capacity, state slots, max concurrency)."
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,19 +65,33 @@ def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:
 def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, max_model_len: int) -> CachePlan:
     kv_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[where.kv_dtype]
     budget = cache_budget(config, where.device)
+    frac = config.prefix_cache_state_fraction if config.enable_prefix_caching else 0.0
     if config.cache_memory is None:  # a fraction never reserves more than max_num_seqs full requests use
         full = full_request_bytes(model.cfg, max_model_len, config.block_size, kv_name)
-        budget = min(budget, config.max_num_seqs * full)
+        # ... plus the checkpoint share taken off the top, or one slot of max_num_seqs goes missing
+        budget = min(budget, math.ceil(config.max_num_seqs * full / (1.0 - frac)))
     return plan_cache(model.cfg, budget, max_model_len=max_model_len,
                       max_num_seqs=config.max_num_seqs, block_size=config.block_size, kv_dtype=kv_name,
                       num_slots=config.num_state_slots,
-                      checkpoint_fraction=config.prefix_cache_state_fraction if config.enable_prefix_caching else 0.0)
+                      checkpoint_fraction=frac)
 
 
-def startup_lines(model_path: str, model: KimiForCausalLM, where: Placement, plan: CachePlan) -> list[str]:
+def seq_limit_note(plan: CachePlan, max_num_seqs: int) -> str | None:
+    """Why fewer requests than --max-num-seqs can run at once, or None."""
+    if plan.num_slots >= max_num_seqs:
+        return None
+    return (f"--max-num-seqs {max_num_seqs}, but the cache holds {plan.num_slots} KDA state slots "
+            f"(each request of max_model_len {plan.max_model_len:,} needs {plan.slot_bytes:,} B of state + its "
+            f"latent blocks): at most {plan.num_slots} requests run at once; raise --cache-memory or lower "
+            f"--max-model-len")
+
+
+def startup_lines(model_path: str, model: KimiForCausalLM, where: Placement, plan: CachePlan,
+                  max_num_seqs: int | None = None) -> list[str]:
     L = plan.max_model_len
     by_tokens = plan.requests_by_tokens(L)
-    return [
+    note = seq_limit_note(plan, max_num_seqs) if max_num_seqs else None
+    return ([note] if note else []) + [
         f"model {model_path} ({model.cfg.architecture}), dtype {str(where.dtype).removeprefix('torch.')}, "
         f"device {where.device}",
         f"weights: {weight_bytes(model):,} B",

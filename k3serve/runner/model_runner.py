@@ -19,8 +19,10 @@ from k3serve.scheduler.request import Request
 
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, seed: int = 0,
-                 device: str | torch.device = "cpu", spec=None):
+                 device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = ()):
         self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
+        # vocabulary ids the tokenizer cannot decode: never sampled (their logits become -inf)
+        self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
         # checkpoint slots (prefix caching) follow the live slots in the same state tensors
         self.cache = CacheTensors.allocate(model.cfg, plan.num_slots + plan.num_checkpoints, plan.num_blocks,
@@ -57,18 +59,27 @@ class ModelRunner:
         if not spans:
             return StepOutput()
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
+        if self.masked_ids is not None:
+            logits[:, self.masked_ids] = float("-inf")
         out = StepOutput()
         plain = [(seqs[i], p) for i, p in spans if not seqs[i].drafts]
         if plain:
             reqs = [s.request for s, _ in plain]
-            toks = self.sampler(logits[torch.tensor([p for _, p in plain])], reqs, [self._generator(r) for r in reqs])
-            out.sampled.update({r.request_id: [t] for r, t in zip(reqs, toks)})
+            res = self.sampler(logits[torch.tensor([p for _, p in plain])], reqs, [self._generator(r) for r in reqs])
+            out.sampled.update({reqs[j].request_id: [t] for j, t in res.tokens.items()})
+            out.failed.update({reqs[j].request_id: why for j, why in res.failed.items()})
         slots, taus, committed = [], [], {}
         for i, p in spans:
             s, row = seqs[i], bounds[i][1] - 1
+            if s.request_id in out.failed:
+                continue
             if s.drafts:
-                emitted, tau = self.spec.verify(s.request, logits[p:p + 1 + len(s.drafts)], s.drafts,
-                                                self._generator(s.request))
+                try:
+                    emitted, tau = self.spec.verify(s.request, logits[p:p + 1 + len(s.drafts)], s.drafts,
+                                                    self._generator(s.request))
+                except Exception as e:  # this request's sampling values broke its verify: it fails alone
+                    out.failed[s.request_id] = f"speculative verification failed for this request ({type(e).__name__})"
+                    continue
                 out.sampled[s.request_id] = emitted
                 slots.append(s.state_slot)
                 taus.append(tau)

@@ -13,6 +13,7 @@ import torch
 from k3serve.scheduler.request import Request
 
 NEG_INF = float("-inf")
+TOP_K_CAP = 2 ** 31  # above every vocabulary
 
 
 def apply_bias_and_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -46,7 +47,8 @@ def _penalize_row(row: torch.Tensor, req: Request) -> None:
 def row_params(reqs: list[Request], dtype: torch.dtype = torch.float32
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     temp = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=dtype)
-    top_k = torch.tensor([max(r.params.top_k, 0) for r in reqs])
+    # any top_k >= V means "off"; capping keeps huge API values (2**63+) inside int64
+    top_k = torch.tensor([min(max(r.params.top_k, 0), TOP_K_CAP) for r in reqs])
     top_p = torch.tensor([r.params.top_p for r in reqs], dtype=dtype)
     min_p = torch.tensor([r.params.min_p for r in reqs], dtype=dtype)
     return temp, top_k, top_p, min_p

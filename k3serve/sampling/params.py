@@ -1,12 +1,28 @@
 """SamplingParams: what a request asks of the sampler (pure Python, vLLM field names).
 
 References: vLLM `vllm/sampling_params.py`, OpenAI API (`logit_bias`, penalties, `n`).
-Bad values raise ValueError naming the field; the server turns that into a 400.
+Bad values raise ParamError (a ValueError) naming the field; the server turns that into a 400.
+Every number is checked for finiteness and width here, and every token id against the model's
+vocabulary by `check_vocab` at admission: a value that passes can never make a batched sampling
+step raise (issue 18: one odd request used to fail every request in the step).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+MIN_TEMPERATURE = 1e-2  # 0 < t below this is raised to it (vLLM's _MAX_TEMP): 1/t overflows fp32
+PENALTY_RANGE = (1e-2, 1e2)  # repetition_penalty: logits / 1e-300 overflow fp32
+
+
+class ParamError(ValueError):
+    """A sampling field out of range; `param` names it for the API's error body."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -37,13 +53,17 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._check_numbers()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        lo, hi = PENALTY_RANGE
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1, 0 (off) or a positive count"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("repetition_penalty", lo <= self.repetition_penalty <= hi, f"must be in [{lo}, {hi}]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
@@ -53,10 +73,40 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
              "values must be in [-100, 100]"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"must be in [{SEED_MIN}, {SEED_MAX}]"),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+                raise ParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
+
+    def _check_numbers(self) -> None:
+        """Types and finiteness first: NaN/Infinity compare False or True in the wrong places."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ParamError(name, f"{name} must be a finite number, got {v!r}")
+        if not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise ParamError("logit_bias", "logit_bias values must be finite numbers")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ParamError(name, f"{name} must be an integer, got {v!r}")
+        for name in ("stop_token_ids", "keep_special_token_ids"):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in getattr(self, name)):
+                raise ParamError(name, f"{name} must be a list of integer token ids")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id the sampler will index with must be a row of the [B, vocab_size] logits
+        (a negative id would silently wrap around to the end of the vocabulary)."""
+        fields = (("logit_bias", list(self.logit_bias)), ("stop_token_ids", self.stop_token_ids),
+                  ("keep_special_token_ids", self.keep_special_token_ids))
+        for name, ids in fields:
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ParamError(name, f"{name} has token id {bad}, outside the vocabulary "
+                                       f"(0..{vocab_size - 1})")
 
     @property
     def greedy(self) -> bool:
@@ -71,4 +121,6 @@ class SamplingParams:
         """Params of parallel sample `index` of an n > 1 request: one sample each, and a seed
         offset by the index so samples differ yet stay reproducible (vLLM does the same)."""
         seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed > SEED_MAX:  # wrap within the generator's 64-bit seed space
+            seed -= 2 ** 64
         return replace(self, n=1, seed=seed)

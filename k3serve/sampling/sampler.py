@@ -4,9 +4,17 @@ Every request owns a torch.Generator (seeded from its `seed`, else from the engi
 arrival number) and draws from it only when it samples a token, so a seeded request gives the
 same tokens whatever else is in the batch. Logprobs are those of the raw model distribution
 (vLLM v1's default `raw_logprobs`), before penalties and temperature.
+
+Fault isolation (issue 18): a row whose processed logits hold no finite value, or whose
+distribution is not a distribution, fails alone (`SampleResult.failed`). If the batched pass
+raises anyway, it is redone row by row from the same generator states, so the rows that did
+not raise get exactly the tokens they would have got, and only the raising rows fail.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,21 +22,73 @@ from k3serve.sampling.logits_process import apply_bias_and_penalties, row_params
 from k3serve.scheduler.batch import SampledToken
 from k3serve.scheduler.request import Request
 
+log = logging.getLogger("k3serve.sampling")
+NO_FINITE = ("sampling failed for this request: its processed logits have no finite value "
+             "(check temperature, penalties, logit_bias and min_tokens)")
+BAD_PROBS = "sampling failed for this request: its sampling distribution is not finite"
+
+
+@dataclass
+class SampleResult:
+    tokens: dict[int, SampledToken] = field(default_factory=dict)  # row -> token
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why (the request fails alone)
+
+    def __getitem__(self, row: int) -> SampledToken:
+        if row in self.failed:
+            raise ValueError(self.failed[row])
+        return self.tokens[row]
+
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
-                 generators: list[torch.Generator]) -> list[SampledToken]:
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, -1) if any(r.params.logprobs is not None for r in reqs) else None
-        processed = apply_bias_and_penalties(logits, reqs)
+                 generators: list[torch.Generator]) -> SampleResult:
+        rows = list(range(len(reqs)))
+        states = {i: generators[i].get_state() for i in rows if not reqs[i].params.greedy}
+        try:
+            return self._sample(logits, reqs, generators, rows)
+        except Exception:  # one row broke the batch: find it, keep the others' draws exact
+            log.warning("batched sampling raised; retrying %d rows one by one", len(rows), exc_info=True)
+        for i, state in states.items():
+            generators[i].set_state(state)
+        result = SampleResult()
+        for i in rows:
+            try:
+                one = self._sample(logits, reqs, generators, [i])
+            except Exception as e:
+                log.warning("sampling failed for request %s: %s", reqs[i].request_id, e)
+                result.failed[i] = f"sampling failed for this request ({type(e).__name__})"
+                continue
+            result.tokens.update(one.tokens)
+            result.failed.update(one.failed)
+        return result
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], generators: list[torch.Generator],
+                rows: list[int]) -> SampleResult:
+        """Sample `rows` of the batch; logits [B, V]."""
+        idx = torch.tensor(rows)
+        sub = [reqs[i] for i in rows]
+        x = logits[idx].float()
+        raw_logprobs = torch.log_softmax(x, -1) if any(r.params.logprobs is not None for r in sub) else None
+        processed = apply_bias_and_penalties(x, sub)
+        ok = torch.isfinite(processed.amax(-1)).tolist()
         tokens = processed.argmax(-1)
-        sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows)
-            probs = torch.softmax(truncate(processed[rows], *row_params([reqs[i] for i in sampled_rows])), -1)
-            for j, i in enumerate(sampled_rows):
-                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-        return [sampled_token(int(tokens[i]), raw_logprobs, i, r.params.logprobs) for i, r in enumerate(reqs)]
+        sampled = [j for j, r in enumerate(sub) if not r.params.greedy and ok[j]]
+        if sampled:
+            probs = torch.softmax(truncate(processed[torch.tensor(sampled)],
+                                           *row_params([sub[j] for j in sampled])), -1)
+            finite = torch.isfinite(probs).all(-1).tolist()
+            for k, j in enumerate(sampled):
+                if not finite[k]:
+                    ok[j] = False
+                    continue
+                tokens[j] = torch.multinomial(probs[k], 1, generator=generators[rows[j]])[0]
+        result = SampleResult()
+        for j, (i, r) in enumerate(zip(rows, sub)):
+            if not ok[j]:
+                result.failed[i] = NO_FINITE if not torch.isfinite(processed[j].amax()) else BAD_PROBS
+            else:
+                result.tokens[i] = sampled_token(int(tokens[j]), raw_logprobs, j, r.params.logprobs)
+        return result
 
 
 def sampled_token(token: int, raw: torch.Tensor | None, row: int, n: int | None) -> SampledToken:

@@ -59,3 +59,4 @@ class StepOutput:
     the residual/bonus token."""
 
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone this step

@@ -21,6 +21,7 @@ from k3serve.scheduler.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from k3serve.scheduler.request import Request, RequestStatus
 
 KDA_CHUNK = 64  # k3serve.layers.kda_ops.CHUNK (kept here so this module stays torch-free)
+QUARANTINE_STEPS = 2  # sampling steps alone (recompute prefill + one decode) before rejoining
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the tail is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # requests of a batch whose model step raised: each must run alone for QUARANTINE_STEPS
+        # sampling steps before it batches again; one that fails alone is the culprit
+        self.quarantine: dict[str, int] = {}
 
     # ---- requests in and out ---------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -75,6 +79,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
+        self.quarantine.pop(req.request_id, None)
         req.finish_reason = req.finish_reason or reason
         req.stop_reason = req.stop_reason if stop_reason is None else stop_reason
         self.requests.pop(req.request_id, None)
@@ -86,6 +91,8 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.quarantine and self._schedule_alone(batch):
+            return batch
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         decodes = [r for r in self.running if r.num_uncomputed == 1]
@@ -93,8 +100,8 @@ class Scheduler:
         for req in decodes + prefills:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if req.status is not RequestStatus.RUNNING or req.request_id in self.quarantine:
+                continue  # preempted earlier in this step, or must run alone
             n = self._chunk(req, budget)
             if n and self._reserve(req, n, scheduled, batch):
                 batch.seqs.append(self._seq(req, n, batch))
@@ -111,6 +118,10 @@ class Scheduler:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if req.request_id in out.failed:  # its sampling failed: it ends alone, the batch goes on
+                self.finish(req, "error")
+                finished.append(req)
+                continue
             toks = out.sampled.get(req.request_id, []) if seq.sample else []
             # with drafts only the committed inputs count: the newest token + accepted drafts
             req.num_computed_tokens = seq.start + (len(toks) if seq.drafts else seq.num_tokens)
@@ -123,7 +134,48 @@ class Scheduler:
                 self.finish(req, req.finish_reason)
                 finished.append(req)
         self.cache.end_step(batch.pinned)
+        for seq in batch.seqs:  # a quarantined request that sampled alone is one step closer to release
+            rid = seq.request_id
+            if seq.sample and rid in self.quarantine:
+                self.quarantine[rid] -= 1
+                if self.quarantine[rid] <= 0:
+                    del self.quarantine[rid]
         return finished
+
+    def retry_apart(self, batch: ScheduledBatch) -> list[Request]:
+        """The model step over `batch` raised: undo it and quarantine its requests.
+
+        Preemption by recompute rebuilds every request's cache from its tokens, so whatever the
+        failed step half-wrote is never read, and greedy outputs stay those of an undisturbed
+        run (the invariance the preemption tests pin). Each request then runs alone until it has
+        sampled QUARANTINE_STEPS times; a step that fails with one request in it names the culprit.
+        """
+        self.cache.abandon_step(batch.pinned)
+        if len(batch.seqs) == 1:  # alone in the step: it is the cause
+            req = batch.seqs[0].request
+            if not req.finished:
+                self.finish(req, "error")
+            return [req]
+        for seq in batch.seqs:
+            req = seq.request
+            req.spec_token_ids = []
+            if req.status is RequestStatus.RUNNING:
+                self._preempt(req, batch)
+            self.quarantine[req.request_id] = QUARANTINE_STEPS
+        return []
+
+    def _schedule_alone(self, batch: ScheduledBatch) -> bool:
+        """One quarantined request as the whole batch; False if it cannot start this step."""
+        budget = self.config.max_num_batched_tokens
+        running = [r for r in self.running if r.request_id in self.quarantine]
+        if running:
+            req = running[0]
+            n = self._chunk(req, budget)
+            if n and self._reserve(req, n, {req.request_id}, batch):
+                batch.seqs.append(self._seq(req, n, batch))
+            return True
+        req = next(r for r in self.waiting if r.request_id in self.quarantine)
+        return self._admit_one(req, batch, budget) is not None
 
     # ---- helpers ---------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:
@@ -179,27 +231,37 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            hit = self.cache.lookup(req.all_token_ids)
-            req.num_computed_tokens = hit.num_tokens
-            req.checkpoint_at = self._save_points(req, hit)
-            n = self._chunk(req, budget)
-            if not self.cache.can_admit(hit.num_tokens + n, hit):
-                req.num_computed_tokens, req.checkpoint_at = 0, []
+            if self.waiting[0].request_id in self.quarantine:
+                break  # it starts alone (see _schedule_alone)
+            left = self._admit_one(self.waiting[0], batch, budget)
+            if left is None:
                 break  # head-of-line waits: keeps FCFS order and avoids starving long prompts
-            self.waiting.popleft()
-            alloc = self.cache.allocate(req.request_id, hit.num_tokens + n, hit)
-            if alloc.restore_from is not None:
-                batch.restore_states.append((alloc.restore_from, alloc.state_slot))
-                batch.pinned.append(hit.checkpoint)
-            if self.cache.prefix_caching:
-                self.cache.record_query(len(req.prompt_token_ids), min(hit.num_tokens, len(req.prompt_token_ids)))
-            req.num_cached_tokens = hit.num_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.seqs.append(self._seq(req, n, batch))
-            budget -= n
+            budget = left
         return budget
+
+    def _admit_one(self, req: Request, batch: ScheduledBatch, budget: int) -> int | None:
+        """Start a waiting request with its first chunk; the budget left, or None if it does not fit."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        hit = self.cache.lookup(req.all_token_ids)
+        req.num_computed_tokens = hit.num_tokens
+        req.checkpoint_at = self._save_points(req, hit)
+        n = self._chunk(req, budget)
+        if not self.cache.can_admit(hit.num_tokens + n, hit):
+            req.num_computed_tokens, req.checkpoint_at = 0, []
+            return None
+        self.waiting.remove(req)
+        alloc = self.cache.allocate(req.request_id, hit.num_tokens + n, hit)
+        if alloc.restore_from is not None:
+            batch.restore_states.append((alloc.restore_from, alloc.state_slot))
+            batch.pinned.append(hit.checkpoint)
+        if self.cache.prefix_caching:
+            self.cache.record_query(len(req.prompt_token_ids), min(hit.num_tokens, len(req.prompt_token_ids)))
+        req.num_cached_tokens = hit.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        batch.seqs.append(self._seq(req, n, batch))
+        return budget - n
 
     def _save_points(self, req: Request, hit) -> list[int]:
         """Where this request's prefill should leave KDA checkpoints: the end of the prompt's last
