@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from k3serve.server.http import uvicorn_config
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -18,10 +20,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(app, start_timeout: float = 60.0) -> Iterator[str]:
-    """Yield the base URL once the server accepts connections; stop it on exit."""
+def serving(app, start_timeout: float = 60.0, **http) -> Iterator[str]:
+    """Yield the base URL once the server accepts connections; stop it on exit. `http` goes to
+    `uvicorn_config` (the protocol and timeouts `k3serve serve` runs with)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning", **http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

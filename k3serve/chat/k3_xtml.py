@@ -79,7 +79,7 @@ def tool_calls_body(calls: list[ToolCall]) -> list[Seg]:
     for i, call in enumerate(calls, 1):
         try:
             args = json.loads(call.arguments) if call.arguments.strip() else {}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # carried raw below; depth is bounded upstream
             args = None
         if isinstance(args, dict):
             inner = []

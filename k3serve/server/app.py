@@ -1,7 +1,10 @@
-"""The FastAPI application: routes, auth, body limit, per-status request counting.
+"""The FastAPI application: routes behind the pure-ASGI guard (auth, body limit and read
+timeout, clean 500s, per-status request counting; see `guard.py`).
 
 Routes: /v1/models, /v1/chat/completions, /v1/completions, /tokenize, /detokenize, /health,
-/version, /metrics. `/v1/*` needs `Authorization: Bearer KEY` when the server has an API key.
+/ping, /version, /metrics, /reset_prefix_cache. With an API key every route needs
+`Authorization: Bearer KEY` except /health and /ping (and /metrics with `metrics_public`);
+admin routes (/reset_prefix_cache) can never be opened.
 """
 
 from __future__ import annotations
@@ -12,35 +15,30 @@ from fastapi.responses import Response
 from k3serve import __version__
 from k3serve.chat.messages import ChatInputError
 from k3serve.chat.render import ChatOptions
-from k3serve.server.errors import APIError, BodyLimitMiddleware, error_response, install_error_handlers
-from k3serve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from k3serve.server.errors import APIError, install_error_handlers
+from k3serve.server.guard import GuardConfig, GuardMiddleware
+from k3serve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                     as_dicts)
 from k3serve.server.serving_chat import create_chat_completion
 from k3serve.server.serving_completion import create_completion
 from k3serve.server.state import ServerState
 
-ROUTES = {"/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/health",
-          "/version", "/metrics", "/reset_prefix_cache"}
+ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
+                    "/health", "/ping", "/version", "/metrics", "/reset_prefix_cache"})
+ALWAYS_PUBLIC = frozenset({"/health", "/ping"})
 
 
-def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20) -> FastAPI:
+def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_public: bool = False,
+              body_timeout_s: float = 30.0) -> FastAPI:
     app = FastAPI(title="k3serve", version=__version__, docs_url=None, redoc_url=None)
-    app.state.k3 = state
     install_error_handlers(app)
-
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if state.api_key and path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                response = error_response(401, "invalid or missing API key")
-                state.metrics.http.labels(path, "401").inc()
-                return response
-        response = await call_next(request)
-        state.metrics.http.labels(path if path in ROUTES else "other", str(response.status_code)).inc()
-        return response
 
     @app.get("/health")
     async def health():
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
         return Response(status_code=200)
 
     @app.get("/version")
@@ -60,7 +58,8 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
-            "root": state.engine.engine.model_path, "max_model_len": state.max_model_len}]}
+            "root": state.served_model_name, "max_model_len": state.max_model_len,
+            "max_num_seqs": state.max_num_seqs}]}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
@@ -75,27 +74,40 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20) -> FastAPI:
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of `prompt` or `messages`")
-        if req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, allow_special=True)
-        else:
-            try:
-                ids = state.renderer.render(req.messages, ChatOptions(
-                    add_generation_prompt=req.add_generation_prompt)).token_ids
-            except ChatInputError as e:
-                raise APIError(400, str(e), param="messages") from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+        # a 30 MiB prompt is ~20 M ids: both the encoding and the JSON stay off the event loop
+        ids = await state.offload(_tokenize, state, req)
+        return Response(await state.offload(_tokens_json, ids, state.max_model_len), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         state.check_model(req.model)
-        V = state.engine.engine.model.cfg.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < V), None)
+        bad = next((t for t in req.tokens if not state.decodable(t)), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{V - 1})", param="tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+            raise APIError(400, f"token id {bad} is not in the vocabulary (0..{state.vocab_size - 1}"
+                                f"{', some ids unmapped' if state.unmapped_ids else ''})", param="tokens")
+        return {"prompt": await state.offload(state.tokenizer.decode, req.tokens)}
 
-    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    public = ALWAYS_PUBLIC | ({"/metrics"} if metrics_public else set())
+    guard = GuardConfig(state.api_key, frozenset(public), max_body_bytes, body_timeout_s)
+    app.add_middleware(GuardMiddleware, config=guard, routes=ROUTES,
+                       count=lambda route, status: state.metrics.http.labels(route, status).inc())
     return app
+
+
+def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
+    if req.prompt is not None:
+        return state.tokenizer.encode(req.prompt, allow_special=True)
+    try:
+        return state.renderer.render(as_dicts(req.messages), ChatOptions(add_generation_prompt=req.add_generation_prompt)
+                                     ).token_ids
+    except ChatInputError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def _tokens_json(ids: list[int], max_model_len: int, step: int = 1 << 16) -> bytes:
+    """The /tokenize body, written a slice at a time so other threads get the GIL in between."""
+    parts = [",".join(map(str, ids[i:i + step])) for i in range(0, len(ids), step)]
+    return f'{{"tokens":[{",".join(parts)}],"count":{len(ids)},"max_model_len":{max_model_len}}}'.encode()
 
 
 __all__ = ["build_app"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+from pathlib import Path
 
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
 
@@ -18,7 +20,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="name clients use in `model` (default: MODEL)")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health and /ping "
+                                     "(also K3SERVE_API_KEY, or --api-key-file; the flag shows in `ps`)")
+    p.add_argument("--api-key-file", help="read the API key from this file (first line)")
+    p.add_argument("--allow-unauthenticated-metrics", action="store_true",
+                   help="serve /metrics without the API key (for a scraper without credentials)")
+    p.add_argument("--max-request-body-bytes", type=int, default=32 * 2 ** 20, help="413 above this")
+    p.add_argument("--timeout-header", type=float, default=10.0,
+                   help="seconds a connection may take to send a request head before it is closed")
+    p.add_argument("--timeout-body", type=float, default=30.0,
+                   help="seconds to wait for the next chunk of a request body before 408")
+    p.add_argument("--timeout-keep-alive", type=int, default=5, help="idle keep-alive seconds (uvicorn)")
+    p.add_argument("--timeout-graceful-shutdown", type=int, default=10,
+                   help="seconds in-flight requests get at shutdown before they are cancelled")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
@@ -63,6 +77,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 prefix_cache_state_fraction=args.prefix_cache_state_fraction)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file, else $K3SERVE_API_KEY; None: no auth."""
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read a key ({e})") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: the first line is empty")
+        return args.api_key or key
+    return args.api_key or os.environ.get("K3SERVE_API_KEY") or None
+
+
 def build_server(args: argparse.Namespace):
     from k3serve.engine.async_engine import AsyncEngine
     from k3serve.engine.llm_engine import LLMEngine
@@ -75,16 +102,22 @@ def build_server(args: argparse.Namespace):
     state = ServerState(engine, args.served_model_name or args.model or default_name,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        api_key=args.api_key)
-    return build_app(state), state
+                        api_key=api_key(args))
+    app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
+                    metrics_public=args.allow_unauthenticated_metrics)
+    return app, state
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from k3serve.server.http import uvicorn_config
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     app, state = build_server(args)
-    logging.getLogger("k3serve.server").info("serving %s on http://%s:%d", state.served_model_name,
-                                             args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    logging.getLogger("k3serve.server").info("serving %s on http://%s:%d%s", state.served_model_name,
+                                             args.host, args.port, " (API key required)" if state.api_key else "")
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
+                                  header_timeout=args.timeout_header, keep_alive_timeout=args.timeout_keep_alive,
+                                  graceful_shutdown_timeout=args.timeout_graceful_shutdown)).run()
     return 0

@@ -18,6 +18,64 @@ from k3serve.sampling.params import SamplingParams
 MAX_N = 128  # parallel samples per request; each holds a KDA state slot
 
 
+class _Open(BaseModel):
+    """A shape checked field by field; fields it does not name pass through untouched."""
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str | dict[str, Any] | list[Any] = "{}"
+
+
+class ToolCallParam(_Open):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    """One OpenAI chat message; `role` values and part types are checked by the renderer (400)."""
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Open):
+    name: str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+def as_dicts(items: list[BaseModel] | None) -> list[dict] | None:
+    """Validated models -> the plain dicts the renderers read (unset fields dropped)."""
+    return None if items is None else [m.model_dump(exclude_unset=True) for m in items]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -73,13 +131,13 @@ class _Sampling(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -100,7 +158,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # parsed for vLLM compatibility; Kimi prompts carry no BOS
 

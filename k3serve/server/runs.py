@@ -4,16 +4,70 @@ early when the client goes away (the engine then aborts and frees its cache)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
-from k3serve.engine.async_engine import EngineOverloaded
+from k3serve.engine.async_engine import EngineOverloaded, RequestFailed
 from k3serve.engine.outputs import RequestOutput
-from k3serve.sampling.params import SamplingParams
-from k3serve.server.errors import APIError
+from k3serve.sampling.params import ParamError, SamplingParams
+from k3serve.server.errors import APIError, error_body
 from k3serve.server.state import ServerState
+
+log = logging.getLogger("k3serve.server")
+RETRY_AFTER_S = 1  # Retry-After on 503: the queue drains at decode speed
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+async def unless_disconnected(raw: Request, work: Awaitable):
+    """`await work`, but stop it (raising ClientGone) as soon as the client disconnects.
+
+    Runs under the pure-ASGI guard, so `receive()` after the body really reports
+    `http.disconnect` (a BaseHTTPMiddleware would hide it). Cancelling `work` closes the
+    engine streams it is reading, which aborts their requests before the next step.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(raw))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+    return task.result()
+
+
+async def finals(runs: list["Run"]) -> list[RequestOutput]:
+    """The last outputs of several runs; if one fails, the others are stopped (and aborted)."""
+    tasks = [asyncio.ensure_future(r.final()) for r in runs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def stream_error(e: BaseException) -> dict:
+    """The in-band error event of a stream: the engine's own sentence for a request that failed
+    alone, a fixed one (and a log line) for anything else; never raw exception text."""
+    if isinstance(e, RequestFailed):
+        return error_body(400, str(e))
+    log.error("stream failed: %s", type(e).__name__, exc_info=log.isEnabledFor(logging.DEBUG))
+    return error_body(500, f"generation failed (internal {type(e).__name__})")
+
+
+async def _disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Run:
@@ -30,25 +84,35 @@ class Run:
         try:
             self._first = await self._gen.__anext__()
         except EngineOverloaded as e:
-            raise APIError(503, str(e)) from None
-        except ValueError as e:
+            raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except (ValueError, RequestFailed) as e:
             raise APIError(400, str(e)) from None
         self._seen(self._first)
 
-    async def outputs(self, raw: Request | None = None) -> AsyncIterator[RequestOutput]:
-        """The first output, then the rest; with `raw`, stop when the client disconnects."""
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The first output, then the rest (RequestFailed if the request failed alone)."""
         try:
             out = self._first
             yield out
             while not out.finished:
-                if raw is not None and await raw.is_disconnected():
-                    return
                 out = await self._gen.__anext__()
                 self._seen(out)
                 yield out
             self._record(out)
         finally:
             await self._gen.aclose()  # not finished: the engine aborts the request
+
+    async def final(self) -> RequestOutput:
+        """The last output; APIError(400) if the request failed alone after it started."""
+        last = None
+        try:
+            async for out in self.outputs():
+                last = out
+        except RequestFailed as e:
+            raise APIError(400, str(e)) from None
+        return last
 
     async def close(self) -> None:
         """Give the request up (aborted in the engine if it had started)."""

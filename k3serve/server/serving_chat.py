@@ -5,21 +5,25 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from k3serve.chat.messages import ChatInputError
+from k3serve.chat.messages import ChatInputError, check_depth
 from k3serve.chat.render import ChatOptions, RenderedPrompt
-from k3serve.server.errors import APIError, error_body
+from k3serve.server.errors import APIError
 from k3serve.server.logprobs import chat_logprobs
 from k3serve.server.output_parser import Delta, OutputParser
-from k3serve.server.protocol import ChatCompletionRequest
-from k3serve.server.runs import Run
+from k3serve.server.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
+from k3serve.server.runs import ClientGone, Run, stream_error, unless_disconnected
 from k3serve.server.state import ServerState, new_id, sse, usage
 
 
 def _tool_choice(req: ChatCompletionRequest, state: ServerState):
-    tools = req.tools or None
+    tools = as_dicts(req.tools) or None
+    check_json_depth(tools, "tools")
+    check_json_depth(req.response_format, "response_format")
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.model_dump(exclude_unset=True)
     if choice in ("auto", "required") or isinstance(choice, dict):
         if not tools:
             raise APIError(400, f"tool_choice {choice!r} needs `tools`", param="tool_choice")
@@ -33,11 +37,18 @@ def _tool_choice(req: ChatCompletionRequest, state: ServerState):
     return tools, choice
 
 
+def check_json_depth(value, param: str) -> None:
+    try:
+        check_depth(value, param)
+    except ChatInputError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
 def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> RenderedPrompt:
     kw = dict(req.chat_template_kwargs or {})
     thinking = bool(kw.pop("thinking", kw.pop("enable_thinking", True)))
     try:
-        return state.renderer.render(req.messages, ChatOptions(
+        return state.renderer.render(as_dicts(req.messages), ChatOptions(
             tools=tools, tool_choice=choice, response_format=req.response_format, thinking=thinking,
             effort=req.reasoning_effort, add_generation_prompt=req.add_generation_prompt, template_kwargs=kw))
     except ChatInputError as e:
@@ -47,7 +58,7 @@ def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> Re
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     state.check_model(req.model)
     tools, choice = _tool_choice(req, state)
-    prompt = _render(req, state, tools, choice)
+    prompt = await state.offload(_render, req, state, tools, choice)  # long chats must not stall the loop
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = state.max_tokens(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens)
@@ -67,11 +78,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(state, run, head, parser, req.n, top_n if req.logprobs else None,
                                          include_usage), media_type="text/event-stream")
-    last = None
-    async for out in run.outputs(raw):
-        last = out
-    if not last.finished:
-        raise APIError(499, "client disconnected")
+    try:
+        last = await unless_disconnected(raw, run.final())
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
     choices = []
     for o in last.outputs:
         p = parser().parse(o.text)
@@ -134,6 +144,6 @@ async def _stream(state, run: Run, head, make_parser, n, top_n, include_usage):
             n_out = sum(len(o.token_ids) for o in run.last.outputs)
             yield sse({**chunk, "choices": [], "usage": usage(len(run.prompt_ids), n_out,
                                                               run.last.num_cached_tokens)})
-    except Exception as e:  # the engine failed mid-stream: tell the client in-band
-        yield sse(error_body(500, f"generation failed: {e}"))
+    except Exception as e:  # noqa: BLE001 - the request failed mid-stream: tell the client in-band
+        yield sse(stream_error(e))
     yield "data: [DONE]\n\n"

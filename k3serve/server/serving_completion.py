@@ -6,12 +6,12 @@ import asyncio
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from k3serve.server.errors import APIError, error_body
+from k3serve.server.errors import APIError
 from k3serve.server.logprobs import completion_logprobs
 from k3serve.server.protocol import CompletionRequest
-from k3serve.server.runs import Run
+from k3serve.server.runs import ClientGone, Run, finals, stream_error, unless_disconnected
 from k3serve.server.state import ServerState, new_id, sse, usage
 
 
@@ -41,7 +41,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
-    prompts = _prompts(state, req.prompt)
+    prompts = await state.offload(_prompts, state, req.prompt)  # tokenizing a long prompt takes seconds
     top_n = req.logprobs
     rid = new_id("cmpl")
     runs = []
@@ -60,11 +60,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(state, runs, prompts, head, req, include_usage),
                                  media_type="text/event-stream")
-    finals = await asyncio.gather(*(_last(r, raw) for r in runs))
-    if any(f is None or not f.finished for f in finals):
-        raise APIError(499, "client disconnected")
+    try:
+        outs = await unless_disconnected(raw, finals(runs))
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; the requests were aborted
     choices = []
-    for k, (final, (text, ids)) in enumerate(zip(finals, prompts)):
+    for k, (final, (text, ids)) in enumerate(zip(outs, prompts)):
         prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
         for o in final.outputs:
             choices.append({"index": k * req.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
@@ -72,17 +73,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                             "logprobs": completion_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n,
                                                             len(prefix)) if top_n is not None else None})
     n_prompt = sum(len(ids) for _, ids in prompts)
-    n_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
-    cached = sum(f.num_cached_tokens for f in finals)
+    n_out = sum(len(o.token_ids) for f in outs for o in f.outputs)
+    cached = sum(f.num_cached_tokens for f in outs)
     return JSONResponse({**head, "object": "text_completion", "choices": choices,
                          "usage": usage(n_prompt, n_out, cached)})
-
-
-async def _last(run: Run, raw: Request):
-    last = None
-    async for out in run.outputs(raw):
-        last = out
-    return last
 
 
 async def _stream(state: ServerState, runs: list[Run], prompts, head, req: CompletionRequest, include_usage: bool):
@@ -93,7 +87,7 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
         try:
             async for out in run.outputs():
                 await queue.put((k, out))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - reported in-band, see stream_error
             await queue.put((k, e))
         finally:
             await queue.put((k, None))
@@ -114,7 +108,7 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
                 live -= 1
                 continue
             if isinstance(item, Exception):
-                yield sse(error_body(500, f"generation failed: {item}"))
+                yield sse(stream_error(item))
                 continue
             for o in item.outputs:
                 chars, toks = sent.get((k, o.index), (0, 0))

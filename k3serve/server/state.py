@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from k3serve.chat.render import ChatRenderer
@@ -12,6 +14,7 @@ from k3serve.engine.async_engine import AsyncEngine
 from k3serve.server.errors import APIError
 from k3serve.server.metrics import ServerMetrics
 
+PREP_THREADS = 2
 STRUCTURAL = {"kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
               "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                           "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
@@ -39,6 +42,18 @@ class ServerState:
         names = set(STRUCTURAL[self.tool_call_parser]) | set(STRUCTURAL.get(self.reasoning_parser, ()))
         self.structural_ids = sorted(i for n, i in self.tokenizer.special_tokens.items() if n in names)
         self.metrics = ServerMetrics(self.engine)
+        self.vocab_size = eng.model.cfg.vocab_size
+        self.unmapped_ids = frozenset(eng.unmapped_ids)
+        self.max_num_seqs = eng.plan.num_slots  # what can run at once (eng.seq_limit_note says why if fewer)
+        self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="k3serve-prep")
+
+    async def offload(self, fn, *args):
+        """Run CPU-heavy request preparation (tokenizing, chat rendering) on a worker thread, so
+        `/health` and running streams keep their event loop (tiktoken releases the GIL)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    def decodable(self, token_id: int) -> bool:
+        return 0 <= token_id < self.vocab_size and token_id not in self.unmapped_ids
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, "", self.served_model_name):

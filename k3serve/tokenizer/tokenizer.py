@@ -35,6 +35,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.special_ids = {i: s for s, i in special_tokens.items()}
         self.vocab_size = vocab_size
+        self.num_base = tiktoken_enc.n_vocab - len(special_tokens) if tiktoken_enc is not None else 0
 
     # ---- loading -------------------------------------------------------------------
     @classmethod
@@ -71,9 +72,11 @@ class Tokenizer:
     # ---- use -----------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         if self._tk is not None:
-            if allow_special:
-                return self._tk.encode(text, allowed_special="all")
-            return self._tk.encode_ordinary(text)
+            ids: list[int] = []
+            for piece in split_long(text):  # tiktoken holds the GIL per call: keep each call short
+                ids += self._tk.encode(piece, allowed_special="all") if allow_special \
+                    else self._tk.encode_ordinary(piece)
+            return ids
         hf = self._hf if allow_special else self._hf_plain
         return hf.encode(text, add_special_tokens=False).ids
 
@@ -86,6 +89,16 @@ class Tokenizer:
             return self._tk.decode_bytes(ids)
         return self._hf.decode(ids, skip_special_tokens=False).encode()
 
+    def has_id(self, token_id: int) -> bool:
+        """Whether `decode` knows this id (a model's vocabulary can be larger than its tokenizer)."""
+        if self._tk is not None:
+            return 0 <= token_id < self.num_base or token_id in self.special_ids
+        return 0 <= token_id and self._hf.id_to_token(token_id) is not None
+
+    def unmapped_ids(self, model_vocab_size: int) -> list[int]:
+        """Ids in [0, model_vocab_size) with no text: the engine masks them out of sampling."""
+        return [i for i in range(model_vocab_size) if not self.has_id(i)]
+
     def token_to_id(self, name: str) -> int:
         try:
             return self.special_tokens[name]
@@ -94,6 +107,30 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
+
+
+SPLIT_CHARS = 1 << 16  # long texts are encoded in pieces of about this many characters
+
+
+def split_long(text: str, size: int = SPLIT_CHARS) -> list[str]:
+    """Cut `text` into pieces of about `size` characters, only at a single space between two
+    non-space characters. Kimi's pre-tokenizer (PAT_STR) always starts a new piece at such a
+    space (no pattern carries a space after a non-space character, and whitespace runs are
+    not cut), so encoding the pieces one by one gives exactly the ids of the whole text
+    (checked by a test against one-shot encoding). Text with no such space stays whole."""
+    if len(text) <= size:
+        return [text]
+    out, start, n = [], 0, len(text)
+    while n - start > size:
+        i = text.find(" ", start + size)
+        while 0 < i < n - 1 and (text[i - 1].isspace() or text[i + 1].isspace()):
+            i = text.find(" ", i + 1)
+        if not 0 < i < n - 1:
+            break
+        out.append(text[start:i])
+        start = i
+    out.append(text[start:])
+    return out
 
 
 def _specials_from_config(cfg_path: Path, base_vocab: int) -> dict[str, int]:

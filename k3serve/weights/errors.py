@@ -34,3 +34,7 @@ class TruncatedShardError(CheckpointError):
 
 class BadIndexError(CheckpointError):
     """model.safetensors.index.json disagrees with the shards."""
+
+
+class NonFiniteWeightError(CheckpointError):
+    """A weight holds NaN or Inf (or an MXFP4 block scale is the E8M0 NaN code 0xFF)."""

@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.weights.checkpoint import CheckpointIndex, TensorInfo
-from k3serve.weights.errors import (DtypeMismatchError, MissingTensorError, ShapeMismatchError,
-                                    UnexpectedTensorError)
+from k3serve.weights.errors import (DtypeMismatchError, MissingTensorError, NonFiniteWeightError,
+                                    ShapeMismatchError, UnexpectedTensorError)
 from k3serve.weights.mxfp4 import PackedMXFP4
 from k3serve.weights.schema import FLOAT_DTYPES, TensorSpec, model_tensor_specs
 
@@ -93,7 +93,22 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, device: str | torch.devi
         with safe_open(str(f), framework="pt", device=str(device)) as fh:
             for name in by_file[f]:
                 raw[name] = fh.get_tensor(name)
+                check_finite(raw[name], name, f)
     return _canonicalize(raw, cfg)
+
+
+E8M0_NAN = 0xFF
+
+
+def check_finite(t: torch.Tensor, name: str, file: Path) -> None:
+    """One reduction per tensor at load: NaN/Inf weights would poison every request's logits
+    (and used to trip the sampler for all of them), so they stop start-up, named."""
+    if t.dtype == torch.uint8:
+        bad = name.endswith(".weight_scale") and bool((t == E8M0_NAN).any())
+    else:
+        bad = t.is_floating_point() and not bool(torch.isfinite(t).all())
+    if bad:
+        raise NonFiniteWeightError("weight holds NaN or Inf values", tensor=name, file=str(file))
 
 
 def _canonicalize(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Weight]:

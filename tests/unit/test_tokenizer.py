@@ -72,3 +72,25 @@ def test_bad_tokenizer_dirs(tmp_path):
         {"added_tokens_decoder": {"0": {"content": "[BOS]", "special": True}}}))
     with pytest.raises(TokenizerError, match="collides"):
         Tokenizer.from_dir(tmp_path)
+
+
+# ---- long texts are encoded in pieces (issue 18: a 30 MiB /tokenize froze the event loop) ----
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from k3serve.tokenizer.tokenizer import split_long  # noqa: E402
+
+_ALPHABET = st.sampled_from(list("ab Zé中 ,.!?'\n\t123") + [" ", "  ", "'s", "<|im_end|>", "\r\n"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(_ALPHABET, min_size=1, max_size=400), size=st.integers(1, 40))
+def test_piecewise_encoding_equals_one_shot(tiny_k3_dir, parts, size):
+    from k3serve.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(tiny_k3_dir)
+    text = "".join(parts)
+    pieces = split_long(text, size)
+    assert "".join(pieces) == text
+    for special in (False, True):
+        whole = tok._tk.encode(text, allowed_special="all") if special else tok._tk.encode_ordinary(text)
+        assert [t for p in pieces for t in (tok._tk.encode(p, allowed_special="all") if special
+                                             else tok._tk.encode_ordinary(p))] == whole

@@ -1,0 +1,126 @@
+"""The outermost ASGI layer of the app (pure ASGI, so `http.disconnect` reaches the handlers).
+
+For every HTTP request, in order:
+  1. auth: `Authorization: Bearer KEY` (scheme case-insensitive, constant-time compare) on every
+     route but the public ones (`/health`, `/ping`, and `/metrics` when configured); 401 carries
+     `WWW-Authenticate: Bearer`;
+  2. body: read in full before the app sees it, counting bytes as they stream in (413 for a
+     declared or a chunked body over the limit) with a per-chunk read timeout (408), then
+     replayed to the app; later `receive()` calls go to the server, so a disconnect is seen;
+  3. any exception the app lets escape becomes a JSON 500 on a connection kept open, logged in
+     one line (the trace at debug level), instead of uvicorn's text 500 and closed socket;
+  4. the response's status is counted per route in `k3serve:http_requests`.
+References: Starlette's ServerErrorMiddleware (what it does, minus the re-raise), vLLM's
+`AuthenticationMiddleware` (pure ASGI since vLLM PR #12197).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+
+from k3serve.server.errors import error_body
+
+log = logging.getLogger("k3serve.server")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    api_key: str | None = None
+    public_paths: frozenset[str] = frozenset({"/health", "/ping"})
+    max_body_bytes: int = 32 * 2 ** 20
+    body_timeout_s: float = 30.0  # longest wait for the next body chunk
+
+
+class GuardMiddleware:
+    def __init__(self, app, config: GuardConfig, count=None, routes: frozenset[str] = frozenset()):
+        self.app, self.config = app, config
+        self.count, self.routes = count, routes  # count(route, status) -> None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        status = {"code": 0}
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, send_counted, path, status)
+        finally:
+            if self.count is not None and status["code"]:
+                self.count(path if path in self.routes else "other", str(status["code"]))
+
+    async def _handle(self, scope, receive, send, path: str, status: dict) -> None:
+        if not self._authorized(scope, path):
+            return await reply(send, 401, "invalid or missing API key", [(b"www-authenticate", b"Bearer")])
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the client to go away
+
+        try:
+            await self.app(scope, replay, send)
+        except Exception as e:  # noqa: BLE001 - the last net: one line, a JSON 500, the socket kept
+            log.error("unhandled %s on %s %s", type(e).__name__, scope.get("method"), path,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            if not status["code"]:
+                await reply(send, 500, f"internal server error ({type(e).__name__})")
+
+    def _authorized(self, scope, path: str) -> bool:
+        key = self.config.api_key
+        if not key or path in self.config.public_paths:
+            return True
+        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    async def _read_body(self, scope, receive, send) -> bytes | None:
+        """The whole body, or None once a 408/413 has been sent."""
+        limit = self.config.max_body_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            await reply(send, 413, f"request body exceeds {limit} bytes", close=True)
+            return None
+        chunks, seen = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                await reply(send, 408, f"request body not received within {self.config.body_timeout_s:g} s",
+                            close=True)
+                return None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > limit:
+                await reply(send, 413, f"request body exceeds {limit} bytes", close=True)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+async def reply(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = (),
+                close: bool = False) -> None:
+    """Send an OpenAI-style JSON error straight from the ASGI layer."""
+    body = json.dumps(error_body(status, message)).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    if close:  # the rest of the body was not read: the connection cannot be reused
+        head.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
