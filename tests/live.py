@@ -37,3 +37,13 @@ def serving(app, start_timeout: float = 60.0, **http) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def metric(base: str, name: str) -> float:
+    """One unlabelled sample of the server's /metrics."""
+    import httpx
+
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)

@@ -10,7 +10,7 @@ admin routes (/reset_prefix_cache) can never be opened.
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from k3serve import __version__
 from k3serve.chat.messages import ChatInputError
@@ -37,9 +37,11 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     async def health():
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():
+    async def ping():  # SageMaker-style liveness, as vLLM serves it
         return Response(status_code=200)
+
+    app.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
+    app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
 
     @app.get("/version")
     async def version():
@@ -56,10 +58,12 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
-            "root": state.served_model_name, "max_model_len": state.max_model_len,
-            "max_num_seqs": state.max_num_seqs}]}
+        card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
+                "root": state.served_model_name, "max_model_len": state.max_model_len,
+                "max_num_seqs": state.max_num_seqs}
+        if state.engine.engine.seq_limit_note:  # fewer slots than asked for: say why
+            card["max_num_seqs_note"] = state.engine.engine.seq_limit_note
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
@@ -74,9 +78,9 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of `prompt` or `messages`")
-        # a 30 MiB prompt is ~20 M ids: both the encoding and the JSON stay off the event loop
-        ids = await state.offload(_tokenize, state, req)
-        return Response(await state.offload(_tokens_json, ids, state.max_model_len), media_type="application/json")
+        # a 30 MiB prompt is ~20 M ids: encoding, JSON and freeing them all stay off the event loop
+        body = await state.offload(_tokenize_body, state, req)
+        return StreamingResponse(iter(body), media_type="application/json")  # one big write would stall too
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -94,20 +98,29 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     return app
 
 
-def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
+def _tokenize_body(state: ServerState, req: TokenizeRequest) -> list[bytes]:
     if req.prompt is not None:
-        return state.tokenizer.encode(req.prompt, allow_special=True)
-    try:
-        return state.renderer.render(as_dicts(req.messages), ChatOptions(add_generation_prompt=req.add_generation_prompt)
-                                     ).token_ids
-    except ChatInputError as e:
-        raise APIError(400, str(e), param="messages") from None
+        parts = state.tokenizer.encode_parts(req.prompt, allow_special=True)
+    else:
+        try:
+            parts = [state.renderer.render(as_dicts(req.messages), ChatOptions(
+                add_generation_prompt=req.add_generation_prompt)).token_ids]
+        except ChatInputError as e:
+            raise APIError(400, str(e), param="messages") from None
+    return tokens_json(parts, state.max_model_len)
 
 
-def _tokens_json(ids: list[int], max_model_len: int, step: int = 1 << 16) -> bytes:
-    """The /tokenize body, written a slice at a time so other threads get the GIL in between."""
-    parts = [",".join(map(str, ids[i:i + step])) for i in range(0, len(ids), step)]
-    return f'{{"tokens":[{",".join(parts)}],"count":{len(ids)},"max_model_len":{max_model_len}}}'.encode()
+def tokens_json(parts, max_model_len: int) -> list[bytes]:
+    """The /tokenize body from id parts, each part written (and freed) in its own short call so
+    other threads get the GIL in between: one json.dumps of 20 M ids holds it for seconds, and
+    freeing one 20 M-int list for a tenth of one."""
+    out, count = [b'{"tokens":['], 0
+    for ids in parts:
+        if ids:
+            out.append((b"," if count else b"") + ",".join(map(str, ids)).encode())
+            count += len(ids)
+    out.append(f'],"count":{count},"max_model_len":{max_model_len}}}'.encode())
+    return out
 
 
 __all__ = ["build_app"]

@@ -9,6 +9,7 @@ special ids: specials are only emitted by the chat renderer (as ids) or on expli
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import tiktoken
@@ -25,7 +26,7 @@ class Tokenizer:
     """encode/decode with named special tokens; one interface over both backends."""
 
     def __init__(self, *, tiktoken_enc: tiktoken.Encoding | None = None, hf=None,
-                 special_tokens: dict[str, int], vocab_size: int):
+                 special_tokens: dict[str, int], vocab_size: int, num_base: int = 0):
         self._tk, self._hf = tiktoken_enc, hf
         if hf is not None:  # a twin that treats special-token names in text as plain text
             from tokenizers import Tokenizer as HFTokenizer
@@ -35,7 +36,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.special_ids = {i: s for s, i in special_tokens.items()}
         self.vocab_size = vocab_size
-        self.num_base = tiktoken_enc.n_vocab - len(special_tokens) if tiktoken_enc is not None else 0
+        self.num_base = num_base  # tiktoken: BPE ranks 0..num_base-1 (specials may sit above a gap)
 
     # ---- loading -------------------------------------------------------------------
     @classmethod
@@ -56,7 +57,7 @@ class Tokenizer:
         specials = _specials_from_config(path / "tokenizer_config.json", len(ranks))
         enc = tiktoken.Encoding(name=path.name or "kimi", pat_str=PAT_STR,
                                 mergeable_ranks=ranks, special_tokens=specials)
-        return cls(tiktoken_enc=enc, special_tokens=specials, vocab_size=enc.n_vocab)
+        return cls(tiktoken_enc=enc, special_tokens=specials, vocab_size=enc.n_vocab, num_base=len(ranks))
 
     @classmethod
     def _from_hf(cls, file: Path) -> "Tokenizer":
@@ -71,14 +72,20 @@ class Tokenizer:
 
     # ---- use -----------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        if self._tk is not None:
-            ids: list[int] = []
-            for piece in split_long(text):  # tiktoken holds the GIL per call: keep each call short
-                ids += self._tk.encode(piece, allowed_special="all") if allow_special \
-                    else self._tk.encode_ordinary(piece)
-            return ids
-        hf = self._hf if allow_special else self._hf_plain
-        return hf.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for part in self.encode_parts(text, allow_special):
+            ids += part
+        return ids
+
+    def encode_parts(self, text: str, allow_special: bool = False) -> Iterator[list[int]]:
+        """The ids of `text` in consecutive parts (one for short text). tiktoken holds the GIL for
+        a whole call, so long text is encoded piece by piece (see `split_long`)."""
+        if self._tk is None:
+            hf = self._hf if allow_special else self._hf_plain
+            yield hf.encode(text, add_special_tokens=False).ids
+            return
+        for piece in split_long(text):
+            yield self._tk.encode(piece, allowed_special="all") if allow_special else self._tk.encode_ordinary(piece)
 
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -145,5 +152,8 @@ def _specials_from_config(cfg_path: Path, base_vocab: int) -> dict[str, int]:
     if bad:
         raise TokenizerError(f"{cfg_path}: special id {bad[0]} collides with the BPE ranks "
                              f"(0..{base_vocab - 1})")
-    return special_token_map(base_vocab, {i - base_vocab: s for i, s in named.items()})
+    # ids in the config are absolute: the reserved block starts at the first named special,
+    # which may sit above the last BPE rank (a gap the engine masks), never below it
+    first = min(named, default=base_vocab)
+    return special_token_map(first, {i - first: s for i, s in named.items()})
 

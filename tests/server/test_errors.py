@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.live import metric
 from tests.server.conftest import make_app
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -91,13 +92,6 @@ def test_garbage_never_crashes(live_server, body):
     if r.status_code != 200:
         err(r, r.status_code)
     assert httpx.get(live_server[0] + "/health").status_code == 200
-
-
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(base + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
 
 
 def test_disconnect_aborts_and_frees_cache(live_server):
