@@ -158,29 +158,32 @@ class LLMEngine:
             why = f"the model step failed for this request ({type(e).__name__})"
             return [self._fail(self._owner[r.request_id], why) for r in culprits if r.request_id in self._owner]
         self.scheduler.update(batch, out)
+        failed: dict[str, RequestOutput] = {}
         touched: dict[str, _Group] = {}
         for seq in batch.seqs:
             group = self._owner.get(seq.request_id)
             if group is None:
                 continue
-            if seq.request_id in out.failed:
-                touched[group.request_id] = self._fail(group, out.failed[seq.request_id])
-                continue
-            toks = out.sampled.get(seq.request_id)
-            if not toks:
-                continue
-            try:
-                for tok in toks:  # stop after the tokens the scheduler appended (a stop cuts the rest)
-                    if self._seen.get(seq.request_id, 0) >= len(seq.request.output_token_ids):
-                        break
-                    self._on_token(group, seq.request, tok)
-            except Exception as e:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode
-                log.warning("output processing failed for request %s: %s", group.request_id, e)
-                touched[group.request_id] = self._fail(group, f"output processing failed for this request "
-                                                              f"({type(e).__name__})")
-                continue
-            touched[group.request_id] = group
-        return [g if isinstance(g, RequestOutput) else self._output(g) for g in touched.values()]
+            toks = out.sampled.get(seq.request_id, [])
+            why = out.failed.get(seq.request_id) or self._emit(group, seq.request, toks)
+            if why:
+                failed[group.request_id] = self._fail(group, why)
+                touched.pop(group.request_id, None)
+            elif toks:
+                touched[group.request_id] = group
+        return list(failed.values()) + [self._output(g) for g in touched.values()]
+
+    def _emit(self, group: _Group, req: Request, toks: list[SampledToken]) -> str | None:
+        """Hand one sequence's tokens of this step to its group; why that failed, or None."""
+        try:
+            for tok in toks:  # stop after the tokens the scheduler appended (a stop cuts the rest)
+                if self._seen.get(req.request_id, 0) >= len(req.output_token_ids):
+                    break
+                self._on_token(group, req, tok)
+        except Exception as e:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode
+            log.warning("output processing failed for request %s: %s", group.request_id, e)
+            return f"output processing failed for this request ({type(e).__name__})"
+        return None
 
     def _propose(self) -> None:
         """Drafts first: the scheduler budgets 1 + k tokens for them. Drafting is an optimisation:

@@ -171,11 +171,11 @@ class Scheduler:
         if running:
             req = running[0]
             n = self._chunk(req, budget)
-            if n and self._reserve(req, n, {req.request_id}, batch):
+            if n and self._reserve(req, n, set(), batch):  # it may preempt others, even itself
                 batch.seqs.append(self._seq(req, n, batch))
             return True
-        req = next(r for r in self.waiting if r.request_id in self.quarantine)
-        return self._admit_one(req, batch, budget) is not None
+        req = next((r for r in self.waiting if r.request_id in self.quarantine), None)
+        return req is not None and self._admit_one(req, batch, budget) is not None
 
     # ---- helpers ---------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:

@@ -8,7 +8,8 @@ For every HTTP request, in order:
      declared or a chunked body over the limit) with a per-chunk read timeout (408), then
      replayed to the app; later `receive()` calls go to the server, so a disconnect is seen;
   3. any exception the app lets escape becomes a JSON 500 on a connection kept open, logged in
-     one line (the trace at debug level), instead of uvicorn's text 500 and closed socket;
+     one line (the trace at debug level), instead of uvicorn's text 500 and closed socket; a
+     request still running when shutdown's grace period ends gets a JSON 503;
   4. the response's status is counted per route in `k3serve:http_requests`.
 References: Starlette's ServerErrorMiddleware (what it does, minus the re-raise), vLLM's
 `AuthenticationMiddleware` (pure ASGI since vLLM PR #12197).
@@ -74,6 +75,10 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, replay, send)
+        except asyncio.CancelledError:  # uvicorn cancels what outlives --timeout-graceful-shutdown
+            if not status["code"]:
+                await reply(send, 503, "the server is shutting down", [(b"retry-after", b"1")], close=True)
+            log.info("%s %s cancelled at shutdown", scope.get("method"), path)
         except Exception as e:  # noqa: BLE001 - the last net: one line, a JSON 500, the socket kept
             log.error("unhandled %s on %s %s", type(e).__name__, scope.get("method"), path,
                       exc_info=log.isEnabledFor(logging.DEBUG))

@@ -117,7 +117,12 @@ def serve(args: argparse.Namespace) -> int:
     app, state = build_server(args)
     logging.getLogger("k3serve.server").info("serving %s on http://%s:%d%s", state.served_model_name,
                                              args.host, args.port, " (API key required)" if state.api_key else "")
-    uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
-                                  header_timeout=args.timeout_header, keep_alive_timeout=args.timeout_keep_alive,
-                                  graceful_shutdown_timeout=args.timeout_graceful_shutdown)).run()
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
+                                           header_timeout=args.timeout_header,
+                                           keep_alive_timeout=args.timeout_keep_alive,
+                                           graceful_shutdown_timeout=args.timeout_graceful_shutdown))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
+        return 130
     return 0

@@ -77,8 +77,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Characters str.splitlines() breaks on that json.dumps(ensure_ascii=False) leaves raw: a client
+# reading the stream line by line (httpx's iter_lines, many SSE libraries) would cut an event in two.
+_LINE_BREAKS = {c: f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+_ESCAPE_BREAKS = str.maketrans(_LINE_BREAKS)
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event; its JSON never contains a character any reader splits lines on
+    (they can only occur inside JSON strings, where the \\u escape means the same text)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_ESCAPE_BREAKS)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

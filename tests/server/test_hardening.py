@@ -211,3 +211,48 @@ def test_response_headers_and_no_internal_paths(live_server, tiny_k3_dir):
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
     models = httpx.get(base + "/v1/models")
     assert str(tiny_k3_dir) not in models.text and models.json()["data"][0]["root"] == "tiny-k3"
+
+
+def test_shutdown_answers_what_outlives_the_grace_period(tiny_k3_dir):
+    from tests.live import free_port
+    import signal
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "k3serve", "serve", str(tiny_k3_dir), "--port", str(port),
+                             "--cache-memory", "32MiB", "--max-model-len", "4096", "--timeout-graceful-shutdown", "1",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(base), 60, "server did not start")
+        pool = ThreadPoolExecutor(1)
+        long = pool.submit(httpx.post, base + "/v1/completions", json={
+            "prompt": "x", "max_tokens": 4000, "ignore_eos": True}, timeout=60)
+        wait_for(lambda: metric(base, "k3serve:num_requests_running") == 1, 20, "request never ran")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        r = long.result(timeout=30)
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err
+    finally:
+        proc.kill()
+
+
+def _up(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_stream_events_survive_line_by_line_readers():
+    """Found by the 10-minute soak: sampled text can hold U+2028, U+0085, \\x1c ...; left raw in
+    an event, httpx's iter_lines (str.splitlines) cut it in two. Each event is one line now."""
+    from k3serve.server.state import sse
+
+    text = "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg\x0bh\x0ci é 中"
+    event = sse({"choices": [{"delta": {"content": text}}]})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[6:-2])["choices"][0]["delta"]["content"] == text

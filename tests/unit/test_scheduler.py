@@ -224,3 +224,37 @@ def test_request_larger_than_the_cache_is_refused():
         assert "5 latent blocks" in str(e) and "has 4" in str(e)
     else:
         raise AssertionError("a request that can never fit was accepted")
+
+
+def test_a_failed_step_is_retried_apart_then_batches_again():
+    """retry_apart: everything the failed step held is freed, each request then runs alone for
+    QUARANTINE_STEPS sampling steps (recompute prefill first), and batching resumes."""
+    s = make(num_blocks=64, num_slots=4)
+    for i in range(3):
+        s.add(req(str(i), 6, max_tokens=20, arrival=i))
+    run_step(s)
+    run_step(s)  # all three decoding, 2 tokens each
+    failed = s.schedule()
+    assert len(failed.seqs) == 3
+    assert s.retry_apart(failed) == []  # several in it: nobody is blamed yet
+    assert s.cache.num_free_blocks == 64 and s.cache.num_free_slots == 4  # all preempted
+    assert all(s.requests[str(i)].num_computed_tokens == 0 for i in range(3))
+    alone = []
+    while s.quarantine:
+        b, _ = run_step(s)
+        assert len(b.seqs) <= 1 and all(q.request_id in {"0", "1", "2"} for q in b.seqs)
+        alone += [(q.request_id, q.start, q.num_tokens) for q in b.seqs]
+    # each request: its recompute (prompt + the 2 tokens it had) alone, then one decode alone
+    assert sorted(alone) == sorted([(r, 0, 8) for r in "012"] + [(r, 8, 1) for r in "012"])
+    b, _ = run_step(s)
+    assert len(b.seqs) == 3  # released: batched together again
+    assert all(len(s.requests[str(i)].output_token_ids) == 5 for i in range(3))  # 2 + 2 alone + 1
+
+
+def test_a_step_that_fails_with_one_request_fails_that_request():
+    s = make()
+    s.add(req("x", 6, max_tokens=20))
+    batch = s.schedule()
+    culprits = s.retry_apart(batch)
+    assert [r.request_id for r in culprits] == ["x"] and culprits[0].finish_reason == "error"
+    assert not s.requests and s.cache.num_free_slots == 4 and s.cache.num_free_blocks == 64
