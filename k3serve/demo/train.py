@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from k3serve.demo.data import conversations, stdlib_text, tokenizer_corpus
 from k3serve.models.registry import build_model
@@ -50,26 +49,10 @@ def mxfp4_ste(w: torch.Tensor) -> torch.Tensor:
 
 
 def make_trainable(model) -> None:
+    """Routed experts become FP32 Parameters the forward reads through MXFP4 rounding (QAT)."""
     for moe in model.moe_layers():
         for name in ("w1", "w2", "w3"):
-            w = getattr(moe, name)
-            w = w.dequantize(torch.float32) if isinstance(w, PackedMXFP4) else w.float()
-            delattr(moe, name)
-            moe.register_parameter(name + "_train", nn.Parameter(w.clone()))
-        moe.__class__ = _qat_moe_class(type(moe))
-
-
-_QAT_CLASSES: dict[type, type] = {}
-
-
-def _qat_moe_class(base: type) -> type:
-    if base not in _QAT_CLASSES:
-        def __getattr__(self, name):
-            if name in ("w1", "w2", "w3"):
-                return mxfp4_ste(self._parameters[name + "_train"])
-            return base.__getattr__(self, name)
-        _QAT_CLASSES[base] = type("QAT" + base.__name__, (base,), {"__getattr__": __getattr__})
-    return _QAT_CLASSES[base]
+            getattr(moe, name).train_dense(mxfp4_ste)
 
 
 def export_tensors(model, cfg) -> dict[str, torch.Tensor]:
@@ -91,7 +74,7 @@ def export_tensors(model, cfg) -> dict[str, torch.Tensor]:
             layer = int(name.split(".")[2])
             e, w = name.split("experts.")[1].split(".")[:2]
             moe = model.model.layers[layer].block_sparse_moe
-            packed = PackedMXFP4.quantize(moe._parameters[w + "_train"].detach()[int(e)])
+            packed = PackedMXFP4.quantize(getattr(moe, w).weight.detach()[int(e)])
             module = spec.name[: -len(".weight_packed")]
             out[spec.name], out[module + ".weight_scale"] = packed.packed, packed.scale
         elif name.endswith("A_log"):

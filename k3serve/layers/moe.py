@@ -15,6 +15,7 @@ from torch import nn
 from k3serve.config.model_config import ModelConfig
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
 from k3serve.layers.common import RMSNorm, WeightOnly, linear
+from k3serve.layers.expert_weights import ExpertWeights
 from k3serve.layers.experts import experts_forward, experts_reference
 from k3serve.layers.router import route
 
@@ -55,11 +56,11 @@ class SparseMoE(nn.Module):
             self.routed_expert_up_proj = linear(d, inner)
             if m.latent_use_norm:
                 self.routed_expert_norm = RMSNorm(inner, cfg.rms_norm_eps)
-        # stacked experts [E, out, in]; replaced by PackedMXFP4 on load for K3
+        # stacked routed experts [E, out, in] as buffers (dense, or packed MXFP4 for K3)
         inter = m.expert_intermediate_size
-        self.w1 = torch.zeros(m.num_experts, inter, inner)
-        self.w3 = torch.zeros(m.num_experts, inter, inner)
-        self.w2 = torch.zeros(m.num_experts, inner, inter)
+        self.w1 = ExpertWeights(m.num_experts, inter, inner)
+        self.w3 = ExpertWeights(m.num_experts, inter, inner)
+        self.w2 = ExpertWeights(m.num_experts, inner, inter)
         if m.num_shared_experts:
             self.shared_experts = GluMLP(cfg, d, m.shared_intermediate_size)
         self.w4a8 = False  # round expert inputs through MXFP8 (the QAT activation format)
@@ -69,7 +70,7 @@ class SparseMoE(nn.Module):
         ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
         run = experts_reference if self.use_reference else experts_forward
-        y = run(z, ids, weights, self.w1, self.w2, self.w3, self.act, self.w4a8).to(x.dtype)
+        y = run(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8).to(x.dtype)
         if self.cfg.latent_size is not None:
             if self.cfg.latent_use_norm:
                 y = self.routed_expert_norm(y)

@@ -109,6 +109,11 @@ class KimiForCausalLM(nn.Module):
         head = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return (hidden @ head.t()).float()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The serving dtype (of the embeddings; a few KDA tensors stay FP32 by the spec)."""
+        return self.model.embed_tokens.weight.dtype
+
     def moe_layers(self) -> list[SparseMoE]:
         return [l.block_sparse_moe for l in self.model.layers if hasattr(l, "block_sparse_moe")]
 

@@ -22,9 +22,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> KimiFor
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ConfigError("architectures", f"{cfg.architecture!r} is not supported; known: {sorted(MODEL_REGISTRY)}")
-    model = cls(cfg).to(dtype)
-    model.dtype_ = dtype
-    return model.eval()
+    return cls(cfg).to(dtype).eval()
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, load_format: str = "auto",

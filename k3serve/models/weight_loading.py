@@ -53,5 +53,5 @@ def _assign_experts(model, experts) -> None:
             if isinstance(mats[0], PackedMXFP4):
                 stacked = PackedMXFP4(torch.stack([m.packed for m in mats]), torch.stack([m.scale for m in mats]))
             else:
-                stacked = torch.stack(mats).to(model.dtype_)
-            setattr(moe, w, stacked)
+                stacked = torch.stack(mats).to(model.dtype)
+            getattr(moe, w).load(stacked)

@@ -118,9 +118,5 @@ class ModelRunner:
 
 
 def weight_bytes(model: KimiForCausalLM) -> int:
-    """Bytes of every parameter plus stacked/packed expert weights (MXFP4 counted packed)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for moe in model.moe_layers():
-        for w in (moe.w1, moe.w2, moe.w3):
-            total += w.nbytes if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
-    return total
+    """Bytes of every parameter and buffer (routed experts are buffers, MXFP4 counted packed)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

@@ -28,7 +28,7 @@ class DraftModelProposer:
         per_req = -(-(max_model_len + 16) // BLOCK)
         self.manager = HybridCacheManager(per_req * max_num_seqs, max_num_seqs, BLOCK)
         self.cache = CacheTensors.allocate(model.cfg, max_num_seqs, per_req * max_num_seqs, BLOCK,
-                                           kv_dtype=model.dtype_)
+                                           kv_dtype=model.dtype)
         self._done: dict[str, int] = {}  # tokens the draft has computed, per request
         self._last: dict[str, torch.Tensor] = {}  # draft logits after the newest computed token
         self._gens: dict[str, torch.Generator] = {}

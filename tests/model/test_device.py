@@ -1,0 +1,66 @@
+"""Device-ready model state (issue 15): routed experts are module buffers, so `.to(device)` and
+`.to(dtype)` move them with everything else, and MoE reads dense experts as views (no copies).
+
+No GPU here: the `meta` device stands in for "another device" — a tensor the move missed stays
+on the CPU and the check names it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve import LLM
+from k3serve.config.bundled import load_model_config
+from k3serve.layers.expert_weights import ExpertWeights
+from k3serve.layers.experts import expert_weights
+from k3serve.models.registry import load_model
+from k3serve.runner.forward_batch import CacheTensors
+from k3serve.weights.mxfp4 import PackedMXFP4
+
+FP32_KEPT = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")  # the spec keeps these FP32
+
+
+def state(model):
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_to_device_moves_every_parameter_and_expert(tiny_k3_dir, tiny_kl_dir, kind):
+    model = load_model(tiny_k3_dir if kind == "k3" else tiny_kl_dir, progress=False)
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    assert experts and all(e.is_packed == (kind == "k3") for e in experts)  # K3 ships MXFP4 experts
+    model.to("meta")
+    stuck = [name for name, t in state(model) if t.device.type != "meta"]
+    assert not stuck, stuck
+    assert all(isinstance(e.value, PackedMXFP4) == (kind == "k3") for e in experts)
+
+
+def test_engine_state_is_on_its_device_and_dtype(tiny_kl_dir):
+    eng = LLM(str(tiny_kl_dir), dtype="bfloat16", cache_memory="16MiB", max_model_len=256).engine
+    device = eng.runner.device
+    for name, t in state(eng.model):
+        assert t.device == device, name
+        want = torch.float32 if name.endswith(FP32_KEPT) else torch.bfloat16
+        assert t.dtype == want, (name, t.dtype)  # dense experts included: they are buffers
+    cache = eng.runner.cache
+    for t in [*cache.recurrent, *cache.conv, *cache.latent]:
+        if t is not None:
+            assert t.device == device
+    assert all(t.dtype == torch.bfloat16 for t in cache.latent if t is not None)
+
+
+def test_cache_tensors_are_made_on_the_given_device(tiny_k3_dir):
+    cfg = load_model_config(tiny_k3_dir)
+    cache = CacheTensors.allocate(cfg, 2, 4, 16, kv_dtype=torch.bfloat16, device="meta")
+    tensors = [t for t in [*cache.recurrent, *cache.conv, *cache.latent] if t is not None]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+
+
+def test_dense_experts_are_read_as_views_not_copies():
+    w = torch.randn(8, 16, 32)
+    got = expert_weights(w, [1, 5, 6], torch.float32)
+    assert [g.data_ptr() for g in got] == [w[e].data_ptr() for e in (1, 5, 6)]  # same memory
+    assert all(torch.equal(g, w[e]) for g, e in zip(got, (1, 5, 6)))
+    packed = PackedMXFP4.quantize(w)
+    decoded = expert_weights(packed, [1, 5], torch.float32)
+    assert all(torch.equal(d, packed.select(e).dequantize()) for d, e in zip(decoded, (1, 5)))
