@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) bench/prefix_cache_ttft.py
 	$(PY) bench/spec_decode.py
 	$(PY) bench/demo_spec.py
+	$(PY) bench/moe_kernels.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -44,7 +44,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("give --prompt TEXT (repeatable) or --prompt-token-ids 1,2,3")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [])
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, kernels=args.kernels,
+              max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, cache_memory=args.cache_memory, seed=args.seed)
     start = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
+    p.add_argument("--kernels", default="auto", choices=("auto", "cpp", "torch"),
+                   help="MoE kernels: auto (compiled CPU kernels when they build), cpp (require them), torch (reference)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")

@@ -32,11 +32,14 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
+    kernels: str = "auto"  # auto: the compiled CPU kernels when they build | cpp: require them | torch
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernels not in ("auto", "cpp", "torch"):
+            raise ValueError(f"kernels must be one of ('auto', 'cpp', 'torch'), got {self.kernels!r}")
         if self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.cache_memory_fraction is not None and not 0 < self.cache_memory_fraction <= 1:

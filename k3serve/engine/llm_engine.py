@@ -61,6 +61,7 @@ class LLMEngine:
         where = placement(config)
         self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
                                 progress=False).to(where.device)
+        self.kernels = self.model.use_kernels(config.kernels)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)
         self.plan = make_plan(config, self.model, where, self.max_model_len)

@@ -46,11 +46,16 @@ def _one_expert(x, w1, w2, w3, act: Act, a8: bool) -> torch.Tensor:
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w1: ExpertWeight, w2: ExpertWeight, w3: ExpertWeight, act: Act,
-                    a8: bool = False) -> torch.Tensor:
-    """x [N, h], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), FP32 [N, h_out]."""
+                    a8: bool = False, kernels=None) -> torch.Tensor:
+    """x [N, h], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), FP32 [N, h_out].
+
+    With `kernels` (k3serve.kernels) and packed CPU experts, the three matmuls run as grouped
+    MXFP4 kernels on the packed bytes; otherwise each selected expert runs once in torch."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // ids.shape[1]  # token of each sorted assignment
+    if kernels is not None and isinstance(w1, PackedMXFP4) and x.device.type == "cpu":
+        return _experts_grouped_mxfp4(x, flat, order, token, weights, w1, w2, w3, act, a8, kernels)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     out_dim = w2.shape[1]
     out = torch.zeros(x.shape[0], out_dim, dtype=torch.float32, device=x.device)
@@ -64,6 +69,25 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         out.index_add_(0, token[pos:pos + n], y.float() * weights.reshape(-1)[sel, None])
         pos += n
     return out
+
+
+def _experts_grouped_mxfp4(x, flat, order, token, weights, w1, w2, w3, act: Act, a8: bool, kernels) -> torch.Tensor:
+    """Three grouped kernel calls per layer instead of a Python loop over experts; FP32 inside.
+    x [N, h]; assignments sorted by expert; offsets [E + 1] delimit each expert's rows."""
+    counts = torch.bincount(flat, minlength=w1.shape[0])
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.long)
+    offsets[1:] = counts.cumsum(0)
+    xs = x[token].float()  # [N*k, h], one row per (token, expert) pair
+    if a8:
+        xs = fake_quantize_mxfp8(xs)
+    g = kernels.mxfp4_grouped_matmul(xs, offsets, w1.packed, w1.scale)
+    u = kernels.mxfp4_grouped_matmul(xs, offsets, w3.packed, w3.scale)
+    h = act(g, u)
+    if a8:
+        h = fake_quantize_mxfp8(h)
+    y = kernels.mxfp4_grouped_matmul(h.contiguous(), offsets, w2.packed, w2.scale)  # [N*k, out]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    return out.index_add_(0, token, y * weights.reshape(-1)[order, None])
 
 
 def experts_reference(x, ids, weights, w1, w2, w3, act: Act, a8: bool = False) -> torch.Tensor:

@@ -65,12 +65,17 @@ class SparseMoE(nn.Module):
             self.shared_experts = GluMLP(cfg, d, m.shared_intermediate_size)
         self.w4a8 = False  # round expert inputs through MXFP8 (the QAT activation format)
         self.use_reference = False
+        self.kernels = None  # k3serve.kernels module: grouped MXFP4 kernels (set by the engine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
-        run = experts_reference if self.use_reference else experts_forward
-        y = run(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8).to(x.dtype)
+        if self.use_reference:
+            y = experts_reference(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8)
+        else:
+            y = experts_forward(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8,
+                                self.kernels)
+        y = y.to(x.dtype)
         if self.cfg.latent_size is not None:
             if self.cfg.latent_use_norm:
                 y = self.routed_expert_norm(y)

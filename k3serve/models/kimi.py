@@ -114,6 +114,15 @@ class KimiForCausalLM(nn.Module):
         """The serving dtype (of the embeddings; a few KDA tensors stay FP32 by the spec)."""
         return self.model.embed_tokens.weight.dtype
 
+    def use_kernels(self, mode: str = "auto"):
+        """Route MoE layers through the compiled CPU kernels (k3serve.kernels) or torch; the module."""
+        from k3serve import kernels
+
+        module = kernels.get(mode)
+        for moe in self.moe_layers():
+            moe.kernels = module
+        return module
+
     def moe_layers(self) -> list[SparseMoE]:
         return [l.block_sparse_moe for l in self.model.layers if hasattr(l, "block_sparse_moe")]
 

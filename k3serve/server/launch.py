@@ -37,6 +37,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--kernels", default="auto", choices=("auto", "cpp", "torch"),
+                   help="MoE kernels: auto (compiled CPU kernels when they build), cpp (require them), torch (reference)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -69,7 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             spec = json.loads(args.speculative_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    return dict(dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+    return dict(dtype=args.dtype, load_format=args.load_format, kernels=args.kernels, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, cache_memory=args.cache_memory, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, speculative_config=spec,
