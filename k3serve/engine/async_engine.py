@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
 from k3serve.engine.outputs import RequestOutput
+from k3serve.engine.stats import EngineStats, snapshot
 from k3serve.sampling.params import SamplingParams
 
 log = logging.getLogger("k3serve.engine")
@@ -64,6 +66,9 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._adding = 0  # samples accepted but not yet in the scheduler's queue
+        self.stats: EngineStats = snapshot(engine)  # refreshed on the engine thread after every call
+        self._busy_since: float | None = None  # when the engine-thread call now running began
+        self._died: BaseException | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -133,9 +138,39 @@ class AsyncEngine:
         return await self._call(fn, *args)
 
     async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, args)
+
+    def _timed(self, fn, args):
+        """On the engine thread: run `fn`, then take the stats snapshot metrics read."""
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.stats = snapshot(self.engine)
+            self._busy_since = None
+
+    def health(self, wedged_after_s: float = 120.0) -> str | None:
+        """None while the engine serves; else why not (its loop died, or one call has run for
+        longer than `wedged_after_s`)."""
+        if self._died is not None:
+            return f"the engine loop stopped ({type(self._died).__name__})"
+        began = self._busy_since
+        if began is not None and time.monotonic() - began > wedged_after_s:
+            return f"an engine step has been running for {time.monotonic() - began:.0f} s"
+        return None
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except BaseException as e:  # cancelled at shutdown, or a fault outside any step: not serving
+            self._died = e
+            for rid in list(self._streams):
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.put(RuntimeError("the engine stopped"))
+            raise
+
+    async def _loop(self) -> None:
         while True:
             if not self.engine.has_unfinished_requests() and not self._to_abort:
                 self._wakeup.clear()

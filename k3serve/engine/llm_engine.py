@@ -150,6 +150,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        now = time.monotonic()
+        for seq in batch.seqs:  # queue time ends when a request is first scheduled
+            group = self._owner.get(seq.request_id)
+            if group is not None:
+                group.metrics.setdefault("scheduled_time", now)
         try:
             out = self.runner.execute(batch)
         except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart

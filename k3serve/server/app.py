@@ -34,7 +34,10 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     install_error_handlers(app)
 
     @app.get("/health")
-    async def health():
+    async def health():  # 503 once the engine loop has died or one step has hung (vLLM's meaning)
+        why = state.engine.health(state.wedged_after_s)
+        if why is not None:
+            raise APIError(503, f"engine unhealthy: {why}")
         return Response(status_code=200)
 
     async def ping():  # SageMaker-style liveness, as vLLM serves it

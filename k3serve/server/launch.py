@@ -31,6 +31,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-body", type=float, default=30.0,
                    help="seconds to wait for the next chunk of a request body before 408")
     p.add_argument("--timeout-keep-alive", type=int, default=5, help="idle keep-alive seconds (uvicorn)")
+    p.add_argument("--health-step-timeout", type=float, default=120.0,
+                   help="/health answers 503 while one engine step has run longer than this (seconds)")
     p.add_argument("--timeout-graceful-shutdown", type=int, default=10,
                    help="seconds in-flight requests get at shutdown before they are cancelled")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -104,7 +106,7 @@ def build_server(args: argparse.Namespace):
     state = ServerState(engine, args.served_model_name or args.model or default_name,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        api_key=api_key(args))
+                        api_key=api_key(args), wedged_after_s=args.health_step_timeout)
     app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
                     metrics_public=args.allow_unauthenticated_metrics)
     return app, state

@@ -1,87 +1,152 @@
-"""Prometheus metrics (prometheus-client), one registry per app (vLLM names, `k3serve:` prefix).
+"""Prometheus metrics (prometheus-client), one registry per app.
 
-Counters: HTTP requests by endpoint and status, prompt / generation tokens, finished requests
-by reason. Histograms: TTFT, TPOT, end-to-end latency. Gauges read at scrape time: running and
-waiting requests, latent blocks and state slots used / total, prefix-cache queries, hit tokens,
-hit rate, checkpoints stored / evicted / held and their bytes; speculative decoding drafts,
-drafted and accepted tokens, mean acceptance length, accepted tokens per draft position.
+Two families side by side:
+  * `vllm:` names with vLLM's types and its `model_name` / `engine` labels, so a dashboard built
+    for vLLM (and docs/grafana-k3serve.json) reads k3serve unchanged: running / waiting,
+    kv_cache_usage_perc (MLA latent blocks), preemptions, prefix-cache queries / hits (tokens),
+    prompt / generation tokens, request success by finish reason, TTFT, inter-token latency,
+    TPOT, e2e, queue / prefill / decode time, prompt / generation length histograms, and the
+    spec-decode draft / accepted counters;
+  * `k3serve:` series for what vLLM has no name for (KDA state slots, checkpoints, HTTP status).
+Pool levels and engine counters come from the engine's stats snapshot (`engine/stats.py`),
+taken on the engine thread after every step and call, never from live scheduler objects.
+References: vLLM `vllm/v1/metrics/loggers.py` (names, types, labels).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
            80.0, 160.0)
+TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+LABELS = ("model_name", "engine")
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str = "k3serve"):
         r = self.registry = CollectorRegistry()
+        lv = (model_name, "0")
         self.http = Counter("k3serve:http_requests", "HTTP requests by endpoint and status",
                             ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("k3serve:prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("k3serve:generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("k3serve:request_success", "Finished requests by finish reason",
-                                ["finished_reason"], registry=r)
-        self.ttft = Histogram("k3serve:time_to_first_token_seconds", "Time to first token", buckets=LATENCY,
-                              registry=r)
-        self.tpot = Histogram("k3serve:time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=LATENCY, registry=r)
-        self.e2e = Histogram("k3serve:e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=LATENCY, registry=r)
-        eng = engine.engine
-        gauges = {
-            "num_requests_running": ("Requests holding cache", lambda: len(eng.scheduler.running)),
-            "num_requests_waiting": ("Requests queued", lambda: len(eng.scheduler.waiting)),
-            "latent_blocks_used": ("MLA latent blocks in use", lambda: eng.cache.blocks.num_used),
-            "latent_blocks_total": ("MLA latent blocks", lambda: eng.plan.num_blocks),
-            "state_slots_used": ("KDA state slots in use", lambda: eng.cache.slots.num_used),
-            "state_slots_total": ("KDA state slots", lambda: eng.plan.num_slots),
-        }
-        st, plan = eng.cache.checkpoints.stats, eng.plan
-        store = eng.cache.checkpoints
-        gauges.update({
-            "prefix_cache_queries": ("Prefix-cache lookups at admission", lambda: st.queries),
-            "prefix_cache_query_tokens": ("Prompt tokens looked up", lambda: st.query_tokens),
-            "prefix_cache_hit_tokens": ("Prompt tokens restored from the prefix cache", lambda: st.hit_tokens),
-            "prefix_cache_hit_rate": ("hit_tokens / query_tokens", lambda: st.hit_rate),
-            "prefix_cache_checkpoints_stored": ("KDA checkpoints written", lambda: st.checkpoints_stored),
-            "prefix_cache_checkpoints_evicted": ("KDA checkpoints evicted", lambda: st.checkpoints_evicted),
-            "prefix_cache_checkpoints": ("KDA checkpoints held now", lambda: store.num_stored),
-            "prefix_cache_checkpoint_bytes": ("State memory held by KDA checkpoints",
-                                              lambda: store.num_stored * plan.slot_bytes),
-            "prefix_cache_cached_free_blocks": ("Latent blocks kept for reuse, unreferenced",
-                                                lambda: eng.cache.blocks.num_cached_free),
-        })
-        spec = eng.spec
-        if spec is not None:
-            ss = spec.stats
-            gauges.update({
-                "spec_decode_num_drafts": ("Verify passes with drafted tokens", lambda: ss.drafts),
-                "spec_decode_num_draft_tokens": ("Drafted tokens", lambda: ss.draft_tokens),
-                "spec_decode_num_accepted_tokens": ("Accepted drafted tokens", lambda: ss.accepted_tokens),
-                "spec_decode_mean_acceptance_length": ("1 + accepted / drafts", lambda: ss.mean_acceptance_length),
-            })
-            per_pos = Gauge("k3serve:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
-                            ["position"], registry=r)
-            for i in range(spec.cfg.num_speculative_tokens):
-                per_pos.labels(str(i)).set_function(
-                    lambda i=i: ss.accepted_per_position[i] if i < len(ss.accepted_per_position) else 0)
-        for name, (doc, fn) in gauges.items():
-            Gauge(f"k3serve:{name}", doc, registry=r).set_function(fn)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", LABELS, registry=r).labels(*lv)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", LABELS,
+                                         registry=r).labels(*lv)
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason",
+                                [*LABELS, "finished_reason"], registry=r)
+        self._lv = lv
+
+        def hist(name: str, doc: str, buckets=LATENCY):
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.tpot = hist("vllm:time_per_output_token_seconds", "Mean time per output token after the first")
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency")
+        self.queue = hist("vllm:request_queue_time_seconds", "Time waiting before first scheduled")
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Time from first scheduled to first token")
+        self.decode = hist("vllm:request_decode_time_seconds", "Time from first token to the last")
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt length of finished requests", TOKENS)
+        self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens of finished requests", TOKENS)
+        r.register(_EngineCollector(engine, lv))
 
     def observe_request(self, prompt_tokens: int, output_tokens: int, reasons: list[str | None],
-                        arrival: float, first_token: float | None, end: float) -> None:
+                        arrival: float, first_token: float | None, end: float, timings: dict | None = None) -> None:
+        """One finished request; `timings` are the engine's monotonic stamps (scheduled_time, ...)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
         for reason in reasons:
-            self.finished.labels(reason or "abort").inc()
+            self._success.labels(*self._lv, reason or "abort").inc()
         self.e2e.observe(end - arrival)
+        self.req_prompt.observe(prompt_tokens)
+        self.req_gen.observe(output_tokens)
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
             if output_tokens > 1:
                 self.tpot.observe((end - first_token) / (output_tokens - 1))
+        t = timings or {}
+        arrived, scheduled, first, done = (t.get(k) for k in ("arrival_time", "scheduled_time", "first_token_time",
+                                                               "finish_time"))
+        if arrived is not None and scheduled is not None:
+            self.queue.observe(max(0.0, scheduled - arrived))
+            if first is not None:
+                self.prefill.observe(max(0.0, first - scheduled))
+        if first is not None and done is not None:
+            self.decode.observe(max(0.0, done - first))
+
+    def observe_gap(self, seconds: float, tokens: int) -> None:
+        """`tokens` new output tokens arrived `seconds` after the previous ones (one ITL each)."""
+        for _ in range(tokens):
+            self.itl.observe(seconds / tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Series read from the latest EngineStats snapshot at scrape time."""
+
+    def __init__(self, engine, lv: tuple[str, str]):
+        self.engine, self.lv = engine, lv
+
+    def collect(self):
+        s = self.engine.stats
+
+        def gauge(name, doc, value, labelled=True):
+            g = GaugeMetricFamily(name, doc, labels=LABELS if labelled else None)
+            g.add_metric(self.lv if labelled else [], value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self.lv, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in model execution batches", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache (MLA latent blocks) usage; 1 means 100 percent",
+                    s.kv_cache_usage)
+        yield counter("vllm:num_preemptions", "Cumulative preemptions", s.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache", s.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_hits)
+        yield counter("vllm:spec_decode_num_drafts", "Verify passes with drafted tokens", s.spec_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens", s.spec_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafted tokens", s.spec_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
+                                      labels=[*LABELS, "position"])
+        for i, n in enumerate(s.spec_accepted_per_position):
+            per_pos.add_metric([*self.lv, str(i)], n)
+        yield per_pos
+        yield gauge("k3serve:kda_state_slot_usage_perc", "KDA state slots in use; 1 means 100 percent",
+                    s.state_slot_usage)
+        # the k3serve: series of the first release, unlabelled, kept for existing scrapers
+        mean_accept = 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0
+        plain = {
+            "num_requests_running": ("Requests holding cache", s.num_running),
+            "num_requests_waiting": ("Requests queued", s.num_waiting),
+            "latent_blocks_used": ("MLA latent blocks in use", s.latent_blocks_used),
+            "latent_blocks_total": ("MLA latent blocks", s.latent_blocks_total),
+            "state_slots_used": ("KDA state slots in use", s.state_slots_used),
+            "state_slots_total": ("KDA state slots", s.state_slots_total),
+            "prefix_cache_queries": ("Prefix-cache lookups at admission", s.prefix_lookups),
+            "prefix_cache_query_tokens": ("Prompt tokens looked up", s.prefix_queries),
+            "prefix_cache_hit_tokens": ("Prompt tokens restored from the prefix cache", s.prefix_hits),
+            "prefix_cache_hit_rate": ("hit_tokens / query_tokens", s.prefix_hits / max(1, s.prefix_queries)),
+            "prefix_cache_checkpoints_stored": ("KDA checkpoints written", s.checkpoints_stored),
+            "prefix_cache_checkpoints_evicted": ("KDA checkpoints evicted", s.checkpoints_evicted),
+            "prefix_cache_checkpoints": ("KDA checkpoints held now", s.prefix_checkpoints),
+            "prefix_cache_checkpoint_bytes": ("State memory held by KDA checkpoints",
+                                              s.prefix_checkpoints * self.engine.engine.plan.slot_bytes),
+            "prefix_cache_cached_free_blocks": ("Latent blocks kept for reuse, unreferenced",
+                                                s.prefix_cached_free_blocks),
+        }
+        if self.engine.engine.spec is not None:
+            plain.update({
+                "spec_decode_num_drafts": ("Verify passes with drafted tokens", s.spec_drafts),
+                "spec_decode_num_draft_tokens": ("Drafted tokens", s.spec_draft_tokens),
+                "spec_decode_num_accepted_tokens": ("Accepted drafted tokens", s.spec_accepted_tokens),
+                "spec_decode_mean_acceptance_length": ("1 + accepted / drafts", mean_accept),
+            })
+        for name, (doc, value) in plain.items():
+            yield gauge(f"k3serve:{name}", doc, value, labelled=False)

@@ -78,6 +78,7 @@ class Run:
         self._gen = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id, priority)
         self._first: RequestOutput | None = None
         self._recorded = False
+        self._tokens, self._at = 0, self.arrival  # output tokens seen so far, and when
 
     async def start(self) -> None:
         """Submit the request and wait for its first output; errors become APIErrors."""
@@ -119,9 +120,15 @@ class Run:
         await self._gen.aclose()
 
     def _seen(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        tokens = sum(len(o.token_ids) for o in out.outputs)
+        if self.first_token is None and tokens:
+            self.first_token = now
+        elif tokens > self._tokens:  # inter-token latency, per token of this output
+            self.state.metrics.observe_gap(now - self._at, tokens - self._tokens)
+        if tokens > self._tokens:
+            self._tokens, self._at = tokens, now
         self.last = out
-        if self.first_token is None and any(o.token_ids for o in out.outputs):
-            self.first_token = time.monotonic()
 
     def _record(self, out: RequestOutput) -> None:
         if self._recorded:
@@ -129,4 +136,4 @@ class Run:
         self._recorded = True
         n = sum(len(o.token_ids) for o in out.outputs)
         self.state.metrics.observe_request(len(self.prompt_ids), n, [o.finish_reason for o in out.outputs],
-                                           self.arrival, self.first_token, time.monotonic())
+                                           self.arrival, self.first_token, time.monotonic(), out.metrics)

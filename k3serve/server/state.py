@@ -28,6 +28,7 @@ class ServerState:
     tool_call_parser: str | None = None  # None: the model family's parser
     reasoning_parser: str | None = None
     api_key: str | None = None
+    wedged_after_s: float = 120.0  # /health turns 503 when one engine step runs longer
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -41,7 +42,7 @@ class ServerState:
         self.reasoning_parser = self.reasoning_parser or family
         names = set(STRUCTURAL[self.tool_call_parser]) | set(STRUCTURAL.get(self.reasoning_parser, ()))
         self.structural_ids = sorted(i for n, i in self.tokenizer.special_tokens.items() if n in names)
-        self.metrics = ServerMetrics(self.engine)
+        self.metrics = ServerMetrics(self.engine, self.served_model_name)
         self.vocab_size = eng.model.cfg.vocab_size
         self.unmapped_ids = frozenset(eng.unmapped_ids)
         self.max_num_seqs = eng.plan.num_slots  # what can run at once (eng.seq_limit_note says why if fewer)

@@ -1,0 +1,64 @@
+"""EngineStats: one consistent snapshot of the engine's counters and pool levels, taken on the
+engine thread between steps (metrics read it; they never touch live scheduler objects).
+
+Counters are cumulative since start (monotonic); gauges are levels at the snapshot.
+Reference: vLLM v1 `SchedulerStats` / `IterationStats` (`vllm/v1/metrics/stats.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    taken_at: float = field(default_factory=time.monotonic)
+    # gauges
+    num_running: int = 0
+    num_waiting: int = 0
+    latent_blocks_used: int = 0
+    latent_blocks_total: int = 1
+    state_slots_used: int = 0
+    state_slots_total: int = 1
+    prefix_cached_free_blocks: int = 0
+    prefix_checkpoints: int = 0
+    # counters
+    num_preemptions: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
+    prefix_hits: int = 0  # of them, served from the cache
+    prefix_lookups: int = 0  # admissions that looked
+    checkpoints_stored: int = 0
+    checkpoints_evicted: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of MLA latent blocks in use, 0..1 (vLLM's kv_cache_usage_perc)."""
+        return self.latent_blocks_used / max(1, self.latent_blocks_total)
+
+    @property
+    def state_slot_usage(self) -> float:
+        """Share of KDA state slots in use, 0..1."""
+        return self.state_slots_used / max(1, self.state_slots_total)
+
+
+def snapshot(engine) -> EngineStats:
+    """Read an LLMEngine between steps (call it on the engine thread)."""
+    sched, cache, plan = engine.scheduler, engine.cache, engine.plan
+    st = cache.checkpoints.stats
+    spec = engine.spec.stats if engine.spec is not None else None
+    return EngineStats(
+        num_running=len(sched.running), num_waiting=len(sched.waiting),
+        latent_blocks_used=cache.blocks.num_used, latent_blocks_total=plan.num_blocks,
+        state_slots_used=cache.slots.num_used, state_slots_total=plan.num_slots,
+        prefix_cached_free_blocks=cache.blocks.num_cached_free, prefix_checkpoints=cache.checkpoints.num_stored,
+        num_preemptions=sched.num_preemptions, prefix_queries=st.query_tokens, prefix_hits=st.hit_tokens,
+        prefix_lookups=st.queries, checkpoints_stored=st.checkpoints_stored,
+        checkpoints_evicted=st.checkpoints_evicted,
+        spec_drafts=spec.drafts if spec else 0, spec_draft_tokens=spec.draft_tokens if spec else 0,
+        spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+        spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else ())
