@@ -32,6 +32,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
+    load_progress: bool = False  # a per-shard progress bar while loading (the server turns it on)
     kernels: str = "auto"  # auto: the compiled CPU kernels when they build | cpp: require them | torch
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -60,7 +60,7 @@ class LLMEngine:
         self.model_path = str(config.model or default_model())
         where = placement(config)
         self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
-                                progress=False).to(where.device)
+                                progress=config.load_progress).to(where.device)
         self.kernels = self.model.use_kernels(config.kernels)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)

@@ -9,7 +9,11 @@ admin routes (/reset_prefix_cache) can never be opened.
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 
 from k3serve import __version__
@@ -22,6 +26,7 @@ from k3serve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
 from k3serve.server.serving_chat import create_chat_completion
 from k3serve.server.serving_completion import create_completion
 from k3serve.server.state import ServerState
+from k3serve.server.stats_log import log_stats_forever
 
 ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
                     "/health", "/ping", "/version", "/metrics", "/reset_prefix_cache"})
@@ -29,8 +34,15 @@ ALWAYS_PUBLIC = frozenset({"/health", "/ping"})
 
 
 def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_public: bool = False,
-              body_timeout_s: float = 30.0) -> FastAPI:
-    app = FastAPI(title="k3serve", version=__version__, docs_url=None, redoc_url=None)
+              body_timeout_s: float = 30.0, stats_interval_s: float = 0.0, cors: dict | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(log_stats_forever(state.engine, stats_interval_s)) if stats_interval_s > 0 else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="k3serve", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -98,6 +110,8 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     guard = GuardConfig(state.api_key, frozenset(public), max_body_bytes, body_timeout_s)
     app.add_middleware(GuardMiddleware, config=guard, routes=ROUTES,
                        count=lambda route, status: state.metrics.http.labels(route, status).inc())
+    if cors:  # outermost: a preflight carries no API key and is answered here
+        app.add_middleware(CORSMiddleware, **cors)
     return app
 
 

@@ -10,6 +10,8 @@ import argparse
 import json
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
@@ -33,7 +35,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-keep-alive", type=int, default=5, help="idle keep-alive seconds (uvicorn)")
     p.add_argument("--health-step-timeout", type=float, default=120.0,
                    help="/health answers 503 while one engine step has run longer than this (seconds)")
-    p.add_argument("--timeout-graceful-shutdown", type=int, default=10,
+    p.add_argument("--timeout-graceful-shutdown", "--shutdown-timeout", type=int, default=10,
                    help="seconds in-flight requests get at shutdown before they are cancelled")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
@@ -59,6 +61,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=("kimi_k3", "kimi_k2"))
     p.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 503")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's id, sizes and sampling fields when it starts, and its end")
+    p.add_argument("--stats-log-interval", type=float, default=10.0,
+                   help="seconds between engine stats lines in the log (0: none)")
+    p.add_argument("--allowed-origins", type=json.loads, default=[], help='CORS, JSON list, e.g. \'["*"]\'')
+    p.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS, JSON list")
+    p.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS, JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -73,7 +83,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             spec = json.loads(args.speculative_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    return dict(dtype=args.dtype, load_format=args.load_format, kernels=args.kernels, max_model_len=args.max_model_len,
+    return dict(dtype=args.dtype, load_format=args.load_format, kernels=args.kernels, load_progress=True,
+                max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, cache_memory=args.cache_memory, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, speculative_config=spec,
@@ -106,9 +117,13 @@ def build_server(args: argparse.Namespace):
     state = ServerState(engine, args.served_model_name or args.model or default_name,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        api_key=api_key(args), wedged_after_s=args.health_step_timeout)
+                        api_key=api_key(args), wedged_after_s=args.health_step_timeout,
+                        log_requests=args.enable_log_requests)
     app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
-                    metrics_public=args.allow_unauthenticated_metrics)
+                    metrics_public=args.allow_unauthenticated_metrics, stats_interval_s=args.stats_log_interval,
+                    cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                              allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                    if args.allowed_origins else None)
     return app, state
 
 
@@ -125,8 +140,11 @@ def serve(args: argparse.Namespace) -> int:
                                            header_timeout=args.timeout_header,
                                            keep_alive_timeout=args.timeout_keep_alive,
                                            graceful_shutdown_timeout=args.timeout_graceful_shutdown))
+    # uvicorn re-raises the SIGTERM / SIGINT it handled once its shutdown is done; that shutdown
+    # was clean (in-flight requests drained or answered 503), so the exit status is 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
-        return 130
+    except KeyboardInterrupt:
+        return 0
     return 0

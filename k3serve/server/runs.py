@@ -76,6 +76,11 @@ class Run:
         self.state, self.prompt_ids, self.params, self.request_id = state, prompt_ids, params, request_id
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
         self._gen = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id, priority)
+        if state.log_requests:
+            p = params
+            log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, top_k=%s, "
+                     "seed=%s", request_id, len(prompt_ids), p.n, p.max_tokens, p.temperature, p.top_p, p.top_k,
+                     p.seed)
         self._first: RequestOutput | None = None
         self._recorded = False
         self._tokens, self._at = 0, self.arrival  # output tokens seen so far, and when
@@ -135,5 +140,8 @@ class Run:
             return
         self._recorded = True
         n = sum(len(o.token_ids) for o in out.outputs)
+        if self.state.log_requests:
+            log.info("request %s finished: %d tokens, %s, %.3f s", self.request_id, n,
+                     ",".join(str(o.finish_reason) for o in out.outputs), time.monotonic() - self.arrival)
         self.state.metrics.observe_request(len(self.prompt_ids), n, [o.finish_reason for o in out.outputs],
                                            self.arrival, self.first_token, time.monotonic(), out.metrics)

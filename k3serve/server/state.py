@@ -29,6 +29,7 @@ class ServerState:
     reasoning_parser: str | None = None
     api_key: str | None = None
     wedged_after_s: float = 120.0  # /health turns 503 when one engine step runs longer
+    log_requests: bool = False  # --enable-log-requests
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

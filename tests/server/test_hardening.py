@@ -213,13 +213,14 @@ def test_response_headers_and_no_internal_paths(live_server, tiny_k3_dir):
     assert str(tiny_k3_dir) not in models.text and models.json()["data"][0]["root"] == "tiny-k3"
 
 
-def test_shutdown_answers_what_outlives_the_grace_period(tiny_k3_dir):
+@pytest.mark.parametrize("sig, grace", [("SIGINT", "1"), ("SIGTERM", "0")])
+def test_shutdown_answers_what_outlives_the_grace_period(tiny_k3_dir, sig, grace):
     from tests.live import free_port
     import signal
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "k3serve", "serve", str(tiny_k3_dir), "--port", str(port),
-                             "--cache-memory", "32MiB", "--max-model-len", "4096", "--timeout-graceful-shutdown", "1",
+                             "--cache-memory", "32MiB", "--max-model-len", "4096", "--shutdown-timeout", grace,
                              "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -229,9 +230,9 @@ def test_shutdown_answers_what_outlives_the_grace_period(tiny_k3_dir):
             "prompt": "x", "max_tokens": 4000, "ignore_eos": True}, timeout=60)
         wait_for(lambda: metric(base, "k3serve:num_requests_running") == 1, 20, "request never ran")
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))
         r = long.result(timeout=30)
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0  # a clean shutdown exits 0, SIGTERM included
         assert time.monotonic() - t0 < 10
         assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
         err = proc.stderr.read()
