@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
+from pathlib import Path
 
 from k3serve.bench import datasets as ds
+
+BACKENDS = ("openai", "vllm", "k3serve")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", nargs="?", default="serve", choices=("serve",), help="(vLLM spelling) serve")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", help="default: http://HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", default="openai", choices=BACKENDS,
+                   help="openai / vllm / k3serve: /v1/completions (recorded as backend and endpoint_type)")
     p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--tokenizer", help="recorded as tokenizer_id (prompts are sent as token ids)")
+    p.add_argument("--label", help="recorded in the result (default: the backend)")
+    p.add_argument("--metadata", nargs="*", default=[], help="KEY=VALUE pairs recorded in the result")
+    p.add_argument("--result-dir", help="folder for --result-filename")
+    p.add_argument("--extra-body", type=json.loads, help="JSON merged into every request body")
     p.add_argument("--model", help="model name sent in requests (default: the server's)")
     p.add_argument("--dataset-name", default="random", choices=("random", "shared-prefix", "low-entropy",
                                                                  "high-entropy", "jsonl"))
@@ -30,7 +43,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--temperature", type=float)
+    p.add_argument("--temperature", type=float, default=0.0, help="sent with every request (vLLM's default 0)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -40,7 +53,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablate-rounds", type=int, default=2)
     p.add_argument("--api-key")
     p.add_argument("--save-result", action="store_true")
-    p.add_argument("--result-filename", default="bench-result.json")
+    p.add_argument("--result-filename", help="default: {backend}-{request_rate}qps-{model}-{date}.json as vLLM names it")
     p.add_argument("--plot", help="PNG file: latency CDFs (+ throughput vs concurrency for sweeps)")
     p.add_argument("--precision", default="", help="recorded in the result (e.g. bf16, mxfp4-w4a8)")
     p.add_argument("--engine", default="k3serve", help="recorded in the result")
@@ -65,6 +78,37 @@ def build_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
     return ds.jsonl_requests(a.dataset_path, n, a.random_output_len)
 
 
+def served_model(base_url: str, api_key: str | None) -> str | None:
+    """The first model id the server lists (what it answered as), for model_id."""
+    import httpx
+
+    try:
+        r = httpx.get(base_url + "/v1/models", timeout=10,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def metadata(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--metadata takes KEY=VALUE pairs, got {item!r}")
+        out[key] = value
+    return out
+
+
+def result_path(a: argparse.Namespace, concurrency: int | None, sweep: bool = False) -> Path:
+    rate = "inf" if a.request_rate == float("inf") else f"{a.request_rate:g}"
+    name = a.result_filename or (f"{a.backend}-{rate}qps-{(a.model or 'model').replace('/', '_')}-"
+                                 f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    if sweep:
+        name = f"{Path(name).stem}-c{concurrency or 'inf'}{Path(name).suffix or '.json'}"
+    return Path(a.result_dir or ".") / name
+
+
 def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
     if not items:
         return None
@@ -80,14 +124,16 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
 def run_bench(a: argparse.Namespace) -> int:
     from k3serve.bench.ablate import ablate
     from k3serve.bench.metrics import summarize
-    from k3serve.bench.report import format_summary, per_request, plot, save_result
+    from k3serve.bench.report import format_summary, plot, save_result, vllm_result
     from k3serve.bench.runner import LoadSettings, run_load
 
+    a.base_url = a.base_url or f"http://{a.host}:{a.port}"
     requests = build_requests(a)
     metrics = [m for m in a.percentile_metrics.split(",") if m]
     ps = [float(x) for x in a.metric_percentiles.split(",")]
     goodput = parse_goodput(a.goodput)
     sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("seed", a.seed)) if v is not None}
+    sampling.update(a.extra_body or {})
     settings = LoadSettings(a.base_url, a.endpoint, a.model, a.request_rate, a.burstiness, a.max_concurrency,
                             a.num_warmups, a.ignore_eos, a.seed, sampling, a.api_key, progress=not a.no_progress)
     meta = {"engine": a.engine, "precision": a.precision, "devices": a.devices, "interconnect": a.interconnect,
@@ -102,7 +148,7 @@ def run_bench(a: argparse.Namespace) -> int:
         payload = {**meta, "max_concurrency": a.max_concurrency, "ablation": result,
                    "requests": [r.to_dict() for r in requests]}
         if a.save_result:
-            save_result(a.result_filename, payload)
+            save_result(result_path(a, a.max_concurrency), payload)
         return 0
     concurrencies = [int(x) for x in a.sweep_max_concurrency.split(",")] if a.sweep_max_concurrency else \
         [a.max_concurrency]
@@ -114,10 +160,15 @@ def run_bench(a: argparse.Namespace) -> int:
         print(format_summary(f"Serving Benchmark Result (max concurrency {c or 'inf'})", summary, server))
         runs.append({"label": f"concurrency {c or 'inf'}", "concurrency": c, "results": results, "summary": summary,
                      "server": server})
-    if a.save_result:
-        save_result(a.result_filename, {**meta, "runs": [
-            {"max_concurrency": r["concurrency"], **r["summary"], "server": r["server"],
-             "per_request": per_request(r["results"])} for r in runs], "requests": [r.to_dict() for r in requests]})
+    model_id = a.model or served_model(a.base_url, a.api_key)
+    if a.save_result:  # vLLM's flat layout, one file per run
+        for r in runs:
+            info = {"date": meta["date"], "endpoint_type": a.backend, "backend": a.backend,
+                    "label": a.label or a.backend, "model_id": model_id,
+                    "tokenizer_id": a.tokenizer or model_id, "num_prompts": len(requests),
+                    "request_rate": a.request_rate, "burstiness": a.burstiness, "max_concurrency": r["concurrency"],
+                    **metadata(a.metadata), "k3serve": {**meta, "server": r["server"]}}
+            save_result(result_path(a, r["concurrency"], len(runs) > 1), vllm_result(r["summary"], r["results"], info))
     if a.plot:
         plot(a.plot, runs)
     failed = sum(r["summary"]["failed"] for r in runs)

@@ -4,6 +4,7 @@ PNG plots (latency CDFs; throughput vs concurrency for sweeps)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from k3serve.bench.metrics import RequestResult
@@ -39,7 +40,51 @@ def per_request(results: list[RequestResult]) -> list[dict]:
 
 
 def save_result(path: str | Path, payload: dict) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2))
+    """Strict JSON (no NaN/Infinity, which JSON.parse and jq reject): non-finite numbers -> null."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(_finite(payload), indent=2, allow_nan=False))
+
+
+def _finite(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+def vllm_result(summary: dict, results: list[RequestResult], info: dict) -> dict:
+    """One run in `vllm bench serve --save-result`'s flat layout and key names
+    (vllm/benchmarks/serve.py): settings, totals, the mean/median/std/pNN metric keys,
+    per-request arrays; `info` carries date, backend, label, model_id, tokenizer_id,
+    num_prompts, request_rate, burstiness, max_concurrency and --metadata pairs."""
+    rate = info.get("request_rate")
+    out = {**info, "request_rate": "inf" if rate is None or rate == float("inf") else rate,
+           "duration": summary["duration_s"], "completed": summary["completed"], "failed": summary["failed"],
+           "total_input_tokens": summary["total_input_tokens"], "total_output_tokens": summary["total_output_tokens"],
+           "request_throughput": summary["request_throughput"], "request_goodput": summary.get("request_goodput"),
+           "output_throughput": summary["output_throughput"],
+           "total_token_throughput": summary["total_token_throughput"],
+           "max_output_tokens_per_s": summary["peak_output_throughput"],
+           "max_concurrent_requests": max_concurrent(results),
+           "input_lens": [r.prompt_tokens for r in results], "output_lens": [r.output_tokens for r in results],
+           "ttfts": [r.ttft for r in results], "itls": [list(r.itl) for r in results],
+           "generated_texts": ["" for _ in results], "errors": [r.error for r in results]}
+    out.update({k: v for k, v in summary.items() if k.startswith(("mean_", "median_", "std_", "p"))
+                and k.endswith("_ms")})
+    return out
+
+
+def max_concurrent(results: list[RequestResult]) -> int:
+    """Most requests in flight at once (vLLM reports it beside max_concurrency)."""
+    events = sorted([(r.start, 1) for r in results] + [(r.start + r.latency, -1) for r in results])
+    live = best = 0
+    for _, d in events:
+        live += d
+        best = max(best, live)
+    return best
 
 
 def plot(path: str | Path, runs: list[dict]) -> None:

@@ -18,11 +18,52 @@ def test_sixteen_requests_json_and_png(live_server, tmp_path):
                "--result-filename", str(out), "--plot", str(png), "--no-progress", "--precision", "fp32",
                "--devices", "cpu"])
     assert rc == 0
-    r = json.loads(out.read_text())
-    run = r["runs"][0]
-    assert run["completed"] == 16 and run["failed"] == 0 and run["total_output_tokens"] == 16 * 8
-    assert len(run["per_request"]) == 16 and len(r["requests"]) == 16 and r["precision"] == "fp32"
+    r = json.loads(out.read_text(), parse_constant=_reject)  # strict JSON: no NaN / Infinity
+    assert r["completed"] == 16 and r["failed"] == 0 and r["total_output_tokens"] == 16 * 8
+    assert r["k3serve"]["precision"] == "fp32" and r["model_id"] == "tiny-k3"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _read_like_vllm(r, 16, 8)
+
+
+VLLM_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+             "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+             "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+             "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests", "input_lens",
+             "output_lens", "ttfts", "itls", "generated_texts", "errors")
+
+
+def _reject(name):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _read_like_vllm(r: dict, n: int, concurrency: int | None = None) -> None:
+    """Key by key as vLLM's result readers (benchmarks/*) read a `vllm bench serve` file."""
+    for key in VLLM_KEYS:
+        assert key in r, key
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert isinstance(r[f"{stat}_{m}_ms"], float), f"{stat}_{m}_ms"
+    assert all(len(r[k]) == n for k in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"))
+    assert r["request_rate"] == "inf" and r["max_concurrency"] == concurrency
+    assert 1 <= r["max_concurrent_requests"] <= (concurrency or n)
+    assert r["duration"] > 0 and r["output_throughput"] == r["total_output_tokens"] / r["duration"]
+
+
+def test_vllm_flags_are_accepted_and_recorded(live_server, tmp_path):
+    base, _ = live_server
+    host, port = base.removeprefix("http://").split(":")
+    rc = main(["bench", "serve", "--backend", "vllm", "--host", host, "--port", port, "--label", "nightly",
+               "--metadata", "gpu=none", "commit=abc", "--result-dir", str(tmp_path / "out"), "--tokenizer", "tok",
+               "--extra-body", '{"top_k": 5}', "--num-prompts", "4", "--random-input-len", "16",
+               "--random-output-len", "4", "--ignore-eos", "--save-result", "--no-progress"])
+    assert rc == 0
+    files = list((tmp_path / "out").glob("vllm-infqps-*.json"))
+    assert len(files) == 1
+    r = json.loads(files[0].read_text(), parse_constant=_reject)
+    assert (r["backend"], r["label"], r["tokenizer_id"], r["gpu"], r["commit"]) == ("vllm", "nightly", "tok", "none",
+                                                                                  "abc")
+    assert r["k3serve"]["sampling"] == {"temperature": 0.0, "seed": 0, "top_k": 5}  # vLLM's default temperature 0
+    _read_like_vllm(r, 4)
 
 
 def test_ablation_against_two_servers(live_server, tiny_k3_dir, tmp_path, capsys):
