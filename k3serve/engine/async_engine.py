@@ -164,10 +164,7 @@ class AsyncEngine:
             await self._loop()
         except BaseException as e:  # cancelled at shutdown, or a fault outside any step: not serving
             self._died = e
-            for rid in list(self._streams):
-                stream = self._streams.pop(rid, None)
-                if stream is not None:
-                    stream.put(RuntimeError("the engine stopped"))
+            self._fail_streams(list(self._streams), RuntimeError("the engine stopped"))
             raise
 
     async def _loop(self) -> None:
@@ -195,7 +192,10 @@ class AsyncEngine:
     async def _fail_all(self, error: Exception) -> None:
         rids = list(self._streams)
         await self._call(lambda: [self.engine.abort(r) for r in rids])
+        self._fail_streams(rids, RuntimeError(f"engine step failed: {error}"))
+
+    def _fail_streams(self, rids: list[str], error: BaseException) -> None:
         for rid in rids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.put(RuntimeError(f"engine step failed: {error}"))
+                stream.put(error)

@@ -69,6 +69,7 @@ class LLMEngine:
         self.seq_limit_note = seq_limit_note(self.plan, config.max_num_seqs)
         # ids the model can emit but the tokenizer cannot decode: masked out of sampling, stated once
         self.unmapped_ids = self.tokenizer.unmapped_ids(self.model.cfg.vocab_size)
+        self.unmapped = frozenset(self.unmapped_ids)
         if self.unmapped_ids:
             self.startup_log.append(
                 f"tokenizer decodes {self.model.cfg.vocab_size - len(self.unmapped_ids):,} of the model's "
@@ -210,7 +211,6 @@ class LLMEngine:
         for s in group.samples:
             if not s.req.finished:
                 self.scheduler.finish(s.req, "error")
-            s.req.finish_reason = s.req.finish_reason or "error"
             self._release(s.req)
         self._groups.pop(group.request_id, None)
         group.metrics["finish_time"] = time.monotonic()
@@ -279,9 +279,8 @@ class LLMEngine:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary (0..{V - 1})")
-        if self.unmapped_ids:
-            unmapped = set(self.unmapped_ids)
-            bad = next((t for t in ids if t in unmapped), None)
+        if self.unmapped:
+            bad = next((t for t in ids if t in self.unmapped), None)
             if bad is not None:
                 raise ValueError(f"prompt token id {bad} has no text in this model's tokenizer")
         if len(ids) >= self.max_model_len:

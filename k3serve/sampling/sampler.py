@@ -65,12 +65,12 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request], generators: list[torch.Generator],
                 rows: list[int]) -> SampleResult:
         """Sample `rows` of the batch; logits [B, V]."""
-        idx = torch.tensor(rows)
         sub = [reqs[i] for i in rows]
-        x = logits[idx].float()
+        x = (logits if len(rows) == len(reqs) else logits[torch.tensor(rows)]).float()
         raw_logprobs = torch.log_softmax(x, -1) if any(r.params.logprobs is not None for r in sub) else None
         processed = apply_bias_and_penalties(x, sub)
-        ok = torch.isfinite(processed.amax(-1)).tolist()
+        has_finite = torch.isfinite(processed.amax(-1)).tolist()
+        ok = list(has_finite)
         tokens = processed.argmax(-1)
         sampled = [j for j, r in enumerate(sub) if not r.params.greedy and ok[j]]
         if sampled:
@@ -85,7 +85,7 @@ class Sampler:
         result = SampleResult()
         for j, (i, r) in enumerate(zip(rows, sub)):
             if not ok[j]:
-                result.failed[i] = NO_FINITE if not torch.isfinite(processed[j].amax()) else BAD_PROBS
+                result.failed[i] = BAD_PROBS if has_finite[j] else NO_FINITE
             else:
                 result.tokens[i] = sampled_token(int(tokens[j]), raw_logprobs, j, r.params.logprobs)
         return result

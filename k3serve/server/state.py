@@ -45,7 +45,7 @@ class ServerState:
         self.structural_ids = sorted(i for n, i in self.tokenizer.special_tokens.items() if n in names)
         self.metrics = ServerMetrics(self.engine, self.served_model_name)
         self.vocab_size = eng.model.cfg.vocab_size
-        self.unmapped_ids = frozenset(eng.unmapped_ids)
+        self.unmapped_ids = eng.unmapped  # frozenset
         self.max_num_seqs = eng.plan.num_slots  # what can run at once (eng.seq_limit_note says why if fewer)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="k3serve-prep")
 
