@@ -9,6 +9,7 @@ Pure Python on purpose: the scheduler and planner must not import torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from k3serve.config.model_config import ModelConfig
@@ -109,9 +110,14 @@ def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 1
     return kda_state_bytes_per_request(cfg) + blocks * latent_block_bytes(cfg, block_size, kv_dtype)
 
 
+def _share(nbytes: int, share: float) -> int:
+    return nbytes if share == 1.0 else math.ceil(nbytes * share)
+
+
 def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_num_seqs: int,
                block_size: int = 16, kv_dtype: str = "bfloat16", num_slots: int | None = None,
-               checkpoint_fraction: float = 0.0, state_shards: int = 1) -> CachePlan:
+               checkpoint_fraction: float = 0.0, state_shards: int = 1, kda_share: float = 1.0,
+               mla_share: float = 1.0) -> CachePlan:
     """Split `cache_bytes` by the expected request shape.
 
     Default: as many slots as requests of `max_model_len` tokens fit whole (slot + latent
@@ -122,10 +128,12 @@ def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_nu
     budget is set aside first for KDA checkpoint slots (at least one). `state_shards` is the
     tensor-parallel degree of the attention: KDA state is split by heads across it, while the
     MLA latent (one latent "head") is replicated on every rank (planner-data.md §5.2).
+    `kda_share` / `mla_share` are the fractions of those layers on this rank (a pipeline
+    stage holds only its own layers' caches).
     """
-    token_bytes = mla_cache_bytes_per_token(cfg, kv_dtype)
+    token_bytes = _share(mla_cache_bytes_per_token(cfg, kv_dtype), mla_share)
     block_bytes = block_size * token_bytes
-    slot_bytes = -(-kda_state_bytes_per_request(cfg) // state_shards)
+    slot_bytes = -(-_share(kda_state_bytes_per_request(cfg), kda_share) // state_shards)
     blocks_per_req = -(-max_model_len // block_size)
     per_request = slot_bytes + blocks_per_req * block_bytes
     num_ckpt = 0

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from k3serve.cache.sizing import parse_bytes
-from k3serve.planner.hardware import GPUS, get_gpu, load_gpu_file
+from k3serve.planner.hardware import GPUS, get_gpu, load_gpu_file, with_prices
 from k3serve.planner.memory import GiB, Workload
 
 
@@ -18,10 +18,15 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int)
     p.add_argument("--dp", type=int, help="attention data parallel (DP-attention) groups")
     p.add_argument("--ep", type=int)
-    p.add_argument("--context", type=int, default=32768, help="tokens per request (max_model_len)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests the deployment must hold at once")
-    p.add_argument("--latency-sensitive", action="store_true", help="rank layouts by TPOT")
-    p.add_argument("--optimize", choices=("min-hardware", "cost"), default="min-hardware")
+    p.add_argument("--pp", type=int, help="pipeline-parallel stages (default: search 1, 2, 4, 8)")
+    # The four workload questions. Unasked ones are assumed, and every format says so.
+    p.add_argument("--context", type=int, help=f"tokens per request, max_model_len (default {DEFAULTS['context']:,})")
+    p.add_argument("--concurrency", type=int, help="requests the deployment must hold at once (default 1)")
+    p.add_argument("--latency-sensitive", action=argparse.BooleanOptionalAction, default=None,
+                   help="rank layouts by TPOT (default: no)")
+    p.add_argument("--optimize", choices=("min-hardware", "cost"), help="what to minimise (default min-hardware)")
+    p.add_argument("--price", action="append", default=[], metavar="GPU=USD",
+                   help="USD per GPU-hour for the cost column, repeatable (illustrative defaults otherwise)")
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -38,6 +43,23 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--html", metavar="FILE")
 
 
+DEFAULTS = {"context": 32768, "concurrency": 1, "latency_sensitive": False, "optimize": "min-hardware"}
+ASSUMED = {"context": "context not given: assuming {:,} tokens per request",
+           "concurrency": "concurrency not given: assuming {} request at a time",
+           "latency_sensitive": "latency sensitivity not given: assuming throughput-oriented (rank by GPU count)",
+           "optimize": "optimisation goal not given: assuming {} (fewest GPUs)"}
+
+
+def workload_questions(args: argparse.Namespace) -> list[str]:
+    """Fill the unasked workload questions with defaults; return what was assumed."""
+    assumed = []
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+            assumed.append(ASSUMED[key].format(default))
+    return assumed
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from k3serve.config.bundled import load_model_config
     from k3serve.planner.html import to_html
@@ -45,11 +67,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from k3serve.planner.search import plan
     from k3serve.planner.weights import weight_split
 
+    assumed = workload_questions(args)
     cfg = load_model_config(args.model)
     is_dir = Path(args.model).is_dir() and any(Path(args.model).glob("*.safetensors"))
     gpus = [load_gpu_file(args.gpu_file)] if args.gpu_file else []
     names = args.gpu or ([] if gpus else ["all"])
     gpus += list(GPUS.values()) if "all" in names else [get_gpu(n) for n in names]
+    gpus = with_prices(gpus, args.price)
     w = Workload(context=args.context, concurrency=args.concurrency, max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_cache_dtype,
                  memory_fraction=args.memory_fraction, overhead_bytes=int(args.overhead_gib * GiB),
@@ -57,8 +81,9 @@ def run_plan(args: argparse.Namespace) -> int:
                  draft_bytes=int(args.draft_params * 2))
     report = plan(cfg, args.model, "checkpoint headers" if is_dir else "config + tensor schema", gpus,
                   weight_split(cfg, args.model if is_dir else None), w, num_gpus=args.num_gpus, tp=args.tp,
-                  dp=args.dp, ep=args.ep, optimize=args.optimize, latency_sensitive=args.latency_sensitive,
-                  cache_bytes=parse_bytes(args.cache_memory) if args.cache_memory else None)
+                  dp=args.dp, ep=args.ep, pp=args.pp, optimize=args.optimize,
+                  latency_sensitive=args.latency_sensitive,
+                  cache_bytes=parse_bytes(args.cache_memory) if args.cache_memory else None, assumed=assumed)
     if args.json:
         print(to_json(report, args.top))
     elif args.markdown:

@@ -8,7 +8,7 @@ flags or a JSON/TOML file with the same field names.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 GB, TB = 10**9, 10**12
@@ -25,6 +25,7 @@ class GPU:
     scaleup_bw: float  # bytes/s per GPU, bidirectional
     scaleup_domain: int  # GPUs in one NVLink / Infinity Fabric domain
     nic_bw: float  # bytes/s per direction per GPU (scale-out)
+    usd_per_hour: float = 0.0  # price of one GPU-hour (PRICES; --price overrides)
 
     @property
     def native_fp4(self) -> bool:
@@ -34,9 +35,30 @@ class GPU:
         return asdict(self)
 
 
-def _g(name, hbm_gb, bw_tbs, bf16_tf, fp8_tf, fp4_tf, nvl_gbs, domain, nic_gbs) -> GPU:
+# Illustrative on-demand USD per GPU-hour (late-2026 list prices vary by 2x between clouds;
+# an assumption, printed with every cost figure, overridden with --price GPU=USD).
+PRICES = {"H100": 2.5, "H200": 3.5, "B200": 5.0, "B300": 6.5, "GB200": 6.0, "GB300": 7.5, "MI300X": 2.5,
+          "MI325X": 3.0, "MI350X": 4.0, "MI355X": 4.5}
+
+
+def _g(name, hbm_gb, bw_tbs, bf16_tf, fp8_tf, fp4_tf, nvl_gbs, domain, nic_gbs, usd=None) -> GPU:
     return GPU(name, int(hbm_gb * GB), bw_tbs * TB, bf16_tf * TB, fp8_tf * TB, fp4_tf * TB, nvl_gbs * GB, domain,
-               nic_gbs * GB)
+               nic_gbs * GB, PRICES.get(name, 0.0) if usd is None else usd)
+
+
+def with_prices(gpus: list[GPU], overrides: list[str]) -> list[GPU]:
+    """Apply `GPU=USD` overrides (per GPU-hour) to the listed GPUs."""
+    prices = {}
+    for item in overrides:
+        name, _, usd = item.partition("=")
+        try:
+            price = float(usd)
+        except ValueError:
+            price = -1.0
+        if price < 0 or price != price:
+            raise ValueError(f"--price {item!r}: expected GPU=USD per GPU-hour, e.g. H200=3.5")
+        prices[ALIASES.get(name.upper(), name.upper())] = price
+    return [replace(g, usd_per_hour=prices.get(g.name.upper(), g.usd_per_hour)) for g in gpus]
 
 
 GPUS: dict[str, GPU] = {g.name: g for g in [
@@ -63,7 +85,7 @@ def get_gpu(name: str) -> GPU:
 
 def load_gpu_file(path: str | Path) -> GPU:
     """A custom GPU from JSON or TOML: {name, hbm_gb, hbm_bw_tbs, bf16_tflops, fp8_tflops,
-    fp4_tflops, scaleup_gbs, scaleup_domain, nic_gbs}."""
+    fp4_tflops, scaleup_gbs, scaleup_domain, nic_gbs, usd_per_hour}."""
     p = Path(path)
     text = p.read_text()
     if p.suffix == ".toml":
@@ -74,10 +96,11 @@ def load_gpu_file(path: str | Path) -> GPU:
     need = ["name", "hbm_gb", "hbm_bw_tbs", "bf16_tflops", "fp8_tflops"]
     missing = [k for k in need if k not in raw]
     if missing:
-        raise ValueError(f"{p}: missing {missing}; fields: {need + ['fp4_tflops', 'scaleup_gbs', 'scaleup_domain', 'nic_gbs']}")
+        optional = ['fp4_tflops', 'scaleup_gbs', 'scaleup_domain', 'nic_gbs', 'usd_per_hour']
+        raise ValueError(f"{p}: missing {missing}; fields: {need + optional}")
     return _g(raw["name"], raw["hbm_gb"], raw["hbm_bw_tbs"], raw["bf16_tflops"], raw["fp8_tflops"],
               raw.get("fp4_tflops", 0), raw.get("scaleup_gbs", 900), raw.get("scaleup_domain", 8),
-              raw.get("nic_gbs", 50))
+              raw.get("nic_gbs", 50), raw.get("usd_per_hour", 0.0))
 
 
 FIELD_NAMES = [f.name for f in fields(GPU)]

@@ -41,8 +41,12 @@ class WeightSplit:
     def non_expert(self) -> int:
         return self.tp_sharded + self.replicated
 
-    def per_rank(self, tp: int, ep: int) -> int:
-        return -(-self.expert // ep) + -(-self.tp_sharded // tp) + self.replicated
+    def per_rank(self, tp: int, ep: int, expert_share: float = 1.0, layer_share: float = 1.0) -> int:
+        """One rank's bytes; with PP a stage holds `expert_share` of the MoE layers' experts
+        and `layer_share` of everything else (embeddings and LM head counted by layer share)."""
+        expert = -(-self.expert // ep) if expert_share == 1.0 else int(self.expert * expert_share / ep) + 1
+        dense = -(-self.tp_sharded // tp) + self.replicated
+        return expert + (dense if layer_share == 1.0 else int(dense * layer_share) + 1)
 
 
 def classify(name: str, routed_expert: bool, vision: bool) -> str:

@@ -3,6 +3,7 @@ DP-attention replication, engine == planner on the tiny model, output formats.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from k3serve.config.bundled import load_model_config
 from k3serve.planner.hardware import get_gpu
 from k3serve.planner.layout import Layout
 from k3serve.planner.memory import Workload
+from k3serve.planner.perf import estimate
 from k3serve.planner.search import evaluate, plan
 from k3serve.planner.weights import weight_split
 
@@ -145,13 +147,138 @@ def test_html_is_well_formed_with_the_numbers(tmp_path):
     assert out.read_text().count("<svg") >= 1 and "<script" not in out.read_text()
 
 
+CHROMIUM = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+MEASURE = ("<script>addEventListener('load', () => { const e = document.documentElement;"
+           " document.title = 'scroll=' + e.scrollWidth + ' client=' + e.clientWidth; });</script>")
+
+
 @pytest.mark.slow
-def test_html_renders_in_headless_chromium(tmp_path):
+def test_html_fits_1280px_in_headless_chromium(tmp_path):
+    """The page of every asked GPU type renders at 1,280 px with no horizontal overflow:
+    Chromium lays it out, a measuring script (added to a copy; the page has none) reports the
+    document's scroll width, and a screenshot is taken."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        pytest.skip("no chromium on this machine (the well-formedness test covers the page)")
+        pytest.skip("no chromium on this machine: apt-get install chromium (the well-formedness test covers the page)")
     out = tmp_path / "plan.html"
-    main(["plan", "--gpu", "B300", "--num-gpus", "8", "--html", str(out)])
-    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--dump-dom", out.as_uri()],
+    args = ["plan", "--context", "131072", "--concurrency", "64", "--optimize", "cost", "--html", str(out)]
+    for gpu in ("H100", "H200", "B200", "B300"):
+        args += ["--gpu", gpu]
+    assert main(args) == 0
+    probe = tmp_path / "probe.html"
+    probe.write_text(out.read_text().replace("</body>", MEASURE + "</body>"))
+    user = tmp_path / "profile"
+    proc = subprocess.run([browser, *CHROMIUM, f"--user-data-dir={user}", "--window-size=1280,900",
+                           "--virtual-time-budget=2000", "--dump-dom", probe.as_uri()],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "8xB300" in proc.stdout
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    title = proc.stdout.split("<title>")[1].split("</title>")[0]
+    scroll, client = (int(x.split("=")[1]) for x in title.split())
+    assert client <= 1280 and scroll <= client, title
+    for gpu in ("H100", "H200", "B200", "B300"):
+        assert f"x{gpu}</td>" in proc.stdout
+    shot = tmp_path / "plan.png"
+    proc = subprocess.run([browser, *CHROMIUM, f"--user-data-dir={user}", "--window-size=1280,900",
+                           f"--screenshot={shot}", out.as_uri()], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smallest_count_is_the_same_with_and_without_num_gpus(k3):
+    cfg, ws = k3
+    gpu = get_gpu("H200")
+    searched = plan(cfg, K3, "schema", [gpu], ws, Workload())
+    pinned = plan(cfg, K3, "schema", [gpu], ws, Workload(), num_gpus=8)
+    assert searched.smallest == pinned.smallest == {"H200": 16}
+    assert all(r.layout.num_gpus == 8 and not r.fits for r in pinned.results)
+    assert searched.best().layout.num_gpus == 16
+
+
+def test_fits_means_the_requested_concurrency_fits(k3, capsys):
+    cfg, ws = k3
+    w = Workload(context=131072, concurrency=64)
+    rep = plan(cfg, K3, "schema", [get_gpu("B300")], ws, w, num_gpus=8, pp=1)
+    loaded = [r for r in rep.results if r.loads]
+    assert len(loaded) == 3
+    for r in loaded:  # each holds fewer than 64: never "fits", and its perf is for what it holds
+        assert 0 < r.capacity < 64 and not r.fits and r.verdict == f"holds {r.capacity} of 64"
+        assert r.perf.concurrency == r.capacity and f"holds {r.capacity} of the 64 requested" in r.why_not
+    assert rep.best() is None
+    assert main(["plan", "--gpu", "B300", "--num-gpus", "8", "--pp", "1", "--context", "131072",
+                 "--concurrency", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not any(lay["fits"] for lay in out["layouts"]) and any(lay["loads"] for lay in out["layouts"])
+
+
+def test_cross_node_all_to_all_is_timed_on_the_nic(k3):
+    cfg, ws = k3
+    h200 = get_gpu("H200")
+    lay = Layout(16, 1, 16, 16)
+    assert lay.links(h200.scaleup_domain) == {"ep_alltoall": "NIC"}
+    assert Layout(8, 1, 8, 8).links(h200.scaleup_domain) == {"ep_alltoall": "scale-up"}
+    one_domain = dataclasses.replace(h200, scaleup_domain=16)  # the same part in a 16-GPU domain
+    cross = estimate(cfg, h200, lay, ws, 32, 8192).comm_s["ep_alltoall"]
+    inside = estimate(cfg, one_domain, lay, ws, 32, 8192).comm_s["ep_alltoall"]
+    nvl, nic = h200.scaleup_bw / 2, h200.nic_bw  # per direction; efficiency cancels in the ratio
+    assert cross / inside == pytest.approx((0.5 / nvl + 0.5 / nic) / (1 / nvl), rel=1e-9)
+    assert cross == pytest.approx(5 * inside)  # half the peers over a 50 GB/s NIC, half over 450 GB/s
+    assert any("NIC" in w for w in evaluate(cfg, K3, h200, lay, ws, Workload()).warnings)
+
+
+def test_pipeline_stages_hold_their_layers_only(k3):
+    cfg, ws = k3
+    gpu, w = get_gpu("B300"), Workload(context=32768)
+    flat, staged = evaluate(cfg, K3, gpu, Layout(8, 4, 1, 4), ws, w), evaluate(cfg, K3, gpu, Layout(8, 4, 1, 4, 2), ws, w)
+    assert staged.layout.label == "TP4/EP4/PP2"
+    # 93 layers -> stages of 47 + 46: the first stage holds 47/93 of the dense weights
+    assert staged.rank.weights == pytest.approx(flat.rank.weights * 47 / 93, rel=0.02)
+    kda_first = sum(1 for i in cfg.kda_layers if i < 47)
+    assert staged.rank.plan.slot_bytes == -(-464_633_856 * kda_first // len(cfg.kda_layers) // 4) or \
+        abs(staged.rank.plan.slot_bytes - 464_633_856 * kda_first / len(cfg.kda_layers) / 4) <= 1
+    assert Layout(16, 8, 1, 8, 2).links(8) == {"tp_allreduce": "scale-up", "ep_alltoall": "scale-up", "pp_send": "NIC"}
+    assert "--pipeline-parallel-size 2" in staged.commands["vllm"] and "--pp-size 2" in staged.commands["sglang"]
+
+
+def test_cost_ranking_shows_its_number_and_takes_prices(capsys):
+    assert main(["plan", "--gpu", "B300", "--gpu", "H200", "--optimize", "cost", "--concurrency", "32",
+                 "--markdown", "--top", "30"]) == 0
+    md = capsys.readouterr().out
+    lines = [x for x in md.splitlines() if x.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    col = head.index("$/Mtok")
+    assert "GPU-h/Mtok" in head and "price per GPU-hour: B300 $6.5, H200 $3.5" in md
+    ranked = [r for r in lines[1:] if "fits" in r][:10]
+    costs = [float(r.strip("|").split("|")[col].replace(",", "")) for r in ranked]
+    assert costs == sorted(costs) and len(costs) >= 3
+    assert main(["plan", "--gpu", "B300", "--optimize", "cost", "--concurrency", "32", "--price", "B300=13",
+                 "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert best["perf"]["usd_per_mtok"] == pytest.approx(best["perf"]["gpu_hours_per_mtok"] * 13)
+    assert main(["plan", "--gpu", "B300", "--price", "B300=cheap"]) == 2
+
+
+def test_unasked_questions_are_stated_in_every_format(tmp_path, capsys):
+    said = "context not given: assuming 32,768 tokens per request"
+    for fmt in (["--json"], ["--markdown"], []):
+        assert main(["plan", "--gpu", "B300", "--num-gpus", "8", *fmt]) == 0
+        out = capsys.readouterr().out
+        assert said in out and "concurrency not given" in out and "Decode step time per GPU" in out
+    assert main(["plan", "--gpu", "B300", "--num-gpus", "8", "--context", "8192", "--concurrency", "4",
+                 "--optimize", "cost", "--no-latency-sensitive", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["assumed"] == []
+    page = tmp_path / "p.html"
+    assert main(["plan", "--gpu", "B300", "--num-gpus", "8", "--html", str(page)]) == 0
+    assert said in page.read_text() and "Decode step time per GPU" in page.read_text()
+
+
+def test_every_asked_gpu_type_gets_its_best_row(tmp_path, capsys):
+    assert main(["plan", "--gpu", "B300", "--gpu", "H100", "--gpu", "H200", "--gpu", "B200", "--top", "3",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["gpu"] for r in out["best_per_gpu"]] == ["B300", "B200", "H200", "H100"]
+    assert {r["gpu"] for r in out["layouts"]} == {"B300", "B200", "H200", "H100"}
+    page = tmp_path / "p.html"
+    assert main(["plan", "--gpu", "B300", "--gpu", "H100", "--gpu", "H200", "--gpu", "B200", "--top", "3",
+                 "--html", str(page)]) == 0
+    for gpu in ("B300", "H100", "H200", "B200"):
+        assert f"x{gpu}</td>" in page.read_text()
