@@ -28,8 +28,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-body", type=json.loads, help="JSON merged into every request body")
     p.add_argument("--model", help="model name sent in requests (default: the server's)")
     p.add_argument("--dataset-name", default="random", choices=("random", "shared-prefix", "low-entropy",
-                                                                 "high-entropy", "jsonl"))
-    p.add_argument("--dataset-path", help="jsonl file for --dataset-name jsonl")
+                                                                 "high-entropy", "jsonl", "sharegpt", "sonnet"))
+    p.add_argument("--dataset-path", help="local file for jsonl, sharegpt (JSON) and sonnet (text lines)")
+    p.add_argument("--sharegpt-output-len", type=int, help="fixed output length (default: the reply's tokens)")
+    p.add_argument("--sonnet-input-len", type=int, default=550)
+    p.add_argument("--sonnet-output-len", type=int, default=150)
+    p.add_argument("--sonnet-prefix-len", type=int, default=200)
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=32)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -74,8 +78,16 @@ def build_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
         return ds.entropy_requests(n, a.random_input_len, a.random_output_len, a.dataset_name == "low-entropy",
                                    (lo, hi), seed)
     if not a.dataset_path:
-        raise ValueError("--dataset-name jsonl needs --dataset-path")
-    return ds.jsonl_requests(a.dataset_path, n, a.random_output_len)
+        raise ValueError(f"--dataset-name {a.dataset_name} needs --dataset-path (a local file)")
+    if a.dataset_name == "jsonl":
+        return ds.jsonl_requests(a.dataset_path, n, a.random_output_len)
+    from k3serve.bench import text_datasets as td
+
+    count = td.token_counter(a.tokenizer, a.base_url, a.api_key)
+    if a.dataset_name == "sharegpt":
+        return td.sharegpt_requests(a.dataset_path, n, count, seed, a.sharegpt_output_len)
+    return td.sonnet_requests(a.dataset_path, n, count, seed, a.sonnet_input_len, a.sonnet_output_len,
+                              a.sonnet_prefix_len)
 
 
 def served_model(base_url: str, api_key: str | None) -> str | None:
@@ -124,7 +136,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
 def run_bench(a: argparse.Namespace) -> int:
     from k3serve.bench.ablate import ablate
     from k3serve.bench.metrics import summarize
-    from k3serve.bench.report import format_summary, plot, save_result, vllm_result
+    from k3serve.bench.report import format_summary, plot, plot_title, save_result, vllm_result
     from k3serve.bench.runner import LoadSettings, run_load
 
     a.base_url = a.base_url or f"http://{a.host}:{a.port}"
@@ -170,6 +182,6 @@ def run_bench(a: argparse.Namespace) -> int:
                     **metadata(a.metadata), "k3serve": {**meta, "server": r["server"]}}
             save_result(result_path(a, r["concurrency"], len(runs) > 1), vllm_result(r["summary"], r["results"], info))
     if a.plot:
-        plot(a.plot, runs)
+        plot(a.plot, runs, plot_title(model_id, a.devices, a.engine, a.dataset_name, meta["date"]))
     failed = sum(r["summary"]["failed"] for r in runs)
     return 0 if failed == 0 else 1

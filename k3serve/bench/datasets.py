@@ -1,5 +1,6 @@
 """Request sets: random, shared-prefix, low-/high-entropy synthetic, and jsonl files. Every
-request carries the exact token ids it will send (or its text when the file gives text)."""
+request carries the exact token ids it will send (or its text when the file gives text);
+sharegpt and sonnet files are in `text_datasets.py`."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ class BenchRequest:
     prompt_token_ids: list[int] | None
     prompt: str | None
     output_len: int
+    prompt_tokens: int | None = None  # counted by a tokenizer when the prompt is text
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else 0
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        return self.prompt_tokens or 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -87,7 +87,12 @@ def max_concurrent(results: list[RequestResult]) -> int:
     return best
 
 
-def plot(path: str | Path, runs: list[dict]) -> None:
+def plot_title(model: str | None, devices: str, engine: str, dataset: str, date: str) -> str:
+    """Model, hardware and run on the figure, so a PNG read alone says what it measured."""
+    return f"{model or 'model ?'} on {devices or 'hardware not given (--devices)'} · {engine} · {dataset} · {date}"
+
+
+def plot(path: str | Path, runs: list[dict], title: str = "") -> None:
     """runs: [{"label", "concurrency", "results": [RequestResult], "summary": {...}}]."""
     import matplotlib
     matplotlib.use("Agg")
@@ -109,6 +114,8 @@ def plot(path: str | Path, runs: list[dict]) -> None:
         ax.plot(xs, [r["summary"]["output_throughput"] for r in runs], marker="o")
         ax.set_xlabel("max concurrency")
         ax.set_ylabel("output tok/s")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

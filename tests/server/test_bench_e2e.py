@@ -80,3 +80,34 @@ def test_ablation_against_two_servers(live_server, tiny_k3_dir, tmp_path, capsys
         assert len(ratio["rounds"]) == 2 and ratio["min"] <= ratio["mean"] <= ratio["max"]
         assert "output_throughput" in capsys.readouterr().out
         assert all(s["completed"] == 4 for tag in ("A", "B") for s in ab["summaries"][tag])
+
+
+def test_sharegpt_and_sonnet_files_against_a_live_server(live_server, tmp_path):
+    """Lengths counted by the server's own /tokenize; the run sends the text and gets exactly
+    the sampled output lengths back (ignore_eos)."""
+    import httpx
+
+    base, _ = live_server
+    convs = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}? Explain."},
+                                {"from": "gpt", "value": f"The answer is {2 * i}, because {i} and {i} make {2 * i}."}]}
+             for i in range(6)]
+    sg = tmp_path / "sharegpt.json"
+    sg.write_text(json.dumps(convs))
+    out = tmp_path / "sg.json"
+    assert main(["bench", "--base-url", base, "--dataset-name", "sharegpt", "--dataset-path", str(sg),
+                 "--num-prompts", "4", "--ignore-eos", "--save-result", "--result-filename", str(out),
+                 "--no-progress"]) == 0
+    r = json.loads(out.read_text(), parse_constant=_reject)
+    count = lambda text: httpx.post(base + "/tokenize", json={"prompt": text}).json()["count"]  # noqa: E731
+    by_len = sorted((count(c["conversations"][0]["value"]), count(c["conversations"][1]["value"])) for c in convs)
+    got = sorted(zip(r["input_lens"], r["output_lens"]))
+    assert r["failed"] == 0 and len(got) == 4 and all(pair in by_len for pair in got)
+    sonnet = tmp_path / "sonnet.txt"
+    sonnet.write_text("\n".join(f"Line {i}: thy eternal summer shall not fade" for i in range(40)))
+    out2 = tmp_path / "so.json"
+    assert main(["bench", "--base-url", base, "--dataset-name", "sonnet", "--dataset-path", str(sonnet),
+                 "--sonnet-input-len", "90", "--sonnet-prefix-len", "40", "--sonnet-output-len", "6",
+                 "--num-prompts", "3", "--ignore-eos", "--save-result", "--result-filename", str(out2),
+                 "--no-progress"]) == 0
+    r2 = json.loads(out2.read_text(), parse_constant=_reject)
+    assert r2["failed"] == 0 and r2["output_lens"] == [6, 6, 6] and all(60 <= n <= 120 for n in r2["input_lens"])
