@@ -107,7 +107,7 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
         return {"prompt": await state.offload(state.tokenizer.decode, req.tokens)}
 
     public = ALWAYS_PUBLIC | ({"/metrics"} if metrics_public else set())
-    guard = GuardConfig(state.api_key, frozenset(public), max_body_bytes, body_timeout_s)
+    guard = GuardConfig(state.api_key, frozenset(public), max_body_bytes, body_timeout_s, state.lifecycle)
     app.add_middleware(GuardMiddleware, config=guard, routes=ROUTES,
                        count=lambda route, status: state.metrics.http.labels(route, status).inc())
     if cors:  # outermost: a preflight carries no API key and is answered here

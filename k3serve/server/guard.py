@@ -10,7 +10,10 @@ For every HTTP request, in order:
   3. any exception the app lets escape becomes a JSON 500 on a connection kept open, logged in
      one line (the trace at debug level), instead of uvicorn's text 500 and closed socket; a
      request still running when shutdown's grace period ends gets a JSON 503;
-  4. the response's status is counted per route in `k3serve:http_requests`.
+  4. the response's status is counted per route in `k3serve:http_requests`;
+  5. while the server drains at shutdown (`Lifecycle.draining`), a new request gets a JSON 503
+     with `Connection: close` (only `/metrics` still answers), while those already in flight
+     (`Lifecycle.active`) run on.
 References: Starlette's ServerErrorMiddleware (what it does, minus the re-raise), vLLM's
 `AuthenticationMiddleware` (pure ASGI since vLLM PR #12197).
 """
@@ -28,12 +31,25 @@ from k3serve.server.errors import error_body
 log = logging.getLogger("k3serve.server")
 
 
+@dataclass
+class Lifecycle:
+    """Shared by the guard and `http.DrainingServer`: requests in flight, and whether new
+    ones are refused because shutdown has begun."""
+
+    draining: bool = False
+    active: int = 0
+
+
+DRAIN_OPEN = frozenset({"/metrics"})
+
+
 @dataclass(frozen=True)
 class GuardConfig:
     api_key: str | None = None
     public_paths: frozenset[str] = frozenset({"/health", "/ping"})
     max_body_bytes: int = 32 * 2 ** 20
     body_timeout_s: float = 30.0  # longest wait for the next body chunk
+    lifecycle: Lifecycle | None = None
 
 
 class GuardMiddleware:
@@ -52,10 +68,21 @@ class GuardMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        life = self.config.lifecycle
+        if life is not None and life.draining and path not in DRAIN_OPEN:
+            await reply(send_counted, 503, "the server is shutting down", [(b"retry-after", b"1")], close=True)
+            return self._count(path, status)
+        if life is not None:
+            life.active += 1
         try:
             await self._handle(scope, receive, send_counted, path, status)
         finally:
-            if self.count is not None and status["code"]:
+            if life is not None:
+                life.active -= 1
+            self._count(path, status)
+
+    def _count(self, path: str, status: dict) -> None:
+        if self.count is not None and status["code"]:
                 self.count(path if path in self.routes else "other", str(status["code"]))
 
     async def _handle(self, scope, receive, send, path: str, status: dict) -> None:

@@ -52,6 +52,38 @@ def guarded_h11(header_timeout: float) -> type[H11Protocol]:
     return GuardedH11Protocol
 
 
+def draining_server(config, lifecycle, grace_s: float):
+    """uvicorn.Server that drains before it shuts down (the `--shutdown-timeout N` contract).
+
+    First SIGTERM / SIGINT: `lifecycle.draining` is set, so the guard answers new requests 503
+    while the listener stays open (a load balancer sees an answer, not a refused connection);
+    once the in-flight requests are done, or `grace_s` has passed, uvicorn's own shutdown runs
+    and cancels what is left (the guard answers those 503). `grace_s` 0 aborts at once; a
+    second SIGINT forces the exit.
+    """
+    import time
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        deadline: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.deadline is None and grace_s > 0:
+                self._captured_signals.append(sig)
+                self.deadline = time.monotonic() + grace_s
+                lifecycle.draining = True
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.deadline is not None and (lifecycle.active == 0 or time.monotonic() >= self.deadline):
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return DrainingServer(config)
+
+
 def uvicorn_config(app, host: str, port: int, *, log_level: str = "info", header_timeout: float = 10.0,
                    keep_alive_timeout: int = 5, graceful_shutdown_timeout: int | None = 10):
     import uvicorn

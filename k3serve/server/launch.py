@@ -36,7 +36,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-step-timeout", type=float, default=120.0,
                    help="/health answers 503 while one engine step has run longer than this (seconds)")
     p.add_argument("--timeout-graceful-shutdown", "--shutdown-timeout", type=int, default=10,
-                   help="seconds in-flight requests get at shutdown before they are cancelled")
+                   help="seconds in-flight requests get at SIGTERM/SIGINT while new ones are answered 503; "
+                        "then what is left is cancelled (503). 0 aborts at once")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
@@ -128,18 +129,17 @@ def build_server(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from k3serve.server.http import uvicorn_config
+    from k3serve.server.http import draining_server, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     app, state = build_server(args)
     logging.getLogger("k3serve.server").info("serving %s on http://%s:%d%s", state.served_model_name,
                                              args.host, args.port, " (API key required)" if state.api_key else "")
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
-                                           header_timeout=args.timeout_header,
-                                           keep_alive_timeout=args.timeout_keep_alive,
-                                           graceful_shutdown_timeout=args.timeout_graceful_shutdown))
+    # The drain (new requests 503, in-flight ones given --shutdown-timeout) happens before
+    # uvicorn's shutdown, which then only has stragglers to cancel.
+    config = uvicorn_config(app, args.host, args.port, log_level=args.log_level, header_timeout=args.timeout_header,
+                            keep_alive_timeout=args.timeout_keep_alive, graceful_shutdown_timeout=0)
+    server = draining_server(config, state.lifecycle, args.timeout_graceful_shutdown)
     # uvicorn re-raises the SIGTERM / SIGINT it handled once its shutdown is done; that shutdown
     # was clean (in-flight requests drained or answered 503), so the exit status is 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from k3serve.chat.render import ChatRenderer
 from k3serve.engine.async_engine import AsyncEngine
+from k3serve.server.guard import Lifecycle
 from k3serve.server.errors import APIError
 from k3serve.server.metrics import ServerMetrics
 
@@ -30,6 +31,7 @@ class ServerState:
     api_key: str | None = None
     wedged_after_s: float = 120.0  # /health turns 503 when one engine step runs longer
     log_requests: bool = False  # --enable-log-requests
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # draining at shutdown; requests in flight
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

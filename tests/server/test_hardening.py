@@ -241,6 +241,49 @@ def test_shutdown_answers_what_outlives_the_grace_period(tiny_k3_dir, sig, grace
         proc.kill()
 
 
+def test_shutdown_drains_in_flight_and_answers_new_requests_503(tiny_k3_dir):
+    """--shutdown-timeout N: after SIGTERM the listener stays open, a new request is told 503
+    (with Retry-After), the running stream finishes whole, and the process exits 0 as soon as
+    it has, not after N seconds."""
+    from tests.live import free_port
+    import signal
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "k3serve", "serve", str(tiny_k3_dir), "--port", str(port),
+                             "--cache-memory", "32MiB", "--max-model-len", "4096", "--shutdown-timeout", "60",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(base), 60, "server did not start")
+        with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: _status(base + "/v1/models") == 503, 10, "new requests were not refused")
+            r = httpx.post(base + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["message"] == "the server is shutting down"
+            assert httpx.get(base + "/health", timeout=5).status_code == 503  # load balancers stop sending
+            events = [first] + [line for line in lines if line.startswith("data: ")]
+        t_done = time.monotonic()
+        assert events[-1] == "data: [DONE]"
+        finish = [json.loads(e[6:])["choices"][0].get("finish_reason") for e in events[:-1]]
+        assert finish[-1] == "length" and sum(len(json.loads(e[6:])["choices"][0]["text"]) > 0 for e in events[:-1]) > 1
+        assert proc.wait(timeout=30) == 0 and time.monotonic() - t_done < 10
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err
+    finally:
+        proc.kill()
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
 def _up(base: str) -> bool:
     try:
         return httpx.get(base + "/health", timeout=1).status_code == 200
