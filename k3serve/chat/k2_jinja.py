@@ -20,6 +20,10 @@ from k3serve.chat.messages import ChatInputError, Message
 
 
 def load_chat_template(model_dir: str | Path) -> str | None:
+    """`chat_template.jinja` (transformers' newer layout), else tokenizer_config.json's."""
+    jinja = Path(model_dir) / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
     cfg = Path(model_dir) / "tokenizer_config.json"
     if not cfg.is_file():
         return None

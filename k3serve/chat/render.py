@@ -1,6 +1,12 @@
-"""Pick the renderer for a model: K3 XTML (Python) for `kimi_k3`, the checkpoint's Jinja
-template otherwise (Kimi-Linear / K2 family). Returns token ids plus what the parsers need to
-know about where generation starts."""
+"""Pick the renderer for a model and return token ids plus what the parsers need to know about
+where generation starts. In order:
+  1. `--chat-template` (a Jinja template) when given: used for every model;
+  2. K3 XTML (Python) for `kimi_k3` whose tokenizer has the four XTML specials;
+  3. the checkpoint's own Jinja template (`chat_template.jinja`, else `chat_template` in
+     tokenizer_config.json): Kimi-Linear / K2 family, or a K3 checkpoint shipped with a
+     Hugging Face tokenizer that lacks the XTML specials;
+  4. none: `startup_problem` says why, and the server refuses to start.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from k3serve.chat.k2_jinja import load_chat_template, render_jinja
-from k3serve.chat.k3_xtml import encode_segments, render_k3, segments_text
+from k3serve.chat.k3_xtml import CLOSE, EOM, OPEN, SEP, encode_segments, render_k3, segments_text
 from k3serve.chat.messages import ChatInputError, normalize
 
 
@@ -32,19 +38,38 @@ class ChatOptions:
     template_kwargs: dict | None = None
 
 
+XTML_SPECIALS = (OPEN, CLOSE, SEP, EOM)
+
+
 class ChatRenderer:
-    def __init__(self, model_type: str, tokenizer, model_dir: str | Path):
+    def __init__(self, model_type: str, tokenizer, model_dir: str | Path, chat_template: str | None = None):
         self.model_type, self.tokenizer = model_type, tokenizer
-        self.template = None if model_type == "kimi_k3" else load_chat_template(model_dir)
+        specials = getattr(tokenizer, "special_tokens", {})
+        self.missing_xtml = [t for t in XTML_SPECIALS if t not in specials] if model_type == "kimi_k3" else []
+        self.xtml = model_type == "kimi_k3" and not self.missing_xtml and chat_template is None
+        self.template = chat_template if chat_template is not None else (
+            None if self.xtml else load_chat_template(model_dir))
+        self.source = ("--chat-template" if chat_template is not None else "K3 XTML" if self.xtml
+                       else "the checkpoint's chat template" if self.template else None)
 
     @property
     def available(self) -> bool:
-        return self.model_type == "kimi_k3" or self.template is not None
+        return self.xtml or self.template is not None
+
+    def startup_problem(self) -> str | None:
+        """Why chat cannot be rendered at all (the server refuses to start), or None."""
+        if self.available:
+            return None
+        if self.missing_xtml:
+            return (f"this K3 checkpoint's tokenizer lacks K3's XTML special tokens ({', '.join(self.missing_xtml)}) "
+                    f"and ships no chat template (chat_template.jinja or tokenizer_config.json); "
+                    f"pass --chat-template FILE")
+        return None  # a base model without a template serves /v1/completions; chat gets a 400
 
     def render(self, messages: list[dict], opts: ChatOptions) -> RenderedPrompt:
         msgs = normalize(messages)
         history = sum(len(m.tool_calls) for m in msgs)
-        if self.model_type == "kimi_k3":
+        if self.xtml:
             segs = render_k3(msgs, opts.tools, thinking=opts.thinking, effort=opts.effort,
                              tool_choice=opts.tool_choice, response_format=opts.response_format,
                              add_generation_prompt=opts.add_generation_prompt)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
+KV_DTYPES = DTYPES + ("fp8",)  # fp8: float8_e4m3fn latent rows, unit scale (vLLM's default k_scale 1.0)
+QUANTIZATIONS = ("compressed-tensors", "mxfp4")  # what a checkpoint's quantization_config can be
 
 
 @dataclass
@@ -16,13 +18,16 @@ class EngineConfig:
     model: str | None = None  # checkpoint dir; None = the bundled default tiny model
     tokenizer: str | None = None  # default: the model dir
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
-    kv_cache_dtype: str = "auto"  # auto = the model dtype
+    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3 MLA latent cache
     max_model_len: int | None = None  # None = min(max_position_embeddings, 8192)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     cache_memory: int | str | None = None  # absolute ("1GiB"); wins over the fraction
     cache_memory_fraction: float | None = None  # of free memory after weights; default 0.9 GPU, 0.1 CPU
+    gpu_memory_utilization: float | None = None  # vLLM: fraction of TOTAL device memory for everything
+    quantization: str | None = None  # must match the checkpoint; never requantizes
+    max_logprobs: int = 20
     num_state_slots: int | None = None  # fix the KDA slot count instead of deriving it
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
@@ -41,8 +46,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernels not in ("auto", "cpp", "torch"):
             raise ValueError(f"kernels must be one of ('auto', 'cpp', 'torch'), got {self.kernels!r}")
-        if self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported: k3serve serves the checkpoint's "
+                             f"own format ({' / '.join(QUANTIZATIONS)} for MXFP4 checkpoints, or none) and "
+                             f"never requantizes at load time; convert the checkpoint offline")
         if self.cache_memory_fraction is not None and not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
-from k3serve.engine.setup import make_plan, placement, resolve_max_model_len, seq_limit_note, startup_lines
+from k3serve.engine.setup import (check_quantization, make_plan, placement, resolve_max_model_len, seq_limit_note,
+                                  startup_lines)
 from k3serve.sampling.detokenizer import IncrementalDetokenizer
-from k3serve.sampling.params import SamplingParams
-from k3serve.scheduler.batch import SampledToken
+from k3serve.sampling.params import ParamError, SamplingParams
+from k3serve.scheduler.batch import PromptLogprob, SampledToken
 from k3serve.scheduler.request import Request
 from k3serve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -43,6 +44,7 @@ class _Group:
     samples: list[_Sample]
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: dict[int, PromptLogprob] | None = None  # prompt index -> entry, as computed
 
     @property
     def finished(self) -> bool:
@@ -61,6 +63,7 @@ class LLMEngine:
         where = placement(config)
         self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
                                 progress=config.load_progress).to(where.device)
+        check_quantization(config, self.model)
         self.kernels = self.model.use_kernels(config.kernels)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)
@@ -112,8 +115,14 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.check_vocab(self.model.cfg.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.config.max_logprobs:
+                raise ParamError(name, f"{name} must be in [0, {self.config.max_logprobs}] (max_logprobs), got {n}")
         text, ids = self._tokenize(prompt)
-        group = _Group(request_id, text, ids, [], {"arrival_time": time.monotonic()})
+        constraints = [self._constraint(params.structured) for _ in range(params.n)] if params.structured else None
+        group = _Group(request_id, text, ids, [], {"arrival_time": time.monotonic()},
+                       prompt_logprobs={} if params.prompt_logprobs is not None else None)
         for i in range(params.n):
             p = params.for_sample(i) if params.n > 1 else params
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -121,10 +130,24 @@ class LLMEngine:
                           arrival=next(self._arrivals), priority=priority)
             group.samples.append(_Sample(req, IncrementalDetokenizer(self.tokenizer, p),
                                          [] if p.logprobs is not None else None))
+            if constraints:
+                self.runner.constraints[rid] = constraints[i]
             self.scheduler.add(req)
             self._owner[rid] = group
         self._groups[request_id] = group
         self.counters["prompt_tokens"] += len(ids)
+
+    def _constraint(self, so):
+        """A fresh grammar state for one sequence; a spec that does not compile is the request's
+        fault (ParamError -> 400), found before anything is queued."""
+        from k3serve.sampling.grammar import GrammarBackend, GrammarError
+
+        if self.runner.grammar is None:
+            self.runner.grammar = GrammarBackend(self.tokenizer, self.model.cfg.vocab_size)
+        try:
+            return self.runner.grammar.constraint(so)
+        except GrammarError as e:
+            raise ParamError("structured_outputs", str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         group = self._groups.pop(request_id, None)
@@ -171,6 +194,8 @@ class LLMEngine:
             group = self._owner.get(seq.request_id)
             if group is None:
                 continue
+            if seq.request_id in out.prompt_logprobs and group.prompt_logprobs is not None:
+                group.prompt_logprobs.update(out.prompt_logprobs[seq.request_id])  # recompute overwrites
             toks = out.sampled.get(seq.request_id, [])
             why = out.failed.get(seq.request_id) or self._emit(group, seq.request, toks)
             if why:
@@ -258,9 +283,12 @@ class LLMEngine:
                 s.cumulative_logprob if s.logprobs is not None else None,
                 [dict(d) for d in s.logprobs] if s.logprobs is not None else None,
                 s.req.finish_reason if done else None, s.req.stop_reason if done else None))
+        plp = None
+        if group.prompt_logprobs is not None:
+            plp = [None] + [group.prompt_logprobs.get(i) for i in range(1, len(group.prompt_token_ids))]
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outs,
                              group.finished, dict(group.metrics), group.samples[0].req.num_cached_tokens,
-                             group.error)
+                             group.error, plp)
 
     # ---- input checks ----------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3serve.scheduler.batch import PromptLogprob
+
 
 @dataclass
 class CompletionOutput:
@@ -34,3 +36,6 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_token/finish times (s)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when this request failed alone (the others in its steps go on)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it)
+    prompt_logprobs: list[PromptLogprob | None] | None = None

@@ -16,7 +16,8 @@ from k3serve.models.kimi import KimiForCausalLM
 from k3serve.runner.model_runner import weight_bytes
 
 log = logging.getLogger("k3serve.engine")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+KV_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "fp8"}
 
 
 @dataclass(frozen=True)
@@ -36,20 +37,59 @@ def placement(config: EngineConfig) -> Placement:
     return Placement(device, TORCH_DTYPES[name], TORCH_DTYPES[kv])
 
 
-def free_memory(device: torch.device) -> int:
+def _memory(device: torch.device, which: int, meminfo_key: str) -> int:
+    """(free, total)[which] bytes of the device: CUDA's mem_get_info, else /proc/meminfo."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[which]
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(meminfo_key + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass cache_memory explicitly")
+    raise RuntimeError(f"cannot read {meminfo_key} from /proc/meminfo; pass cache_memory explicitly")
 
 
-def cache_budget(config: EngineConfig, device: torch.device) -> int:
+def free_memory(device: torch.device) -> int:
+    return _memory(device, 0, "MemAvailable")
+
+
+def total_memory(device: torch.device) -> int:
+    return _memory(device, 1, "MemTotal")
+
+
+def activation_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
+    """A prefill chunk's live activations (~16 [tokens, hidden] fp32 buffers) + the fp32 logits
+    of every sampled row: what `--gpu-memory-utilization` keeps outside the cache."""
+    cfg = model.cfg
+    return config.max_num_batched_tokens * cfg.hidden_size * 4 * 16 + config.max_num_seqs * cfg.vocab_size * 4
+
+
+def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausalLM | None = None) -> int:
     if config.cache_memory is not None:
         return parse_bytes(config.cache_memory)
+    if config.gpu_memory_utilization is not None and model is not None:
+        # vLLM's meaning: utilization x TOTAL memory holds weights + activations + cache
+        f = config.gpu_memory_utilization
+        total, weights, act = total_memory(device), weight_bytes(model), activation_reserve(config, model)
+        budget = int(total * f) - weights - act
+        if budget <= 0:
+            raise ValueError(f"--gpu-memory-utilization {f}: {f} x {total / 2**30:.1f} GiB leaves no cache after "
+                             f"{weights / 2**30:.2f} GiB of weights and {act / 2**30:.2f} GiB of activations; raise it")
+        free = free_memory(device)
+        if budget > free:
+            raise ValueError(f"--gpu-memory-utilization {f} asks for a {budget / 2**30:.2f} GiB cache, but only "
+                             f"{free / 2**30:.2f} GiB is free on {device}; lower it or free memory")
+        return budget
     frac = config.cache_memory_fraction or (0.9 if device.type == "cuda" else 0.1)
     return int(free_memory(device) * frac)
+
+
+def check_quantization(config: EngineConfig, model: KimiForCausalLM) -> None:
+    """--quantization must name the checkpoint's own format (k3serve never requantizes)."""
+    if config.quantization is None:
+        return
+    if model.cfg.quant is None:
+        raise ValueError(f"--quantization {config.quantization}: this checkpoint is not quantized (no "
+                         f"quantization_config); k3serve does not quantize at load time: drop the flag or serve "
+                         f"an MXFP4 checkpoint")
 
 
 def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:
@@ -63,10 +103,11 @@ def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:
 
 
 def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, max_model_len: int) -> CachePlan:
-    kv_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[where.kv_dtype]
-    budget = cache_budget(config, where.device)
+    kv_name = KV_NAMES[where.kv_dtype]
+    budget = cache_budget(config, where.device, model)
     frac = config.prefix_cache_state_fraction if config.enable_prefix_caching else 0.0
-    if config.cache_memory is None:  # a fraction never reserves more than max_num_seqs full requests use
+    if config.cache_memory is None and config.gpu_memory_utilization is None:
+        # a fraction of free memory never reserves more than max_num_seqs full requests use
         full = full_request_bytes(model.cfg, max_model_len, config.block_size, kv_name)
         # ... plus the checkpoint share taken off the top, or one slot of max_num_seqs goes missing
         budget = min(budget, math.ceil(config.max_num_seqs * full / (1.0 - frac)))

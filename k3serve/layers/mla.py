@@ -62,6 +62,17 @@ def _causal_softmax(scores: torch.Tensor, start: int) -> torch.Tensor:
     return torch.softmax(scores.float().masked_fill(~allowed, -torch.inf), dim=-1)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: beyond it a cast gives NaN, so clamp
+
+
+def to_cache(latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Latent rows [N, c + r] in the cache dtype; fp8 with unit scale (vLLM's default k_scale),
+    saturating instead of overflowing to NaN."""
+    if dtype == torch.float8_e4m3fn:
+        latent = latent.float().clamp(-FP8_MAX, FP8_MAX)
+    return latent.to(dtype)
+
+
 class GatedMLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -102,7 +113,7 @@ class GatedMLA(nn.Module):
             if decodes and i in decodes:
                 continue
             ctx = batch.context_lens[i]
-            store[batch.cache_rows(i, ctx, ctx + e - s)] = latent[s:e].to(store.dtype)
+            store[batch.cache_rows(i, ctx, ctx + e - s)] = to_cache(latent[s:e], store.dtype)
             seq = store[batch.cache_rows(i, 0, ctx + e - s)].float()  # [L, c + r]
             # verify passes use the decode algorithm for every drafted position (same arithmetic as
             # non-speculative decoding, so greedy outputs agree)
@@ -124,7 +135,7 @@ class GatedMLA(nn.Module):
         lens = [batch.context_lens[i] + 1 for i in idx]
         rows = batch.padded_rows(idx, lens)  # [B, Lmax]
         new = rows[torch.arange(len(idx)), torch.tensor(lens) - 1]
-        store[new] = latent[starts].to(store.dtype)
+        store[new] = to_cache(latent[starts], store.dtype)
         seq = store[rows].float()  # [B, Lmax, c + r]
         out[starts] = attend_absorbed_batched(q_nope[starts], q_pe[starts], seq[..., : m.kv_lora_rank],
                                               seq[..., m.kv_lora_rank:], torch.tensor(lens, device=seq.device),

@@ -13,7 +13,9 @@ from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 from k3serve.sampling.sampler import Sampler
-from k3serve.scheduler.batch import ScheduledBatch, StepOutput
+from k3serve.sampling.grammar import Constraint
+from k3serve.sampling.structured import ConstraintStats
+from k3serve.scheduler.batch import PromptLogprob, ScheduledBatch, StepOutput
 from k3serve.scheduler.request import Request
 
 
@@ -29,6 +31,10 @@ class ModelRunner:
                                            plan.block_size, kv_dtype=kv_dtype, device=self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        # structured outputs: the engine registers a Constraint per constrained request
+        self.grammar = None  # GrammarBackend, built on the first constrained request
+        self.constraints: dict[str, Constraint] = {}
+        self.constraint_stats = ConstraintStats()
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request]) -> None:
@@ -49,6 +55,7 @@ class ModelRunner:
         hidden = self.model(fb, self.cache, capture)  # [N, d]
         self._copy_states(batch.save_states)  # states exactly at chunk ends become checkpoints
         bounds = fb.seq_bounds()
+        prompt_lps = self._prompt_logprobs(seqs, bounds, hidden)
         # logits: the last row of sampling sequences, every row of verifying ones
         spans = []  # (seq index, first logits row of it)
         rows: list[int] = []
@@ -57,15 +64,17 @@ class ModelRunner:
                 spans.append((i, len(rows)))
                 rows += list(range(b, e)) if s.drafts else [e - 1]
         if not spans:
-            return StepOutput()
+            return StepOutput(prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
         if self.masked_ids is not None:
             logits[:, self.masked_ids] = float("-inf")
-        out = StepOutput()
+        out = StepOutput(prompt_logprobs=prompt_lps)
         plain = [(seqs[i], p) for i, p in spans if not seqs[i].drafts]
         if plain:
             reqs = [s.request for s, _ in plain]
-            res = self.sampler(logits[torch.tensor([p for _, p in plain])], reqs, [self._generator(r) for r in reqs])
+            rows = logits[torch.tensor([p for _, p in plain])]
+            self._mask(rows, [(j, self.constraints.get(r.request_id), []) for j, r in enumerate(reqs)])
+            res = self.sampler(rows, reqs, [self._generator(r) for r in reqs])
             out.sampled.update({reqs[j].request_id: [t] for j, t in res.tokens.items()})
             out.failed.update({reqs[j].request_id: why for j, why in res.failed.items()})
         slots, taus, committed = [], [], {}
@@ -74,8 +83,13 @@ class ModelRunner:
             if s.request_id in out.failed:
                 continue
             if s.drafts:
+                drafts, c = s.drafts, self.constraints.get(s.request_id)
+                if c is not None:  # drafts the grammar refuses are cut, then each position masked
+                    drafts = drafts[:c.valid_prefix(drafts)]
+                    self.constraint_stats.drafts_cut += len(s.drafts) - len(drafts)
+                    self._mask(logits[p:p + 1 + len(drafts)], [(0, c, drafts)])
                 try:
-                    emitted, tau = self.spec.verify(s.request, logits[p:p + 1 + len(s.drafts)], s.drafts,
+                    emitted, tau = self.spec.verify(s.request, logits[p:p + 1 + len(drafts)], drafts,
                                                     self._generator(s.request))
                 except Exception as e:  # this request's sampling values broke its verify: it fails alone
                     out.failed[s.request_id] = f"speculative verification failed for this request ({type(e).__name__})"
@@ -85,12 +99,36 @@ class ModelRunner:
                 taus.append(tau)
                 row = bounds[i][0] + tau  # the last committed input
             committed[s.request_id] = row
+        self._advance(out)
         if slots:
             self.spec.rollback(self.cache, slots, taus)
         if capture is not None:  # the drafter reads tap-layer states at the last committed position
             taps = torch.stack([capture[i] for i in self.spec.tap_layers], 1)  # [N, taps, d]
             for rid, row in committed.items():
                 self.spec.observe(rid, taps[row])
+        return out
+
+    def _prompt_logprobs(self, seqs, bounds, hidden: torch.Tensor) -> dict[str, dict[int, PromptLogprob]]:
+        """For requests asking prompt logprobs: row p of a chunk predicts prompt token p + 1, so its
+        log-softmax (raw model logits, fp32) gives that token's logprob and the top-n."""
+        out = {}
+        for s, (b, _) in zip(seqs, bounds):
+            n_top = s.request.params.prompt_logprobs
+            prompt = s.request.prompt_token_ids
+            last = min(s.start + s.num_tokens, len(prompt) - 1)  # positions p < len - 1 predict a prompt token
+            if n_top is None or s.start >= last:
+                continue
+            rows = torch.arange(b, b + last - s.start, device=self.device)
+            lsm = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1).cpu()  # [R, V]
+            targets = torch.tensor(prompt[s.start + 1:last + 1])
+            own = lsm.gather(1, targets[:, None])  # [R, 1]
+            ranks = ((lsm > own).sum(-1) + 1).tolist()
+            tops = lsm.topk(n_top, -1) if n_top else None
+            entries = {}
+            for j, (tok, lp) in enumerate(zip(targets.tolist(), own[:, 0].tolist())):
+                top = () if tops is None else tuple(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
+                entries[s.start + 1 + j] = PromptLogprob(tok, lp, ranks[j], top)
+            out[s.request_id] = entries
         return out
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
@@ -102,7 +140,30 @@ class ModelRunner:
             if t is not None:
                 t[dst] = t[src]
 
+    def _mask(self, logits: torch.Tensor, rows: list[tuple[int, "Constraint | None", list[int]]]) -> None:
+        """Grammar bitmasks on `logits` (in place): (first row, constraint, drafts after it)."""
+        live = [(r, c, d) for r, c, d in rows if c is not None and c.active]
+        if not live:
+            return
+        bitmask = self.grammar.allocate(logits.shape[0])
+        for r, c, drafts in live:
+            c.fill_drafts(bitmask, r, drafts)
+        self.grammar.apply(logits, bitmask)
+        self.constraint_stats.masked_rows += len(live)
+
+    def _advance(self, out: StepOutput) -> None:
+        """Each constrained request's grammar takes the tokens it emitted this step."""
+        for rid, toks in out.sampled.items():
+            c = self.constraints.get(rid)
+            if c is None:
+                continue
+            for t in toks:
+                if not c.accept(t.token_id):  # masked sampling cannot pick it; a bug if it does
+                    out.failed[rid] = f"token {t.token_id} broke this request's output grammar"
+                    break
+
     def release(self, request_id: str) -> None:
+        self.constraints.pop(request_id, None)
         self._generators.pop(request_id, None)
         if self.spec is not None:
             self.spec.release(request_id)

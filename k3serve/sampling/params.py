@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from k3serve.sampling.structured import StructuredOutputs
+
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 MIN_TEMPERATURE = 1e-2  # 0 < t below this is raised to it (vLLM's _MAX_TEMP): 1/t overflows fp32
 PENALTY_RANGE = (1e-2, 1e2)  # repetition_penalty: logits / 1e-300 overflow fp32
@@ -43,6 +45,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (0: only the prompt's own)
+    structured: StructuredOutputs | None = None  # grammar the output must match (xgrammar)
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     keep_special_token_ids: list[int] = field(default_factory=list)  # rendered even when skipping
@@ -70,7 +74,8 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must not exceed max_tokens"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
             ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
              "values must be in [-100, 100]"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
@@ -89,7 +94,7 @@ class SamplingParams:
                 raise ParamError(name, f"{name} must be a finite number, got {v!r}")
         if not all(math.isfinite(v) for v in self.logit_bias.values()):
             raise ParamError("logit_bias", "logit_bias values must be finite numbers")
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ParamError(name, f"{name} must be an integer, got {v!r}")
@@ -100,6 +105,10 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id the sampler will index with must be a row of the [B, vocab_size] logits
         (a negative id would silently wrap around to the end of the vocabulary)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and n > vocab_size:
+                raise ParamError(name, f"{name} {n} exceeds the vocabulary size {vocab_size}")
         fields = (("logit_bias", list(self.logit_bias)), ("stop_token_ids", self.stop_token_ids),
                   ("keep_special_token_ids", self.keep_special_token_ids))
         for name, ids in fields:

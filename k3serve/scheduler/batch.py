@@ -60,3 +60,16 @@ class StepOutput:
 
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone this step
+    # request id -> {prompt index i: its PromptLogprob} for the prompt tokens i >= 1 this step computed
+    prompt_logprobs: dict[str, dict[int, PromptLogprob]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """Prompt token i given tokens < i: its logprob and rank (1 = the model's top choice) and the
+    top-n alternatives as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()

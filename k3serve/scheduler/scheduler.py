@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from k3serve.cache.manager import HybridCacheManager
+from k3serve.cache.manager import HybridCacheManager, PrefixHit
 from k3serve.scheduler.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from k3serve.scheduler.request import Request, RequestStatus
 
@@ -243,7 +243,8 @@ class Scheduler:
         """Start a waiting request with its first chunk; the budget left, or None if it does not fit."""
         if len(self.running) >= self.config.max_num_seqs:
             return None
-        hit = self.cache.lookup(req.all_token_ids)
+        # prompt logprobs need every prompt position computed: no prefix-cache hit for them (vLLM too)
+        hit = self.cache.lookup(req.all_token_ids) if req.params.prompt_logprobs is None else PrefixHit()
         req.num_computed_tokens = hit.num_tokens
         req.checkpoint_at = self._save_points(req, hit)
         n = self._chunk(req, budget)

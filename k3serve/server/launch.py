@@ -1,7 +1,8 @@
 """`k3serve serve [MODEL] ...`: flags in vLLM's spelling, engine + app, uvicorn.
 
-Flags the build cannot honour fail with a message instead of being ignored; only
-`--trust-remote-code` is accepted as a no-op (the architectures are native).
+Flags the build cannot honour fail with a message instead of being ignored; the other `vllm
+serve` flags a launch script is likely to pass are in `vllm_flags.py` (accepted no-ops,
+logged, or refused with the reason).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import signal
 import sys
 from pathlib import Path
 
+from k3serve.server.vllm_flags import add_vllm_flags
+
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="checkpoint dir (default: the bundled tiny model)")
+    p.add_argument("--model", dest="model_flag", help="the same as MODEL (vLLM's older spelling)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="name clients use in `model` (default: MODEL)")
@@ -49,6 +53,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="fraction of the device's total memory for weights + activations + cache, as vLLM "
+                        "means it (on CPU: of MemTotal); --cache-memory wins")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3"),
+                   help="MLA latent cache dtype; fp8 = float8_e4m3 with unit scale (half of bf16's bytes)")
+    p.add_argument("--quantization", "-q", help="must match the checkpoint (compressed-tensors / mxfp4): "
+                                                "k3serve reads the format from config.json and never requantizes")
+    p.add_argument("--chat-template", help="Jinja chat template, a file or the template itself (default: K3 XTML "
+                                           "for K3 tokenizers, else the checkpoint's own template)")
+    p.add_argument("--generation-config", default="auto",
+                   help="'auto': request defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens) from the model's generation_config.json; 'vllm': none; or a folder")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="always on: prefill is chunked on the 64-token KDA grid")
+    p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="hybrid prefix caching: latent blocks + exact KDA checkpoints (default on)")
@@ -62,14 +81,41 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=("kimi_k3", "kimi_k2"))
     p.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 503")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's own log level (default: --log-level)")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's id, sizes and sampling fields when it starts, and its end")
+    p.add_argument("--disable-log-requests", action="store_true", help="the default; turns --enable-log-requests off")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line (--stats-log-interval 0)")
     p.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between engine stats lines in the log (0: none)")
     p.add_argument("--allowed-origins", type=json.loads, default=[], help='CORS, JSON list, e.g. \'["*"]\'')
     p.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS, JSON list")
     p.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS, JSON list")
     p.add_argument("--allow-credentials", action="store_true", help="CORS")
+    add_vllm_flags(p)
+
+
+def resolve_args(args: argparse.Namespace) -> list[str]:
+    """Reconcile vLLM spellings with k3serve's, refuse what cannot hold; returns notes to log."""
+    from k3serve.server.vllm_flags import check_vllm_flags
+
+    if args.model_flag:
+        if args.model and args.model != args.model_flag:
+            raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} disagree; give one")
+        args.model = args.model_flag
+    if args.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill: not supported: k3serve always chunks prefill on the "
+                         "64-token KDA grid (--max-num-batched-tokens sets the chunk)")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    if args.disable_log_requests:
+        args.enable_log_requests = False
+    if args.disable_log_stats:
+        args.stats_log_interval = 0.0
+    return check_vllm_flags(args)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -90,7 +136,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, cache_memory=args.cache_memory, seed=args.seed,
                 enable_prefix_caching=args.enable_prefix_caching, speculative_config=spec,
                 prefix_cache_state_interval=args.prefix_cache_state_interval,
-                prefix_cache_state_fraction=args.prefix_cache_state_fraction)
+                prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
+                quantization=args.quantization)
+
+
+def chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template given inline (as vLLM takes it)."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as e:  # a long inline template can be an invalid path
+        if "{" not in value:
+            raise ValueError(f"--chat-template {value}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: not a file, and not a Jinja template either")
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -110,16 +175,25 @@ def build_server(args: argparse.Namespace):
     from k3serve.engine.async_engine import AsyncEngine
     from k3serve.engine.llm_engine import LLMEngine
     from k3serve.server.app import build_app
+    from k3serve.config.generation_config import load_generation_defaults
     from k3serve.server.state import ServerState
 
+    log = logging.getLogger("k3serve.server")
+    for note in resolve_args(args):
+        log.info("%s", note)
+    template = chat_template_arg(args.chat_template)
     engine = AsyncEngine(LLMEngine.from_args(args.model, **engine_kwargs(args)), max_waiting=args.max_waiting)
+    defaults = load_generation_defaults(args.generation_config, engine.engine.model_path)
+    if defaults:
+        log.info("request defaults from generation_config.json (a request's own values win): %s", defaults)
     from k3serve.demo import bundled_demo
     default_name = "k3serve/demo-k3" if bundled_demo() else DEFAULT_SERVED_NAME
     state = ServerState(engine, args.served_model_name or args.model or default_name,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         api_key=api_key(args), wedged_after_s=args.health_step_timeout,
-                        log_requests=args.enable_log_requests)
+                        log_requests=args.enable_log_requests, chat_template=template,
+                        sampling_defaults=defaults, max_logprobs=args.max_logprobs)
     app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
                     metrics_public=args.allow_unauthenticated_metrics, stats_interval_s=args.stats_log_interval,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
@@ -137,7 +211,8 @@ def serve(args: argparse.Namespace) -> int:
                                              args.host, args.port, " (API key required)" if state.api_key else "")
     # The drain (new requests 503, in-flight ones given --shutdown-timeout) happens before
     # uvicorn's shutdown, which then only has stragglers to cancel.
-    config = uvicorn_config(app, args.host, args.port, log_level=args.log_level, header_timeout=args.timeout_header,
+    config = uvicorn_config(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level,
+                            header_timeout=args.timeout_header,
                             keep_alive_timeout=args.timeout_keep_alive, graceful_shutdown_timeout=0)
     server = draining_server(config, state.lifecycle, args.timeout_graceful_shutdown)
     # uvicorn re-raises the SIGTERM / SIGINT it handled once its shutdown is done; that shutdown

@@ -34,13 +34,15 @@ class Delta:
 
 class OutputParser:
     def __init__(self, family: str, start_channel: str | None = None, *, reasoning: bool = True,
-                 tools_enabled: bool = False, parallel_tool_calls: bool = True, history_calls: int = 0):
+                 tools_enabled: bool = False, parallel_tool_calls: bool = True, history_calls: int = 0,
+                 declared: frozenset[str] | None = None):
         if family not in TOOL_PARSERS:
             raise ValueError(f"unknown parser {family!r}; choose one of {sorted(TOOL_PARSERS)}")
         self.family, self.start_channel = family, start_channel
         self.reasoning = REASONING_PARSERS[family]() if reasoning else None
         self.tools = TOOL_PARSERS[family]()
         self.tools_enabled, self.parallel, self.history = tools_enabled, parallel_tool_calls, history_calls
+        self.declared = declared  # tool names the request declared; None: any
         self._sent = Parsed()
 
     def parse(self, text: str) -> Parsed:
@@ -48,6 +50,11 @@ class OutputParser:
         if self.reasoning is not None:
             reasoning, rest, channel = self.reasoning.split(text, self.start_channel)
         content, calls = self.tools.parse(rest, channel)
+        if self.declared is not None and any(c.name not in self.declared for c in calls):
+            # a call to a tool the request never declared is not a tool call: it stays content,
+            # in the model's own markup (vLLM does the same)
+            content += "".join(self.tools.render(c) for c in calls if c.name not in self.declared)
+            calls = [c for c in calls if c.name in self.declared]
         if not self.tools_enabled:
             calls = []
         elif not self.parallel:

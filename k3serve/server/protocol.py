@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their sampling parameters.
 
 Field names follow the OpenAI API plus vLLM's extra sampling fields (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Unknown fields are ignored
-as OpenAI-compatible servers do.
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, prompt_logprobs, ...). A field
+this server does not honour is refused with a 400 naming it (`check_fields`), never dropped in
+silence.
 """
 
 from __future__ import annotations
@@ -80,8 +81,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Why some well-known fields are refused (the rest get the generic message).
+UNSUPPORTED = {
+    "use_beam_search": "beam search is not supported; sample with n instead",
+    "length_penalty": "beam search is not supported",
+    "early_stopping": "beam search is not supported",
+    "functions": "the legacy `functions` API is not supported; declare `tools`",
+    "function_call": "the legacy `function_call` is not supported; use `tool_choice`",
+}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept, so check_fields can name them
 
     model: str | None = None
     n: int = 1
@@ -103,6 +114,25 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM: top-n logprobs of every prompt token
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = False  # Kimi prompts carry no BOS: nothing to add either way
+    # output constraints, enforced with xgrammar (server/structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def check_fields(self) -> None:
+        """A 400 for the first field this server does not honour."""
+        for name, value in (self.model_extra or {}).items():
+            if name == "use_beam_search" and not value:
+                continue  # false asks for what happens anyway
+            why = UNSUPPORTED.get(name, "this server does not honour it")
+            raise APIError(400, f"unsupported field `{name}`: {why}", param=name)
 
     @field_validator("n")
     @classmethod
@@ -111,21 +141,28 @@ class _Sampling(BaseModel):
             raise ValueError(f"n must be between 1 and {MAX_N}")
         return n
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, **extra: Any) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None,
+                        **extra: Any) -> SamplingParams:
+        """`defaults` (generation_config.json) fill what the request leaves unset."""
+        d = defaults or {}
+
+        def pick(name: str, fallback):
+            own = getattr(self, name)
+            return own if own is not None else d.get(name, fallback)
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         try:
             return SamplingParams(
-                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+                n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
                 min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos, logprobs=logprobs,
-                logit_bias=bias, **extra)
+                prompt_logprobs=self.prompt_logprobs, logit_bias=bias,
+                skip_special_tokens=self.skip_special_tokens, **extra)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ")[0]) from None
 
@@ -150,6 +187,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    response_format: dict[str, Any] | None = None
     suffix: str | None = None
     best_of: int | None = None
 

@@ -10,7 +10,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from k3serve.chat.messages import ChatInputError, check_depth
 from k3serve.chat.render import ChatOptions, RenderedPrompt
 from k3serve.server.errors import APIError
-from k3serve.server.logprobs import chat_logprobs
+from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
+from k3serve.server.structured import k3_chat_span, requested, to_spec, whole_output_span
+from k3serve.server.tool_choice import k2_tool_choice, k3_tool_choice
 from k3serve.server.output_parser import Delta, OutputParser
 from k3serve.server.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
 from k3serve.server.runs import ClientGone, Run, stream_error, unless_disconnected
@@ -55,21 +57,53 @@ def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> Re
         raise APIError(400, str(e), param="messages") from None
 
 
+def _structured(state: ServerState, req: ChatCompletionRequest, start_channel: str | None, tools, choice):
+    """The output constraint: a required / named tool choice's call grammar, else what
+    response_format / structured_outputs / guided_* ask, else None."""
+    want = requested(req)
+    if tools and (choice == "required" or isinstance(choice, dict)):
+        if want is not None:
+            raise APIError(400, "a required or named tool_choice cannot be combined with an output constraint",
+                           param="tool_choice")
+        if state.renderer.xtml:
+            return k3_tool_choice(tools, choice, start_channel == "think", req.parallel_tool_calls,
+                                  state.eos_token_id)
+        if state.tool_call_parser == "kimi_k2":
+            return k2_tool_choice(tools, choice, req.parallel_tool_calls, state.eos_token_id)
+        raise APIError(400, f"tool_choice {choice!r} cannot be enforced with this chat format",
+                       param="tool_choice")
+    if want is None:
+        return None
+    span = (k3_chat_span(state.tokenizer, start_channel) if state.renderer.xtml
+            else whole_output_span(state.eos_token_id))
+    return to_spec(*want, **span)
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     state.check_model(req.model)
+    req.check_fields()
     tools, choice = _tool_choice(req, state)
     prompt = await state.offload(_render, req, state, tools, choice)  # long chats must not stall the loop
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    state.check_logprobs(req.top_logprobs, "top_logprobs")
+    state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is returned in non-streamed chat responses only; set stream=false",
+                       param="prompt_logprobs")
     max_tokens = state.max_tokens(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens)
     top_n = req.top_logprobs or 0
-    params = req.sampling_params(max_tokens, top_n if req.logprobs else None,
-                                 keep_special_token_ids=state.structural_ids)
+    params = req.sampling_params(max_tokens, top_n if req.logprobs else None, state.sampling_defaults,
+                                 keep_special_token_ids=state.structural_ids,
+                                 structured=_structured(state, req, prompt.start_channel, tools, choice))
+
+    declared = frozenset((t.get("function") or {}).get("name") for t in tools or [])
 
     def parser() -> OutputParser:
         return OutputParser(state.tool_call_parser, prompt.start_channel, reasoning=True,
                             tools_enabled=bool(tools) and choice != "none",
-                            parallel_tool_calls=req.parallel_tool_calls, history_calls=prompt.history_tool_calls)
+                            parallel_tool_calls=req.parallel_tool_calls, history_calls=prompt.history_tool_calls,
+                            declared=declared)
 
     run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority)
     await run.start()
@@ -93,8 +127,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                         "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n)
                         if req.logprobs else None})
     n_out = sum(len(o.token_ids) for o in last.outputs)
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": usage(len(prompt.token_ids), n_out, last.num_cached_tokens)})
+    body = {**head, "object": "chat.completion", "choices": choices,
+            "usage": usage(len(prompt.token_ids), n_out, last.num_cached_tokens)}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, last.prompt_logprobs)
+    return JSONResponse(body)
 
 
 def _call_json(c, index: int | None = None) -> dict:

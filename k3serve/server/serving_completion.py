@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.server.errors import APIError
-from k3serve.server.logprobs import completion_logprobs
+from k3serve.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs_json
 from k3serve.server.protocol import CompletionRequest
+from k3serve.server.structured import requested, to_spec, whole_output_span
 from k3serve.server.runs import ClientGone, Run, finals, stream_error, unless_disconnected
 from k3serve.server.state import ServerState, new_id, sse, usage
 
@@ -37,16 +39,26 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     state.check_model(req.model)
+    req.check_fields()
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     prompts = await state.offload(_prompts, state, req.prompt)  # tokenizing a long prompt takes seconds
+    state.check_logprobs(req.logprobs, "logprobs")
+    state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     top_n = req.logprobs
+    # echo + logprobs returns the prompt's logprobs too (lm-evaluation-harness loglikelihood)
+    wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    want = requested(req)
+    structured = to_spec(*want, **whole_output_span(state.eos_token_id)) if want else None
     rid = new_id("cmpl")
     runs = []
     for k, (_, ids) in enumerate(prompts):
-        params = req.sampling_params(state.max_tokens(len(ids), req.max_tokens, "prompt"), top_n)
+        params = req.sampling_params(state.max_tokens(len(ids), req.max_tokens, "prompt"), top_n,
+                                     state.sampling_defaults, structured=structured)
+        if wanted:
+            params = dataclasses.replace(params, prompt_logprobs=max(wanted))
         runs.append(Run(state, ids, params, f"{rid}-{k}", req.priority))
     try:
         for r in runs:
@@ -68,10 +80,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     for k, (final, (text, ids)) in enumerate(zip(outs, prompts)):
         prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
         for o in final.outputs:
-            choices.append({"index": k * req.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
-                            "stop_reason": o.stop_reason,
-                            "logprobs": completion_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n,
-                                                            len(prefix)) if top_n is not None else None})
+            lp = completion_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n,
+                                     len(prefix)) if top_n is not None else None
+            if req.echo and top_n is not None:
+                lp = join_logprobs(echo_logprobs(state.tokenizer, ids, final.prompt_logprobs, top_n), lp)
+            choice = {"index": k * req.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
+                      "stop_reason": o.stop_reason, "logprobs": lp}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, final.prompt_logprobs)
+            choices.append(choice)
     n_prompt = sum(len(ids) for _, ids in prompts)
     n_out = sum(len(o.token_ids) for f in outs for o in f.outputs)
     cached = sum(f.num_cached_tokens for f in outs)
@@ -94,8 +111,10 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
 
     tasks = [asyncio.create_task(pump(k, r)) for k, r in enumerate(runs)]
     sent = {}  # (prompt, choice) -> (chars, tokens)
+    # with logprobs the echo waits for the prompt's logprobs, which come with the first output
+    late_echo = req.echo and (req.logprobs is not None or req.prompt_logprobs is not None)
     try:
-        if req.echo:
+        if req.echo and not late_echo:
             for k, (text, ids) in enumerate(prompts):
                 for i in range(req.n):
                     echo = text if text is not None else state.tokenizer.decode(ids)
@@ -111,6 +130,8 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
                 yield sse(stream_error(item))
                 continue
             for o in item.outputs:
+                if (k, o.index) not in sent and late_echo:
+                    yield sse({**chunk, "choices": [_echo_choice(state, req, k * req.n + o.index, prompts[k], item)]})
                 chars, toks = sent.get((k, o.index), (0, 0))
                 text, new_ids = o.text[chars:], o.token_ids[toks:]
                 lp = None
@@ -129,3 +150,15 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _echo_choice(state: ServerState, req: CompletionRequest, index: int, prompt, out) -> dict:
+    """The streamed echo of a prompt, with its logprobs once the engine has computed them."""
+    text, ids = prompt
+    choice = {"index": index, "text": text if text is not None else state.tokenizer.decode(ids),
+              "logprobs": None, "finish_reason": None}
+    if req.logprobs is not None:
+        choice["logprobs"] = echo_logprobs(state.tokenizer, ids, out.prompt_logprobs, req.logprobs)
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, out.prompt_logprobs)
+    return choice

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,9 @@ STRUCTURAL = {"kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
                           "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
 
 
+log = logging.getLogger("k3serve.server")
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -32,6 +36,9 @@ class ServerState:
     wedged_after_s: float = 120.0  # /health turns 503 when one engine step runs longer
     log_requests: bool = False  # --enable-log-requests
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # draining at shutdown; requests in flight
+    chat_template: str | None = None  # --chat-template: Jinja rendering for every model
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    max_logprobs: int = 20
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -39,7 +46,13 @@ class ServerState:
         self.tokenizer = eng.tokenizer
         self.model_type = eng.model.cfg.model_type
         self.max_model_len = eng.max_model_len
-        self.renderer = ChatRenderer(self.model_type, self.tokenizer, eng.model_path)
+        self.renderer = ChatRenderer(self.model_type, self.tokenizer, eng.model_path, self.chat_template)
+        problem = self.renderer.startup_problem()
+        if problem:
+            raise ValueError(problem)
+        if self.renderer.missing_xtml and self.renderer.source:
+            log.warning("the tokenizer lacks K3's XTML specials (%s): chat is rendered with %s",
+                        ", ".join(self.renderer.missing_xtml), self.renderer.source)
         family = "kimi_k3" if self.model_type == "kimi_k3" else "kimi_k2"
         self.tool_call_parser = self.tool_call_parser or family
         self.reasoning_parser = self.reasoning_parser or family
@@ -47,6 +60,7 @@ class ServerState:
         self.structural_ids = sorted(i for n, i in self.tokenizer.special_tokens.items() if n in names)
         self.metrics = ServerMetrics(self.engine, self.served_model_name)
         self.vocab_size = eng.model.cfg.vocab_size
+        self.eos_token_id = eng.model.cfg.eos_token_id
         self.unmapped_ids = eng.unmapped  # frozenset
         self.max_num_seqs = eng.plan.num_slots  # what can run at once (eng.seq_limit_note says why if fewer)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="k3serve-prep")
@@ -55,6 +69,10 @@ class ServerState:
         """Run CPU-heavy request preparation (tokenizing, chat rendering) on a worker thread, so
         `/health` and running streams keep their event loop (tiktoken releases the GIL)."""
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    def check_logprobs(self, n: int | None, param: str) -> None:
+        if n is not None and not 0 <= n <= self.max_logprobs:
+            raise APIError(400, f"{param} must be in [0, {self.max_logprobs}] (--max-logprobs), got {n}", param=param)
 
     def decodable(self, token_id: int) -> bool:
         return 0 <= token_id < self.vocab_size and token_id not in self.unmapped_ids
@@ -74,7 +92,9 @@ class ServerState:
                            param="max_tokens" if prompt_len < L else where)
         if requested is not None and requested < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
-        return requested if requested is not None else L - prompt_len
+        if requested is not None:
+            return requested
+        return min(L - prompt_len, self.sampling_defaults.get("max_tokens", L))
 
 
 def new_id(prefix: str) -> str:

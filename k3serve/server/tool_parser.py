@@ -78,6 +78,14 @@ class KimiK3ToolParser:
         return "".join(content), calls
 
     @staticmethod
+    def render(call: ParsedCall) -> str:
+        """The call in K3 markup again (for a call that stays content)."""
+        from k3serve.chat.k3_xtml import segments_text, tool_calls_body
+        from k3serve.chat.messages import ToolCall
+
+        return segments_text(tool_calls_body([ToolCall(call.id or "", call.name, call.arguments)]))
+
+    @staticmethod
     def _finish(call: dict) -> ParsedCall:
         if call["raw"] is not None:
             return ParsedCall(call["name"], call["raw"].strip() or "{}")
@@ -104,6 +112,11 @@ class KimiK2ToolParser:
         calls = [ParsedCall(self._name(c["id"]), c["args"].strip() or "{}", c["id"])
                  for c in self._CALL.finditer(section)]
         return text[:i] + after, calls
+
+    @staticmethod
+    def render(call: ParsedCall) -> str:
+        return (f"<|tool_call_begin|>{call.id or f'functions.{call.name}:0'}<|tool_call_argument_begin|>"
+                f"{call.arguments}<|tool_call_end|>")
 
     @staticmethod
     def _name(call_id: str) -> str:

@@ -139,6 +139,19 @@ def write_tokenizer(out: Path, base_vocab: int = TINY_BASE_VOCAB, k3_names: bool
     (out / "tokenizer_config.json").write_text(json.dumps(tk_cfg, indent=2))
 
 
+def write_hf_tokenizer(out: Path, texts: list[str], special_tokens: list[str], vocab_size: int = 300) -> None:
+    """A byte-level BPE `tokenizer.json` (Hugging Face tokenizers) trained on `texts`."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(texts * 50, trainer)
+    hf.save(str(Path(out) / "tokenizer.json"))
+
+
 def default_model_dir() -> Path:
     root = Path(os.environ.get("K3SERVE_CACHE", Path.home() / ".cache" / "k3serve"))
     return root / "default-tiny-k3-seed0"

@@ -195,3 +195,15 @@ def test_chunked_prefill_invariance(tiny_k3_dir):
         assert toks == runs[2][0]
         for a, b in zip(states, runs[2][1]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_logprobs_above_max_logprobs_are_refused_by_name(tiny_k3_dir):
+    from k3serve.sampling.params import ParamError
+
+    llm = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256, max_logprobs=3)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ParamError, match=f"{field} must be in \\[0, 3\\]"):
+            llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=1, **{field: 4}))
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, logprobs=3, prompt_logprobs=3))
+    assert len(out[0].outputs[0].logprobs[0]) >= 3 and out[0].prompt_logprobs[0] is None
+    assert len(out[0].prompt_logprobs[2].top) == 3

@@ -105,7 +105,13 @@ def test_params_validation_names_the_field():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
     with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=99)
+        SamplingParams(logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+    # the upper bound is the engine's max_logprobs (20 by default, --max-logprobs), then the vocabulary
+    with pytest.raises(ValueError, match="exceeds the vocabulary size 100"):
+        SamplingParams(logprobs=101).check_vocab(100)
+    SamplingParams(logprobs=99).check_vocab(100)
 
 
 class ByteTok:

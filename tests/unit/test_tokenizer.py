@@ -45,15 +45,9 @@ def test_rank_file_is_dense(tiny_k3_dir):
 
 
 def test_hf_tokenizer_json(tmp_path):
-    from tokenizers import Tokenizer as HF, models, pre_tokenizers, trainers, decoders
+    from k3serve.testing.builder import write_hf_tokenizer
 
-    hf = HF(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_end|>", "[BOS]"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    hf.train_from_iterator(["hello world, hello tokenizer"] * 50, trainer)
-    hf.save(str(tmp_path / "tokenizer.json"))
+    write_hf_tokenizer(tmp_path, ["hello world, hello tokenizer"], ["<|im_end|>", "[BOS]"])
     tk = Tokenizer.from_dir(tmp_path)
     text = "hello world <|im_end|>"
     assert tk.decode(tk.encode(text)) == text

@@ -1,0 +1,97 @@
+"""Request fields -> `StructuredOutputs`: OpenAI `response_format`, vLLM's `structured_outputs`
+and its older `guided_*` fields, with where the constrained span sits for this endpoint.
+
+K3 XTML chat: the span is the response channel's body. It opens at `<|open|>response<|sep|>`
+(already in the prompt when thinking is off; generated after the think channel otherwise),
+ends with `<|close|>`, and the rest of the message markup is forced after it. Completions and
+Jinja-templated chat: the span is the whole output, ended by EOS.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from k3serve.chat.k3_xtml import EOM, Seg, close_tag, encode_segments, open_tag
+from k3serve.sampling.structured import StructuredOutputs
+from k3serve.server.errors import APIError
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+SO_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+BACKENDS = (None, "auto", "xgrammar")
+
+
+def _from_response_format(rf: dict | None) -> tuple[str, Any] | None:
+    if not rf or rf.get("type") in (None, "text"):
+        return None
+    if rf["type"] == "json_object":
+        return "json_object", None
+    if rf["type"] == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return "json", js["schema"]
+    raise APIError(400, f"response_format type {rf['type']!r} is not one of text, json_object, json_schema",
+                   param="response_format")
+
+
+def requested(req) -> tuple[str, Any, bool] | None:
+    """(kind, spec, any_whitespace) of the one constraint a request asks for, or None."""
+    found: list[tuple[str, str, Any]] = []
+    rf = _from_response_format(getattr(req, "response_format", None))
+    if rf:
+        found.append(("response_format", *rf))
+    any_ws = True
+    so = req.structured_outputs
+    if so is not None:
+        kinds = [k for k in SO_KINDS if so.get(k) not in (None, False)]
+        unknown = sorted(set(so) - set(SO_KINDS) - {"disable_any_whitespace", "backend"})
+        if unknown:
+            raise APIError(400, f"structured_outputs.{unknown[0]} is not supported", param="structured_outputs")
+        if len(kinds) != 1:
+            raise APIError(400, "structured_outputs needs exactly one of " + ", ".join(SO_KINDS),
+                           param="structured_outputs")
+        found.append(("structured_outputs", kinds[0], so[kinds[0]]))
+        any_ws = not so.get("disable_any_whitespace", False)
+    for field, kind in GUIDED.items():
+        if getattr(req, field) is not None:
+            found.append((field, kind, getattr(req, field)))
+    if req.guided_whitespace_pattern is not None:
+        raise APIError(400, "guided_whitespace_pattern is not supported; use structured_outputs."
+                            "disable_any_whitespace", param="guided_whitespace_pattern")
+    if req.guided_decoding_backend not in BACKENDS:
+        raise APIError(400, f"guided_decoding_backend must be xgrammar (or auto), got {req.guided_decoding_backend!r}",
+                       param="guided_decoding_backend")
+    if len(found) > 1:
+        raise APIError(400, f"give one output constraint, not {found[0][0]} and {found[1][0]}", param=found[1][0])
+    if not found:
+        return None
+    field, kind, spec = found[0]
+    if kind == "choice" and (not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec)):
+        raise APIError(400, f"{field}: choice must be a non-empty list of non-empty strings", param=field)
+    if kind in ("regex", "grammar") and not isinstance(spec, str):
+        raise APIError(400, f"{field}: {kind} must be a string", param=field)
+    return kind, spec, any_ws
+
+
+def to_spec(kind: str, spec: Any, any_ws: bool, **where) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs.json_schema(spec, any_whitespace=any_ws, **where)
+    if kind == "choice":
+        return StructuredOutputs.choice(spec, **where)
+    if kind == "structural_tag" and not isinstance(spec, str):
+        spec = json.dumps(spec)
+    return StructuredOutputs(kind, "" if spec is None else spec, any_whitespace=any_ws, **where)
+
+
+def k3_chat_span(tokenizer, start_channel: str | None) -> dict:
+    """start_after / stop_ids / tail for the K3 response channel."""
+    opening = encode_segments(tokenizer, open_tag("response"))
+    closing = encode_segments(tokenizer, close_tag("response") + close_tag("message") + [Seg(EOM, True)])
+    return {"start_after": () if start_channel == "response" else tuple(opening),
+            "stop_ids": (closing[0],), "tail": tuple(closing[1:])}
+
+
+def whole_output_span(eos_token_id: int | None) -> dict:
+    return {"stop_ids": (eos_token_id,) if eos_token_id is not None else ()}

@@ -1,0 +1,91 @@
+"""`tool_choice` "required" / named, enforced: a structural tag (xgrammar) that lets the model
+emit only tool-call markup for the declared tools, arguments constrained by each tool's
+parameter schema. K3: xgrammar's `kimi_k3_xml` argument style (string values raw, others
+JSON); the K2 family (Kimi-Linear): `<|tool_calls_section_begin|>` +
+`<|tool_call_begin|>functions.NAME:I<|tool_call_argument_begin|>{JSON}<|tool_call_end|>`... +
+`<|tool_calls_section_end|>`, then EOS.
+
+As vLLM's "required", the reply is tool calls only. The prompt already opened the first block
+(`<|open|>think<|sep|>` or `<|open|>response<|sep|>`), so the constrained output is
+
+  [think text <|close|>think<|sep|><|open|>response<|sep|>] <|close|>response<|sep|>
+  <|open|>tools<|sep|> (<|open|>call tool="NAME" index="I"<|sep|> ARGUMENTS <|close|>call<|sep|>)+
+  <|close|>tools<|sep|><|close|>message<|sep|>  then <|end_of_msg|> (EOS)
+
+with one call for a named choice (or with parallel_tool_calls false). Markers are matched as
+text over a vocabulary in which the XTML specials carry their own spelling.
+"""
+
+from __future__ import annotations
+
+from k3serve.chat.k3_xtml import CLOSE, OPEN, SEP
+from k3serve.sampling.structured import StructuredOutputs
+
+# xgrammar's kimi_k3_xml style allows whitespace runs around argument values and between
+# arguments. Around a length-bounded string value that whitespace would become part of the value
+# (K3's parser keeps a value verbatim), breaking maxLength; K3's renderer writes none. So every
+# optional whitespace run is dropped from the derived grammar. (Its `excludes`, which would keep
+# markers out of values, switches maxLength / minLength off, as its warning says: not used; a
+# value can never hold `<|close|>argument<|sep|>`, which is what ends it.)
+WHITESPACE_RUN = "[ \\n\\r\\t]*"
+
+
+def _call_tag(tool: dict):
+    from xgrammar.structural_tag import ConstStringFormat, JSONSchemaFormat, RegexFormat, SequenceFormat, TagFormat
+
+    fn = tool.get("function") or {}
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return TagFormat(begin=f'{OPEN}call tool="{fn["name"]}" index="',
+                     content=SequenceFormat(elements=[RegexFormat(pattern=r"[1-9][0-9]?"),
+                                                      ConstStringFormat(value=f'"{SEP}'),
+                                                      JSONSchemaFormat(json_schema=params, style="kimi_k3_xml")]),
+                     end=f"{CLOSE}call{SEP}")
+
+
+def _chosen(tools: list[dict], choice, parallel: bool) -> tuple[list[dict], bool]:
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        return [t for t in tools if (t.get("function") or {}).get("name") == name], False
+    return tools, parallel
+
+
+def _grammar(elements: list, eos_token_id: int) -> StructuredOutputs:
+    import xgrammar as xgr
+    from xgrammar.structural_tag import SequenceFormat, StructuralTag
+
+    text = str(xgr.Grammar.from_structural_tag(StructuralTag(format=SequenceFormat(elements=elements))))
+    return StructuredOutputs("grammar", text.replace(WHITESPACE_RUN, '""'), stop_ids=(eos_token_id,), markup=True)
+
+
+def k2_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: int) -> StructuredOutputs:
+    from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, RegexFormat, SequenceFormat,
+                                         TagFormat, TagsWithSeparatorFormat)
+
+    tools, parallel = _chosen(tools, choice, parallel)
+
+    def call(tool: dict):
+        fn = tool.get("function") or {}
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        return TagFormat(begin=f"<|tool_call_begin|>functions.{fn['name']}:",
+                         content=SequenceFormat(elements=[RegexFormat(pattern=r"[0-9]{1,2}"),
+                                                          ConstStringFormat(value="<|tool_call_argument_begin|>"),
+                                                          JSONSchemaFormat(json_schema=params)]),
+                         end="<|tool_call_end|>")
+    return _grammar([ConstStringFormat(value="<|tool_calls_section_begin|>"),
+                     TagsWithSeparatorFormat(tags=[call(t) for t in tools], separator="", at_least_one=True,
+                                             stop_after_first=not parallel),
+                     ConstStringFormat(value="<|tool_calls_section_end|>")], eos_token_id)
+
+
+def k3_tool_choice(tools: list[dict], choice, thinking: bool, parallel: bool, eos_token_id: int) -> StructuredOutputs:
+    from xgrammar.structural_tag import AnyTextFormat, ConstStringFormat, TagsWithSeparatorFormat
+
+    tools, parallel = _chosen(tools, choice, parallel)
+    elements = []
+    if thinking:
+        elements += [AnyTextFormat(excludes=[OPEN, CLOSE]), ConstStringFormat(value=f"{CLOSE}think{SEP}{OPEN}response{SEP}")]
+    elements.append(ConstStringFormat(value=f"{CLOSE}response{SEP}{OPEN}tools{SEP}"))
+    elements.append(TagsWithSeparatorFormat(tags=[_call_tag(t) for t in tools], separator="", at_least_one=True,
+                                            stop_after_first=not parallel))
+    elements.append(ConstStringFormat(value=f"{CLOSE}tools{SEP}{CLOSE}message{SEP}"))
+    return _grammar(elements, eos_token_id)
