@@ -25,11 +25,13 @@ from k3serve.server.protocol import (ChatCompletionRequest, CompletionRequest, D
                                      as_dicts)
 from k3serve.server.serving_chat import create_chat_completion
 from k3serve.server.serving_completion import create_completion
+from k3serve.server.responses_convert import ResponsesRequest
+from k3serve.server.serving_responses import create_response
 from k3serve.server.state import ServerState
 from k3serve.server.stats_log import log_stats_forever
 
-ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
-                    "/health", "/ping", "/version", "/metrics", "/reset_prefix_cache"})
+ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize",
+                    "/detokenize", "/health", "/ping", "/version", "/metrics", "/reset_prefix_cache"})
 ALWAYS_PUBLIC = frozenset({"/health", "/ping"})
 
 
@@ -87,6 +89,19 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         return await create_completion(state, req, raw)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await create_response(state, req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return state.responses.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        state.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -68,6 +68,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="always on: prefill is chunked on the 64-token KDA grid")
     p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="/v1/responses kept in memory for previous_response_id (oldest evicted)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="hybrid prefix caching: latent blocks + exact KDA checkpoints (default on)")
@@ -193,7 +195,8 @@ def build_server(args: argparse.Namespace):
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         api_key=api_key(args), wedged_after_s=args.health_step_timeout,
                         log_requests=args.enable_log_requests, chat_template=template,
-                        sampling_defaults=defaults, max_logprobs=args.max_logprobs)
+                        sampling_defaults=defaults, max_logprobs=args.max_logprobs,
+                        max_stored_responses=args.max_stored_responses)
     app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
                     metrics_public=args.allow_unauthenticated_metrics, stats_interval_s=args.stats_log_interval,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,

@@ -162,7 +162,7 @@ def output_items(p: Parsed, finished: bool = True) -> list[dict]:
     if p.reasoning:
         items.append({"type": "reasoning", "id": new_id("rs"), "summary": [],
                       "content": [{"type": "reasoning_text", "text": p.reasoning}], "status": status})
-    if p.content or not p.tool_calls:
+    if p.content or not (p.tool_calls or p.reasoning):  # an empty reply is still one (empty) message
         items.append(message_item(p.content, status))
     for c in p.tool_calls:
         items.append(call_item(c.id, c.name, c.arguments))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -79,7 +81,19 @@ def _structured(state: ServerState, req: ChatCompletionRequest, start_channel: s
     return to_spec(*want, **span)
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+@dataclass
+class ChatRun:
+    """A started chat request: its engine run, rendered prompt and a parser factory."""
+
+    run: Run
+    prompt: RenderedPrompt
+    make_parser: Callable[[], OutputParser]
+    top_n: int | None  # top logprobs asked per token, None: no logprobs
+
+
+async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
+    """Validate, render, build sampling parameters and submit: every 4xx happens here, before
+    a byte of the response is sent (the Responses API starts its turns here too)."""
     state.check_model(req.model)
     req.check_fields()
     tools, choice = _tool_choice(req, state)
@@ -107,6 +121,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority)
     await run.start()
+    return ChatRun(run, prompt, parser, top_n if req.logprobs else None)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    chat = await start_chat(state, req)
+    run, prompt, parser, top_n = chat.run, chat.prompt, chat.make_parser, req.top_logprobs or 0
     head = {"id": run.request_id, "created": int(time.time()), "model": state.served_model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

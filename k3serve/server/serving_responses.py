@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections import OrderedDict
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,27 +26,6 @@ from k3serve.server.responses_convert import (ECHOED, ResponsesRequest, assistan
 from k3serve.server.runs import ClientGone, stream_error, unless_disconnected
 from k3serve.server.serving_chat import start_chat
 from k3serve.server.state import ServerState, new_id
-
-
-class ResponseStore:
-    """Stored responses (body + the conversation so far as chat messages), oldest evicted first."""
-
-    def __init__(self, max_items: int = 1024):
-        self.max_items, self._items = max_items, OrderedDict()
-
-    def put(self, rid: str, body: dict, messages: list[dict]) -> None:
-        self._items[rid] = (body, messages)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
-
-    def get(self, rid: str) -> tuple[dict, list[dict]]:
-        if rid not in self._items:
-            raise APIError(404, f"response {rid!r} not found (not stored, or evicted)", param="response_id")
-        return self._items[rid]
-
-    def delete(self, rid: str) -> None:
-        self.get(rid)
-        del self._items[rid]
 
 
 def _usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int) -> dict:
@@ -74,7 +52,8 @@ def _body(state: ServerState, req: ResponsesRequest, rid: str, created: int, sta
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request):
     req.check_fields()
-    history = state.responses.get(req.previous_response_id)[1] if req.previous_response_id else []
+    history = state.responses.get(req.previous_response_id, "previous_response_id")[1] \
+        if req.previous_response_id else []
     try:
         chat_req = ChatCompletionRequest(**chat_body(req, history))
     except ValueError as e:

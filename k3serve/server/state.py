@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from k3serve.chat.render import ChatRenderer
 from k3serve.engine.async_engine import AsyncEngine
 from k3serve.server.guard import Lifecycle
+from k3serve.server.response_store import ResponseStore
 from k3serve.server.errors import APIError
 from k3serve.server.metrics import ServerMetrics
 
@@ -39,6 +40,7 @@ class ServerState:
     chat_template: str | None = None  # --chat-template: Jinja rendering for every model
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
     max_logprobs: int = 20
+    max_stored_responses: int = 1024  # /v1/responses store=true, oldest evicted first
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -63,6 +65,7 @@ class ServerState:
         self.eos_token_id = eng.model.cfg.eos_token_id
         self.unmapped_ids = eng.unmapped  # frozenset
         self.max_num_seqs = eng.plan.num_slots  # what can run at once (eng.seq_limit_note says why if fewer)
+        self.responses = ResponseStore(self.max_stored_responses)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="k3serve-prep")
 
     async def offload(self, fn, *args):
