@@ -73,13 +73,20 @@ def _cmd_train_demo(args: argparse.Namespace) -> int:
 
     from k3serve.demo.train import train_demo, train_demo_draft
 
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     if not args.draft_only:  # unset flags keep train_demo's own defaults (the shipped recipe)
-        given = {"steps": args.steps, "num_conversations": args.num_conversations}
-        r = train_demo(args.out, seed=args.seed, time_limit_s=args.time_limit,
+        given = {"steps": args.steps, "num_conversations": args.num_conversations, "drill_steps": args.drill_steps,
+                 "batch": args.batch, "lr": args.lr}
+        r = train_demo(args.out, seed=args.seed, time_limit_s=args.time_limit, device=args.device,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume,
                        **{k: v for k, v in given.items() if v is not None})
         print(f"wrote the demo model to {r['out']}: {r['steps']} steps, loss {r['first_loss']:.3f} -> "
               f"{r['last_loss']:.3f}, {r['seconds']:.0f}s")
+    if args.no_draft:
+        return 0
     d = train_demo_draft(args.out, seed=args.seed)
     print(f"wrote its DSpark draft to {d['out']} (loss {d['first_loss']:.3f} -> {d['last_loss']:.3f})")
     return 0
@@ -159,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-conversations", type=int, help="synthetic conversations (default: the shipped recipe's)")
     p.add_argument("--time-limit", type=float, help="stop after this many seconds")
     p.add_argument("--draft-only", action="store_true", help="only (re)distil the DSpark draft of OUT")
+    p.add_argument("--drill-steps", type=int, help="first steps on copy / lookup drills (retrieval-first curriculum)")
+    p.add_argument("--batch", type=int, help="sequences per step")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (minutes of an H200 exceed days of 2 CPU cores)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (1 for a background run beside other work)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save OUT/train_state.pt every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    p.add_argument("--no-draft", action="store_true", help="skip the DSpark distillation afterwards")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_demo)
     p = sub.add_parser("train-dspark", help="distil a tiny DSpark drafter from a target checkpoint")

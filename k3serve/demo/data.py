@@ -143,6 +143,36 @@ def conversations(tokenizer, n: int, seed: int) -> list[Sample]:
     return out
 
 
+def drills(tokenizer, n: int, seed: int) -> list[Sample]:
+    """The retrieval-first phase: tasks whose answer is copied from the prompt (repeat a list,
+    look a value up, the first tool call's argument, the digits of a sum), so copying is
+    learned before the conversations need it."""
+    rng, r = random.Random(seed + 7919), Renderer(tokenizer)
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        if u < 0.3:
+            words = " ".join(rng.choice(CITIES + [str(rng.randint(0, 999))]) for _ in range(rng.randint(1, 6)))
+            out.append(r.sample([Message("user", f"Repeat after me: {words}")], Message("assistant", words),
+                                False, None, "copy"))
+        elif u < 0.55:
+            keys = rng.sample(["a", "b", "c", "d", "x", "y", "z", "k"], rng.randint(2, 4))
+            vals = {k: rng.choice([str(rng.randint(0, 999)), rng.choice(CITIES)]) for k in keys}
+            key = rng.choice(keys)
+            facts = ", ".join(f"{k} is {v}" for k, v in vals.items())
+            out.append(r.sample([Message("user", f"Remember: {facts}. What is {key}?")],
+                                Message("assistant", f"{vals[key]}."), False, None, "lookup"))
+        elif u < 0.8:
+            q, thought, ans = arithmetic(rng)
+            out.append(r.sample([Message("user", q)], Message("assistant", ans, thought), True, None, "arithmetic"))
+        else:
+            user, call, _, _, _ = tool_case(rng)
+            call.id = "c1"
+            out.append(r.sample([Message("user", user)], Message("assistant", "", f"I should call {call.name}.", [call]),
+                                True, TOOLS, "tool-call"))
+    return out
+
+
 def stdlib_text(max_chars: int, seed: int) -> str:
     """Plain text for language modelling: Python's own standard-library sources."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -173,4 +203,5 @@ def tokenizer_corpus(n: int, seed: int, stdlib_chars: int) -> str:
     return "".join(parts) + stdlib_text(stdlib_chars, seed)
 
 
-__all__ = ["Sample", "conversations", "stdlib_text", "tokenizer_corpus", "arithmetic", "tool_case", "TOOLS"]
+__all__ = ["Sample", "conversations", "drills", "stdlib_text", "tokenizer_corpus", "arithmetic", "tool_case",
+           "TOOLS"]

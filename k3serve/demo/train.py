@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k3serve.demo.data import conversations, stdlib_text, tokenizer_corpus
+from k3serve.demo.data import conversations, drills, stdlib_text, tokenizer_corpus
 from k3serve.models.registry import build_model
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 from k3serve.weights.mxfp4 import PackedMXFP4
@@ -97,9 +97,14 @@ def sequences(samples, plain: list[int], chunk: int) -> list[tuple[list[int], li
 
 def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128, batch: int = 12, lr: float = 3e-3,
                num_conversations: int = 12000, seed: int = 0, time_limit_s: float | None = None,
-               tokenizer_conversations: int = 400, text_chars: int = 100_000) -> dict:
+               tokenizer_conversations: int = 400, text_chars: int = 100_000, drill_steps: int = 0,
+               num_drills: int = 20000, device: str = "cpu", checkpoint_every: int = 0, resume: bool = False) -> dict:
+    """Train and export the demo. `drill_steps` > 0 puts a retrieval-first phase (copy / lookup
+    drills, data.drills) before the conversations. With `checkpoint_every`, the whole training
+    state (weights, optimizer, schedule, data RNG) is saved to OUT/train_state.pt that often, and
+    `resume` continues from it: an interrupted run resumed reaches the same weights as one run."""
     from k3serve.config.bundled import load_model_config
-    from k3serve.testing.builder import _write_shards, write_tokenizer
+    from k3serve.testing.builder import write_tokenizer
     from k3serve.tokenizer import Tokenizer
 
     torch.manual_seed(seed)
@@ -107,27 +112,31 @@ def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    write_tokenizer(out, base_vocab=BASE_VOCAB, k3_names=True,
-                    corpus=tokenizer_corpus(tokenizer_conversations, seed, text_chars * 2 // 3))
-    (out / "config.json").write_text(json.dumps(demo_config(), indent=2))
+    state_file = out / "train_state.pt"
+    if not (resume and state_file.is_file()):
+        write_tokenizer(out, base_vocab=BASE_VOCAB, k3_names=True,
+                        corpus=tokenizer_corpus(tokenizer_conversations, seed, text_chars * 2 // 3))
+        (out / "config.json").write_text(json.dumps(demo_config(), indent=2))
     cfg = load_model_config(out)
     tok = Tokenizer.from_dir(out)
-    samples = conversations(tok, num_conversations, seed)
-    plain = tok.encode(stdlib_text(text_chars, seed))
-    data = sequences(samples, plain, text_chunk)
-    log.info("data: %d conversation turns + %d text chunks (%.0fs)", len(samples), len(data) - len(samples),
-             time.time() - t0)
+    data = sequences(conversations(tok, num_conversations, seed), tok.encode(stdlib_text(text_chars, seed)), text_chunk)
+    drill = sequences(drills(tok, num_drills, seed), [], text_chunk) if drill_steps else []
+    log.info("data: %d sequences, %d drills (%.0fs)", len(data), len(drill), time.time() - t0)
     model = build_model(cfg, torch.float32)
     _init_(model, seed)
     make_trainable(model)
-    model.train()
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30) * max(0.1, 1 - s / steps))
     g = torch.Generator().manual_seed(seed)
-    losses = []
-    for step in range(steps):
-        pick = torch.randint(0, len(data), (batch,), generator=g).tolist()
-        loss = _loss(model, cfg, [data[i] for i in pick])
+    losses, start = [], 0
+    if resume and state_file.is_file():
+        start, losses = _load_state(state_file, model, opt, sched, g)
+        log.info("resumed at step %d", start)
+    for step in range(start, steps):
+        pool = drill if step < drill_steps else data
+        pick = torch.randint(0, len(pool), (batch,), generator=g).tolist()
+        loss = _loss(model, cfg, [pool[i] for i in pick], device)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -135,14 +144,40 @@ def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128,
         sched.step()
         losses.append(float(loss.detach()))
         if step % 20 == 0:
-            log.info("step %d loss %.3f (%.0fs)", step, sum(losses[-20:]) / len(losses[-20:]), time.time() - t0)
+            log.info("step %d%s loss %.3f (%.0fs)", step, " (drills)" if step < drill_steps else "",
+                     sum(losses[-20:]) / len(losses[-20:]), time.time() - t0)
+        if checkpoint_every and (step + 1) % checkpoint_every == 0:
+            _save_state(state_file, step + 1, model, opt, sched, g, losses)
         if time_limit_s and time.time() - t0 > time_limit_s:
             log.info("time limit reached at step %d", step)
             break
-    tensors = export_tensors(model.eval(), cfg)
-    _write_shards(out, cfg, tensors, num_shards=1)
+    _export(out, model.cpu().eval(), cfg)
     return {"steps": len(losses), "first_loss": losses[0], "last_loss": sum(losses[-20:]) / min(20, len(losses)),
             "seconds": time.time() - t0, "out": str(out)}
+
+
+def _export(out: Path, model, cfg) -> None:
+    from k3serve.testing.builder import _write_shards
+
+    _write_shards(out, cfg, export_tensors(model, cfg), num_shards=1)
+
+
+def _save_state(path: Path, step: int, model, opt, sched, g: torch.Generator, losses: list[float]) -> None:
+    """Atomically: a crash mid-write leaves the previous checkpoint."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                "data_rng": g.get_state(), "torch_rng": torch.get_rng_state(), "losses": losses}, tmp)
+    tmp.replace(path)
+
+
+def _load_state(path: Path, model, opt, sched, g: torch.Generator) -> tuple[int, list[float]]:
+    st = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    sched.load_state_dict(st["sched"])
+    g.set_state(st["data_rng"])
+    torch.set_rng_state(st["torch_rng"])
+    return st["step"], st["losses"]
 
 
 def _init_(model, seed: int) -> None:
@@ -155,18 +190,18 @@ def _init_(model, seed: int) -> None:
     model.load_weights(_canonicalize(text, model.cfg))
 
 
-def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]], device: str = "cpu") -> torch.Tensor:
     """Mean next-token NLL over masked positions of B independent sequences (one ForwardBatch)."""
     lens = [len(ids) for ids, _ in seqs]
     blocks = [-(-n // 16) for n in lens]
     starts = [sum(blocks[:i]) for i in range(len(seqs))]
-    cache = CacheTensors.allocate(cfg, len(seqs), sum(blocks), 16)
-    fb = ForwardBatch(torch.tensor([t for ids, _ in seqs for t in ids]), lens, [0] * len(seqs),
+    cache = CacheTensors.allocate(cfg, len(seqs), sum(blocks), 16, device=device)
+    fb = ForwardBatch(torch.tensor([t for ids, _ in seqs for t in ids], device=device), lens, [0] * len(seqs),
                       list(range(len(seqs))), [list(range(s, s + b)) for s, b in zip(starts, blocks)], 16)
     logits = model.compute_logits(model(fb, cache)).float()  # [sum(lens), V]
     # target of position t is token t+1 of the same sequence; a sequence's last position has none
-    targets = torch.tensor([t for ids, _ in seqs for t in ids[1:] + [0]])
-    weight = torch.tensor([float(w) for _, m in seqs for w in m[1:] + [0]])
+    targets = torch.tensor([t for ids, _ in seqs for t in ids[1:] + [0]], device=device)
+    weight = torch.tensor([float(w) for _, m in seqs for w in m[1:] + [0]], device=device)
     nll = F.cross_entropy(logits, targets, reduction="none")
     return (nll * weight).sum() / weight.sum().clamp_min(1)
 

@@ -123,3 +123,33 @@ def test_training_turns_are_independent_sequences(tmp_path):
     torch.testing.assert_close(both, (la * wa + lb * wb) / (wa + wb), rtol=1e-5, atol=1e-6)
     # and the mask matters: the same ids with loss everywhere give a different value
     assert abs(float(everywhere) - float(la)) > 1e-3
+
+
+def test_an_interrupted_run_resumed_equals_one_run(tmp_path):
+    """Checkpoint / resume: stop after the first step (its state saved), resume to the end: the
+    exported weights are byte-identical to an uninterrupted run, drill phase included."""
+    from k3serve.demo.train import train_demo
+
+    kw = dict(steps=3, num_conversations=40, batch=2, seed=4, tokenizer_conversations=40, text_chars=40_000,
+              drill_steps=2, num_drills=30)
+    whole = train_demo(tmp_path / "whole", **kw)
+    part = train_demo(tmp_path / "split", checkpoint_every=1, time_limit_s=-1, **kw)
+    assert part["steps"] == 1 and (tmp_path / "split" / "train_state.pt").is_file()
+    rest = train_demo(tmp_path / "split", checkpoint_every=1, resume=True, **kw)
+    assert rest["steps"] == 3 and rest["last_loss"] == whole["last_loss"]
+    assert (tmp_path / "split" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+
+
+def test_drills_answer_from_the_prompt(tok):
+    from k3serve.demo.data import drills
+
+    samples = drills(tok, 60, seed=0)
+    assert {s.kind for s in samples} >= {"copy", "lookup", "arithmetic", "tool-call"}
+    for s in samples:
+        prompt, answer = tok.decode(s.prompt), tok.decode(s.completion[:-1])
+        if s.kind == "copy":
+            said = prompt.split("Repeat after me: ")[1].split("<|close|>")[0]
+            assert OutputParser("kimi_k3", "response").parse(answer).content == said
+        if s.kind == "lookup":
+            value = OutputParser("kimi_k3", "response").parse(answer).content.rstrip(".")
+            assert f"is {value}" in prompt
