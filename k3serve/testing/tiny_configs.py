@@ -49,7 +49,7 @@ def tiny_k3_config(num_layers: int = 8, hidden_size: int = 64, num_experts: int 
     raw["vision_config"].update(
         patch_size=2, init_pos_emb_height=4, init_pos_emb_width=4, vt_hidden_size=32,
         vt_num_hidden_layers=1, vt_num_attention_heads=2, vt_intermediate_size=64,
-        qkv_hidden_size=32, mm_hidden_size=32, text_hidden_size=hidden_size)
+        qkv_hidden_size=48, mm_hidden_size=32, text_hidden_size=hidden_size)  # 2 heads x 24: qkv != hidden as in K3
     return raw
 
 
