@@ -28,9 +28,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-body", type=json.loads, help="JSON merged into every request body")
     p.add_argument("--model", help="model name sent in requests (default: the server's)")
     p.add_argument("--dataset-name", default="random", choices=("random", "shared-prefix", "low-entropy",
-                                                                 "high-entropy", "jsonl", "sharegpt", "sonnet"))
+                                                                 "high-entropy", "jsonl", "sharegpt", "sonnet",
+                                                                 "random-mm"))
     p.add_argument("--dataset-path", help="local file for jsonl, sharegpt (JSON) and sonnet (text lines)")
     p.add_argument("--sharegpt-output-len", type=int, help="fixed output length (default: the reply's tokens)")
+    p.add_argument("--random-mm-images-per-request", type=int, default=1)
+    p.add_argument("--random-mm-image-size", default="224x224", help="WxH of the random images (random-mm)")
     p.add_argument("--sonnet-input-len", type=int, default=550)
     p.add_argument("--sonnet-output-len", type=int, default=150)
     p.add_argument("--sonnet-prefix-len", type=int, default=200)
@@ -77,6 +80,12 @@ def build_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
     if a.dataset_name in ("low-entropy", "high-entropy"):
         return ds.entropy_requests(n, a.random_input_len, a.random_output_len, a.dataset_name == "low-entropy",
                                    (lo, hi), seed)
+    if a.dataset_name == "random-mm":
+        if not a.endpoint.endswith("/chat/completions"):
+            raise ValueError("--dataset-name random-mm sends images: use --endpoint /v1/chat/completions")
+        w, _, h = a.random_mm_image_size.partition("x")
+        return ds.random_mm_requests(n, max(1, a.random_input_len // 2), a.random_output_len,
+                                     a.random_mm_images_per_request, (int(w), int(h)), seed)
     if not a.dataset_path:
         raise ValueError(f"--dataset-name {a.dataset_name} needs --dataset-path (a local file)")
     if a.dataset_name == "jsonl":

@@ -23,7 +23,11 @@ def request_body(endpoint: str, model: str | None, req: BenchRequest, sampling: 
         if req.prompt is None:
             raise ValueError("the chat endpoint needs text prompts (use a jsonl dataset with 'prompt', "
                              "or /v1/completions for token ids)")
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        content = req.prompt
+        if req.images:
+            content = [{"type": "text", "text": req.prompt}] + [
+                {"type": "image_url", "image_url": {"url": url}} for url in req.images]
+        body["messages"] = [{"role": "user", "content": content}]
     else:
         body["prompt"] = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
     return body

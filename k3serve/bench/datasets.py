@@ -17,6 +17,7 @@ class BenchRequest:
     prompt: str | None
     output_len: int
     prompt_tokens: int | None = None  # counted by a tokenizer when the prompt is text
+    images: list[str] | None = None  # data URLs sent as image_url parts (chat endpoint)
 
     @property
     def prompt_len(self) -> int:
@@ -66,6 +67,28 @@ def entropy_requests(n: int, input_len: int, output_len: int, low: bool, vocab: 
         else:
             ids = rng.integers(*vocab, size=input_len).tolist()
         out.append(BenchRequest(ids, None, output_len))
+    return out
+
+
+def random_mm_requests(n: int, input_words: int, output_len: int, images: int, size: tuple[int, int],
+                       seed: int) -> list[BenchRequest]:
+    """vLLM's random-mm: random words plus `images` random-pixel PNGs of `size` per request."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    words = ["red", "blue", "cat", "sky", "tree", "river", "stone", "light", "house", "road"]
+    out = []
+    for _ in range(n):
+        text = " ".join(rng.choice(words, size=input_words)) + ". What is in the image?"
+        urls = []
+        for _ in range(images):
+            buf = io.BytesIO()
+            Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8")).save(buf, format="PNG")
+            urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+        out.append(BenchRequest(None, text, output_len, None, urls))
     return out
 
 

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from k3serve.chat.messages import ChatInputError, Message, ToolCall
+from k3serve.chat.messages import MEDIA, ChatInputError, Message, ToolCall
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EFFORTS = ("low", "medium", "high", "max")
@@ -140,11 +140,30 @@ def render_k3(messages: list[Message], tools: list[dict] | None = None, *, think
             segs += message("assistant", assistant_body(m, thinking))
             last_calls = m.tool_calls
         else:
-            segs += message(m.role, [Seg(m.content)], [("name", m.name)] if m.name else [])
+            segs += message(m.role, content_segs(m), [("name", m.name)] if m.name else [])
         i += 1
     segs += _internal_messages(thinking, effort, tool_choice if tools else None, response_format)
     if add_generation_prompt:
         segs += open_tag("message", [("role", "assistant")]) + open_tag("think" if thinking else "response")
+    return segs
+
+
+def media_block(item) -> list[Seg]:
+    """`<|media_begin|>image WxH<|media_content|>` + one `<|media_pad|>` per tower row +
+    `<|media_end|>` (k3-model-spec.md §9.3; W x H the original image size)."""
+    w, h = item.size
+    return ([Seg("<|media_begin|>", True), Seg(f"image {w}x{h}"), Seg("<|media_content|>", True)]
+            + [Seg("<|media_pad|>", True)] * item.num_tokens + [Seg("<|media_end|>", True)])
+
+
+def content_segs(m: Message) -> list[Seg]:
+    """A message's text with a media block where each MEDIA mark stands."""
+    if not m.media:
+        return [Seg(m.content)]
+    pieces = m.content.split(MEDIA)
+    segs = [Seg(pieces[0])] if pieces[0] else []
+    for item, text in zip(m.media, pieces[1:]):
+        segs += media_block(item) + ([Seg(text)] if text else [])
     return segs
 
 

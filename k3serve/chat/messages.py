@@ -1,13 +1,16 @@
 """Normalized chat input shared by the renderers (plain dataclasses, no I/O).
 
-Message content may be a string or OpenAI content parts; only text parts are accepted here
-(the engine has no vision path yet), and anything else raises ChatInputError naming the field.
+Message content may be a string or OpenAI content parts: text, and image parts on user
+messages, which a `load_media` callable turns into processed media (the server decodes them);
+each leaves a MEDIA mark in the text where the renderer writes its placeholder block. Anything
+else raises ChatInputError naming the field.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 
@@ -30,6 +33,7 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None
+    media: list = field(default_factory=list)  # processed media, in order; MEDIA marks each in content
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -60,24 +64,39 @@ def _text(value: Any, where: str) -> str | None:
     return value
 
 
-def content_text(content: Any, where: str) -> str:
+MEDIA = "\ufffc"  # OBJECT REPLACEMENT CHARACTER: where a media item sits in a message's text
+MEDIA_PARTS = ("image_url", "input_image")
+
+
+def content_text(content: Any, where: str, load_media: Callable | None = None) -> tuple[str, list]:
+    """(text with MEDIA at each media part, the media items loaded in order)."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ChatInputError(f"{where}.content[{i}]: only text parts are supported, got {kind!r}")
-            parts.append(_text(part.get("text", ""), f"{where}.content[{i}].text") or "")
-        return "".join(parts)
-    raise ChatInputError(f"{where}.content must be a string or a list of parts")
+        return content, []
+    if not isinstance(content, list):
+        raise ChatInputError(f"{where}.content must be a string or a list of parts")
+    parts, media = [], []
+    for i, part in enumerate(content):
+        at = f"{where}.content[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text = _text(part.get("text", ""), f"{at}.text") or ""
+            if MEDIA in text and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in content):
+                raise ChatInputError(f"{at}.text contains U+FFFC, which marks media in this message")
+            parts.append(text)
+        elif kind in MEDIA_PARTS:
+            if load_media is None:
+                raise ChatInputError(f"{at}: this model takes text only (no vision tower)")
+            media.append(load_media(part, at))
+            parts.append(MEDIA)
+        else:
+            raise ChatInputError(f"{at}: part type {kind!r} is not supported (text, image_url)")
+    return "".join(parts), media
 
 
-def normalize(messages: list[dict]) -> list[Message]:
-    """OpenAI message dicts -> Messages, validated."""
+def normalize(messages: list[dict], load_media: Callable | None = None) -> list[Message]:
+    """OpenAI message dicts -> Messages, validated; media parts go through `load_media`."""
     if not isinstance(messages, list):
         raise ChatInputError("messages must be a list of messages")
     if not messages:
@@ -91,10 +110,11 @@ def normalize(messages: list[dict]) -> list[Message]:
         if role not in ROLES:
             raise ChatInputError(f"{where}.role must be one of {ROLES}, got {role!r}")
         reasoning = m.get("reasoning_content", m.get("reasoning"))
-        out.append(Message("system" if role == "developer" else role, content_text(m.get("content"), where),
+        text, media = content_text(m.get("content"), where, load_media if role == "user" else None)
+        out.append(Message("system" if role == "developer" else role, text,
                            _text(reasoning, f"{where}.reasoning_content"), _tool_calls(m, where),
                            _text(m.get("tool_call_id"), f"{where}.tool_call_id"),
-                           _text(m.get("name"), f"{where}.name")))
+                           _text(m.get("name"), f"{where}.name"), media))
     return out
 
 

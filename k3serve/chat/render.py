@@ -25,6 +25,7 @@ class RenderedPrompt:
     text: str
     start_channel: str | None  # "think" / "response" when the prompt pre-opens a channel (K3)
     history_tool_calls: int = 0
+    media: tuple = ()  # processed media items, in the order their pad runs appear
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,16 @@ class ChatRenderer:
                     f"pass --chat-template FILE")
         return None  # a base model without a template serves /v1/completions; chat gets a 400
 
-    def render(self, messages: list[dict], opts: ChatOptions) -> RenderedPrompt:
-        msgs = normalize(messages)
+    def render(self, messages: list[dict], opts: ChatOptions, load_media=None) -> RenderedPrompt:
+        msgs = normalize(messages, load_media if self.xtml else None)
         history = sum(len(m.tool_calls) for m in msgs)
+        media = tuple(item for m in msgs for item in m.media)
         if self.xtml:
             segs = render_k3(msgs, opts.tools, thinking=opts.thinking, effort=opts.effort,
                              tool_choice=opts.tool_choice, response_format=opts.response_format,
                              add_generation_prompt=opts.add_generation_prompt)
             channel = ("think" if opts.thinking else "response") if opts.add_generation_prompt else None
-            return RenderedPrompt(encode_segments(self.tokenizer, segs), segments_text(segs), channel, history)
+            return RenderedPrompt(encode_segments(self.tokenizer, segs), segments_text(segs), channel, history, media)
         if self.template is None:
             raise ChatInputError("this model ships no chat template; use /v1/completions")
         text = render_jinja(self.template, msgs, opts.tools, opts.add_generation_prompt,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
+from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.engine.setup import (check_quantization, make_plan, placement, resolve_max_model_len, seq_limit_note,
                                   startup_lines)
@@ -98,6 +99,7 @@ class LLMEngine:
                      self.spec.cfg.rejection_sample_method)
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
                                   masked_ids=self.unmapped_ids)
+        self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, _Group] = {}  # scheduler request id -> its group
         self._arrivals = itertools.count()
@@ -119,7 +121,9 @@ class LLMEngine:
             n = getattr(params, name)
             if n is not None and n > self.config.max_logprobs:
                 raise ParamError(name, f"{name} must be in [0, {self.config.max_logprobs}] (max_logprobs), got {n}")
+        images = list((prompt.get("multi_modal_data") or {}).get("image", [])) if isinstance(prompt, dict) else []
         text, ids = self._tokenize(prompt)
+        media = self.media.prepare(ids, images) if images or self.media.needs_images(ids) else None
         constraints = [self._constraint(params.structured) for _ in range(params.n)] if params.structured else None
         group = _Group(request_id, text, ids, [], {"arrival_time": time.monotonic()},
                        prompt_logprobs={} if params.prompt_logprobs is not None else None)
@@ -132,6 +136,9 @@ class LLMEngine:
                                          [] if p.logprobs is not None else None))
             if constraints:
                 self.runner.constraints[rid] = constraints[i]
+            if media is not None:
+                req.prompt_cache_ids = media.hash_ids
+                self.runner.media[rid] = media
             self.scheduler.add(req)
             self._owner[rid] = group
         self._groups[request_id] = group

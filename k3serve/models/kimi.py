@@ -60,6 +60,8 @@ class KimiModel(nn.Module):
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
         [N, d] (the tap layers a DSpark drafter reads)."""
         h = self.embed_tokens(batch.input_ids)  # [N, d]
+        if batch.media_rows is not None:  # media pads take the vision tower's rows
+            h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
         if not self.cfg.use_attnres:
             for i, layer in enumerate(self.layers):
                 h = h + layer.attn(h, batch, cache)

@@ -27,6 +27,8 @@ class ForwardBatch:
     block_size: int
     logits_indices: torch.Tensor | None = None  # rows of [N] to compute logits for; None = all
     verify: list[int] = field(default_factory=list)  # sequences verifying drafts: KDA records per-position states
+    media_rows: torch.Tensor | None = None  # [M] rows of the flat batch whose embedding is a media row
+    media_embeds: torch.Tensor | None = None  # [M, d] vision-tower rows for them (engine/media.py)
 
     @property
     def num_seqs(self) -> int:

@@ -13,6 +13,7 @@ from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 from k3serve.sampling.sampler import Sampler
+from k3serve.engine.media import PromptMedia
 from k3serve.sampling.grammar import Constraint
 from k3serve.sampling.structured import ConstraintStats
 from k3serve.scheduler.batch import PromptLogprob, ScheduledBatch, StepOutput
@@ -34,6 +35,7 @@ class ModelRunner:
         # structured outputs: the engine registers a Constraint per constrained request
         self.grammar = None  # GrammarBackend, built on the first constrained request
         self.constraints: dict[str, Constraint] = {}
+        self.media: dict[str, PromptMedia] = {}  # prompt media rows per request (engine/media.py)
         self.constraint_stats = ConstraintStats()
 
     @torch.inference_mode()
@@ -50,6 +52,7 @@ class ModelRunner:
             seq_lens=[s.num_tokens for s in seqs], context_lens=[s.start for s in seqs],
             state_slots=[s.state_slot for s in seqs], block_tables=[s.block_table for s in seqs],
             block_size=self.plan.block_size, verify=[i for i, s in enumerate(seqs) if s.drafts])
+        fb.media_rows, fb.media_embeds = self._media_rows(seqs)
         capture = {i: None for i in self.spec.tap_layers} if self.spec is not None and self.spec.tap_layers else None
         self._copy_states(batch.restore_states)  # a prefix hit resumes from its checkpoint
         hidden = self.model(fb, self.cache, capture)  # [N, d]
@@ -140,6 +143,21 @@ class ModelRunner:
             if t is not None:
                 t[dst] = t[src]
 
+    def _media_rows(self, seqs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Flat batch rows of this step's media pads and the tower rows they take: a prefill
+        chunk may end inside a media block, each chunk takes the rows of the pads it holds."""
+        rows, values, offset = [], [], 0
+        for s in seqs:
+            m = self.media.get(s.request_id)
+            if m is not None and len(m.positions):
+                inside = (m.positions >= s.start) & (m.positions < s.start + s.num_tokens)
+                rows.append(m.positions[inside] - s.start + offset)
+                values.append(m.embeds[inside])
+            offset += s.num_tokens
+        if not rows:
+            return None, None
+        return torch.cat(rows).to(self.device), torch.cat(values).to(self.device)
+
     def _mask(self, logits: torch.Tensor, rows: list[tuple[int, "Constraint | None", list[int]]]) -> None:
         """Grammar bitmasks on `logits` (in place): (first row, constraint, drafts after it)."""
         live = [(r, c, d) for r, c, d in rows if c is not None and c.active]
@@ -164,6 +182,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.constraints.pop(request_id, None)
+        self.media.pop(request_id, None)
         self._generators.pop(request_id, None)
         if self.spec is not None:
             self.spec.release(request_id)

@@ -38,6 +38,9 @@ class Request:
     checkpoint_at: list[int] = field(default_factory=list)  # prefix-cache save points still ahead
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at admission
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
+    # the prompt ids prefix caching hashes: media pads replaced by ids derived from the image
+    # (engine/media.py), so a cached prefix is reused only for the same images; None: the prompt
+    prompt_cache_ids: list[int] | None = None
 
     @property
     def max_drafts(self) -> int:
@@ -47,6 +50,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """What the prefix cache keys blocks and checkpoints by (== all_token_ids without media)."""
+        return (self.prompt_cache_ids or self.prompt_token_ids) + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -128,7 +128,7 @@ class Scheduler:
             req.spec_token_ids = []
             done = any(req.append_token(t.token_id) for t in toks)  # stops at the first ending token
             # accepted drafts are inputs now in the cache: publish blocks once their ids are known
-            self.cache.register_computed(req.request_id, req.all_token_ids,
+            self.cache.register_computed(req.request_id, req.cache_token_ids,
                                          min(req.num_computed_tokens, req.num_tokens))
             if done:
                 self.finish(req, req.finish_reason)
@@ -197,7 +197,7 @@ class Scheduler:
         slot = self.cache.state_slot(rid)
         if end in req.checkpoint_at:  # the state after this chunk is a prefix checkpoint
             req.checkpoint_at.remove(end)
-            ckpt = self.cache.begin_checkpoint(self.cache.checkpoint_key(rid, req.all_token_ids, end))
+            ckpt = self.cache.begin_checkpoint(self.cache.checkpoint_key(rid, req.cache_token_ids, end))
             if ckpt is not None:
                 batch.save_states.append((slot, ckpt))
         drafts = req.spec_token_ids[:n - 1] if req.num_uncomputed == 1 else []
@@ -244,7 +244,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return None
         # prompt logprobs need every prompt position computed: no prefix-cache hit for them (vLLM too)
-        hit = self.cache.lookup(req.all_token_ids) if req.params.prompt_logprobs is None else PrefixHit()
+        hit = self.cache.lookup(req.cache_token_ids) if req.params.prompt_logprobs is None else PrefixHit()
         req.num_computed_tokens = hit.num_tokens
         req.checkpoint_at = self._save_points(req, hit)
         n = self._chunk(req, budget)

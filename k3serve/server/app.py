@@ -136,7 +136,7 @@ def _tokenize_body(state: ServerState, req: TokenizeRequest) -> list[bytes]:
     else:
         try:
             parts = [state.renderer.render(as_dicts(req.messages), ChatOptions(
-                add_generation_prompt=req.add_generation_prompt)).token_ids]
+                add_generation_prompt=req.add_generation_prompt), load_media=state.media_loader()).token_ids]
         except ChatInputError as e:
             raise APIError(400, str(e), param="messages") from None
     return tokens_json(parts, state.max_model_len)

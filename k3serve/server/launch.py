@@ -68,6 +68,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="always on: prefill is chunked on the 64-token KDA grid")
     p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    p.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": 8},
+                   help='media per request, JSON: {"image": 8} (video is not supported yet)')
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="hosts image URLs may be fetched from (default: none; data: URLs always work)")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept in memory for previous_response_id (oldest evicted)")
     p.add_argument("--seed", type=int, default=0)
@@ -144,6 +148,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 quantization=args.quantization)
 
 
+def media_limits(args: argparse.Namespace):
+    from k3serve.server.media import MediaLimits
+
+    limit = args.limit_mm_per_prompt
+    if not isinstance(limit, dict) or set(limit) - {"image", "video"} or not all(
+            isinstance(v, int) and v >= 0 for v in limit.values()):
+        raise ValueError(f"--limit-mm-per-prompt takes a JSON object like {{\"image\": 4}}, got {limit!r}")
+    if limit.get("video"):
+        raise ValueError("--limit-mm-per-prompt video: not supported: video input is not built yet (issue 21)")
+    return MediaLimits(images_per_prompt=limit.get("image", 8), allowed_domains=tuple(args.allowed_media_domains))
+
+
 def chat_template_arg(value: str | None) -> str | None:
     """--chat-template: a file's text, or the template given inline (as vLLM takes it)."""
     if value is None:
@@ -196,7 +212,7 @@ def build_server(args: argparse.Namespace):
                         api_key=api_key(args), wedged_after_s=args.health_step_timeout,
                         log_requests=args.enable_log_requests, chat_template=template,
                         sampling_defaults=defaults, max_logprobs=args.max_logprobs,
-                        max_stored_responses=args.max_stored_responses)
+                        max_stored_responses=args.max_stored_responses, media_limits=media_limits(args))
     app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
                     metrics_public=args.allow_unauthenticated_metrics, stats_interval_s=args.stats_log_interval,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,

@@ -72,10 +72,13 @@ async def _disconnect(raw: Request) -> None:
 
 class Run:
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0):
+                 priority: int = 0, media: tuple = ()):
         self.state, self.prompt_ids, self.params, self.request_id = state, prompt_ids, params, request_id
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
-        self._gen = state.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id, priority)
+        prompt = {"prompt_token_ids": prompt_ids}
+        if media:
+            prompt["multi_modal_data"] = {"image": list(media)}
+        self._gen = state.engine.generate(prompt, params, request_id, priority)
         if state.log_requests:
             p = params
             log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, top_k=%s, "

@@ -54,7 +54,8 @@ def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> Re
     try:
         return state.renderer.render(as_dicts(req.messages), ChatOptions(
             tools=tools, tool_choice=choice, response_format=req.response_format, thinking=thinking,
-            effort=req.reasoning_effort, add_generation_prompt=req.add_generation_prompt, template_kwargs=kw))
+            effort=req.reasoning_effort, add_generation_prompt=req.add_generation_prompt, template_kwargs=kw),
+            load_media=state.media_loader())
     except ChatInputError as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -119,7 +120,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
                             parallel_tool_calls=req.parallel_tool_calls, history_calls=prompt.history_tool_calls,
                             declared=declared)
 
-    run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority)
+    run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority, media=prompt.media)
     await run.start()
     return ChatRun(run, prompt, parser, top_n if req.logprobs else None)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from k3serve.chat.render import ChatRenderer
 from k3serve.engine.async_engine import AsyncEngine
 from k3serve.server.guard import Lifecycle
+from k3serve.server.media import MediaLimits, MediaLoader
 from k3serve.server.response_store import ResponseStore
 from k3serve.server.errors import APIError
 from k3serve.server.metrics import ServerMetrics
@@ -41,6 +42,7 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
     max_logprobs: int = 20
     max_stored_responses: int = 1024  # /v1/responses store=true, oldest evicted first
+    media_limits: MediaLimits = field(default_factory=MediaLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -72,6 +74,11 @@ class ServerState:
         """Run CPU-heavy request preparation (tokenizing, chat rendering) on a worker thread, so
         `/health` and running streams keep their event loop (tiktoken releases the GIL)."""
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    def media_loader(self) -> MediaLoader | None:
+        """A per-request image loader, or None when the model has no vision tower."""
+        vision = self.engine.engine.model.cfg.vision
+        return MediaLoader(self.media_limits, vision.patch_size) if vision is not None else None
 
     def check_logprobs(self, n: int | None, param: str) -> None:
         if n is not None and not 0 <= n <= self.max_logprobs:

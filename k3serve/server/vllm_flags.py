@@ -35,8 +35,6 @@ FLAGS = [
              "one process holds every expert", refuse=True),
     VllmFlag("--distributed-executor-backend", True, "single-process runner: no executor to choose",
              allowed=("mp", "uni")),
-    VllmFlag("--limit-mm-per-prompt", True, "multimodal input is not built yet (issue 21): this server takes "
-             "text only", refuse=True),
     VllmFlag("--mm-processor-kwargs", True, "multimodal input is not built yet (issue 21)", refuse=True),
     VllmFlag("--tokenizer-mode", True, "the tokenizer is read from the checkpoint (tiktoken or tokenizer.json)",
              allowed=("auto", "slow", "fast")),

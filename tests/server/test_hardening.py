@@ -35,6 +35,14 @@ def raw_request(base: str, method: str, path: str, body: bytes = b"", extra: str
     return s
 
 
+def read_reply(s: socket.socket) -> str:
+    """A closed-connection reply in full: head and body can arrive in separate segments."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data.decode()
+
+
 def wait_for(cond, timeout: float, what: str) -> float:
     t0 = time.monotonic()
     while not cond():
@@ -88,7 +96,7 @@ def test_a_chunked_body_over_the_limit_gets_413(tiny_k3_dir):
         chunk = b"x" * 30000
         for _ in range(4):  # 120,000 bytes, no Content-Length
             s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
-        reply = s.recv(65536).decode()
+        reply = read_reply(s)
         assert reply.startswith("HTTP/1.1 413") and "RequestTooLargeError" in reply
         assert httpx.get(base + "/health").status_code == 200
 

@@ -129,7 +129,7 @@ def test_attribute_escaping_and_specials_in_user_text_stay_text(tok, renderer):
     ([], ChatOptions(), "at least one message"),
     ([{"role": "robot", "content": "x"}], ChatOptions(), "role must be one of"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ChatOptions(),
-     "only text parts"),
+     "takes text only"),  # a renderer given no media loader
     ([{"role": "user", "content": "x"}], ChatOptions(effort="extreme"), "reasoning_effort"),
     ([{"role": "tool", "tool_call_id": "z", "content": "x"}], ChatOptions(), "must follow an assistant"),
 ])
