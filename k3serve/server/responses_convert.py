@@ -60,18 +60,27 @@ class ResponsesRequest(BaseModel):
                            param="truncation")
 
 
-def _text(content: Any, where: str) -> str:
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """Responses content -> chat content: a string, or (with images) chat parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}.content must be a string or a list of parts", param="input")
-    out = []
+    parts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise APIError(400, f"{where}: content part {kind!r} is not supported (text only)", param="input")
-        out.append(str(part.get("text", "")))
-    return "".join(out)
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in TEXT_PARTS:
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image" and images:
+            parts.append({"type": "input_image", "image_url": part.get("image_url")})
+        else:
+            raise APIError(400, f"{where}: content part {kind!r} is not supported (text, input_image)", param="input")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def input_messages(inp: str | list[dict]) -> list[dict]:
@@ -86,7 +95,7 @@ def input_messages(inp: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role {role!r} is not user, system, developer or assistant", param="input")
-            msgs.append({"role": role, "content": _text(item.get("content", ""), where)})
+            msgs.append({"role": role, "content": _text(item.get("content", ""), where, images=role == "user")})
         elif kind == "function_call":
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}

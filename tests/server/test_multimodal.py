@@ -149,3 +149,15 @@ def test_bench_random_mm_sends_images(servers, tmp_path):
     r = json.loads(out.read_text())
     # two 16x12 images are 2 x (4 x 3 groups of 2x2 patches) = 24 media tokens per request
     assert rc == 0 and r["completed"] == 3 and min(r["input_lens"]) > 24 and r["output_lens"] == [3, 3, 3]
+
+
+def test_responses_api_takes_input_image(servers):
+    r = httpx.post(servers[0] + "/v1/responses", timeout=120, json={
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                               {"type": "input_image", "image_url": data_url(png(1))}]}],
+        "max_output_tokens": 3, "reasoning": {"effort": "none"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] > 90  # the 90-token image is in the prompt
+    bad = httpx.post(servers[0] + "/v1/responses", json={
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"junk")}]}]})
+    assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
