@@ -58,7 +58,13 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         chat_req = ChatCompletionRequest(**chat_body(req, history))
     except ValueError as e:
         raise APIError(400, f"request does not convert to a chat turn: {e}", param="input") from None
-    chat = await start_chat(state, chat_req)
+    try:
+        chat = await start_chat(state, chat_req)
+    except APIError as e:
+        if e.param == "messages":  # the chat turn this request became: say so, name the field sent
+            e.param = "input"
+            e.message += " (input items as chat messages, after instructions and earlier turns)"
+        raise
     rid, created = new_id("resp"), int(time.time())
     convo = history + input_messages(req.input)
     if req.stream:

@@ -107,7 +107,7 @@ def test_store_is_bounded_and_deletable(live_server):
     ({"input": "x", "made_up": 1}, "made_up"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "messages"),  # no image_url
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),  # no image_url
 ])
 def test_unsupported_inputs_are_400s(live_server, body, param):
     base, _ = live_server
