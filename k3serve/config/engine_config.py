@@ -28,6 +28,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # vLLM: fraction of TOTAL device memory for everything
     quantization: str | None = None  # must match the checkpoint; never requantizes
     max_logprobs: int = 20
+    mm_encoder_cache: int | str = "256MiB"  # vision-tower rows kept by image digest (models with a tower)
     num_state_slots: int | None = None  # fix the KDA slot count instead of deriving it
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
+from k3serve.cache.sizing import parse_bytes
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.engine.setup import (check_quantization, make_plan, placement, resolve_max_model_len, seq_limit_note,
@@ -99,7 +100,13 @@ class LLMEngine:
                      self.spec.cfg.rejection_sample_method)
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
                                   masked_ids=self.unmapped_ids)
-        self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device)
+        self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device,
+                                  parse_bytes(config.mm_encoder_cache))
+        if self.model.cfg.vision is not None:
+            line = (f"vision encoder cache: {self.media.cache_bytes:,} B beside the cache budget "
+                    f"(tower rows by image digest)")
+            self.startup_log.append(line)
+            log.info(line)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, _Group] = {}  # scheduler request id -> its group
         self._arrivals = itertools.count()

@@ -36,6 +36,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=0, help="speculative tokens (per-position KDA states)")
     p.add_argument("--draft-params", type=float, default=0.0, help="draft model parameters (BF16, per rank)")
     p.add_argument("--cache-memory", help="cache bytes per rank; skips the GPU arithmetic (engine check)")
+    p.add_argument("--mm-encoder-cache", default="256MiB", help="vision encoder cache per rank (models with a tower)")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")
@@ -78,7 +79,7 @@ def run_plan(args: argparse.Namespace) -> int:
                  max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_cache_dtype,
                  memory_fraction=args.memory_fraction, overhead_bytes=int(args.overhead_gib * GiB),
                  prefix_cache_fraction=0.0 if args.no_prefix_caching else 0.1, spec_tokens=args.spec_tokens,
-                 draft_bytes=int(args.draft_params * 2))
+                 draft_bytes=int(args.draft_params * 2), encoder_cache_bytes=parse_bytes(args.mm_encoder_cache))
     report = plan(cfg, args.model, "checkpoint headers" if is_dir else "config + tensor schema", gpus,
                   weight_split(cfg, args.model if is_dir else None), w, num_gpus=args.num_gpus, tp=args.tp,
                   dp=args.dp, ep=args.ep, pp=args.pp, optimize=args.optimize,

@@ -9,7 +9,7 @@ from k3serve.planner.report import assumption_lines, headers, not_fit_lines, row
 from k3serve.planner.search import LayoutResult, PlanReport
 
 PARTS = [("weights", "#4c72b0"), ("draft_weights", "#8172b2"), ("activations", "#dd8452"),
-         ("overhead", "#937860"), ("cache", "#55a868"), ("free", "#dddddd")]
+         ("overhead", "#937860"), ("encoder_cache", "#da8bc3"), ("cache", "#55a868"), ("free", "#dddddd")]
 # The page must fit a 1,280 px window without horizontal scrolling (tested in Chromium):
 # compact cells that may wrap, and a narrow bar.
 CSS = """body{font-family:sans-serif;margin:1em;max-width:1248px}table{border-collapse:collapse;width:100%}
@@ -21,7 +21,7 @@ pre{background:#f6f6f6;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}l
 def _bar(r: LayoutResult, width: int = 120) -> str:
     rank = r.rank
     vals = {"weights": rank.weights, "draft_weights": rank.draft_weights, "activations": rank.activations,
-            "overhead": rank.overhead, "cache": max(rank.cache_budget, 0)}
+            "overhead": rank.overhead, "encoder_cache": rank.encoder_cache, "cache": max(rank.cache_budget, 0)}
     vals["free"] = max(rank.hbm - sum(vals.values()), 0)
     total = max(sum(vals.values()), rank.hbm)
     x, rects = 0.0, []

@@ -5,6 +5,8 @@ Activation reserve for one prefill chunk of C tokens (formula, calibrate against
   C x hidden x 2 B x (12 live [C, hidden] buffers + AttnRes bank snapshots, layers/block + 1)
   + C x top_k x expert_intermediate x 2 x 2 B / EP   (routed-expert intermediates)
   + max_num_seqs x vocab x 4 B                        (fp32 logits of the sampled rows)
+A model with a vision tower also keeps `--mm-encoder-cache` (256 MiB by default) per rank for
+tower rows, as the engine does beside its cache plan.
 Memory fraction semantics (planner-data.md §3.2): k3serve and vLLM take `fraction x HBM` as the
 whole budget (weights, activations and overhead come out of it); SGLang's static fraction
 covers weights + cache only, activations live in the remainder.
@@ -37,6 +39,7 @@ class Workload:
     prefix_cache_fraction: float = 0.1  # of the cache budget for KDA checkpoints (0 = caching off)
     spec_tokens: int = 0  # speculative tokens k: per-position KDA states k per request
     draft_bytes: int = 0  # speculative draft weights (replicated per rank)
+    encoder_cache_bytes: int = 256 * 2**20  # vision-tower rows by image digest (models with a tower)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class RankMemory:
     draft_weights: int
     activations: int
     overhead: int
+    encoder_cache: int
     cache_budget: int  # what is left for the two cache pools (<= 0: does not fit)
     plan: CachePlan | None  # None when not even one request of `context` fits
     why_not: str | None = None
@@ -77,7 +81,9 @@ def rank_memory(cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit
     wbytes = weights.per_rank(tp, layout.ep, moe_share, layer_share)
     act = activation_bytes(cfg, w, layout)
     usable = int(gpu.hbm_bytes * w.memory_fraction)
-    budget = cache_bytes if cache_bytes is not None else usable - wbytes - w.draft_bytes - act - w.overhead_bytes
+    encoder = w.encoder_cache_bytes if cfg.vision is not None else 0
+    budget = cache_bytes if cache_bytes is not None else \
+        usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder
     spec_states = w.spec_tokens * -(-int(kda_state_bytes_per_request(cfg) * kda_share) // tp)
     plan, why = None, None
     try:
@@ -89,7 +95,7 @@ def rank_memory(cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit
                           kda_share=kda_share, mla_share=mla_share)
     except ValueError as e:
         why = str(e)
-    return RankMemory(gpu.hbm_bytes, usable, wbytes, w.draft_bytes, act, w.overhead_bytes, budget, plan, why)
+    return RankMemory(gpu.hbm_bytes, usable, wbytes, w.draft_bytes, act, w.overhead_bytes, encoder, budget, plan, why)
 
 
 def max_context_one_request(cfg: ModelConfig, rank: RankMemory, layout: Layout, kv_dtype: str) -> int:

@@ -20,7 +20,8 @@ def result_dict(r: LayoutResult) -> dict:
         "links": lay.links(r.gpu.scaleup_domain),
         "per_rank_bytes": {"hbm": rank.hbm, "usable": rank.usable, "weights": rank.weights,
                            "draft_weights": rank.draft_weights, "activations": rank.activations,
-                           "overhead": rank.overhead, "cache_budget": rank.cache_budget},
+                           "overhead": rank.overhead, "encoder_cache": rank.encoder_cache,
+                           "cache_budget": rank.cache_budget},
         "cache": None if plan is None else {
             "state_slots": plan.num_slots, "latent_tokens": plan.kv_tokens, "latent_blocks": plan.num_blocks,
             "slot_bytes": plan.slot_bytes, "token_bytes": plan.token_bytes, "checkpoints": plan.num_checkpoints},

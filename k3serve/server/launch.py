@@ -70,6 +70,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
     p.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": 8},
                    help='media per request, JSON: {"image": 8} (video is not supported yet)')
+    p.add_argument("--mm-encoder-cache", default="256MiB",
+                   help="memory for vision-tower rows kept by image digest, e.g. 1GiB (0: no encoder cache)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
                    help="hosts image URLs may be fetched from (default: none; data: URLs always work)")
     p.add_argument("--max-stored-responses", type=int, default=1024,
@@ -145,7 +147,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 prefix_cache_state_fraction=args.prefix_cache_state_fraction,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
-                quantization=args.quantization)
+                quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,
+                max_logprobs=args.max_logprobs)
 
 
 def media_limits(args: argparse.Namespace):

@@ -161,3 +161,24 @@ def test_responses_api_takes_input_image(servers):
     bad = httpx.post(servers[0] + "/v1/responses", json={
         "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"junk")}]}]})
     assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
+
+
+def test_encoder_cache_size_is_stated_and_zero_turns_it_off(tiny_k3_dir):
+    from k3serve import LLM, SamplingParams
+    from k3serve.chat.k3_xtml import Seg, encode_segments, media_block, message
+
+    llm = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=512, mm_encoder_cache=0,
+              enable_prefix_caching=False)
+    assert any("vision encoder cache: 0 B" in line for line in llm.engine.startup_log)
+    img = load_image(png(7), ImageSpec(patch_size=llm.engine.model.cfg.vision.patch_size))
+    ids = encode_segments(llm.engine.tokenizer, message("user", [Seg("look")] + media_block(img)))
+    for _ in range(2):
+        llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": [img]}}], SamplingParams(max_tokens=1))
+    assert (llm.engine.media.hits, llm.engine.media.misses) == (0, 2)  # no cache: encoded both times
+    cached = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=512, enable_prefix_caching=False)
+    for _ in range(2):
+        cached.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": [img]}}], SamplingParams(max_tokens=1))
+    assert (cached.engine.media.hits, cached.engine.media.misses) == (1, 1)
+    bad = [{"prompt_token_ids": ids}]  # pads without the image they stand for
+    with pytest.raises(ValueError, match="media pad tokens but its images need 0"):
+        cached.generate(bad, SamplingParams(max_tokens=1))

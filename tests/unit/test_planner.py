@@ -282,3 +282,12 @@ def test_every_asked_gpu_type_gets_its_best_row(tmp_path, capsys):
                  "--html", str(page)]) == 0
     for gpu in ("B300", "H100", "H200", "B200"):
         assert f"x{gpu}</td>" in page.read_text()
+
+
+def test_the_vision_encoder_cache_is_counted_per_rank(k3):
+    cfg, ws = k3
+    gpu, lay = get_gpu("B300"), Layout(8, 8, 1, 8)
+    with_cache = evaluate(cfg, K3, gpu, lay, ws, Workload())
+    without = evaluate(cfg, K3, gpu, lay, ws, Workload(encoder_cache_bytes=0))
+    assert with_cache.rank.encoder_cache == 256 * 2**20 and without.rank.encoder_cache == 0
+    assert without.rank.cache_budget - with_cache.rank.cache_budget == 256 * 2**20
