@@ -182,3 +182,38 @@ def test_encoder_cache_size_is_stated_and_zero_turns_it_off(tiny_k3_dir):
     bad = [{"prompt_token_ids": ids}]  # pads without the image they stand for
     with pytest.raises(ValueError, match="media pad tokens but its images need 0"):
         cached.generate(bad, SamplingParams(max_tokens=1))
+
+
+def test_image_urls_are_fetched_only_from_allowed_hosts(tiny_k3_dir):
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    body = png(11)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            if self.path == "/cat.png":
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    http = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_port}"
+    app, _ = make_app(tiny_k3_dir, "--allowed-media-domains", "127.0.0.1")
+    try:
+        with serving(app) as base:
+            def ask(link):
+                msgs = [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                     {"type": "image_url", "image_url": {"url": link}}]}]
+                return httpx.post(base + "/v1/chat/completions", timeout=60, json={"messages": msgs, **GREEDY})
+            fetched, inline = ask(url + "/cat.png"), ask(data_url(body))
+            assert fetched.status_code == 200 and fetched.json()["choices"] == inline.json()["choices"]
+            missing = ask(url + "/nope.png")
+            assert missing.status_code == 400 and "fetching" in missing.json()["error"]["message"]
+    finally:
+        http.shutdown()
