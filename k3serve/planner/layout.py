@@ -101,18 +101,26 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
     return out
 
 
-def stage_shares(cfg: ModelConfig, pp: int) -> tuple[float, float, float]:
-    """(KDA, MLA, MoE) layer shares of the most loaded stage: what one rank's cache and
-    experts hold. 1.0 each without PP."""
+@dataclass(frozen=True)
+class StageShares:
+    """Layer shares of the most loaded pipeline stage: what one rank's caches and weights hold."""
+
+    kda: float = 1.0
+    mla: float = 1.0
+    moe: float = 1.0
+    layers: float = 1.0  # of all layers (dense weights; embeddings and LM head counted in it)
+
+
+def stage_shares(cfg: ModelConfig, pp: int) -> StageShares:
     if pp <= 1:
-        return 1.0, 1.0, 1.0
+        return StageShares()
     kda, mla = set(cfg.kda_layers), set(cfg.mla_layers)
     moe = {i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)}
     stages = stage_layers(cfg.num_layers, pp)
 
     def share(kind: set[int]) -> float:
         return max(len(kind & set(s)) for s in stages) / len(kind) if kind else 0.0
-    return share(kda), share(mla), share(moe)
+    return StageShares(share(kda), share(mla), share(moe), max(map(len, stages)) / cfg.num_layers)
 
 
 def candidate_layouts(num_gpus: int, max_pp: int = 8) -> list[Layout]:

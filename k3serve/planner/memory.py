@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from k3serve.cache.sizing import CachePlan, kda_state_bytes_per_request, mla_cache_bytes_per_token, plan_cache
 from k3serve.config.model_config import ModelConfig
 from k3serve.planner.hardware import GPU
-from k3serve.planner.layout import Layout, stage_layers, stage_shares
+from k3serve.planner.layout import Layout, stage_shares
 from k3serve.planner.weights import WeightSplit
 
 GiB = 2**30
@@ -76,15 +76,14 @@ def rank_memory(cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit
                 cache_bytes: int | None = None) -> RankMemory:
     """One rank's budget; `cache_bytes` skips the GPU arithmetic (what `--cache-memory` does)."""
     tp = layout.tp
-    kda_share, mla_share, moe_share = stage_shares(cfg, layout.pp)
-    layer_share = max(map(len, stage_layers(cfg.num_layers, layout.pp))) / cfg.num_layers
-    wbytes = weights.per_rank(tp, layout.ep, moe_share, layer_share)
+    share = stage_shares(cfg, layout.pp)
+    wbytes = weights.per_rank(tp, layout.ep, share.moe, share.layers)
     act = activation_bytes(cfg, w, layout)
     usable = int(gpu.hbm_bytes * w.memory_fraction)
     encoder = w.encoder_cache_bytes if cfg.vision is not None else 0
     budget = cache_bytes if cache_bytes is not None else \
         usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder
-    spec_states = w.spec_tokens * -(-int(kda_state_bytes_per_request(cfg) * kda_share) // tp)
+    spec_states = w.spec_tokens * -(-int(kda_state_bytes_per_request(cfg) * share.kda) // tp)
     plan, why = None, None
     try:
         if budget <= 0:
@@ -92,7 +91,7 @@ def rank_memory(cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit
         plan = plan_cache(cfg, max(budget - spec_states * w.max_num_seqs, 0) if spec_states else budget,
                           max_model_len=w.context, max_num_seqs=w.max_num_seqs, block_size=w.block_size,
                           kv_dtype=w.kv_dtype, checkpoint_fraction=w.prefix_cache_fraction, state_shards=tp,
-                          kda_share=kda_share, mla_share=mla_share)
+                          kda_share=share.kda, mla_share=share.mla)
     except ValueError as e:
         why = str(e)
     return RankMemory(gpu.hbm_bytes, usable, wbytes, w.draft_bytes, act, w.overhead_bytes, encoder, budget, plan, why)
@@ -102,9 +101,9 @@ def max_context_one_request(cfg: ModelConfig, rank: RankMemory, layout: Layout, 
     """Longest single request the cache budget holds (one state slot + its latent rows)."""
     if rank.cache_budget <= 0:
         return 0
-    kda_share, mla_share, _ = stage_shares(cfg, layout.pp)
-    state = -(-int(kda_state_bytes_per_request(cfg) * kda_share) // layout.tp)
-    per_token = math.ceil(mla_cache_bytes_per_token(cfg, kv_dtype) * mla_share)
+    share = stage_shares(cfg, layout.pp)
+    state = -(-int(kda_state_bytes_per_request(cfg) * share.kda) // layout.tp)
+    per_token = math.ceil(mla_cache_bytes_per_token(cfg, kv_dtype) * share.mla)
     if not per_token:
         return cfg.max_position_embeddings
     return max(0, min(cfg.max_position_embeddings, (rank.cache_budget - state) // per_token))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from k3serve.cache.sizing import kda_state_bytes_per_request, mla_cache_bytes_per_token
 from k3serve.config.model_config import ModelConfig
 from k3serve.planner.hardware import GPU
-from k3serve.planner.layout import NIC, NVLINK, Layout, stage_layers, stage_shares
+from k3serve.planner.layout import NIC, NVLINK, Layout, stage_shares
 from k3serve.planner.weights import WeightSplit
 
 BW_EFF, MFU_DECODE, MFU_PREFILL, LINK_EFF, STEP_OVERHEAD = 0.8, 0.5, 0.4, 0.7, 1e-3
@@ -73,8 +73,8 @@ def estimate(cfg: ModelConfig, gpu: GPU, layout: Layout, w: WeightSplit, concurr
     pp, tp, dp = layout.pp, layout.tp, layout.dp
     micro = -(-B // pp)  # requests in one micro-batch
     per_group = -(-micro // dp)  # of those, on one attention group
-    kda_share, mla_share, moe_share = stage_shares(cfg, pp)
-    layer_share = max(map(len, stage_layers(cfg.num_layers, pp))) / cfg.num_layers
+    share = stage_shares(cfg, pp)
+    kda_share, mla_share, moe_share, layer_share = share.kda, share.mla, share.moe, share.layers
     m = cfg.moe
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     stage_moe = round(moe_layers * moe_share)
