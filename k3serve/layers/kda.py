@@ -20,7 +20,7 @@ from k3serve.layers.norm import l2_normalize, rms_norm
 from k3serve.layers.short_conv import short_conv, short_conv_step
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 
-
+_NONE = torch.empty(0)  # an absent weight, for the block kernels
 
 
 class KimiDeltaAttention(nn.Module):
@@ -42,23 +42,87 @@ class KimiDeltaAttention(nn.Module):
             self.g_a_proj, self.g_b_proj = linear(k.head_dim, d), linear(P, k.head_dim)
         self.o_norm = WeightOnly(k.head_dim)
         self.o_proj = linear(d, P)
+        self.kernels = None  # k3serve.kernels module: decode / verify rows in one call (set by use_kernels)
+        self._kernel_weights: list[torch.Tensor] | None = None  # the block kernel's arguments, reset by use_kernels
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         N = x.shape[0]
-        H, D = self.heads, self.head_dim
+        step = batch.step
+        fast = self.kernels is not None and x.device.type == "cpu" and step.seqs and not torch.is_grad_enabled()
+        if fast and step.covers_all:  # a pure decode / verify step: the whole block in one call
+            return self._block_kernel(x, batch, cache)
         u = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1).float()  # [N, 3P]
-        conv_w = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), 0).squeeze(1).float()  # [3P, K]
-        beta = torch.sigmoid(self.b_proj(x).float())  # [N, H]
-        g = self._decay(x).view(N, H, D)
+        z = self.f_b_proj(self.f_a_proj(x)).float()  # [N, P] decay logits before dt_bias
+        b = self.b_proj(x).float()  # [N, H] beta logits
+        gate = (self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))).float()  # [N, P]
+        conv_w = self._conv_weight()  # [3P, K]
+        y = torch.empty(N, u.shape[1] // 3, dtype=torch.float32, device=x.device)
+        if fast:
+            y[step.rows] = self._stepwise_kernel(u, conv_w, z, b, gate, batch, cache)
+            if len(step.rows) == N:
+                return self.o_proj(y.to(x.dtype))
+        o = torch.empty(N, self.heads, self.head_dim, dtype=torch.float32, device=x.device)
+        beta, g = torch.sigmoid(b), self._decay(z).view(N, self.heads, self.head_dim)
+        decodes = [] if fast else [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0
+                                   and i not in batch.verify]
         rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
-        o = torch.empty(N, H, D, dtype=torch.float32, device=x.device)
-        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0
-                   and i not in batch.verify]
         with flush_denormals():
-            if batch.verify:
+            if batch.verify and not fast:
                 self._verify(u, conv_w, g, beta, batch, cache, o)
-            self._run(decodes, u, conv_w, g, beta, batch, rec, conv, o)
-        return self._output(x, o)
+            self._run(decodes, u, conv_w, g, beta, batch, rec, conv, o, skip=set(step.seqs) if fast else set())
+        rest = self._gated_norm(o, gate)
+        if fast:
+            rest[step.rows] = y[step.rows]
+        return self.o_proj(rest.to(x.dtype))
+
+    def _block_kernel(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Every row is a decode or verify position: projections, conv, delta rule, gated norm
+        and o_proj in one compiled call (kernels/cpu/blocks.cpp kda_block)."""
+        step, i = batch.step, self.layer_idx
+        rec, conv = cache.recurrent[i], cache.conv[i]
+        bufs = self._records(batch, rec, conv)
+        if self._kernel_weights is None:
+            g = [self.g_proj.weight, _NONE] if hasattr(self, "g_proj") else [self.g_a_proj.weight, self.g_b_proj.weight]
+            self._kernel_weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
+                                    self.f_b_proj.weight, self.b_proj.weight, *g, self.o_proj.weight,
+                                    self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias,
+                                    self.A_log, self.o_norm.weight]
+        y = self.kernels.kda_block(x if step.identity else x[step.rows], self._kernel_weights, conv, rec, step.slots,
+                                   step.starts, self._lower_bound(), self.eps, *bufs)
+        self._keep_records(batch, cache, bufs)
+        return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
+
+    def _stepwise_kernel(self, u, conv_w, z, b, gate, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Decode and verify rows of a mixed step in one compiled call (kernels/cpu/kda_decode.cpp)."""
+        step, i = batch.step, self.layer_idx
+        rec, conv = cache.recurrent[i], cache.conv[i]
+        bufs = self._records(batch, rec, conv)
+        r = step.rows
+        y = self.kernels.kda_decode(u[r], conv_w, z[r], b[r], gate[r], self.dt_bias, self.A_log, self.o_norm.weight,
+                                    conv, rec, step.slots, step.starts, self._lower_bound(), self.eps, *bufs)
+        self._keep_records(batch, cache, bufs)
+        return y
+
+    @staticmethod
+    def _records(batch: ForwardBatch, rec: torch.Tensor, conv: torch.Tensor):
+        """Per-position state buffers [S, T, ...] for a verify pass, else (None, None)."""
+        if not batch.verify:
+            return None, None
+        S, T = len(batch.step.seqs), batch.step.longest
+        return (torch.empty(S, T, *rec.shape[1:], device=rec.device),
+                torch.empty(S, T, *conv.shape[1:], device=conv.device))
+
+    def _keep_records(self, batch: ForwardBatch, cache: CacheTensors, bufs) -> None:
+        """Verify sequences come first in `step`, so their records are the buffers' head."""
+        if batch.verify:
+            V = len(batch.verify)
+            cache.spec_states[self.layer_idx] = (bufs[0][:V], bufs[1][:V])
+
+    def _lower_bound(self) -> float:
+        return float("nan") if self.lower_bound is None else float(self.lower_bound)
+
+    def _conv_weight(self) -> torch.Tensor:
+        return torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), 0).squeeze(1).float()
 
     def _verify(self, u, conv_w, g, beta, batch, cache, o) -> None:
         """Speculating sequences (last token + drafts): consecutive batched recurrent steps, the
@@ -79,12 +143,12 @@ class KimiDeltaAttention(nn.Module):
             rec_buf[act, t], conv_buf[act, t] = rec[slots], conv[slots]
         cache.spec_states[self.layer_idx] = (rec_buf, conv_buf)
 
-    def _run(self, decodes, u, conv_w, g, beta, batch, rec, conv, o) -> None:
+    def _run(self, decodes, u, conv_w, g, beta, batch, rec, conv, o, skip=frozenset()) -> None:
         bounds = batch.seq_bounds()
         if decodes:
             self._decode(decodes, bounds, u, conv_w, g, beta, batch, rec, conv, o)
         for i, (s, e) in enumerate(bounds):
-            if i in decodes or s == e or i in batch.verify:
+            if i in decodes or s == e or i in batch.verify or i in skip:
                 continue
             slot = batch.state_slots[i]
             fresh = batch.context_lens[i] == 0  # a new sequence starts from zero state
@@ -107,16 +171,15 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = c.view(c.shape[0], 3, self.heads, self.head_dim).unbind(1)
         return l2_normalize(q) * self.head_dim ** -0.5, l2_normalize(k), v
 
-    def _decay(self, x: torch.Tensor) -> torch.Tensor:
-        """Log decay g [N, P] (<= 0), FP32."""
-        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+    def _decay(self, z: torch.Tensor) -> torch.Tensor:
+        """Log decay g [N, P] (<= 0), FP32, from z = f_b(f_a x) [N, P]."""
+        z = z + self.dt_bias.float()
         a = self.A_log.float().exp().repeat_interleave(self.head_dim)  # per channel
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(a * z)
         return -a * F.softplus(z)
 
-    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        gate = gate.float().view_as(o)
-        y = rms_norm(o, self.o_norm.weight.float(), self.eps) * torch.sigmoid(gate)  # [N, H, D]
-        return self.o_proj(y.reshape(x.shape[0], -1).to(x.dtype))
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm_D(o) * sigmoid(gate): o [N, H, D], gate [N, P] fp32 -> [N, P] fp32."""
+        y = rms_norm(o, self.o_norm.weight.float(), self.eps) * torch.sigmoid(gate.view_as(o))
+        return y.reshape(o.shape[0], -1)

@@ -20,6 +20,7 @@ from k3serve.layers.common import RMSNorm, linear
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 
 MLA_NORM_EPS = 1e-6  # HF-REF KimiRMSNorm default for q_a/kv_a layernorms
+_NONE = torch.empty(0)  # an absent weight, for the block kernel
 
 
 def attend_naive(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, start, scale):
@@ -92,25 +93,38 @@ class GatedMLA(nn.Module):
             self.g_proj = linear(m.num_heads * m.v_head_dim, d)
         self.o_proj = linear(d, m.num_heads * m.v_head_dim)
         self.absorbed_decode = True
+        self.kernels = None  # k3serve.kernels module: decode / verify rows in one call (set by use_kernels)
+        self._kernel_weights: list[torch.Tensor] | None = None  # the block kernel's arguments, reset by use_kernels
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         m, N = self.cfg, x.shape[0]
+        step = batch.step
+        fast = (self.kernels is not None and self.absorbed_decode and x.device.type == "cpu" and step.seqs
+                and not torch.is_grad_enabled())
+        if fast and step.covers_all:  # a pure decode / verify step: the whole block in one call
+            return self._block_kernel(x, batch, cache)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank is not None else self.q_proj(x)
         q = q.view(N, m.num_heads, m.qk_head_dim).float()
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         ckv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat((self.kv_a_layernorm(ckv[:, : m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]), -1)
         store = cache.latent[self.layer_idx]
-        w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank)
         out = torch.empty(N, m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
+        done: set[int] = set()
+        if fast:
+            store[step.cache_rows] = to_cache(latent[step.rows], store.dtype)
+            out[step.rows] = self.kernels.mla_decode(q[step.rows], m.qk_nope_head_dim, store, self.kv_b_proj.weight
+                                                     .view(m.num_heads, -1, m.kv_lora_rank), step.table, step.seq,
+                                                     step.positions, batch.block_size, self.scale)
+            done = set(step.seqs)
+        w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank) if len(done) < batch.num_seqs else None
         decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0
-                   and i not in batch.verify]
+                   and i not in batch.verify and i not in done]
         if self.absorbed_decode and len(decodes) > 1:
             self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out)
-        else:
-            decodes = []
+            done.update(decodes)
         for i, (s, e) in enumerate(batch.seq_bounds()):
-            if decodes and i in decodes:
+            if i in done or s == e:
                 continue
             ctx = batch.context_lens[i]
             store[batch.cache_rows(i, ctx, ctx + e - s)] = to_cache(latent[s:e], store.dtype)
@@ -125,6 +139,22 @@ class GatedMLA(nn.Module):
         if m.use_output_gate:
             out = out * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(out.to(x.dtype))
+
+    def _block_kernel(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Projections, latent norm and cache write, absorbed attention, gate and o_proj in one
+        compiled call (kernels/cpu/blocks.cpp mla_block)."""
+        m, step = self.cfg, batch.step
+        if self._kernel_weights is None:
+            q = ([self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight] if m.q_lora_rank is not None
+                 else [self.q_proj.weight, _NONE, _NONE])
+            self._kernel_weights = [*q, self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight,
+                                    self.kv_b_proj.weight, self.g_proj.weight if m.use_output_gate else _NONE,
+                                    self.o_proj.weight]
+        y = self.kernels.mla_block(x if step.identity else x[step.rows], self._kernel_weights,
+                                   cache.latent[self.layer_idx], step.cache_rows, step.table, step.seq, step.positions,
+                                   batch.block_size, self.scale, m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank,
+                                   MLA_NORM_EPS)
+        return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
 
     def _decode_batched(self, idx, q_nope, q_pe, latent, w_kv_b, batch, store, out) -> None:
         """All single-token decodes: write their rows, gather each sequence's rows padded to the

@@ -33,9 +33,21 @@ class GluMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = linear(inter, hidden), linear(inter, hidden), linear(hidden, inter)
         self.act = glu_activation(cfg)
+        self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
+        self.kernels = None  # k3serve.kernels module (set by use_kernels): three GEMVs and the GLU in C++
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernels
+        if k is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
+                and not torch.is_grad_enabled():
+            gate, up, down = self.weights()
+            beta, linear_beta = self.situ or (0.0, 0.0)
+            return k.linear(k.glu(k.linear(x, gate), k.linear(x, up), int(self.situ is not None), beta, linear_beta),
+                            down)
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+    def weights(self) -> list[torch.Tensor]:
+        return [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
 
 
 class Gate(WeightOnly):
@@ -49,6 +61,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         m, d = cfg.moe, cfg.hidden_size
         self.cfg, self.act = m, glu_activation(cfg)
+        self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
         self.gate = Gate(m.num_experts, d)
         inner = m.latent_size or d
         if m.latent_size is not None:
@@ -65,16 +78,20 @@ class SparseMoE(nn.Module):
             self.shared_experts = GluMLP(cfg, d, m.shared_intermediate_size)
         self.w4a8 = False  # round expert inputs through MXFP8 (the QAT activation format)
         self.use_reference = False
-        self.kernels = None  # k3serve.kernels module: grouped MXFP4 kernels (set by the engine)
+        self.kernels = None  # k3serve.kernels module (set by use_kernels)
+        self._kernel_weights: list | None = None  # the block kernel's arguments, reset by use_kernels
+        self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+        fast = (self.kernels is not None and not (self.use_reference or self.w4a8) and x.device.type == "cpu"
+                and not torch.is_grad_enabled())
+        if fast and x.dtype in (torch.float32, torch.bfloat16):
+            return self._block_kernel(x)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
-        if self.use_reference:
-            y = experts_reference(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8)
+        if fast:
+            y = self._routed_kernel(x, z)
         else:
-            y = experts_forward(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8,
-                                self.kernels)
+            y = self._routed_torch(x, z)
         y = y.to(x.dtype)
         if self.cfg.latent_size is not None:
             if self.cfg.latent_use_norm:
@@ -82,4 +99,45 @@ class SparseMoE(nn.Module):
             y = self.routed_expert_up_proj(y)
         if self.cfg.num_shared_experts:
             y = y + self.shared_experts(x)
+        return y
+
+    def _block_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """Router, routed experts, latent norm / up projection and shared experts in one compiled
+        call (kernels/cpu/blocks.cpp moe_block), for any number of rows."""
+        m = self.cfg
+        if self._kernel_weights is None:
+            latent = m.latent_size is not None
+            experts = []
+            for w in (self.w1, self.w3, self.w2):
+                experts += [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
+            shared = self.shared_experts.weights() if m.num_shared_experts else [None] * 3
+            self._kernel_weights = [self.gate.weight, self.gate.e_score_correction_bias,
+                                    self.routed_expert_down_proj.weight if latent else None,
+                                    self.routed_expert_norm.weight if latent and m.latent_use_norm else None,
+                                    self.routed_expert_up_proj.weight if latent else None, *experts, *shared]
+        beta, linear_beta = self.situ or (0.0, 0.0)
+        return self.kernels.moe_block(x, self._kernel_weights, m.top_k, m.router_activation == "sigmoid",
+                                      m.renormalize, m.routed_scaling_factor, m.num_expert_group, m.topk_group,
+                                      int(self.situ is not None), beta, linear_beta, self.eps)
+
+    def _routed_kernel(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Router and experts in two compiled calls (kernels/cpu/moe_fused.cpp) -> [N, h] fp32."""
+        m, k = self.cfg, self.kernels
+        ids, weights = k.moe_route(x.contiguous(), self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
+                                   m.router_activation == "sigmoid", m.renormalize, m.routed_scaling_factor,
+                                   m.num_expert_group, m.topk_group)
+        args = []
+        for w in (self.w1, self.w3, self.w2):
+            args += [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
+        beta, linear_beta = self.situ or (0.0, 0.0)
+        rounding = not self.w1.is_packed and z.dtype == torch.bfloat16  # the torch path's bf16 steps
+        return k.moe_experts(z.float().contiguous(), ids, weights, *args, int(self.situ is not None), beta, linear_beta, rounding)
+
+    def _routed_torch(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+        if self.use_reference:
+            y = experts_reference(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8)
+        else:
+            y = experts_forward(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8,
+                                self.kernels)
         return y

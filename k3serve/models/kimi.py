@@ -51,6 +51,8 @@ class KimiModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.kernels = None  # k3serve.kernels module: the AttnRes mix in one call (set by use_kernels)
+        self._kernel_weights: list[torch.Tensor] | None = None  # AttnRes vectors, reset by use_kernels
         if cfg.use_attnres:
             self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
             self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
@@ -75,21 +77,35 @@ class KimiModel(nn.Module):
                          capture: dict | None = None) -> torch.Tensor:
         """Spec §6.3: B holds banked block vectors; P is the running intra-block partial sum."""
         eps, bank = self.cfg.rms_norm_eps, []
+        mix = attnres_mix if self.kernels is None or h.device.type != "cpu" else self.kernels.attnres_mix
+        vectors = self._attnres_vectors()
         for i, layer in enumerate(self.layers):
-            w_attn = attnres_vector(layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight)
-            w_mlp = attnres_vector(layer.mlp_res_norm.weight, layer.mlp_res_proj.weight)
-            a_in = attnres_mix(bank + [h], w_attn, eps) if bank else h
+            w_attn, w_mlp = vectors[2 * i], vectors[2 * i + 1]
+            a_in = mix(bank + [h], w_attn, eps) if bank else h
             if i % self.cfg.attn_res_block_size == 0:
                 bank.append(h)
                 partial = layer.attn(a_in, batch, cache)
             else:
                 partial = h + layer.attn(a_in, batch, cache)
-            m_in = attnres_mix(bank + [partial], w_mlp, eps)
+            m_in = mix(bank + [partial], w_mlp, eps)
             h = partial + layer.ffn(m_in)
             if capture is not None and i in capture:
                 capture[i] = h
-        w_out = attnres_vector(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight)
-        return attnres_mix(bank + [h], w_out, eps)
+        return mix(bank + [h], vectors[-1], eps)
+
+    def _attnres_vectors(self) -> list[torch.Tensor]:
+        """Fused score vectors [d] fp32 (attn, mlp per layer, then output). With kernels they are
+        computed once (use_kernels resets them, and is called after the last load or move);
+        the reference path recomputes them every forward, so training sees its updates."""
+        if self._kernel_weights is not None:
+            return self._kernel_weights
+        pairs = [(l.self_attention_res_norm, l.self_attention_res_proj, l.mlp_res_norm, l.mlp_res_proj)
+                 for l in self.layers]
+        mods = [w for p in pairs for w in p] + [self.output_attn_res_norm, self.output_attn_res_proj]
+        vectors = [attnres_vector(mods[j].weight, mods[j + 1].weight) for j in range(0, len(mods), 2)]
+        if self.kernels is not None and not torch.is_grad_enabled():
+            self._kernel_weights = vectors
+        return vectors
 
 
 class KimiForCausalLM(nn.Module):
@@ -109,6 +125,10 @@ class KimiForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        k = self.model.kernels
+        if (k is not None and hidden.device.type == "cpu" and hidden.dim() == 2 and hidden.dtype == head.dtype
+                and not torch.is_grad_enabled()):
+            return k.linear(hidden, head).float()  # a GEMV for decode rows: torch's bf16 GEMM costs ~90 us here
         return (hidden @ head.t()).float()
 
     @property
@@ -117,12 +137,16 @@ class KimiForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def use_kernels(self, mode: str = "auto"):
-        """Route MoE layers through the compiled CPU kernels (k3serve.kernels) or torch; the module."""
+        """Route every layer that has a compiled CPU kernel (KDA and MLA decode rows, MoE, RMSNorm,
+        the AttnRes mix; k3serve.kernels) through it, or through torch with None; the module."""
         from k3serve import kernels
 
         module = kernels.get(mode)
-        for moe in self.moe_layers():
-            moe.kernels = module
+        for m in self.modules():
+            if hasattr(m, "kernels"):
+                m.kernels = module
+            if hasattr(m, "_kernel_weights"):  # cached argument lists: call this after the last load / move
+                m._kernel_weights = None
         return module
 
     def moe_layers(self) -> list[SparseMoE]:

@@ -18,6 +18,57 @@ from k3serve.config.model_config import LayerKind, ModelConfig
 
 
 @dataclass
+class StepRows:
+    """Device tensors of the rows that run one position at a time (decodes and verify passes),
+    built once per batch so that no layer rebuilds index lists from the Python metadata.
+
+    Sequences are ordered verifying first (batch order), then decoding; R rows in all.
+    """
+
+    seqs: list[int]  # batch indices of these sequences, in that order
+    rows: torch.Tensor  # [R] flat-batch rows, grouped by sequence
+    starts: torch.Tensor  # [S + 1] rows of sequence j are starts[j]..starts[j+1] of `rows`
+    slots: torch.Tensor  # [S] KDA state slots
+    seq: torch.Tensor  # [R] index j (into `seqs` / `table`) of each row
+    positions: torch.Tensor  # [R] absolute position of each row
+    table: torch.Tensor  # [S, W] block tables padded with -1 (never read: positions stay inside)
+    cache_rows: torch.Tensor  # [R] latent-cache row each position writes
+    longest: int  # most rows of one sequence (the verify record length)
+    covers_all: bool  # every row of the batch is one of these (a pure decode / verify step)
+    identity: bool  # ... and `rows` is 0..N-1 in order (no gather / scatter needed)
+
+    @classmethod
+    def build(cls, batch: "ForwardBatch") -> "StepRows":
+        verify = set(batch.verify)
+        decodes = [i for i, n in enumerate(batch.seq_lens)
+                   if n == 1 and batch.context_lens[i] > 0 and i not in verify]
+        seqs = list(batch.verify) + decodes
+        bounds = batch.seq_bounds()
+        rows, seq, pos, cache_rows, starts = [], [], [], [], [0]
+        for j, i in enumerate(seqs):
+            b, e = bounds[i]
+            ctx, table = batch.context_lens[i], batch.block_tables[i]
+            for t in range(e - b):
+                p = ctx + t
+                rows.append(b + t)
+                seq.append(j)
+                pos.append(p)
+                cache_rows.append(table[p // batch.block_size] * batch.block_size + p % batch.block_size)
+            starts.append(len(rows))
+        width = max((len(batch.block_tables[i]) for i in seqs), default=0)
+        dev = batch.input_ids.device
+
+        def t(values):
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        table = t([batch.block_tables[i] + [-1] * (width - len(batch.block_tables[i])) for i in seqs])
+        return cls(seqs, t(rows), t(starts), t([batch.state_slots[i] for i in seqs]), t(seq), t(pos),
+                   table.view(len(seqs), width), t(cache_rows),
+                   max((starts[j + 1] - starts[j] for j in range(len(seqs))), default=0),
+                   covers_all=len(rows) == len(batch.input_ids), identity=rows == list(range(len(batch.input_ids))))
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [N] int64, sequences concatenated
     seq_lens: list[int]  # new tokens per sequence (sum = N)
@@ -29,6 +80,10 @@ class ForwardBatch:
     verify: list[int] = field(default_factory=list)  # sequences verifying drafts: KDA records per-position states
     media_rows: torch.Tensor | None = None  # [M] rows of the flat batch whose embedding is a media row
     media_embeds: torch.Tensor | None = None  # [M, d] vision-tower rows for them (engine/media.py)
+    step: StepRows = field(init=False)  # decode / verify rows as device tensors, built once here
+
+    def __post_init__(self) -> None:
+        self.step = StepRows.build(self)
 
     @property
     def num_seqs(self) -> int:

@@ -104,13 +104,16 @@ class GrammarBackend:
 # runs of a maxLength-4 string broke json.loads). Its unbounded strings exclude \0-\x1f; bounded
 # ones get the same class here.
 _LOOSE_CHARS = r'[^\"\\\r\n]'
-_JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_XGR_JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+# ... and its classes admit UTF-8-encoded surrogates (ED A0..BF xx), which are not UTF-8: the
+# text decodes them to three U+FFFD each, so a maxLength-5 string came back 8 characters long.
+_JSON_CHARS = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 
 
 def json_grammar(xgr, schema: str, any_whitespace: bool) -> str:
     """The EBNF xgrammar derives from a JSON schema, with string characters that JSON allows."""
     text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True))
-    return text.replace(_LOOSE_CHARS, _JSON_CHARS)
+    return text.replace(_LOOSE_CHARS, _JSON_CHARS).replace(_XGR_JSON_CHARS, _JSON_CHARS)
 
 
 def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:

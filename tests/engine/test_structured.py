@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3serve import LLM, SamplingParams
+from k3serve.sampling.grammar import GrammarBackend
 from k3serve.sampling.params import ParamError
 from k3serve.sampling.structured import StructuredOutputs
 
@@ -128,3 +129,22 @@ def test_constraint_rollback_restores_the_state(plain):
     assert torch.equal(bm, masks[2]) and c.phase == "free"
     fresh = backend.constraint(StructuredOutputs("regex", "ab", stop_ids=(close,)))
     assert not fresh.accept(tok.encode("z")[0]) and fresh.phase == "grammar" and not fresh.history
+
+
+@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 5}])
+def test_json_strings_refuse_encoded_surrogates(plain, string):
+    """xgrammar's string classes admit ED A0..BF xx (a UTF-16 surrogate encoded as UTF-8, which
+    is not UTF-8 and decodes to three U+FFFD): the engine's JSON grammar refuses it; real
+    multi-byte characters still pass. Found by the random-schema test above (a maxLength-5
+    string came back 8 characters long)."""
+    backend = GrammarBackend(plain.engine.tokenizer, plain.engine.model.cfg.vocab_size)
+    so = StructuredOutputs.json_schema(string, stop_ids=(plain.engine.model.cfg.eos_token_id,))
+    single = {bytes([b]): b for b in range(256)}  # the tiny vocabulary starts with the 256 bytes
+    assert all(plain.engine.tokenizer.decode_bytes([i]) == b for b, i in single.items())
+
+    def accepts(data: bytes) -> bool:
+        c = backend.constraint(so)
+        return all(c.accept(single[bytes([b])]) for b in data)
+
+    assert accepts('"3ѰЦ'.encode()) and accepts('"中'.encode())
+    assert not accepts(b'"3\xed\xaf\xb2')

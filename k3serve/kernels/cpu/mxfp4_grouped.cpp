@@ -11,8 +11,7 @@
 // dot runs in a fixed order, so a token's result does not depend on which other tokens share
 // the step (batch invariance). The plain reference is `dequantize_mxfp4` + matmul
 // (k3serve/weights/mxfp4.py), compared in tests/model/test_kernels.py.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "common.h"
 
 #include <cmath>
 #include <cstdint>
@@ -21,38 +20,14 @@
 namespace {
 
 constexpr int kGroup = 32;
-constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                             -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-
-// One packed row [K/2] with its scales [K/32] -> K floats.
-inline void decode_row(const uint8_t* packed, const uint8_t* scale, int64_t K, float* out) {
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    const uint8_t s = scale[g];
-    const float mult = s == 0xFF ? NAN : std::ldexp(1.0f, int(s) - 127);
-    const uint8_t* p = packed + g * (kGroup / 2);
-    float* o = out + g * kGroup;
-    for (int i = 0; i < kGroup / 2; ++i) {
-      o[2 * i] = kE2M1[p[i] & 0x0F] * mult;
-      o[2 * i + 1] = kE2M1[p[i] >> 4] * mult;
-    }
-  }
-}
-
-inline float dot(const float* a, const float* b, int64_t K) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t k = 0; k < K; ++k) acc += a[k] * b[k];
-  return acc;
-}
 
 }  // namespace
 
-torch::Tensor mxfp4_grouped_matmul(torch::Tensor x, torch::Tensor offsets, torch::Tensor packed,
-                                   torch::Tensor scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [N, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8, "packed must be [E, O, K/2] uint8");
-  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == torch::kUInt8, "scale must be [E, O, K/32] uint8");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == torch::kInt64, "offsets must be [E + 1] int64");
+at::Tensor mxfp4_grouped_matmul(at::Tensor x, at::Tensor offsets, at::Tensor packed, at::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [N, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "packed must be [E, O, K/2] uint8");
+  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kByte, "scale must be [E, O, K/32] uint8");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong, "offsets must be [E + 1] int64");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "this kernel runs on the CPU");
   const int64_t E = packed.size(0), O = packed.size(1), K = x.size(1), N = x.size(0);
   TORCH_CHECK(K % kGroup == 0, "K = ", K, " is not a multiple of ", kGroup);
@@ -70,7 +45,7 @@ torch::Tensor mxfp4_grouped_matmul(torch::Tensor x, torch::Tensor offsets, torch
     TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
     if (off[e + 1] > off[e]) active.push_back(e);
   }
-  auto y = torch::empty({N, O}, x.options());
+  auto y = at::empty({N, O}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -80,14 +55,9 @@ torch::Tensor mxfp4_grouped_matmul(torch::Tensor x, torch::Tensor offsets, torch
     std::vector<float> row(K);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = active[i / O], r = i % O;
-      decode_row(pp + (e * O + r) * (K / 2), sp + (e * O + r) * (K / kGroup), K, row.data());
-      for (int64_t t = off[e]; t < off[e + 1]; ++t) yp[t * O + r] = dot(row.data(), xp + t * K, K);
+      k3k::decode_mxfp4_row(pp + (e * O + r) * (K / 2), sp + (e * O + r) * (K / kGroup), K, row.data());
+      for (int64_t t = off[e]; t < off[e + 1]; ++t) yp[t * O + r] = k3k::dot(row.data(), xp + t * K, K);
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mxfp4_grouped_matmul", &mxfp4_grouped_matmul,
-        "y[N, O] = x[N, K] @ W_e^T per expert group, W packed MXFP4 [E, O, K/2] + E8M0 [E, O, K/32]");
 }

@@ -1,0 +1,296 @@
+// Whole decode blocks in one call each (issue 15): a KDA attention block, a gated-MLA attention
+// block and a MoE block, for steps whose rows all run one position at a time (decodes and
+// verify passes). A tiny model's decode step is dispatch overhead, not math: the torch forms of
+// these blocks are 20-40 small ops each; these run the same arithmetic in one call on plain
+// float buffers, rounding to the model dtype exactly where torch's form materialises a
+// bf16 tensor (every linear's output, norms, the GLU), the KDA/MLA cores in fp32.
+// References: KimiDeltaAttention / GatedMLA / SparseMoE / GluMLP forward (k3serve/layers),
+// compared in tests/model/test_block_kernels.py.
+#include "common.h"
+#include "ops.h"
+
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSmallM = 16;  // up to this many rows a GEMV loop beats a oneDNN/MKL GEMM call
+
+using Buf = std::vector<float>;
+
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t v) { return k3k::bf16_bits(v); }
+using k3k::activate;
+using k3k::round_bf16;
+
+// y[m, n] (row stride ldy) = sum_k x[m, k] W[n, k], fp32 accumulation; W float or bf16 bits
+template <typename W>
+void gemv_raw(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy, bool rnd) {
+  at::parallel_for(0, N, k3k::grain_for(2 * K * M, 1 << 17), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const W* wr = w + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * K;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; ++k) acc += xr[k] * as_float(wr[k]);
+        y[m * ldy + n] = rnd ? round_bf16(acc) : acc;
+      }
+    }
+  });
+}
+
+Buf floats(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "block tensors must be float32 or bfloat16");
+  at::Tensor c = x.contiguous();
+  Buf out(c.numel());
+  if (c.scalar_type() == at::kFloat) {
+    std::memcpy(out.data(), c.data_ptr<float>(), sizeof(float) * out.size());
+  } else {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(c.data_ptr<at::BFloat16>());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = k3k::bf16_bits(p[i]);
+  }
+  return out;
+}
+
+// One projection of the block: y = x @ W^T rounded to the model dtype (bf16 when `rnd`).
+struct Proj {
+  bool rnd;
+  void operator()(const float* x, int64_t M, const at::Tensor& w, float* y, int64_t ldy) const {
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "block weight must be a contiguous 2-D tensor");
+    if (w.scalar_type() == at::kFloat)
+      gemv_raw(x, M, w.size(1), w.data_ptr<float>(), w.size(0), y, ldy, rnd);
+    else if (w.scalar_type() == at::kBFloat16)
+      gemv_raw(x, M, w.size(1), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), y, ldy,
+               rnd);
+    else
+      TORCH_CHECK(false, "block weight dtype ", w.scalar_type(), " is not supported");
+  }
+  float r(float v) const { return rnd ? round_bf16(v) : v; }
+  // RMSNorm over n values in place with HF's rounding points (layers/norm.py rms_norm)
+  void norm(float* x, int64_t n, const Buf& wp, float eps) const {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(ss / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) x[i] = r(r(wp[i]) * r(x[i] * inv));
+  }
+};
+
+// an absent weight is passed from Python as an empty tensor
+inline bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+at::Tensor as_tensor(const Buf& y, int64_t R, int64_t d, const at::Tensor& like) {
+  auto out = at::empty({R, d}, like.options());
+  if (like.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>(), y.data(), sizeof(float) * R * d);
+  } else {
+    at::BFloat16* p = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < R * d; ++i) p[i] = at::BFloat16(y[i]);  // exact: values are already bf16
+  }
+  return out;
+}
+
+template <typename T>
+void write_rows(const Buf& lat, int64_t R, int64_t width, const int64_t* rows, T* cache, bool fp8) {
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < width; ++j) {
+      float v = lat[i * width + j];
+      if (fp8) v = std::min(448.f, std::max(-448.f, v));  // saturate (layers/mla.py to_cache)
+      cache[rows[i] * width + j] = T(v);
+    }
+}
+
+}  // namespace
+
+at::Tensor fast_linear(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [M, K] and W [N, K] disagree");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and W dtypes differ");
+  if (x.size(0) > kSmallM || !(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16))
+    return at::linear(x, w);
+  const int64_t M = x.size(0), N = w.size(0);
+  Buf xf = floats(x), y(M * N);
+  Proj{x.scalar_type() == at::kBFloat16}(xf.data(), M, w.contiguous(), y.data(), N);
+  return as_tensor(y, M, N, x);
+}
+
+// act(gate, up) computed in fp32 and rounded to the inputs' dtype (layers/activation.py).
+at::Tensor glu_act(at::Tensor gate, at::Tensor up, int64_t act, double beta, double linear_beta) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() && gate.dim() == 2,
+              "glu: gate and up must be [rows, n] of one dtype");
+  Buf g = floats(gate), u = floats(up);
+  const Proj p{gate.scalar_type() == at::kBFloat16};
+  for (size_t i = 0; i < g.size(); ++i) g[i] = p.r(activate(act, g[i], u[i], float(beta), float(linear_beta)));
+  return as_tensor(g, gate.size(0), gate.size(1), gate);
+}
+
+// w: q, k, v, f_a, f_b, b, g (or g_a), g_b (or empty), o_proj, q/k/v conv [P, 1, K] x3,
+// dt_bias, A_log, o_norm. x [R, d] are the normed rows in step order.
+at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_state, at::Tensor rec_state,
+                     at::Tensor slots, at::Tensor starts, double lower_bound, double eps,
+                     c10::optional<at::Tensor> rec_buf, c10::optional<at::Tensor> conv_buf) {
+  using namespace k3k;
+  TORCH_CHECK(w.size() == 15, "kda_block takes 15 weights, got ", w.size());
+  check_f32(conv_state, "conv_state", 3);
+  check_f32(rec_state, "rec_state", 4);
+  check_i64(slots, "slots");
+  check_i64(starts, "starts");
+  const int64_t R = x.size(0), d = x.size(1), H = rec_state.size(1), D = rec_state.size(2), P = H * D;
+  const int64_t K = conv_state.size(1) + 1, S = slots.size(0), Da = w[3].size(0);
+  TORCH_CHECK(w[0].size(0) == P && w[8].size(1) == P && starts.size(0) == S + 1, "kda_block shapes disagree");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[S] == R, "starts must run from 0 to the rows given");
+  int64_t longest = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(st[s + 1] >= st[s], "starts must not decrease");
+    const int64_t slot = slots.data_ptr<int64_t>()[s];
+    TORCH_CHECK(slot >= 0 && slot < rec_state.size(0) && slot < conv_state.size(0), "state slot ", slot,
+                " out of range");
+    longest = std::max(longest, st[s + 1] - st[s]);
+  }
+  const Proj proj{x.scalar_type() == at::kBFloat16};
+  Buf xf = floats(x), u(R * 3 * P), fa(R * Da), z(R * P), b(R * H), gate(R * P), y(R * P), out(R * d);
+  for (int part = 0; part < 3; ++part) proj(xf.data(), R, w[part], u.data() + part * P, 3 * P);
+  proj(xf.data(), R, w[3], fa.data(), Da);
+  proj(fa.data(), R, w[4], z.data(), P);
+  proj(xf.data(), R, w[5], b.data(), H);
+  if (has(w[7])) {
+    Buf ga(R * w[6].size(0));
+    proj(xf.data(), R, w[6], ga.data(), w[6].size(0));
+    proj(ga.data(), R, w[7], gate.data(), P);
+  } else {
+    proj(xf.data(), R, w[6], gate.data(), P);
+  }
+  at::Tensor taps[3], fp32[3];
+  for (int part = 0; part < 3; ++part) {
+    taps[part] = w[9 + part].to(at::kFloat).contiguous();
+    TORCH_CHECK(taps[part].numel() == P * K, "conv taps must be [P, 1, K]");
+  }
+  for (int j = 0; j < 3; ++j) fp32[j] = w[12 + j].to(at::kFloat).contiguous();
+  TORCH_CHECK(fp32[0].numel() == P && fp32[1].numel() == H && fp32[2].numel() == D, "dt_bias [P], A_log [H], o_norm [D]");
+  KdaRows a{};
+  a.u = u.data(), a.ldu = 3 * P, a.z = z.data(), a.ldz = P, a.b = b.data(), a.ldb = H, a.gate = gate.data(), a.ldg = P;
+  for (int part = 0; part < 3; ++part) a.conv_w[part] = taps[part].data_ptr<float>();
+  a.dt_bias = fp32[0].data_ptr<float>(), a.a_log = fp32[1].data_ptr<float>(), a.o_norm = fp32[2].data_ptr<float>();
+  a.conv_state = conv_state.data_ptr<float>(), a.rec_state = rec_state.data_ptr<float>();
+  a.slots = slots.data_ptr<int64_t>(), a.starts = st, a.S = S, a.H = H, a.D = D, a.K = K, a.longest = longest;
+  a.lower_bound = float(lower_bound), a.eps = float(eps), a.y = y.data();
+  if (rec_buf.has_value()) {
+    check_f32(*rec_buf, "rec_buf", 5);
+    check_f32(*conv_buf, "conv_buf", 4);
+    TORCH_CHECK(rec_buf->size(0) == S && rec_buf->size(1) >= longest && conv_buf->size(1) == rec_buf->size(1),
+                "record buffers must be [S, T, ...] with T >= the longest sequence");
+    a.rec_buf = rec_buf->data_ptr<float>(), a.conv_buf = conv_buf->data_ptr<float>(), a.record_len = rec_buf->size(1);
+  }
+  kda_rows(a);
+  for (auto& v : y) v = proj.r(v);  // o.to(x.dtype) before o_proj
+  proj(y.data(), R, w[8], out.data(), d);
+  return as_tensor(out, R, d, x);
+}
+
+// w: q_a, q_a_layernorm, q_b (or q_proj, empty, empty), kv_a_proj_with_mqa, kv_a_layernorm,
+// kv_b, g_proj (or empty), o_proj. Writes the rows' latents at cache_rows, then attends.
+at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, at::Tensor cache_rows,
+                     at::Tensor table, at::Tensor seq, at::Tensor pos, int64_t block, double scale, int64_t heads,
+                     int64_t nope, int64_t kv_lora, double norm_eps) {
+  using namespace k3k;
+  TORCH_CHECK(w.size() == 8, "mla_block takes 8 weights, got ", w.size());
+  check_i64(cache_rows, "cache_rows");
+  TORCH_CHECK(cache.dim() == 2 && cache.is_contiguous(), "cache must be [rows, c + r]");
+  const int64_t R = x.size(0), d = x.size(1), width = w[3].size(0), qdim = has(w[1]) ? w[2].size(0) : w[0].size(0);
+  TORCH_CHECK(cache.size(1) == width && cache_rows.size(0) == R, "latent rows and cache disagree");
+  const Proj proj{x.scalar_type() == at::kBFloat16};
+  Buf xf = floats(x), q(R * qdim), lat(R * width);
+  if (has(w[1])) {
+    const int64_t ql = w[0].size(0);
+    Buf qa(R * ql);
+    proj(xf.data(), R, w[0], qa.data(), ql);
+    const Buf nw = floats(w[1]);
+    for (int64_t i = 0; i < R; ++i) proj.norm(qa.data() + i * ql, ql, nw, float(norm_eps));
+    proj(qa.data(), R, w[2], q.data(), qdim);
+  } else {
+    proj(xf.data(), R, w[0], q.data(), qdim);
+  }
+  proj(xf.data(), R, w[3], lat.data(), width);
+  const Buf kvw = floats(w[4]);
+  for (int64_t i = 0; i < R; ++i) proj.norm(lat.data() + i * width, kv_lora, kvw, float(norm_eps));
+  const int64_t* rows = cache_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < cache.size(0), "cache row ", rows[i], " outside the cache");
+  switch (cache.scalar_type()) {
+    case at::kFloat: write_rows(lat, R, width, rows, cache.data_ptr<float>(), false); break;
+    case at::kBFloat16: write_rows(lat, R, width, rows, cache.data_ptr<at::BFloat16>(), false); break;
+    case at::kFloat8_e4m3fn: write_rows(lat, R, width, rows, cache.data_ptr<c10::Float8_e4m3fn>(), true); break;
+    default: TORCH_CHECK(false, "latent cache dtype ", cache.scalar_type(), " is not supported");
+  }
+  at::Tensor qt = at::from_blob(q.data(), {R, heads, qdim / heads}, x.options().dtype(at::kFloat));
+  at::Tensor att = mla_decode(qt, nope, cache, w[5].view({heads, -1, kv_lora}), table, seq, pos, block, scale);
+  const int64_t hv = att.size(1) * att.size(2);
+  Buf o(att.data_ptr<float>(), att.data_ptr<float>() + R * hv), out(R * d);
+  if (has(w[6])) {
+    Buf g(R * hv);
+    proj(xf.data(), R, w[6], g.data(), hv);
+    for (int64_t i = 0; i < R * hv; ++i) o[i] *= sigmoid(g[i]);
+  }
+  for (auto& v : o) v = proj.r(v);  // out.to(x.dtype) before o_proj
+  proj(o.data(), R, w[7], out.data(), d);
+  return as_tensor(out, R, d, x);
+}
+
+// w: gate weight, score bias, down, routed norm, up (the latent MoE's; None for Kimi-Linear),
+// w1, w1 scale, w3, w3 scale, w2, w2 scale (scales None for dense experts), shared gate, up,
+// down (None without shared experts). x [N, d], any number of rows (torch's GEMM past kSmallM).
+at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int64_t topk, bool use_sigmoid,
+                     bool renorm, double scaling, int64_t groups, int64_t keep, int64_t act, double beta,
+                     double linear_beta, double eps) {
+  TORCH_CHECK(w.size() == 14, "moe_block takes 14 weights, got ", w.size());
+  x = x.contiguous();
+  const int64_t R = x.size(0), d = x.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16, packed = w[6].has_value();
+  auto [ids, weights] = moe_route(x, *w[0], *w[1], topk, use_sigmoid, renorm, scaling, groups, keep);
+  if (R > kSmallM) {  // prefill-sized: torch's GEMMs for the dense projections
+    at::Tensor z = w[2].has_value() ? at::linear(x, *w[2]) : x;
+    at::Tensor y = moe_experts(z.to(at::kFloat).contiguous(), ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10],
+                               act, beta, linear_beta, !packed && bf16).to(x.scalar_type());
+    if (w[2].has_value()) y = at::linear(w[3].has_value() ? rms_norm(y, *w[3], eps) : y, *w[4]);
+    if (w[11].has_value())
+      y = y + at::linear(glu_act(at::linear(x, *w[11]), at::linear(x, *w[12]), act, beta, linear_beta), *w[13]);
+    return y;
+  }
+  const Proj proj{bf16};
+  Buf xf = floats(x);
+  Buf z;
+  int64_t L = d;
+  if (w[2].has_value()) {
+    L = w[2]->size(0);
+    z.resize(R * L);
+    proj(xf.data(), R, *w[2], z.data(), L);
+  } else {
+    z = xf;
+  }
+  at::Tensor zt = at::from_blob(z.data(), {R, L}, x.options().dtype(at::kFloat));
+  at::Tensor routed = moe_experts(zt, ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10], act, beta, linear_beta,
+                                  !packed && bf16);
+  Buf y(routed.data_ptr<float>(), routed.data_ptr<float>() + R * L), out(R * d);
+  for (auto& v : y) v = proj.r(v);  // y.to(x.dtype)
+  if (w[2].has_value()) {
+    if (w[3].has_value()) {
+      const Buf nw = floats(*w[3]);
+      for (int64_t i = 0; i < R; ++i) proj.norm(y.data() + i * L, L, nw, float(eps));
+    }
+    proj(y.data(), R, *w[4], out.data(), d);
+  } else {
+    out = y;
+  }
+  if (w[11].has_value()) {
+    const int64_t I = w[11]->size(0);
+    Buf g(R * I), u(R * I), s(R * d);
+    proj(xf.data(), R, *w[11], g.data(), I);
+    proj(xf.data(), R, *w[12], u.data(), I);
+    for (int64_t i = 0; i < R * I; ++i) g[i] = proj.r(activate(act, g[i], u[i], float(beta), float(linear_beta)));
+    proj(g.data(), R, *w[13], s.data(), d);
+    for (int64_t i = 0; i < R * d; ++i) out[i] = proj.r(out[i] + s[i]);
+  }
+  return as_tensor(out, R, d, x);
+}

@@ -1,0 +1,109 @@
+// Shared helpers of the CPU kernels (k3serve/kernels): argument checks, FTZ scope, loads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define K3K_HAVE_MXCSR 1
+#endif
+
+namespace k3k {
+
+// FTZ/DAZ for one thread's scope: long products of KDA decays produce FP32 denormals that
+// make arithmetic 10-50x slower (the torch path scopes torch.set_flush_denormal the same way).
+// Set inside each parallel chunk: MXCSR is per thread.
+struct FlushDenormals {
+#ifdef K3K_HAVE_MXCSR
+  unsigned saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+inline void check_f32(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.dim());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+inline void check_i64(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name,
+              " must be a contiguous 1-D int64 tensor");
+}
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+// GLU activation in fp32 (layers/activation.py): 0 = SiLU(g) u; 1 = SiTU:
+// beta tanh(g/beta) sigmoid(g) * lb tanh(u/lb), with lb <= 0 meaning a plain u
+inline float activate(int64_t act, float g, float u, float beta, float lb) {
+  if (act == 0) return g * sigmoid(g) * u;
+  const float lin = lb > 0.f ? lb * std::tanh(u / lb) : u;
+  return beta * std::tanh(g / beta) * sigmoid(g) * lin;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Rows of a float tensor in its stored dtype (fp32, bf16, fp8 e4m3), read as float.
+template <typename T>
+inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// bf16 -> fp32 by its bits (the top half of an fp32), written so that loops over it vectorise
+inline float bf16_bits(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <>
+inline float load<at::BFloat16>(const at::BFloat16* p, int64_t i) { return bf16_bits(p[i].x); }
+
+// E8M0 scale byte -> 2^(s - 127) (0xFF = NaN), one table for all kernels
+struct E8M0Table {
+  float v[256];
+  E8M0Table() {
+    for (int s = 0; s < 256; ++s) v[s] = s == 0xFF ? NAN : std::ldexp(1.0f, s - 127);
+  }
+};
+inline const E8M0Table& e8m0() {
+  static const E8M0Table table;
+  return table;
+}
+
+// One packed MXFP4 row (K/2 code bytes, low nibble = even column; K/32 E8M0 scales) -> K floats,
+// exact: a power-of-two scale times an E2M1 value (k3-model-spec.md §8).
+inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_t K, float* out) {
+  static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  const float* pow2 = e8m0().v;
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const float mult = pow2[scale[g]];
+    const uint8_t* p = packed + g * 16;
+    float* o = out + g * 32;
+    for (int i = 0; i < 16; ++i) {
+      o[2 * i] = kE2M1[p[i] & 0x0F] * mult;
+      o[2 * i + 1] = kE2M1[p[i] >> 4] * mult;
+    }
+  }
+}
+
+// Work items per parallel chunk so that a chunk holds about `work` flops: small models stay on
+// one thread (a fork/join costs more than their whole layer), large ones use every core.
+inline int64_t grain_for(int64_t flops_per_item, int64_t work = 1 << 16) {
+  return std::max<int64_t>(1, work / std::max<int64_t>(1, flops_per_item));
+}
+
+}  // namespace k3k

@@ -1,0 +1,161 @@
+// Stepwise Kimi Delta Attention for decode and verify rows, one call per layer (issue 15).
+//
+// Rows are grouped by sequence (rows starts[s] .. starts[s+1] of sequence s, in order); each
+// sequence's rows run one after another from its state slot: short conv step + SiLU, per-head
+// l2norm (q scaled by D^-1/2), decay g from z = f_b(f_a x) (K3: lb * sigmoid(exp(A_log) (z + dt_bias));
+// Kimi-Linear: -exp(A_log) softplus(z + dt_bias)), beta = sigmoid(b), the gated delta rule
+//   S <- Diag(exp(g)) S;  S <- S + beta k (v - S^T k)^T;  o = S^T q
+// then y = RMSNorm_D(o) * sigmoid(gate). States are updated in place; with record buffers the
+// state after every row is kept for speculative rollback.
+// References (plain torch, compared in tests/model/test_kernels.py): short_conv_step, kda_step
+// and KimiDeltaAttention._output (k3serve/layers), k3-model-spec.md §3.
+#include "common.h"
+#include "ops.h"
+
+#include <vector>
+
+namespace {
+
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold
+
+}  // namespace
+
+void kda_rows(const KdaRows& a) {
+  using namespace k3k;
+  const int64_t S = a.S, H = a.H, D = a.D, K = a.K, P = H * D, C3 = 3 * P, T = a.longest, TB = a.record_len;
+  const int64_t *st = a.starts, *sl = a.slots;
+  const float *zp = a.z, *bp = a.b, *gp = a.gate, *dp = a.dt_bias, *ap = a.a_log, *np = a.o_norm;
+  float *cs = a.conv_state, *rs = a.rec_state, *yp = a.y, *rb = a.rec_buf, *cb = a.conv_buf;
+  const bool k3_gate = !std::isnan(a.lower_bound);
+  const float lb = a.lower_bound, qscale = 1.f / std::sqrt(float(D)), eps = a.eps;
+  // one work item = (sequence, head): every channel a head reads (its q/k/v conv channels, its
+  // D x D state, its gate and norm) belongs to it alone, so items run in parallel without locks
+  at::parallel_for(0, S * H, grain_for(4 * D * D * std::max<int64_t>(T, 1)), [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    std::vector<float> q(D), k(D), v(D), g(D), pred(D), o(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / H, h = item % H, slot = sl[s];
+      float* state = rs + ((slot * H + h) * D) * D;  // [Dk, Dv]
+      float* cst = cs + slot * (K - 1) * C3;          // [K-1, 3P]
+      const float decay_rate = std::exp(ap[h]);
+      for (int64_t r = st[s]; r < st[s + 1]; ++r) {
+        // short conv over the window [state rows..., u_r] for this head's q, k, v channels
+        float* outs[3] = {q.data(), k.data(), v.data()};
+        for (int part = 0; part < 3; ++part) {
+          for (int64_t i = 0; i < D; ++i) {
+            const int64_t c = part * P + h * D + i;
+            float acc = 0.f;
+            for (int64_t j = 0; j < K - 1; ++j) acc += cst[j * C3 + c] * a.conv_w[part][(h * D + i) * K + j];
+            const float cur = a.u[r * a.ldu + c];
+            acc += cur * a.conv_w[part][(h * D + i) * K + K - 1];
+            for (int64_t j = 0; j + 1 < K - 1; ++j) cst[j * C3 + c] = cst[(j + 1) * C3 + c];
+            if (K > 1) cst[(K - 2) * C3 + c] = cur;
+            outs[part][i] = acc * sigmoid(acc);  // SiLU
+          }
+        }
+        const float rq = qscale / std::sqrt(dot(q.data(), q.data(), D) + 1e-6f);
+        const float rk = 1.f / std::sqrt(dot(k.data(), k.data(), D) + 1e-6f);
+        for (int64_t i = 0; i < D; ++i) {
+          q[i] *= rq;
+          k[i] *= rk;
+          const float zz = zp[r * a.ldz + h * D + i] + dp[h * D + i];
+          g[i] = std::exp(k3_gate ? lb * sigmoid(decay_rate * zz) : -decay_rate * softplus(zz));
+        }
+        const float beta = sigmoid(bp[r * a.ldb + h]);
+        // decay the key rows and form S^T k in one pass, then the rank-1 write and S^T q
+        std::fill(pred.begin(), pred.end(), 0.f);
+        for (int64_t kk = 0; kk < D; ++kk) {
+          float* row = state + kk * D;
+          const float gk = g[kk], kv = k[kk];
+#pragma omp simd
+          for (int64_t j = 0; j < D; ++j) {
+            row[j] *= gk;
+            pred[j] += kv * row[j];
+          }
+        }
+        for (int64_t j = 0; j < D; ++j) v[j] -= pred[j];
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t kk = 0; kk < D; ++kk) {
+          float* row = state + kk * D;
+          const float bk = beta * k[kk], qk = q[kk];
+#pragma omp simd
+          for (int64_t j = 0; j < D; ++j) {
+            row[j] += bk * v[j];
+            o[j] += qk * row[j];
+          }
+        }
+        const float rms = 1.f / std::sqrt(dot(o.data(), o.data(), D) / float(D) + eps);
+        for (int64_t j = 0; j < D; ++j)
+          yp[r * P + h * D + j] = np[j] * (o[j] * rms) * sigmoid(gp[r * a.ldg + h * D + j]);
+        if (rb) {  // per-position state for rollback: [S, TB, H, D, D] and [S, TB, K-1, 3P]
+          const int64_t t = r - st[s];
+          std::memcpy(rb + (((s * TB + t) * H + h) * D) * D, state, sizeof(float) * D * D);
+          for (int64_t j = 0; j < K - 1; ++j)
+            for (int part = 0; part < 3; ++part)
+              std::memcpy(cb + ((s * TB + t) * (K - 1) + j) * C3 + part * P + h * D,
+                          cst + j * C3 + part * P + h * D, sizeof(float) * D);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor kda_decode(at::Tensor u, at::Tensor conv_w, at::Tensor z, at::Tensor b, at::Tensor gate,
+                      at::Tensor dt_bias, at::Tensor a_log, at::Tensor o_norm_w, at::Tensor conv_state,
+                      at::Tensor rec_state, at::Tensor slots, at::Tensor starts, double lower_bound,
+                      double eps, c10::optional<at::Tensor> rec_buf, c10::optional<at::Tensor> conv_buf) {
+  using namespace k3k;
+  check_f32(u, "u", 2);
+  check_f32(conv_w, "conv_w", 2);
+  check_f32(z, "z", 2);
+  check_f32(b, "b", 2);
+  check_f32(gate, "gate", 2);
+  check_f32(conv_state, "conv_state", 3);
+  check_f32(rec_state, "rec_state", 4);
+  check_i64(slots, "slots");
+  check_i64(starts, "starts");
+  const int64_t N = u.size(0), C3 = u.size(1), P = C3 / 3, H = rec_state.size(1), D = rec_state.size(2);
+  const int64_t K = conv_w.size(1), S = slots.size(0);
+  TORCH_CHECK(C3 == 3 * P && P == H * D && rec_state.size(3) == D, "u [N, 3P] with P = H * D = ", H * D);
+  TORCH_CHECK(conv_w.size(0) == C3 && conv_state.size(1) == K - 1 && conv_state.size(2) == C3,
+              "conv weight [3P, K] and conv state [slots, K-1, 3P] disagree");
+  TORCH_CHECK(z.size(0) == N && z.size(1) == P && gate.size(0) == N && gate.size(1) == P && b.size(0) == N &&
+                  b.size(1) == H, "z/gate [N, P] and b [N, H] must match u's rows");
+  TORCH_CHECK(starts.size(0) == S + 1, "starts must have one entry more than slots");
+  at::Tensor dtb = dt_bias.contiguous().to(at::kFloat), alog = a_log.contiguous().to(at::kFloat);
+  at::Tensor onw = o_norm_w.contiguous().to(at::kFloat);
+  TORCH_CHECK(dtb.numel() == P && alog.numel() == H && onw.numel() == D, "dt_bias [P], A_log [H], o_norm [D]");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[S] == N, "starts must run from 0 to N = ", N);
+  int64_t T = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(st[s + 1] >= st[s], "starts must not decrease");
+    TORCH_CHECK(sl[s] >= 0 && sl[s] < rec_state.size(0), "state slot ", sl[s], " out of range");
+    T = std::max(T, st[s + 1] - st[s]);
+  }
+  float* rb = nullptr;
+  float* cb = nullptr;
+  if (rec_buf.has_value()) {
+    check_f32(*rec_buf, "rec_buf", 5);
+    check_f32(*conv_buf, "conv_buf", 4);
+    TORCH_CHECK(rec_buf->size(0) == S && rec_buf->size(1) >= T && conv_buf->size(1) == rec_buf->size(1),
+                "record buffers must be [S, T, ...] with T >= the longest sequence");
+    rb = rec_buf->data_ptr<float>();
+    cb = conv_buf->data_ptr<float>();
+  }
+  const int64_t TB = rb ? rec_buf->size(1) : 0;
+  auto y = at::empty({N, P}, u.options());
+  const float *up = u.data_ptr<float>(), *wp = conv_w.data_ptr<float>(), *zp = z.data_ptr<float>();
+  const float *bp = b.data_ptr<float>(), *gp = gate.data_ptr<float>(), *dp = dtb.data_ptr<float>();
+  const float *ap = alog.data_ptr<float>(), *np = onw.data_ptr<float>();
+  float *cs = conv_state.data_ptr<float>(), *rs = rec_state.data_ptr<float>(), *yp = y.data_ptr<float>();
+  KdaRows a{};
+  a.u = up, a.ldu = C3, a.z = zp, a.ldz = P, a.b = bp, a.ldb = H, a.gate = gp, a.ldg = P;
+  a.conv_w[0] = wp, a.conv_w[1] = wp + P * K, a.conv_w[2] = wp + 2 * P * K;
+  a.dt_bias = dp, a.a_log = ap, a.o_norm = np, a.conv_state = cs, a.rec_state = rs, a.slots = sl, a.starts = st;
+  a.S = S, a.H = H, a.D = D, a.K = K, a.longest = T, a.record_len = TB, a.lower_bound = float(lower_bound);
+  a.eps = float(eps), a.rec_buf = rb, a.conv_buf = cb, a.y = yp;
+  kda_rows(a);
+  return y;
+}

@@ -1,0 +1,26 @@
+// Python bindings of the CPU kernels (k3serve/kernels/__init__.py builds this directory).
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mxfp4_grouped_matmul", &mxfp4_grouped_matmul,
+        "y[N, O] = x[N, K] @ W_e^T per expert group, W packed MXFP4 [E, O, K/2] + E8M0 [E, O, K/32]");
+  m.def("kda_decode", &kda_decode, "stepwise KDA rows (decode / verify) with in-place states -> y [N, P]",
+        py::arg("u"), py::arg("conv_w"), py::arg("z"), py::arg("b"), py::arg("gate"), py::arg("dt_bias"),
+        py::arg("a_log"), py::arg("o_norm_w"), py::arg("conv_state"), py::arg("rec_state"), py::arg("slots"),
+        py::arg("starts"), py::arg("lower_bound"), py::arg("eps"), py::arg("rec_buf") = py::none(),
+        py::arg("conv_buf") = py::none());
+  m.def("mla_decode", &mla_decode, "absorbed MLA attention of decode / verify rows over the paged latent cache");
+  m.def("moe_experts", &moe_experts, "routed experts (MXFP4 or dense) and their weighted sum -> [N, out] fp32");
+  m.def("moe_route", &moe_route, "router: (expert ids [N, k], weights [N, k])");
+  m.def("rms_norm", &rms_norm, "RMSNorm with HF's rounding points");
+  m.def("attnres_mix", &attnres_mix, "Block AttnRes depth mix of candidates [N, d]");
+  m.def("linear", &fast_linear, "x [M, K] @ W [N, K]^T; a GEMV loop for small M, torch's GEMM beyond");
+  m.def("glu", &glu_act, "act(gate, up) in fp32, rounded to the inputs' dtype");
+  m.def("kda_block", &kda_block, "a whole KDA attention block for decode / verify rows",
+        py::arg("x"), py::arg("w"), py::arg("conv_state"), py::arg("rec_state"), py::arg("slots"), py::arg("starts"),
+        py::arg("lower_bound"), py::arg("eps"), py::arg("rec_buf") = py::none(), py::arg("conv_buf") = py::none());
+  m.def("mla_block", &mla_block, "a whole gated-MLA attention block for decode / verify rows");
+  m.def("moe_block", &moe_block, "a whole MoE block: router, routed experts, latent norm/up, shared experts");
+}

@@ -1,0 +1,216 @@
+// The routed half of a MoE layer in two calls (issue 15): `moe_route` (router scores, noaux_tc
+// selection, renormalised weights) and `moe_experts` (every selected expert on its tokens and the
+// weighted sum), for packed MXFP4 experts (K3) and dense fp32/bf16 ones (Kimi-Linear).
+//
+// moe_experts groups (token, expert) pairs by expert; each (expert, output row) decodes its row
+// once and dots it with that expert's tokens, as mxfp4_grouped_matmul does, so a 4-bit expert
+// costs its packed bytes of traffic. Every pair's result is summed into its token in expert
+// order, independent of which other tokens share the step (batch invariance).
+// References: k3serve/layers/router.py `route`, k3serve/layers/experts.py `experts_forward`
+// (and `experts_reference`), compared in tests/model/test_kernels.py.
+#include "common.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int kGroup = 32;
+using k3k::activate;
+using k3k::round_bf16;
+
+// One expert matrix [E, O, I]: dense (fp32 / bf16) or packed MXFP4 (codes [E, O, I/2], E8M0 [E, O, I/32]).
+struct Matrix {
+  at::ScalarType dtype;
+  const void* data;
+  const uint8_t* scale = nullptr;
+  int64_t E, O, I;
+
+  // Row `o` of expert `e` as I floats in `buf`.
+  void row(int64_t e, int64_t o, float* buf) const {
+    if (scale) {
+      k3k::decode_mxfp4_row(static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2), scale + (e * O + o) * (I / kGroup),
+                            I, buf);
+    } else if (dtype == at::kBFloat16) {
+      const uint16_t* p = static_cast<const uint16_t*>(data) + (e * O + o) * I;
+      for (int64_t i = 0; i < I; ++i) buf[i] = k3k::bf16_bits(p[i]);
+    } else {
+      std::memcpy(buf, static_cast<const float*>(data) + (e * O + o) * I, sizeof(float) * I);
+    }
+  }
+};
+
+Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const char* name) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.device().is_cpu(), name, " must be a contiguous [E, O, I] tensor");
+  if (scale.has_value()) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && scale->scalar_type() == at::kByte && scale->is_contiguous(),
+                name, ": packed MXFP4 needs uint8 codes and uint8 E8M0 scales");
+    TORCH_CHECK(scale->size(0) == w.size(0) && scale->size(1) == w.size(1) && scale->size(2) * kGroup == 2 * w.size(2),
+                name, ": scales must be [E, O, I/32]");
+    return {at::kByte, w.data_ptr(), scale->data_ptr<uint8_t>(), w.size(0), w.size(1), 2 * w.size(2)};
+  }
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, name,
+              " must be float32, bfloat16 or packed MXFP4, got ", w.scalar_type());
+  return {w.scalar_type(), w.data_ptr(), nullptr, w.size(0), w.size(1), w.size(2)};
+}
+
+}  // namespace
+
+at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Tensor w1,
+                       c10::optional<at::Tensor> w1_scale, at::Tensor w3, c10::optional<at::Tensor> w3_scale,
+                       at::Tensor w2, c10::optional<at::Tensor> w2_scale, int64_t act, double beta,
+                       double linear_beta, bool round_bf16_steps) {
+  using namespace k3k;
+  check_f32(z, "z", 2);
+  check_f32(weights, "weights", 2);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.is_contiguous(), "ids must be [N, k] int64");
+  const Matrix m1 = matrix(w1, w1_scale, "w1"), m3 = matrix(w3, w3_scale, "w3"), m2 = matrix(w2, w2_scale, "w2");
+  const int64_t N = z.size(0), Kin = z.size(1), topk = ids.size(1), E = m1.E, inter = m1.O, out_dim = m2.O;
+  TORCH_CHECK(m1.I == Kin && m3.I == Kin && m3.O == inter && m2.I == inter && m3.E == E && m2.E == E,
+              "expert shapes disagree: w1/w3 [E, inter, ", Kin, "], w2 [E, out, inter]");
+  TORCH_CHECK(!m1.scale || Kin % kGroup == 0, "K = ", Kin, " is not a multiple of ", kGroup);
+  TORCH_CHECK(weights.size(0) == N && weights.size(1) == topk && ids.size(0) == N, "ids and weights must be [N, k]");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t p = 0; p < N * topk; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "expert id ", ip[p], " out of range [0, ", E, ")");
+    ++count[ip[p] + 1];
+  }
+  std::vector<int64_t> offset(E + 1, 0), order(N * topk), rank(N * topk);
+  std::partial_sum(count.begin(), count.end(), offset.begin());
+  {
+    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+    for (int64_t p = 0; p < N * topk; ++p) rank[p] = fill[ip[p]]++, order[rank[p]] = p;  // stable by expert
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (offset[e + 1] > offset[e]) active.push_back(e);
+  const int64_t A = int64_t(active.size()), pairs = N * topk;
+  const float *zp = z.data_ptr<float>(), *wp = weights.data_ptr<float>();
+  const float fb = float(beta), flb = float(linear_beta);
+  const bool rnd = round_bf16_steps;
+  std::vector<float> h(pairs * inter), y(pairs * out_dim);
+  at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> r1(Kin), r3(Kin);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = active[item / inter], o = item % inter;
+      m1.row(e, o, r1.data());
+      m3.row(e, o, r3.data());
+      for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
+        const float* x = zp + (order[q] / topk) * Kin;
+        float g = dot(r1.data(), x, Kin), u = dot(r3.data(), x, Kin);
+        if (rnd) g = round_bf16(g), u = round_bf16(u);
+        const float a = activate(int(act), g, u, fb, flb);
+        h[q * inter + o] = rnd ? round_bf16(a) : a;
+      }
+    }
+  });
+  at::parallel_for(0, A * out_dim, grain_for(2 * inter * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> r2(inter);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = active[item / out_dim], o = item % out_dim;
+      m2.row(e, o, r2.data());
+      for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
+        const float v = dot(r2.data(), h.data() + q * inter, inter);
+        y[q * out_dim + o] = rnd ? round_bf16(v) : v;
+      }
+    }
+  });
+  auto out = at::zeros({N, out_dim}, z.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < N; ++t) {  // each token's pairs in expert order (the sorted order)
+    std::vector<int64_t> mine(rank.begin() + t * topk, rank.begin() + (t + 1) * topk);
+    std::sort(mine.begin(), mine.end());
+    for (int64_t q : mine) {
+      const float wq = wp[order[q]];
+      for (int64_t o = 0; o < out_dim; ++o) op[t * out_dim + o] += y[q * out_dim + o] * wq;
+    }
+  }
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void route_rows(const T* x, const at::Tensor& wt, const float* bias, int64_t N, int64_t d, int64_t E, int64_t topk,
+                bool use_sigmoid, bool renorm, float scaling, int64_t groups, int64_t keep, int64_t* ids, float* out) {
+  const T* w = wt.data_ptr<T>();
+  at::parallel_for(0, N, k3k::grain_for(2 * d * E), [&](int64_t begin, int64_t end) {
+    std::vector<float> xr(d), wr(d), scores(E), choice(E);
+    std::vector<int64_t> idx(E);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < d; ++i) xr[i] = static_cast<float>(x[t * d + i]);
+      float peak = -std::numeric_limits<float>::infinity();
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t i = 0; i < d; ++i) wr[i] = static_cast<float>(w[e * d + i]);
+        scores[e] = k3k::dot(xr.data(), wr.data(), d);
+        peak = std::max(peak, scores[e]);
+      }
+      if (use_sigmoid) {
+        for (auto& s : scores) s = k3k::sigmoid(s);
+      } else {
+        float total = 0.f;
+        for (auto& s : scores) total += (s = std::exp(s - peak));
+        for (auto& s : scores) s /= total;
+      }
+      for (int64_t e = 0; e < E; ++e) choice[e] = scores[e] + bias[e];
+      if (groups > 1) {  // DeepSeek rule: a group's score is the sum of its top two
+        const int64_t size = E / groups, top = std::min<int64_t>(2, size);
+        std::vector<std::pair<float, int64_t>> gs(groups);
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          std::vector<float> members(choice.begin() + gi * size, choice.begin() + (gi + 1) * size);
+          std::partial_sort(members.begin(), members.begin() + top, members.end(), std::greater<float>());
+          float sum = 0.f;
+          for (int64_t j = 0; j < top; ++j) sum += members[j];
+          gs[gi] = {sum, gi};
+        }
+        std::stable_sort(gs.begin(), gs.end(), [](auto& a, auto& b) { return a.first > b.first; });
+        std::vector<bool> kept(groups, false);
+        for (int64_t j = 0; j < keep; ++j) kept[gs[j].second] = true;
+        for (int64_t e = 0; e < E; ++e)
+          if (!kept[e / size]) choice[e] = -std::numeric_limits<float>::infinity();
+      }
+      std::iota(idx.begin(), idx.end(), 0);
+      std::partial_sort(idx.begin(), idx.begin() + topk, idx.end(), [&](int64_t a, int64_t b) {
+        return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+      });
+      float total = 0.f;
+      for (int64_t j = 0; j < topk; ++j) total += scores[idx[j]];
+      for (int64_t j = 0; j < topk; ++j) {
+        ids[t * topk + j] = idx[j];
+        out[t * topk + j] = (renorm ? scores[idx[j]] / (total + 1e-20f) : scores[idx[j]]) * scaling;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> moe_route(at::Tensor x, at::Tensor weight, at::Tensor bias, int64_t topk,
+                                             bool use_sigmoid, bool renorm, double scaling, int64_t groups,
+                                             int64_t keep) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous() &&
+                  x.scalar_type() == weight.scalar_type(), "x [N, d] and gate weight [E, d] must share a dtype");
+  const int64_t N = x.size(0), d = x.size(1), E = weight.size(0);
+  TORCH_CHECK(weight.size(1) == d, "gate weight must be [E, ", d, "]");
+  TORCH_CHECK(topk >= 1 && topk <= E, "top_k = ", topk, " must be in [1, ", E, "]");
+  TORCH_CHECK(groups >= 1 && E % groups == 0 && keep >= 1 && keep <= groups, "expert groups do not divide E");
+  at::Tensor b = bias.to(at::kFloat).contiguous();
+  TORCH_CHECK(b.numel() == E, "score correction bias must have E = ", E, " entries");
+  auto ids = at::empty({N, topk}, x.options().dtype(at::kLong));
+  auto w = at::empty({N, topk}, x.options().dtype(at::kFloat));
+  const float* bp = b.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat)
+    route_rows(x.data_ptr<float>(), weight, bp, N, d, E, topk, use_sigmoid, renorm, float(scaling), groups, keep,
+               ids.data_ptr<int64_t>(), w.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    route_rows(x.data_ptr<at::BFloat16>(), weight, bp, N, d, E, topk, use_sigmoid, renorm, float(scaling), groups,
+               keep, ids.data_ptr<int64_t>(), w.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "router input dtype ", x.scalar_type(), " is not supported");
+  return {ids, w};
+}

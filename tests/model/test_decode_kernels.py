@@ -1,0 +1,202 @@
+"""The decode-path CPU kernels (kda_decode, mla_decode, moe_route, moe_experts, rms_norm,
+attnres_mix; k3serve/kernels/cpu) against the plain torch functions they replace, on random
+shapes with ragged edges. Summation orders differ, so FP32 results are compared with stated
+tolerances; batch invariance is bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3serve import kernels
+from k3serve.config.model_config import MoEConfig
+from k3serve.layers.activation import silu_and_mul, situ_and_mul
+from k3serve.layers.attnres import attnres_mix
+from k3serve.layers.experts import experts_forward
+from k3serve.layers.kda_ops import flush_denormals, kda_step
+from k3serve.layers.mla import attend_absorbed
+from k3serve.layers.norm import l2_normalize, rms_norm
+from k3serve.layers.router import route
+from k3serve.layers.short_conv import short_conv_step
+from k3serve.weights.mxfp4 import PackedMXFP4
+
+K = kernels.get("cpp")
+
+
+def kda_inputs(g, S, lens, H, D, Kc, slots_total):
+    N, P = sum(lens), H * D
+    return dict(u=torch.randn(N, 3 * P, generator=g), conv_w=torch.randn(3 * P, Kc, generator=g) / 2,
+                z=torch.randn(N, P, generator=g), b=torch.randn(N, H, generator=g),
+                gate=torch.randn(N, P, generator=g), dt_bias=torch.randn(P, generator=g) / 4,
+                a_log=torch.randn(H, generator=g) / 2, o_norm_w=torch.rand(D, generator=g) + 0.5,
+                conv_state=torch.randn(slots_total, Kc - 1, 3 * P, generator=g),
+                rec_state=torch.randn(slots_total, H, D, D, generator=g) / D)
+
+
+def kda_reference(a, slots, lens, lower_bound, eps, H, D):
+    """Row by row with the torch decode functions (short_conv_step, kda_step, gated RMSNorm)."""
+    conv, rec = a["conv_state"].clone(), a["rec_state"].clone()
+    P = H * D
+    y, recs, convs, r = torch.empty(a["u"].shape[0], P), [], [], 0
+    A = a["a_log"].exp().repeat_interleave(D)
+    for slot, n in zip(slots, lens):
+        rs, cs = [], []
+        for _ in range(n):
+            c, conv[slot:slot + 1] = short_conv_step(a["u"][r:r + 1], a["conv_w"], conv[slot:slot + 1])
+            q, k, v = c.view(1, 3, H, D).unbind(1)
+            q, k = l2_normalize(q) * D ** -0.5, l2_normalize(k)
+            zz = a["z"][r:r + 1] + a["dt_bias"]
+            gl = lower_bound * torch.sigmoid(A * zz) if lower_bound is not None else -A * F.softplus(zz)
+            with flush_denormals():
+                o, rec[slot:slot + 1] = kda_step(q, k, v, gl.view(1, H, D), torch.sigmoid(a["b"][r:r + 1]),
+                                                 rec[slot:slot + 1])
+            y[r] = (rms_norm(o, a["o_norm_w"], eps) * torch.sigmoid(a["gate"][r].view(1, H, D))).reshape(-1)
+            rs.append(rec[slot].clone())
+            cs.append(conv[slot].clone())
+            r += 1
+        recs.append(rs)
+        convs.append(cs)
+    return y, conv, rec, recs, convs
+
+
+@pytest.mark.parametrize("seed,lower_bound", [(0, -5.0), (1, None), (2, -5.0), (3, None)])
+def test_kda_decode_equals_the_torch_steps(seed, lower_bound):
+    g = torch.Generator().manual_seed(seed)
+    H, D, Kc = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(3, 20, (1,), generator=g)), 4
+    S = int(torch.randint(1, 5, (1,), generator=g))
+    lens = torch.randint(1, 5, (S,), generator=g).tolist()  # verify-like runs of several rows
+    slots = torch.randperm(8, generator=g)[:S].tolist()
+    a = kda_inputs(g, S, lens, H, D, Kc, 8)
+    y_ref, conv_ref, rec_ref, recs, convs = kda_reference(a, slots, lens, lower_bound, 1e-5, H, D)
+    T = max(lens)
+    rec_buf, conv_buf = torch.zeros(S, T, H, D, D), torch.zeros(S, T, Kc - 1, 3 * H * D)
+    starts = torch.tensor([0] + lens).cumsum(0)
+    lb = float("nan") if lower_bound is None else lower_bound
+    y = K.kda_decode(**a, slots=torch.tensor(slots), starts=starts, lower_bound=lb, eps=1e-5,
+                     rec_buf=rec_buf, conv_buf=conv_buf)  # updates a's states in place
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a["rec_state"], rec_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a["conv_state"], conv_ref, rtol=0, atol=0)  # a shift: exact
+    for j, n in enumerate(lens):
+        for t in range(n):
+            torch.testing.assert_close(rec_buf[j, t], recs[j][t], rtol=1e-5, atol=1e-6)
+            assert torch.equal(conv_buf[j, t], convs[j][t])
+
+
+def test_kda_decode_rows_do_not_depend_on_batch_mates():
+    g = torch.Generator().manual_seed(5)
+    a = kda_inputs(g, 3, [1, 1, 1], 2, 16, 4, 4)
+    alone = {k: v[1:2].clone() if k in ("u", "z", "b", "gate") else v.clone() for k, v in a.items()}
+    full = K.kda_decode(**a, slots=torch.tensor([0, 2, 3]), starts=torch.tensor([0, 1, 2, 3]), lower_bound=-5.0,
+                        eps=1e-5)
+    one = K.kda_decode(**alone, slots=torch.tensor([2]), starts=torch.tensor([0, 1]), lower_bound=-5.0, eps=1e-5)
+    assert torch.equal(full[1], one[0]) and torch.equal(a["rec_state"][2], alone["rec_state"][2])
+
+
+def test_kda_decode_refuses_bad_arguments_by_name():
+    g = torch.Generator().manual_seed(0)
+    a = kda_inputs(g, 1, [2], 2, 8, 4, 2)
+    with pytest.raises(RuntimeError, match="state slot 5 out of range"):
+        K.kda_decode(**a, slots=torch.tensor([5]), starts=torch.tensor([0, 2]), lower_bound=-5.0, eps=1e-5)
+    with pytest.raises(RuntimeError, match="starts must run from 0 to N"):
+        K.kda_decode(**a, slots=torch.tensor([0]), starts=torch.tensor([0, 1]), lower_bound=-5.0, eps=1e-5)
+    a["u"] = a["u"].double()
+    with pytest.raises(RuntimeError, match="u must be float32"):
+        K.kda_decode(**a, slots=torch.tensor([0]), starts=torch.tensor([0, 2]), lower_bound=-5.0, eps=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("seed", range(3))
+def test_mla_decode_equals_absorbed_attention(seed, cache_dtype):
+    g = torch.Generator().manual_seed(seed)
+    H, n, r, c, v, block = 3, 8, 4, 16, 8, 4
+    blocks = 12
+    cache = (torch.randn(blocks * block, c + r, generator=g) / 2).to(cache_dtype)
+    w_kv_b = torch.randn(H, n + v, c, generator=g) / 4
+    tables = [torch.randperm(blocks, generator=g)[:3].tolist(), torch.randperm(blocks, generator=g)[:2].tolist()]
+    positions = [[9], [2, 3, 4, 5]]  # one decode, one verify run of four rows crossing a block edge
+    q = torch.randn(5, H, n + r, generator=g)
+    seq = torch.tensor([0, 1, 1, 1, 1])
+    pos = torch.tensor([p for ps in positions for p in ps])
+    table = torch.tensor([tables[0], tables[1] + [-1]])
+    got = K.mla_decode(q, n, cache, w_kv_b, table, seq, pos, block, 0.3)
+    for i in range(5):
+        t, p = tables[int(seq[i])], int(pos[i])
+        rows = torch.tensor([t[j // block] * block + j % block for j in range(p + 1)])
+        lat = cache[rows].float()
+        ref = attend_absorbed(q[i:i + 1, :, :n], q[i:i + 1, :, n:], lat[:, :c], lat[:, c:], w_kv_b, v, p, 0.3)
+        torch.testing.assert_close(got[i], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_refuses_rows_outside_their_table():
+    cache, w = torch.zeros(16, 20), torch.zeros(2, 16, 16)
+    q = torch.zeros(1, 2, 12)
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        K.mla_decode(q, 8, cache, w, torch.tensor([[0]]), torch.tensor([0]), torch.tensor([4]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        K.mla_decode(q, 8, cache, w, torch.tensor([[9]]), torch.tensor([0]), torch.tensor([1]), 4, 1.0)
+
+
+@pytest.mark.parametrize("groups,keep,act", [(1, 1, "sigmoid"), (4, 2, "sigmoid"), (1, 1, "softmax")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_route_equals_the_router(groups, keep, act, dtype):
+    g = torch.Generator().manual_seed(groups + keep)
+    cfg = MoEConfig(num_experts=16, top_k=4, num_shared_experts=0, expert_intermediate_size=8, latent_size=None,
+                    latent_use_norm=False, router_activation=act, renormalize=True, routed_scaling_factor=2.5,
+                    num_expert_group=groups, topk_group=keep, first_k_dense_replace=0, layer_freq=1)
+    x, w, bias = torch.randn(11, 24, generator=g).to(dtype), torch.randn(16, 24, generator=g).to(dtype), \
+        torch.randn(16, generator=g) / 10
+    ids_ref, w_ref = route(x, w, bias, cfg)
+    ids, wts = K.moe_route(x, w, bias, 4, act == "sigmoid", True, 2.5, groups, keep)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(wts, w_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "fp32", "bf16"])
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_moe_experts_equals_the_torch_experts(kind, act):
+    g = torch.Generator().manual_seed(len(kind) + len(act))
+    E, h, inter, out, T, k = 6, 64, 96, 24, 9, 2
+    dense = [torch.randn(E, inter, h, generator=g) / 8, torch.randn(E, inter, h, generator=g) / 8,
+             torch.randn(E, out, inter, generator=g) / 6]
+    fn = (lambda a, b: situ_and_mul(a, b, 4.0, 25.0)) if act == "situ" else silu_and_mul
+    x = torch.randn(T, h, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[3] = ids[4]  # two tokens share experts
+    weights = torch.rand(T, k, generator=g)
+    if kind == "mxfp4":
+        w1, w3, w2 = (PackedMXFP4.quantize(d) for d in dense)
+        args, ref_x = [w1.packed, w1.scale, w3.packed, w3.scale, w2.packed, w2.scale], x
+    else:
+        dt = torch.float32 if kind == "fp32" else torch.bfloat16
+        w1, w3, w2 = (d.to(dt) for d in dense)
+        args, ref_x = [w1, None, w3, None, w2, None], x.to(dt)
+    ref = experts_forward(ref_x, ids, weights, w1, w2, w3, fn)  # the torch path (no kernels)
+    got = K.moe_experts(ref_x.float(), ids, weights, *args, int(act == "situ"), 4.0, 25.0, kind == "bf16")
+    tol = 2e-2 if kind == "bf16" else 1e-5  # bf16: both round at the same steps; an ulp flip moves 1/128
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def test_moe_experts_rows_do_not_depend_on_batch_mates():
+    g = torch.Generator().manual_seed(9)
+    w = [PackedMXFP4.quantize(torch.randn(4, 32, 64, generator=g)) for _ in range(2)]
+    w2 = PackedMXFP4.quantize(torch.randn(4, 64, 32, generator=g))
+    args = [w[0].packed, w[0].scale, w[1].packed, w[1].scale, w2.packed, w2.scale, 1, 4.0, 25.0, False]
+    x, ids, wt = torch.randn(5, 64, generator=g), torch.randint(0, 4, (5, 1), generator=g), torch.rand(5, 1)
+    full = K.moe_experts(x, ids, wt, *args)
+    one = K.moe_experts(x[2:3].clone(), ids[2:3].clone(), wt[2:3].clone(), *args)
+    assert torch.equal(full[2], one[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_attnres_mix_equal_their_torch_forms(dtype):
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(7, 48, generator=g).to(dtype) * 3, (torch.rand(48, generator=g) + 0.5).to(dtype)
+    ulp = 0 if dtype == torch.float32 else 2 ** -7  # bf16: an ulp where the fp32 sums round differently
+    torch.testing.assert_close(K.rms_norm(x, w, 1e-5).float(), rms_norm(x, w, 1e-5).float(),
+                               rtol=max(ulp, 1e-6), atol=1e-6)
+    cands = [torch.randn(7, 48, generator=g).to(dtype) for _ in range(4)]
+    v = torch.randn(48, generator=g)
+    torch.testing.assert_close(K.attnres_mix(cands, v, 1e-5).float(), attnres_mix(cands, v, 1e-5).float(),
+                               rtol=max(ulp, 1e-5), atol=1e-5)
