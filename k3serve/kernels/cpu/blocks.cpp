@@ -13,6 +13,10 @@
 
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kSmallM = 16;  // up to this many rows a GEMV loop beats a oneDNN/MKL GEMM call
@@ -24,17 +28,33 @@ inline float as_float(uint16_t v) { return k3k::bf16_bits(v); }
 using k3k::activate;
 using k3k::round_bf16;
 
+// sum_k x[k] w[k] over a float or bf16-bits row: AVX-512 where compiled for it (16 lanes, then a
+// scalar tail), otherwise a loop the compiler may vectorise. The order is fixed per K, so a
+// row's result never depends on its batch mates.
+inline float row_dot(const float* x, const float* w, int64_t K) { return k3k::dot(x, w, K); }
+inline float row_dot(const float* x, const uint16_t* w, int64_t K) {
+  int64_t k = 0;
+  float acc = 0.f;
+#ifdef __AVX512F__
+  __m512 v = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + k))), 16);
+    v = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_castsi512_ps(bits), v);
+  }
+  acc = _mm512_reduce_add_ps(v);
+#endif
+  for (; k < K; ++k) acc += x[k] * as_float(w[k]);
+  return acc;
+}
+
 // y[m, n] (row stride ldy) = sum_k x[m, k] W[n, k], fp32 accumulation; W float or bf16 bits
 template <typename W>
 void gemv_raw(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy, bool rnd) {
-  at::parallel_for(0, N, k3k::grain_for(2 * K * M, 1 << 17), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, k3k::grain_for(2 * K * M, 1 << 20), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const W* wr = w + n * K;
       for (int64_t m = 0; m < M; ++m) {
-        const float* xr = x + m * K;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < K; ++k) acc += xr[k] * as_float(wr[k]);
+        const float acc = row_dot(x + m * K, wr, K);
         y[m * ldy + n] = rnd ? round_bf16(acc) : acc;
       }
     }
