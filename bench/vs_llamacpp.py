@@ -1,6 +1,6 @@
 """Benchmark: k3serve vs llama.cpp on the same checkpoint, same run, same threads (issue 15).
 
-    .venv/bin/python bench/vs_llamacpp.py [--threads 2] [--only k3-mxfp4,kl-bf16]
+    .venv/bin/python bench/vs_llamacpp.py [--threads 2] [--only k3-mxfp4,kl-bf16,kl-400m]
 
 First use builds llama.cpp from the `llama-cpp-python` sdist on PyPI (it vendors the whole tree,
 with its kimi-k3 / kimi-linear models and converter) into ~/.cache/k3serve/llamacpp (about 8
@@ -168,6 +168,13 @@ def checkpoints(only: set[str]) -> dict[str, Path]:
         if not (d / "config.json").exists():
             build_tiny_checkpoint(d, kind="kimi_linear", seed=0)
         out["kl-bf16"] = d
+    if "kl-400m" in only:  # ~410 M params, 102 M active: where weight traffic sets decode speed
+        from k3serve.testing.tiny_configs import kimi_linear_400m_config
+
+        d = CACHE / "ckpt-kimi-linear-400m"
+        if not (d / "config.json").exists():
+            build_tiny_checkpoint(d, kind="kimi_linear", seed=0, config=kimi_linear_400m_config())
+        out["kl-400m"] = d
     return out
 
 
@@ -175,7 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default="k3-mxfp4,kl-bf16")
+    ap.add_argument("--only", default="k3-mxfp4,kl-bf16", help="comma list of k3-mxfp4, kl-bf16, kl-400m")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)

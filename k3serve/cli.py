@@ -22,9 +22,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_build_tiny(args: argparse.Namespace) -> int:
     from k3serve.testing.builder import build_tiny_checkpoint
+    from k3serve.testing.tiny_configs import kimi_linear_400m_config
 
-    out = build_tiny_checkpoint(args.out, kind=args.kind, seed=args.seed)
-    print(f"wrote tiny {args.kind} checkpoint (random weights, seed {args.seed}) to {out}")
+    if args.size == "400m" and args.kind != "kimi_linear":
+        raise SystemExit("build-tiny: --size 400m is a Kimi-Linear layout (use --kind kimi_linear)")
+    config = kimi_linear_400m_config() if args.size == "400m" else None
+    out = build_tiny_checkpoint(args.out, kind=args.kind, seed=args.seed, config=config)
+    print(f"wrote {args.size} {args.kind} checkpoint (random weights, seed {args.seed}) to {out}")
     return 0
 
 
@@ -188,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-tiny", help="write a tiny random-weight checkpoint in the real layout")
     p.add_argument("out")
     p.add_argument("--kind", choices=("k3", "kimi_linear"), default="k3")
+    p.add_argument("--size", choices=("tiny", "400m"), default="tiny",
+                   help="400m: a ~408 M-param Kimi-Linear (110 M active) for bandwidth-bound benchmarks")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_build_tiny)
     return parser

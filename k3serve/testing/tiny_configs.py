@@ -68,3 +68,14 @@ def tiny_kimi_linear_config(num_layers: int = 6, hidden_size: int = 64, num_expe
     raw["linear_attn_config"] = dict(full_attn_layers=full, kda_layers=kda, head_dim=16, num_heads=4,
                                      short_conv_kernel_size=4)
     return copy.deepcopy(raw)
+
+
+def kimi_linear_400m_config() -> dict[str, Any]:
+    """Kimi-Linear's layout at ~408 M params, ~110 M active (hidden 1024, 8 layers, 32 experts
+    top-4, KDA 8 x 128 heads): the size issue 15 measures decode bandwidth on, where weight
+    traffic, not dispatch, sets the speed. Same tiny tokenizer as the tiny configs."""
+    raw = tiny_kimi_linear_config(num_layers=8, hidden_size=1024, num_experts=32, top_k=4)
+    raw.update(intermediate_size=4096, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=256,
+               qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, moe_intermediate_size=512)
+    raw["linear_attn_config"].update(head_dim=128, num_heads=8)
+    return raw

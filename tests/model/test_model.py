@@ -150,3 +150,23 @@ def test_kimi_linear_matches_transformers(tiny_kl_dir):
     llm = LLM(str(tiny_kl_dir), cache_memory="16MiB", max_model_len=256)  # the serving engine
     got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert got[0].outputs[0].token_ids == ref["tokens"]
+
+
+def test_the_400m_kimi_linear_preset_has_the_benchmarked_size(tmp_path):
+    """`build-tiny --kind kimi_linear --size 400m` (issue 15's bandwidth benchmark model): counted
+    on the meta device, ~410 M params of which ~102 M are active (top-4 of 32 experts)."""
+    from k3serve.cli import main
+    from k3serve.config.model_config import ModelConfig
+    from k3serve.layers.expert_weights import ExpertWeights
+    from k3serve.models.registry import build_model
+    from k3serve.testing.tiny_configs import kimi_linear_400m_config
+
+    cfg = ModelConfig.from_dict(kimi_linear_400m_config())
+    with torch.device("meta"):
+        m = build_model(cfg)
+    total = sum(t.numel() for t in [*m.parameters(), *m.buffers()])
+    experts = sum(e.weight.numel() for e in m.modules() if isinstance(e, ExpertWeights))
+    active = total - experts + experts * cfg.moe.top_k // cfg.moe.num_experts
+    assert 400e6 < total < 420e6 and 95e6 < active < 110e6, (total, active)
+    with pytest.raises(SystemExit, match="Kimi-Linear layout"):
+        main(["build-tiny", str(tmp_path), "--kind", "k3", "--size", "400m"])
