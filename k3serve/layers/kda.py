@@ -63,8 +63,7 @@ class KimiDeltaAttention(nn.Module):
                 return self.o_proj(y.to(x.dtype))
         o = torch.empty(N, self.heads, self.head_dim, dtype=torch.float32, device=x.device)
         beta, g = torch.sigmoid(b), self._decay(z).view(N, self.heads, self.head_dim)
-        decodes = [] if fast else [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0
-                                   and i not in batch.verify]
+        decodes = [] if fast else step.decodes
         rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
         with flush_denormals():
             if batch.verify and not fast:

@@ -118,8 +118,7 @@ class GatedMLA(nn.Module):
                                                      step.positions, batch.block_size, self.scale)
             done = set(step.seqs)
         w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank) if len(done) < batch.num_seqs else None
-        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0
-                   and i not in batch.verify and i not in done]
+        decodes = [i for i in step.decodes if i not in done]
         if self.absorbed_decode and len(decodes) > 1:
             self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out)
             done.update(decodes)

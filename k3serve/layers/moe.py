@@ -88,11 +88,7 @@ class SparseMoE(nn.Module):
         if fast and x.dtype in (torch.float32, torch.bfloat16):
             return self._block_kernel(x)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
-        if fast:
-            y = self._routed_kernel(x, z)
-        else:
-            y = self._routed_torch(x, z)
-        y = y.to(x.dtype)
+        y = self._routed_torch(x, z).to(x.dtype)
         if self.cfg.latent_size is not None:
             if self.cfg.latent_use_norm:
                 y = self.routed_expert_norm(y)
@@ -119,19 +115,6 @@ class SparseMoE(nn.Module):
         return self.kernels.moe_block(x, self._kernel_weights, m.top_k, m.router_activation == "sigmoid",
                                       m.renormalize, m.routed_scaling_factor, m.num_expert_group, m.topk_group,
                                       int(self.situ is not None), beta, linear_beta, self.eps)
-
-    def _routed_kernel(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Router and experts in two compiled calls (kernels/cpu/moe_fused.cpp) -> [N, h] fp32."""
-        m, k = self.cfg, self.kernels
-        ids, weights = k.moe_route(x.contiguous(), self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
-                                   m.router_activation == "sigmoid", m.renormalize, m.routed_scaling_factor,
-                                   m.num_expert_group, m.topk_group)
-        args = []
-        for w in (self.w1, self.w3, self.w2):
-            args += [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
-        beta, linear_beta = self.situ or (0.0, 0.0)
-        rounding = not self.w1.is_packed and z.dtype == torch.bfloat16  # the torch path's bf16 steps
-        return k.moe_experts(z.float().contiguous(), ids, weights, *args, int(self.situ is not None), beta, linear_beta, rounding)
 
     def _routed_torch(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)

@@ -26,6 +26,7 @@ class StepRows:
     """
 
     seqs: list[int]  # batch indices of these sequences, in that order
+    decodes: list[int]  # the single-token decodes among them (seqs without the verify head)
     rows: torch.Tensor  # [R] flat-batch rows, grouped by sequence
     starts: torch.Tensor  # [S + 1] rows of sequence j are starts[j]..starts[j+1] of `rows`
     slots: torch.Tensor  # [S] KDA state slots
@@ -62,7 +63,7 @@ class StepRows:
             return torch.tensor(values, dtype=torch.long, device=dev)
 
         table = t([batch.block_tables[i] + [-1] * (width - len(batch.block_tables[i])) for i in seqs])
-        return cls(seqs, t(rows), t(starts), t([batch.state_slots[i] for i in seqs]), t(seq), t(pos),
+        return cls(seqs, decodes, t(rows), t(starts), t([batch.state_slots[i] for i in seqs]), t(seq), t(pos),
                    table.view(len(seqs), width), t(cache_rows),
                    max((starts[j + 1] - starts[j] for j in range(len(seqs))), default=0),
                    covers_all=len(rows) == len(batch.input_ids), identity=rows == list(range(len(batch.input_ids))))
