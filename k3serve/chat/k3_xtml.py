@@ -149,11 +149,20 @@ def render_k3(messages: list[Message], tools: list[dict] | None = None, *, think
 
 
 def media_block(item) -> list[Seg]:
-    """`<|media_begin|>image WxH<|media_content|>` + one `<|media_pad|>` per tower row +
-    `<|media_end|>` (k3-model-spec.md §9.3; W x H the original image size)."""
+    """An image: `<|media_begin|>image WxH<|media_content|>` + one `<|media_pad|>` per tower row +
+    `<|media_end|>` (W x H the original image size). A video: per 4-frame chunk,
+    `HH:MM:SS.fff<|media_begin|>video<|media_content|>` + pads + `<|media_end|>`, the time of the
+    chunk's first frame (k3-model-spec.md §9.3)."""
+    chunks = getattr(item, "chunks", None)
+    if chunks is not None:
+        return [s for c in chunks for s in [Seg(c.label)] + _media("video", c.num_tokens)]
     w, h = item.size
-    return ([Seg("<|media_begin|>", True), Seg(f"image {w}x{h}"), Seg("<|media_content|>", True)]
-            + [Seg("<|media_pad|>", True)] * item.num_tokens + [Seg("<|media_end|>", True)])
+    return _media(f"image {w}x{h}", item.num_tokens)
+
+
+def _media(header: str, pads: int) -> list[Seg]:
+    return ([Seg("<|media_begin|>", True), Seg(header), Seg("<|media_content|>", True)]
+            + [Seg("<|media_pad|>", True)] * pads + [Seg("<|media_end|>", True)])
 
 
 def content_segs(m: Message) -> list[Seg]:

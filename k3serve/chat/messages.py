@@ -1,6 +1,6 @@
 """Normalized chat input shared by the renderers (plain dataclasses, no I/O).
 
-Message content may be a string or OpenAI content parts: text, and image parts on user
+Message content may be a string or OpenAI content parts: text, and image / video parts on user
 messages, which a `load_media` callable turns into processed media (the server decodes them);
 each leaves a MEDIA mark in the text where the renderer writes its placeholder block. Anything
 else raises ChatInputError naming the field.
@@ -65,7 +65,7 @@ def _text(value: Any, where: str) -> str | None:
 
 
 MEDIA = "\ufffc"  # OBJECT REPLACEMENT CHARACTER: where a media item sits in a message's text
-MEDIA_PARTS = ("image_url", "input_image")
+MEDIA_PARTS = ("image_url", "input_image", "video_url")
 
 
 def content_text(content: Any, where: str, load_media: Callable | None = None) -> tuple[str, list]:
@@ -91,7 +91,7 @@ def content_text(content: Any, where: str, load_media: Callable | None = None) -
             media.append(load_media(part, at))
             parts.append(MEDIA)
         else:
-            raise ChatInputError(f"{at}: part type {kind!r} is not supported (text, image_url)")
+            raise ChatInputError(f"{at}: part type {kind!r} is not supported (text, image_url, video_url)")
     return "".join(parts), media
 
 

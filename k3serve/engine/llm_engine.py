@@ -104,7 +104,7 @@ class LLMEngine:
                                   parse_bytes(config.mm_encoder_cache))
         if self.model.cfg.vision is not None:
             line = (f"vision encoder cache: {self.media.cache_bytes:,} B beside the cache budget "
-                    f"(tower rows by image digest)")
+                    f"(tower rows by image / video-chunk digest)")
             self.startup_log.append(line)
             log.info(line)
         self._groups: dict[str, _Group] = {}
@@ -128,9 +128,11 @@ class LLMEngine:
             n = getattr(params, name)
             if n is not None and n > self.config.max_logprobs:
                 raise ParamError(name, f"{name} must be in [0, {self.config.max_logprobs}] (max_logprobs), got {n}")
-        images = list((prompt.get("multi_modal_data") or {}).get("image", [])) if isinstance(prompt, dict) else []
+        mm = (prompt.get("multi_modal_data") or {}) if isinstance(prompt, dict) else {}
+        images, videos = list(mm.get("image", [])), list(mm.get("video", []))
         text, ids = self._tokenize(prompt)
-        media = self.media.prepare(ids, images) if images or self.media.needs_images(ids) else None
+        media = (self.media.prepare(ids, images, videos, self.tokenizer)
+                 if images or videos or self.media.needs_images(ids) else None)
         constraints = [self._constraint(params.structured) for _ in range(params.n)] if params.structured else None
         group = _Group(request_id, text, ids, [], {"arrival_time": time.monotonic()},
                        prompt_logprobs={} if params.prompt_logprobs is not None else None)

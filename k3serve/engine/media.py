@@ -1,12 +1,15 @@
 """Media in prompts: the vision tower's rows for a prompt's `<|media_pad|>` positions, an encoder
 cache keyed by image content, and the ids prefix caching hashes instead of the pads.
 
-A prompt carries images as `multi_modal_data={"image": [ProcessedImage, ...]}` (vLLM's key);
-its token ids already hold each image's pad run (the chat renderer writes
-`<|media_begin|>image WxH<|media_content|>` + N pads + `<|media_end|>`), and the i-th pad of
-the prompt takes the i-th projector row (k3-model-spec.md §9.3). For prefix caching every pad
-id is replaced by a negative pseudo-id derived from (image digest, index): the same image
-reuses the cached prefix, a different image behind the same text does not.
+A prompt carries media as `multi_modal_data={"image": [ProcessedImage, ...], "video":
+[ProcessedVideo, ...]}` (vLLM's keys); its token ids already hold each item's pad runs (the chat
+renderer writes `<|media_begin|>image WxH<|media_content|>` + N pads + `<|media_end|>` per
+image, `HH:MM:SS.fff<|media_begin|>video<|media_content|>` + pads + `<|media_end|>` per 4-frame
+chunk of a video), and the i-th pad of the prompt takes the i-th projector row
+(k3-model-spec.md §9.3). Images and videos are matched to the blocks in prompt order by each
+block's header ("image ..." or "video"). For prefix caching every pad id is replaced by a
+negative pseudo-id derived from (item digest, index): the same image or video chunk reuses the
+cached prefix, a different one behind the same text does not.
 """
 
 from __future__ import annotations
@@ -69,9 +72,11 @@ class MediaEncoder:
         """Media pads in a prompt that brings no images would embed as the pad token itself."""
         return self.cfg.vision is not None and self.pad_id is not None and self.pad_id in ids
 
-    def prepare(self, ids: list[int], images: list) -> PromptMedia:
+    def prepare(self, ids: list[int], images: list, videos: list = (), tokenizer=None) -> PromptMedia:
+        """`tokenizer` reads the block headers; needed only when a prompt has both kinds."""
         if self.cfg.vision is None or self.pad_id is None:
             raise ParamError("messages", "this model has no vision tower: send text only")
+        images = self.in_prompt_order(ids, list(images), list(videos), tokenizer) if videos else list(images)
         positions = [i for i, t in enumerate(ids) if t == self.pad_id]
         want = sum(im.num_tokens for im in images)
         if len(positions) != want:
@@ -83,3 +88,19 @@ class MediaEncoder:
                 k += 1
         embeds = torch.cat([self.encode(im) for im in images]) if images else torch.empty(0)
         return PromptMedia(torch.tensor(positions, dtype=torch.long), embeds, hash_ids)
+
+    def in_prompt_order(self, ids: list[int], images: list, videos: list, tokenizer) -> list:
+        """The tower items (images, video chunks) in the order of the prompt's media blocks."""
+        chunks = [c for v in videos for c in v.chunks]
+        begin, content = (tokenizer.special_tokens.get(s) for s in ("<|media_begin|>", "<|media_content|>"))
+        starts = [i for i, t in enumerate(ids) if t == begin]
+        kinds = []
+        for i in starts:
+            j = ids.index(content, i) if content in ids[i:] else len(ids)
+            kinds.append("video" if tokenizer.decode(ids[i + 1:j]).strip().startswith("video") else "image")
+        if kinds.count("image") != len(images) or kinds.count("video") != len(chunks):
+            raise ParamError("messages", f"the prompt has {kinds.count('image')} image and {kinds.count('video')} "
+                                         f"video blocks; the request brings {len(images)} images and "
+                                         f"{len(chunks)} video chunks")
+        it_img, it_vid = iter(images), iter(chunks)
+        return [next(it_img) if k == "image" else next(it_vid) for k in kinds]

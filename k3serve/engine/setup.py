@@ -62,17 +62,31 @@ def activation_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
     return config.max_num_batched_tokens * cfg.hidden_size * 4 * 16 + config.max_num_seqs * cfg.vocab_size * 4
 
 
+def vision_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
+    """The vision tower (loaded on first use, beside the text model) and its encoder cache: what a
+    model with a tower keeps outside the cache, as the planner counts it per rank."""
+    if model.cfg.vision is None:
+        return 0
+    from k3serve.weights.schema import model_tensor_specs
+
+    tower = sum(s.params for s in model_tensor_specs(model.cfg) if s.vision) * model.dtype.itemsize
+    return tower + parse_bytes(config.mm_encoder_cache)
+
+
 def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausalLM | None = None) -> int:
     if config.cache_memory is not None:
         return parse_bytes(config.cache_memory)
     if config.gpu_memory_utilization is not None and model is not None:
-        # vLLM's meaning: utilization x TOTAL memory holds weights + activations + cache
+        # vLLM's meaning: utilization x TOTAL memory holds weights + activations + cache (+ the
+        # vision tower and its encoder cache, for a model with one)
         f = config.gpu_memory_utilization
         total, weights, act = total_memory(device), weight_bytes(model), activation_reserve(config, model)
-        budget = int(total * f) - weights - act
+        vision = vision_reserve(config, model)
+        budget = int(total * f) - weights - act - vision
         if budget <= 0:
             raise ValueError(f"--gpu-memory-utilization {f}: {f} x {total / 2**30:.1f} GiB leaves no cache after "
-                             f"{weights / 2**30:.2f} GiB of weights and {act / 2**30:.2f} GiB of activations; raise it")
+                             f"{weights / 2**30:.2f} GiB of weights, {act / 2**30:.2f} GiB of activations and "
+                             f"{vision / 2**30:.2f} GiB for the vision tower and its encoder cache; raise it")
         free = free_memory(device)
         if budget > free:
             raise ValueError(f"--gpu-memory-utilization {f} asks for a {budget / 2**30:.2f} GiB cache, but only "

@@ -23,7 +23,7 @@ from k3serve.server.errors import APIError, install_error_handlers
 from k3serve.server.guard import GuardConfig, GuardMiddleware
 from k3serve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                      as_dicts)
-from k3serve.server.serving_chat import create_chat_completion
+from k3serve.server.serving_chat import create_chat_completion, template_options
 from k3serve.server.serving_completion import create_completion
 from k3serve.server.responses_convert import ResponsesRequest
 from k3serve.server.serving_responses import create_response
@@ -134,9 +134,11 @@ def _tokenize_body(state: ServerState, req: TokenizeRequest) -> list[bytes]:
     if req.prompt is not None:
         parts = state.tokenizer.encode_parts(req.prompt, allow_special=True)
     else:
+        thinking, kw = template_options(req.chat_template_kwargs)
         try:
             parts = [state.renderer.render(as_dicts(req.messages), ChatOptions(
-                add_generation_prompt=req.add_generation_prompt), load_media=state.media_loader()).token_ids]
+                thinking=thinking, add_generation_prompt=req.add_generation_prompt, template_kwargs=kw),
+                load_media=state.media_loader()).token_ids]
         except ChatInputError as e:
             raise APIError(400, str(e), param="messages") from None
     return tokens_json(parts, state.max_model_len)

@@ -68,12 +68,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="always on: prefill is chunked on the 64-token KDA grid")
     p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
-    p.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": 8},
-                   help='media per request, JSON: {"image": 8} (video is not supported yet)')
+    p.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": 8, "video": 1},
+                   help='media per request, JSON: {"image": 8, "video": 1}')
     p.add_argument("--mm-encoder-cache", default="256MiB",
-                   help="memory for vision-tower rows kept by image digest, e.g. 1GiB (0: no encoder cache)")
+                   help="memory for vision-tower rows kept by image / video-chunk digest, e.g. 1GiB (0: none)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
-                   help="hosts image URLs may be fetched from (default: none; data: URLs always work)")
+                   help="hosts image / video URLs may be fetched from (default: none; data: URLs always work)")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept in memory for previous_response_id (oldest evicted)")
     p.add_argument("--seed", type=int, default=0)
@@ -157,10 +157,10 @@ def media_limits(args: argparse.Namespace):
     limit = args.limit_mm_per_prompt
     if not isinstance(limit, dict) or set(limit) - {"image", "video"} or not all(
             isinstance(v, int) and v >= 0 for v in limit.values()):
-        raise ValueError(f"--limit-mm-per-prompt takes a JSON object like {{\"image\": 4}}, got {limit!r}")
-    if limit.get("video"):
-        raise ValueError("--limit-mm-per-prompt video: not supported: video input is not built yet (issue 21)")
-    return MediaLimits(images_per_prompt=limit.get("image", 8), allowed_domains=tuple(args.allowed_media_domains))
+        raise ValueError(f"--limit-mm-per-prompt takes a JSON object like {{\"image\": 4, \"video\": 1}}, "
+                         f"got {limit!r}")
+    return MediaLimits(images_per_prompt=limit.get("image", 8), videos_per_prompt=limit.get("video", 1),
+                       allowed_domains=tuple(args.allowed_media_domains))
 
 
 def chat_template_arg(value: str | None) -> str | None:

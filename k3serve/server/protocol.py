@@ -198,6 +198,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as chat: {"thinking": false} renders that prompt
     add_special_tokens: bool = False  # parsed for vLLM compatibility; Kimi prompts carry no BOS
 
 

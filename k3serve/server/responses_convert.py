@@ -83,12 +83,15 @@ def _text(content: Any, where: str, images: bool = False) -> str | list[dict]:
     return parts
 
 
-def input_messages(inp: str | list[dict]) -> list[dict]:
-    """Responses input items -> chat messages."""
+def input_messages(inp: str | list[dict], sources: list[int] | None = None) -> list[dict]:
+    """Responses input items -> chat messages; `sources` gets each message's input item index."""
     if isinstance(inp, str):
+        if sources is not None:
+            sources.append(0)
         return [{"role": "user", "content": inp}]
     msgs: list[dict] = []
     for i, item in enumerate(inp):
+        n0 = len(msgs)
         kind = item.get("type", "message")
         where = f"input[{i}]"
         if kind == "message":
@@ -112,6 +115,8 @@ def input_messages(inp: str | list[dict]) -> list[dict]:
             continue
         else:
             raise APIError(400, f"{where}: input item type {kind!r} is not supported", param="input")
+        if sources is not None:  # a call merged into the previous message keeps that one's index
+            sources.extend([i] * (len(msgs) - n0))
     return msgs
 
 

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from k3serve.engine.async_engine import EngineOverloaded, RequestFailed
 from k3serve.engine.outputs import RequestOutput
+from k3serve.multimodal.video import ProcessedVideo
 from k3serve.sampling.params import ParamError, SamplingParams
 from k3serve.server.errors import APIError, error_body
 from k3serve.server.state import ServerState
@@ -77,7 +78,9 @@ class Run:
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
         prompt = {"prompt_token_ids": prompt_ids}
         if media:
-            prompt["multi_modal_data"] = {"image": list(media)}
+            videos = [m for m in media if isinstance(m, ProcessedVideo)]
+            prompt["multi_modal_data"] = {"image": [m for m in media if not isinstance(m, ProcessedVideo)],
+                                          "video": videos}
         self._gen = state.engine.generate(prompt, params, request_id, priority)
         if state.log_requests:
             p = params

@@ -48,9 +48,15 @@ def check_json_depth(value, param: str) -> None:
         raise APIError(400, str(e), param=param) from None
 
 
+def template_options(chat_template_kwargs: dict | None) -> tuple[bool, dict]:
+    """(thinking, the other template kwargs): K3's renderer takes `thinking` (or vLLM's
+    `enable_thinking`) itself; a Jinja template gets the rest."""
+    kw = dict(chat_template_kwargs or {})
+    return bool(kw.pop("thinking", kw.pop("enable_thinking", True))), kw
+
+
 def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> RenderedPrompt:
-    kw = dict(req.chat_template_kwargs or {})
-    thinking = bool(kw.pop("thinking", kw.pop("enable_thinking", True)))
+    thinking, kw = template_options(req.chat_template_kwargs)
     try:
         return state.renderer.render(as_dicts(req.messages), ChatOptions(
             tools=tools, tool_choice=choice, response_format=req.response_format, thinking=thinking,

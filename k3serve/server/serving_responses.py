@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 
 from fastapi import Request
@@ -50,6 +51,23 @@ def _body(state: ServerState, req: ResponsesRequest, rid: str, created: int, sta
     return body
 
 
+def input_location(message: str, req: ResponsesRequest, total: int) -> str:
+    """`messages[k]...` in a chat-side error -> `input[i]...` (or the instructions / an earlier
+    turn of previous_response_id), since the client sent input items, not messages."""
+    sources: list[int] = []
+    input_messages(req.input, sources)
+    first = total - len(sources)  # the instructions and the stored turns come first
+
+    def where(m: re.Match) -> str:
+        k = int(m.group(1))
+        if k >= first:
+            return f"input[{sources[k - first]}]" if not isinstance(req.input, str) else "input"
+        if req.instructions and k == 0:
+            return "instructions"
+        return f"an earlier turn (previous_response_id), message {k - bool(req.instructions)}"
+    return re.sub(r"messages\[(\d+)\]", where, message)
+
+
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request):
     req.check_fields()
     history = state.responses.get(req.previous_response_id, "previous_response_id")[1] \
@@ -61,9 +79,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     try:
         chat = await start_chat(state, chat_req)
     except APIError as e:
-        if e.param == "messages":  # the chat turn this request became: say so, name the field sent
-            e.param = "input"
-            e.message += " (input items as chat messages, after instructions and earlier turns)"
+        if e.param == "messages":  # the chat turn this request became: name the field the client sent
+            e.param, e.message = "input", input_location(e.message, req, len(chat_req.messages))
         raise
     rid, created = new_id("resp"), int(time.time())
     convo = history + input_messages(req.input)

@@ -159,8 +159,13 @@ def test_responses_api_takes_input_image(servers):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["input_tokens"] > 90  # the 90-token image is in the prompt
     bad = httpx.post(servers[0] + "/v1/responses", json={
-        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"junk")}]}]})
-    assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
+        "instructions": "Be brief.", "input": [
+            {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": [{"type": "input_text", "text": "and this?"},
+                                         {"type": "input_image", "image_url": data_url(b"junk")}]}]})
+    err = bad.json()["error"]  # named as the client sent it: the third input item, not messages[3]
+    assert bad.status_code == 400 and err["param"] == "input", err
+    assert err["message"].startswith("input[2].content[1]: image cannot be decoded") and "messages" not in err["message"]
 
 
 def test_encoder_cache_size_is_stated_and_zero_turns_it_off(tiny_k3_dir):

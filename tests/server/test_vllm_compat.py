@@ -51,7 +51,7 @@ def test_a_vllm_launch_line_starts_the_server(tiny_k3_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--limit-mm-per-prompt", '{"video": 1}'], "video input is not built yet"),
+    (["--limit-mm-per-prompt", '{"audio": 1}'], "takes a JSON object like"),
     (["--pipeline-parallel-size", "2"], "distributed runner is not built"),
     (["--enable-expert-parallel"], "distributed runner is not built"),
     (["--quantization", "awq"], "never requantizes"),
