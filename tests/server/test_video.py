@@ -9,6 +9,7 @@ one message keep their order, and bad video is a 400 naming the part."""
 from __future__ import annotations
 
 import io
+import json
 from types import SimpleNamespace
 
 import av
@@ -211,3 +212,19 @@ def test_gpu_memory_utilization_keeps_the_tower_and_its_encoder_cache_out_of_the
     assert vision_reserve(cfg["0"], model) == tower * model.dtype.itemsize > 0
     cpu = torch.device("cpu")
     assert cache_budget(cfg["0"], cpu, model) - cache_budget(cfg["8MiB"], cpu, model) == 8 << 20
+
+
+def test_build_tiny_vision_flag(tmp_path, capsys):
+    from k3serve.cli import main
+    from k3serve.config.model_config import ModelConfig
+    from k3serve.weights.checkpoint import CheckpointIndex
+
+    assert main(["build-tiny", str(tmp_path / "v"), "--vision"]) == 0 and "MoonViT3d tower" in capsys.readouterr().out
+    assert main(["build-tiny", str(tmp_path / "t"), "--no-vision"]) == 0
+    names = {k: set(CheckpointIndex.open(tmp_path / k).tensors) for k in ("v", "t")}
+    assert any(n.startswith("vision_tower.encoder.blocks.0.") for n in names["v"]) and "mm_projector.proj.0.weight" in names["v"]
+    assert not any(n.startswith(("vision_tower.", "mm_projector.")) for n in names["t"])
+    read = lambda k: ModelConfig.from_dict(json.loads((tmp_path / k / "config.json").read_text()))  # noqa: E731
+    assert read("t").vision is None and read("v").vision is not None
+    with pytest.raises(SystemExit, match="no vision tower"):
+        main(["build-tiny", str(tmp_path / "kl"), "--kind", "kimi_linear", "--vision"])
