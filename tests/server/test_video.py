@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from k3serve.multimodal.image import ImageSpec, preprocess
 from k3serve.multimodal.video import VideoSpec, load_video, sample_indices
@@ -228,3 +229,34 @@ def test_build_tiny_vision_flag(tmp_path, capsys):
     assert read("t").vision is None and read("v").vision is not None
     with pytest.raises(SystemExit, match="no vision tower"):
         main(["build-tiny", str(tmp_path / "kl"), "--kind", "kimi_linear", "--vision"])
+
+
+def reference_navit_resize():
+    """transformers' kimi_k25 `navit_resize`, the function itself: its module imports torchvision
+    (not installed here: its PyPI build needs CUDA torch), so the function's source is taken from
+    the file and run on its own (it needs only `math`)."""
+    import ast
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("transformers.models.kimi_k25")
+    src = (Path(spec.submodule_search_locations[0]) / "video_processing_kimi_k25.py").read_text()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize")
+    scope = {"math": math}
+    exec(compile(ast.Module([fn], []), "navit_resize", "exec"), scope)
+    return scope["navit_resize"]
+
+
+@pytest.mark.parametrize("size", [(640, 480), (1920, 1080), (28, 28), (10, 1000), (448, 448), (1, 1), (7000, 300)])
+@pytest.mark.parametrize("limit", [4096, 16384])  # per video frame, per image
+def test_resize_and_padding_equal_the_reference_navit_resize(size, limit):
+    from k3serve.multimodal.image import target_size
+
+    navit = reference_navit_resize()
+    w, h = size
+    (rh, rw), (ph, pw) = navit(h, w, patch_size=14, merge_kernel_size=2, max_patches=limit, max_size_per_side=512)
+    assert target_size(w, h, ImageSpec(in_patch_limit=limit)) == (rw, rh)
+    if w * h <= 640 * 480:  # the whole path: grid and tokens from the padded size
+        im = preprocess(Image.new("RGB", size), ImageSpec(in_patch_limit=limit))
+        assert im.grid == (1, ph // 14, pw // 14) and im.num_tokens == (ph // 28) * (pw // 28)
