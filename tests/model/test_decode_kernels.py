@@ -200,3 +200,30 @@ def test_rms_norm_and_attnres_mix_equal_their_torch_forms(dtype):
     v = torch.randn(48, generator=g)
     torch.testing.assert_close(K.attnres_mix(cands, v, 1e-5).float(), attnres_mix(cands, v, 1e-5).float(),
                                rtol=max(ulp, 1e-5), atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["silu", "situ", "situ_plain_up"])
+def test_vector_glu_matches_torch_across_the_whole_range(act):
+    """The GLU kernel's vector exp / tanh / sigmoid (kernels/cpu/simd.h) against torch's, fp32,
+    on values from 1e-30 to 1e4 of both signs (the small-|x| tanh series, its switch to e^x - 1,
+    the +-1 clamp past 9, exp's clamps), a NaN, and a length that leaves a masked tail."""
+    g = torch.Generator().manual_seed(3)
+    mags = torch.logspace(-30, 4, 997)
+    grid = torch.cat([mags, -mags, torch.tensor([0.0, 0.25, -0.25, 0.2499, 8.99, 9.01, -9.01, 88.5, -88.5])])
+    gate = grid[torch.randperm(grid.numel(), generator=g)].reshape(1, -1)
+    up = grid[torch.randperm(grid.numel(), generator=g)].reshape(1, -1)
+    gate[0, 5], up[0, 7] = float("nan"), float("nan")
+    if act == "silu":
+        want, code, beta, lb = silu_and_mul(gate, up), 0, 0.0, 0.0
+    else:
+        lb = 25.0 if act == "situ" else 0.0
+        want, code, beta = situ_and_mul(gate, up, 4.0, lb or None), 1, 4.0
+    got = K.glu(gate, up, code, beta, lb)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    torch.testing.assert_close(got[ok], want[ok], rtol=2e-6, atol=1e-37)
+    half = K.glu(gate.bfloat16(), up.bfloat16(), code, beta, lb)  # rounds like c10::BFloat16, NaN kept
+    ref = (silu_and_mul if act == "silu" else (lambda a, b: situ_and_mul(a, b, 4.0, lb or None)))(
+        gate.bfloat16(), up.bfloat16())
+    assert torch.equal(torch.isnan(half), torch.isnan(ref))
+    torch.testing.assert_close(half.float()[~torch.isnan(ref)], ref.float()[~torch.isnan(ref)], rtol=8e-3, atol=1e-37)

@@ -8,6 +8,7 @@
 // compared in tests/model/test_block_kernels.py.
 #include "common.h"
 #include "ops.h"
+#include "simd.h"
 
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -23,29 +24,9 @@ constexpr int64_t kSmallM = 16;  // up to this many rows a GEMV loop beats a one
 
 using Buf = std::vector<float>;
 
-inline float as_float(float v) { return v; }
-inline float as_float(uint16_t v) { return k3k::bf16_bits(v); }
-using k3k::activate;
 using k3k::round_bf16;
 
-// sum_k x[k] w[k] over a float or bf16-bits row: AVX-512 where compiled for it (16 lanes, then a
-// scalar tail), otherwise a loop the compiler may vectorise. The order is fixed per K, so a
-// row's result never depends on its batch mates.
-inline float row_dot(const float* x, const float* w, int64_t K) { return k3k::dot(x, w, K); }
-inline float row_dot(const float* x, const uint16_t* w, int64_t K) {
-  int64_t k = 0;
-  float acc = 0.f;
-#ifdef __AVX512F__
-  __m512 v = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) {
-    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + k))), 16);
-    v = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_castsi512_ps(bits), v);
-  }
-  acc = _mm512_reduce_add_ps(v);
-#endif
-  for (; k < K; ++k) acc += x[k] * as_float(w[k]);
-  return acc;
-}
+using k3k::row_dot;
 
 // y[m, n] (row stride ldy) = sum_k x[m, k] W[n, k], fp32 accumulation; W float or bf16 bits
 template <typename W>
@@ -141,7 +122,7 @@ at::Tensor glu_act(at::Tensor gate, at::Tensor up, int64_t act, double beta, dou
               "glu: gate and up must be [rows, n] of one dtype");
   Buf g = floats(gate), u = floats(up);
   const Proj p{gate.scalar_type() == at::kBFloat16};
-  for (size_t i = 0; i < g.size(); ++i) g[i] = p.r(activate(act, g[i], u[i], float(beta), float(linear_beta)));
+  k3k::activate_n(act, g.data(), u.data(), g.data(), int64_t(g.size()), float(beta), float(linear_beta), p.rnd);
   return as_tensor(g, gate.size(0), gate.size(1), gate);
 }
 
@@ -308,7 +289,7 @@ at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int
     Buf g(R * I), u(R * I), s(R * d);
     proj(xf.data(), R, *w[11], g.data(), I);
     proj(xf.data(), R, *w[12], u.data(), I);
-    for (int64_t i = 0; i < R * I; ++i) g[i] = proj.r(activate(act, g[i], u[i], float(beta), float(linear_beta)));
+    k3k::activate_n(act, g.data(), u.data(), g.data(), R * I, float(beta), float(linear_beta), proj.rnd);
     proj(g.data(), R, *w[13], s.data(), d);
     for (int64_t i = 0; i < R * d; ++i) out[i] = proj.r(out[i] + s[i]);
   }

@@ -9,6 +9,7 @@
 // References: k3serve/layers/router.py `route`, k3serve/layers/experts.py `experts_forward`
 // (and `experts_reference`), compared in tests/model/test_kernels.py.
 #include "common.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <limits>
@@ -18,7 +19,6 @@
 namespace {
 
 constexpr int kGroup = 32;
-using k3k::activate;
 using k3k::round_bf16;
 
 // One expert matrix [E, O, I]: dense (fp32 / bf16) or packed MXFP4 (codes [E, O, I/2], E8M0 [E, O, I/32]).
@@ -28,17 +28,30 @@ struct Matrix {
   const uint8_t* scale = nullptr;
   int64_t E, O, I;
 
-  // Row `o` of expert `e` as I floats in `buf`.
-  void row(int64_t e, int64_t o, float* buf) const {
+  // A packed row is decoded into `buf` once per (expert, row) and reused for that expert's
+  // tokens; a bf16 row is staged as floats only when several tokens share it (a single token
+  // reads it in place: staging would cost as much as the dot). row_dot gives equal sums either
+  // way, so staging never changes a result. Returns the row to dot with, or null: read in place.
+  const float* prepare(int64_t e, int64_t o, float* buf, int64_t tokens) const {
     if (scale) {
       k3k::decode_mxfp4_row(static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2), scale + (e * O + o) * (I / kGroup),
                             I, buf);
-    } else if (dtype == at::kBFloat16) {
+      return buf;
+    }
+    if (dtype == at::kFloat) return static_cast<const float*>(data) + (e * O + o) * I;
+#ifdef K3K_AVX512
+    if (tokens > 1) {
       const uint16_t* p = static_cast<const uint16_t*>(data) + (e * O + o) * I;
       for (int64_t i = 0; i < I; ++i) buf[i] = k3k::bf16_bits(p[i]);
-    } else {
-      std::memcpy(buf, static_cast<const float*>(data) + (e * O + o) * I, sizeof(float) * I);
+      return buf;
     }
+#endif
+    return nullptr;
+  }
+  // sum_i row(e, o)[i] x[i], `row` from prepare()
+  float dot(int64_t e, int64_t o, const float* row, const float* x) const {
+    if (row) return k3k::row_dot(x, row, I);
+    return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
   }
 };
 
@@ -91,31 +104,34 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   const float *zp = z.data_ptr<float>(), *wp = weights.data_ptr<float>();
   const float fb = float(beta), flb = float(linear_beta);
   const bool rnd = round_bf16_steps;
-  std::vector<float> h(pairs * inter), y(pairs * out_dim);
+  std::vector<float> h(pairs * inter), u(pairs * inter), y(pairs * out_dim);
   at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> r1(Kin), r3(Kin);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = active[item / inter], o = item % inter;
-      m1.row(e, o, r1.data());
-      m3.row(e, o, r3.data());
+      const int64_t e = active[item / inter], o = item % inter, tokens = offset[e + 1] - offset[e];
+      const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
       for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
         const float* x = zp + (order[q] / topk) * Kin;
-        float g = dot(r1.data(), x, Kin), u = dot(r3.data(), x, Kin);
-        if (rnd) g = round_bf16(g), u = round_bf16(u);
-        const float a = activate(int(act), g, u, fb, flb);
-        h[q * inter + o] = rnd ? round_bf16(a) : a;
+        const float g = m1.dot(e, o, row1, x), v = m3.dot(e, o, row3, x);
+        h[q * inter + o] = rnd ? round_bf16(g) : g;
+        u[q * inter + o] = rnd ? round_bf16(v) : v;
       }
     }
+  });
+  // the GLU over every pair at once: vector transcendentals instead of one call per element
+  at::parallel_for(0, pairs, grain_for(32 * inter), [&](int64_t begin, int64_t end) {
+    activate_n(act, h.data() + begin * inter, u.data() + begin * inter, h.data() + begin * inter,
+               (end - begin) * inter, fb, flb, rnd);
   });
   at::parallel_for(0, A * out_dim, grain_for(2 * inter * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> r2(inter);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t e = active[item / out_dim], o = item % out_dim;
-      m2.row(e, o, r2.data());
+      const float* row2 = m2.prepare(e, o, r2.data(), offset[e + 1] - offset[e]);
       for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-        const float v = dot(r2.data(), h.data() + q * inter, inter);
+        const float v = m2.dot(e, o, row2, h.data() + q * inter);
         y[q * out_dim + o] = rnd ? round_bf16(v) : v;
       }
     }

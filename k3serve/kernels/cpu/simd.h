@@ -1,0 +1,141 @@
+// The vector loops the decode kernels spend their time in (issue 15): weight-row dot products
+// and the GLU activation over whole buffers. AVX-512 where compiled for it, a scalar form
+// otherwise. References: the scalar k3k::dot / k3k::activate in common.h (and, through the
+// kernels' tests, the torch layers they replace).
+//
+// Batch invariance: a row's dot product and an element's activation are computed the same way
+// wherever the element sits in its buffer (masked tails, no scalar remainder loop), so a token's
+// result never depends on how many other tokens share the step.
+#pragma once
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define K3K_AVX512 1  // the masked 16-bit loads need BW + VL beside F
+#endif
+
+namespace k3k {
+
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t v) { return bf16_bits(v); }
+
+#ifdef K3K_AVX512
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const uint16_t* w) {  // bf16 bits -> fp32: the top half of each lane
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
+}
+inline __m512 load16(const float* w, __mmask16 m) { return _mm512_maskz_loadu_ps(m, w); }
+inline __m512 load16(const uint16_t* w, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w)), 16));
+}
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+#endif
+
+// sum_k x[k] w[k], w float or bf16 bits. Four accumulators over 64 columns (one FMA chain would
+// wait on its own latency: about a core's memory bandwidth, so the dot would set the speed),
+// then 16 at a time, then a masked tail. Float and bf16 rows of equal values give equal sums, so
+// a bf16 row may be staged as floats (reused over several tokens) without changing a result.
+template <typename W>
+inline float row_dot(const float* x, const W* w, int64_t K) {
+#ifdef K3K_AVX512
+  __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(), v3 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    v0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), v0);
+    v1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load16(w + k + 16), v1);
+    v2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 32), load16(w + k + 32), v2);
+    v3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 48), load16(w + k + 48), v3);
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    v0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), load16(w + k, m), v0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+#else
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc += x[k] * as_float(w[k]);
+  return acc;
+#endif
+}
+
+#ifdef K3K_AVX512
+// e^x, 16 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by Cephes' degree-6
+// expf polynomial, times 2^n by scalef; within 2 ulp of expf over the clamped range.
+inline __m512 exp16(__m512 x) {
+  // clamp with x second: min/max return their second operand when either is NaN, so NaN stays NaN
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3365447504f), _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// tanh through expm1(2x) (accurate near 0: a Taylor series below |2x| = 0.5, e^2x - 1 above),
+// +-1 beyond |x| = 9 as fast_tanh
+inline __m512 tanh16(__m512 x) {
+  const __m512 y = _mm512_add_ps(x, x);
+  __m512 t = _mm512_set1_ps(1.f / 40320.f);
+  for (float c : {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f})
+    t = _mm512_fmadd_ps(t, y, _mm512_set1_ps(c));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(t, y), y, y);  // y + y^2 (1/2 + y/6 + ...)
+  const __m512 ay = _mm512_abs_ps(y);
+  const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ay, _mm512_set1_ps(0.5f), _CMP_LT_OQ),
+                                        _mm512_sub_ps(exp16(y), _mm512_set1_ps(1.f)), small);
+  const __m512 th = _mm512_div_ps(e, _mm512_add_ps(e, _mm512_set1_ps(2.f)));
+  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(9.f), _CMP_GT_OQ);
+  return _mm512_mask_blend_ps(big, th, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                            _mm512_set1_ps(-1.f), _mm512_set1_ps(1.f)));
+}
+
+// 1 / (1 + e^-x); 0 where e^-x overflows fp32 (x < -88.38), as the scalar form's 1 / inf
+inline __m512 sigmoid16(__m512 x) {
+  const __m512 s = _mm512_div_ps(_mm512_set1_ps(1.f),
+                                 _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.3762626647949f), _CMP_LT_OQ), s,
+                              _mm512_setzero_ps());
+}
+
+// round to the nearest bf16 (ties to even), NaN -> quiet NaN, as c10::BFloat16 does
+inline __m512 round_bf16_16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                                     _mm512_set1_epi32(int(0xFFFF0000u)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r), _mm512_set1_ps(NAN));
+}
+#endif
+
+// out[i] = act(g[i], u[i]) (common.h `activate`), rounded to bf16 when `rnd`; out may alias g.
+inline void activate_n(int64_t act, const float* g, const float* u, float* out, int64_t n, float beta, float lb,
+                       bool rnd) {
+#ifdef K3K_AVX512
+  const __m512 vb = _mm512_set1_ps(beta), vl = _mm512_set1_ps(lb);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 G = _mm512_maskz_loadu_ps(m, g + i), U = _mm512_maskz_loadu_ps(m, u + i);
+    __m512 a;
+    if (act == 0) {
+      a = _mm512_mul_ps(_mm512_mul_ps(G, sigmoid16(G)), U);
+    } else {
+      const __m512 lin = lb > 0.f ? _mm512_mul_ps(vl, tanh16(_mm512_div_ps(U, vl))) : U;
+      a = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(vb, tanh16(_mm512_div_ps(G, vb))), sigmoid16(G)), lin);
+    }
+    _mm512_mask_storeu_ps(out + i, m, rnd ? round_bf16_16(a) : a);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = activate(act, g[i], u[i], beta, lb);
+    out[i] = rnd ? round_bf16(a) : a;
+  }
+#endif
+}
+
+}  // namespace k3k
