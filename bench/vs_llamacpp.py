@@ -1,6 +1,6 @@
 """Benchmark: k3serve vs llama.cpp on the same checkpoint, same run, same threads (issue 15).
 
-    .venv/bin/python bench/vs_llamacpp.py [--threads 2] [--only k3-mxfp4,kl-bf16,kl-400m]
+    .venv/bin/python bench/vs_llamacpp.py [--threads 2] [--only k3-mxfp4,kl-bf16,kl-400m,kl-400m-mxfp4]
 
 First use builds llama.cpp from the `llama-cpp-python` sdist on PyPI (it vendors the whole tree,
 with its kimi-k3 / kimi-linear models and converter) into ~/.cache/k3serve/llamacpp (about 8
@@ -14,7 +14,10 @@ Measured, alternating the two engines, best of `--repeats`: prefill 512 (llama-b
 k3serve: a 512-token prompt to its first token, after one warm-up prompt, best of two), decode 1 stream (tg64; k3serve: 64 greedy
 tokens after a 32-token prompt), and 8 / 16 concurrent streams (llama-batched-bench, 32-token
 prompts, 64 tokens each; k3serve: the same through continuous batching, median of three), as aggregate tok/s.
-Prints the ratios k3serve / llama.cpp and writes bench/results/vs_llamacpp.json.
+Prints the ratios k3serve / llama.cpp, the machine's read and copy bandwidth (512 MB, so DRAM)
+and the share of the read bandwidth 1-stream decode reaches (weight bytes read per token x
+tok/s), and writes bench/results/vs_llamacpp.json. The MXFP4 400 M model's llama.cpp side is its
+bf16 twin quantized MXFP4_MOE (llama.cpp's Kimi-Linear converter reads no MXFP4).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 CACHE = Path(os.environ.get("K3SERVE_LLAMACPP_CACHE", Path.home() / ".cache" / "k3serve" / "llamacpp"))
 SDIST = "llama-cpp-python==0.3.36"
-TARGETS = ("llama-bench", "llama-batched-bench")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 PROMPT, NEW = 32, 64
 
 
@@ -89,6 +92,22 @@ def convert(ckpt: Path, out: Path) -> Path:
     if not out.exists():
         subprocess.run([sys.executable, "-c", _CONVERT, str(llama_tree()), str(ckpt), str(out)], check=True,
                        stdout=subprocess.DEVNULL)
+    return out
+
+
+def convert_mxfp4_moe(ckpt: Path, out: Path) -> Path:
+    """llama.cpp's Kimi-Linear converter has no MXFP4 reader: convert the bf16 twin (the same
+    weights, experts dequantized exactly), then `llama-quantize MXFP4_MOE` with every
+    non-expert matrix kept bf16, as k3serve holds them. (MXFP4_MOE's own Q8_0 for the rest dies
+    with SIGILL in llama.cpp's prefill on this VM, whose CPU flags claim AMX.)"""
+    if not out.exists():
+        from k3serve.testing.builder import write_bf16_twin
+
+        twin = convert(write_bf16_twin(ckpt, ckpt.with_name(ckpt.name + "-bf16-twin")), out.with_suffix(".bf16.gguf"))
+        keep = [a for pat in ("attn", "shexp", "ssm", r"ffn_(gate|up|down)\.") for a in ("--tensor-type", f"{pat}=bf16")]
+        subprocess.run([str(llama_bin("llama-quantize")), *keep, "--output-tensor-type", "bf16",
+                        "--token-embedding-type", "bf16", str(twin), str(out), "MXFP4_MOE"], check=True,
+                       capture_output=True)
     return out
 
 
@@ -168,28 +187,72 @@ def checkpoints(only: set[str]) -> dict[str, Path]:
         if not (d / "config.json").exists():
             build_tiny_checkpoint(d, kind="kimi_linear", seed=0)
         out["kl-bf16"] = d
-    if "kl-400m" in only:  # ~410 M params, 102 M active: where weight traffic sets decode speed
-        from k3serve.testing.tiny_configs import kimi_linear_400m_config
+    for name, mxfp4 in (("kl-400m", False), ("kl-400m-mxfp4", True)):
+        if name in only:  # ~410 M params, 102 M active: where weight traffic sets decode speed
+            from k3serve.testing.tiny_configs import kimi_linear_400m_config
 
-        d = CACHE / "ckpt-kimi-linear-400m"
-        if not (d / "config.json").exists():
-            build_tiny_checkpoint(d, kind="kimi_linear", seed=0, config=kimi_linear_400m_config())
-        out["kl-400m"] = d
+            d = CACHE / f"ckpt-kimi-linear-400m{'-mxfp4' if mxfp4 else ''}"
+            if not (d / "config.json").exists():
+                build_tiny_checkpoint(d, kind="kimi_linear", seed=0, config=kimi_linear_400m_config(mxfp4))
+            out[name] = d
     return out
+
+
+# ---- the machine's bandwidth and what decode reads --------------------------------------------
+def bandwidth(threads: int, nbytes: int = 512 << 20) -> dict[str, float]:
+    """GB/s of a 512 MB fp32 read (sum) and copy (read + write counted), best of 5: far past any
+    cache, so DRAM."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+    return {"read_GBps": nbytes / best(src.sum) / 1e9, "copy_GBps": 2 * nbytes / best(lambda: dst.copy_(src)) / 1e9}
+
+
+def bytes_per_token(ckpt: Path) -> int:
+    """Weight bytes one decode token reads: every tensor but the embedding table (one row of it)
+    and the routed experts (top_k of num_experts per MoE layer), at their stored size (packed
+    MXFP4 codes + scales for a 4-bit checkpoint). KV/state reads at these lengths are < 1%."""
+    from k3serve.config.model_config import ModelConfig
+    from k3serve.weights.checkpoint import CheckpointIndex
+
+    cfg = ModelConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
+    total = 0
+    for name, t in CheckpointIndex.open(ckpt).tensors.items():
+        if name.endswith("embed_tokens.weight"):
+            total += t.nbytes // cfg.vocab_size
+        elif ".experts." in name and ".shared_experts." not in name:
+            total += t.nbytes * cfg.moe.top_k // cfg.moe.num_experts
+        else:
+            total += t.nbytes
+    return total
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default="k3-mxfp4,kl-bf16", help="comma list of k3-mxfp4, kl-bf16, kl-400m")
+    ap.add_argument("--only", default="k3-mxfp4,kl-bf16",
+                    help="comma list of k3-mxfp4, kl-bf16, kl-400m, kl-400m-mxfp4")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
     streams = (8, 16)
-    result = {}
+    result: dict = {"machine": bandwidth(args.threads)}
+    print(f"memory bandwidth, {args.threads} threads: read {result['machine']['read_GBps']:.1f} GB/s, "
+          f"copy {result['machine']['copy_GBps']:.1f} GB/s")
     for name, ckpt in checkpoints(set(args.only.split(","))).items():
-        gguf = convert(ckpt, CACHE / f"{name}.gguf")
+        gguf = (convert_mxfp4_moe if name.endswith("-mxfp4") else convert)(ckpt, CACHE / f"{name}.gguf")
         best: dict[str, dict[str, float]] = {"k3serve": {}, "llama.cpp": {}}
         for _ in range(args.repeats):  # alternate the engines: this machine is noisy
             pp, tg = llama_prefill_decode(gguf, args.threads)
@@ -205,13 +268,19 @@ def main() -> None:
         ratios = {k: best["k3serve"][k] / best["llama.cpp"][k] if best["llama.cpp"][k] else None
                   for k in best["k3serve"]}
         result[name] = {**best, "ratio": ratios, "checkpoint": str(ckpt)}
+        per_token = bytes_per_token(ckpt)
+        share = {who: best[who]["decode_1"] * per_token / 1e9 / result["machine"]["read_GBps"] for who in best}
+        result[name].update(bytes_per_token=per_token, decode_bandwidth_share=share)
         print(f"\n{name} ({ckpt.name}), {args.threads} threads, tok/s (best of {args.repeats})")
         for k in best["k3serve"]:
             print(f"  {k:12s} k3serve {best['k3serve'][k]:9.1f}   llama.cpp {best['llama.cpp'][k]:9.1f}   "
                   + (f"ratio {ratios[k]:.2f}x" if ratios[k] is not None else "ratio n/a"))
+        print(f"  decode reads {per_token / 1e6:.1f} MB/token: k3serve {share['k3serve']:.0%}, llama.cpp "
+              f"{share['llama.cpp']:.0%} of the read bandwidth")
     path = Path(__file__).parent / "results" / "vs_llamacpp.json"
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    kept = json.loads(path.read_text()) if path.exists() else {}  # checkpoints not rerun keep their figures
+    path.write_text(json.dumps({**kept, **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,18 +22,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_build_tiny(args: argparse.Namespace) -> int:
     from k3serve.testing.builder import build_tiny_checkpoint
-    from k3serve.testing.tiny_configs import kimi_linear_400m_config, tiny_k3_config
+    from k3serve.testing.tiny_configs import (kimi_linear_400m_config, tiny_k3_config, tiny_kimi_linear_config,
+                                              with_mxfp4_experts)
 
     if args.size == "400m" and args.kind != "kimi_linear":
         raise SystemExit("build-tiny: --size 400m is a Kimi-Linear layout (use --kind kimi_linear)")
     if args.vision and args.kind != "k3":
         raise SystemExit("build-tiny: --vision: Kimi-Linear has no vision tower (use --kind k3)")
+    if args.mxfp4 and args.kind != "kimi_linear":
+        raise SystemExit("build-tiny: --mxfp4: the tiny K3 ships MXFP4 experts already (--mxfp4 is for kimi_linear)")
     config = kimi_linear_400m_config() if args.size == "400m" else None
+    if args.mxfp4:
+        config = with_mxfp4_experts(config or tiny_kimi_linear_config())
     if args.kind == "k3" and args.vision is False:  # the tiny K3 carries a tower unless told not to
         config = tiny_k3_config()
         del config["vision_config"]
     out = build_tiny_checkpoint(args.out, kind=args.kind, seed=args.seed, config=config)
     tower = " with a MoonViT3d tower and projector" if args.kind == "k3" and args.vision is not False else ""
+    tower += " with MXFP4 experts" if args.mxfp4 else ""
     print(f"wrote {args.size} {args.kind} checkpoint{tower} (random weights, seed {args.seed}) to {out}")
     return 0
 
@@ -200,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=("k3", "kimi_linear"), default="k3")
     p.add_argument("--size", choices=("tiny", "400m"), default="tiny",
                    help="400m: a ~408 M-param Kimi-Linear (110 M active) for bandwidth-bound benchmarks")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="kimi_linear: routed experts packed MXFP4 (K3's compressed-tensors layout)")
     p.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
                    help="K3: write the tiny vision tower + projector in the release layout (the default); "
                         "--no-vision: text only")

@@ -45,6 +45,36 @@ def build_tiny_checkpoint(out_dir: str | Path, kind: str = "k3", seed: int = 0,
     return out
 
 
+def write_bf16_twin(src: str | Path, out_dir: str | Path) -> Path:
+    """The same checkpoint with its packed MXFP4 experts dequantized to bf16 (exact: every MXFP4
+    value is a bf16 value) and no quantization_config: for tools that read MXFP4 experts only
+    as a quantization of their own (llama.cpp's Kimi-Linear converter), so both sides hold the
+    same weights."""
+    from safetensors import safe_open
+
+    src, out = Path(src), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((src / "config.json").read_text())
+    for holder in (raw, raw.get("text_config") or {}):
+        holder.pop("quantization_config", None)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                tensors[name] = fh.get_tensor(name)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name[: -len("_packed")]
+        packed = PackedMXFP4(tensors.pop(name), tensors.pop(base + "_scale"))
+        tensors[base] = packed.dequantize(torch.bfloat16)
+    cfg = ModelConfig.from_dict(raw)
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    _write_shards(out, cfg, tensors, None)
+    for extra in ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "generation_config.json"):
+        if (src / extra).is_file():
+            (out / extra).write_bytes((src / extra).read_bytes())
+    return out
+
+
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Checkpoint name -> tensor in its release dtype; deterministic in `seed`."""
     gen = torch.Generator().manual_seed(seed)

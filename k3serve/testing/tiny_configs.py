@@ -70,12 +70,21 @@ def tiny_kimi_linear_config(num_layers: int = 6, hidden_size: int = 64, num_expe
     return copy.deepcopy(raw)
 
 
-def kimi_linear_400m_config() -> dict[str, Any]:
+def kimi_linear_400m_config(mxfp4: bool = False) -> dict[str, Any]:
     """Kimi-Linear's layout at ~408 M params, ~110 M active (hidden 1024, 8 layers, 32 experts
     top-4, KDA 8 x 128 heads): the size issue 15 measures decode bandwidth on, where weight
-    traffic, not dispatch, sets the speed. Same tiny tokenizer as the tiny configs."""
+    traffic, not dispatch, sets the speed. Same tiny tokenizer as the tiny configs. `mxfp4`:
+    the routed experts packed MXFP4 with K3's own compressed-tensors quantization_config (its
+    ignore list keeps attention, shared experts, the dense MLP and lm_head bf16)."""
     raw = tiny_kimi_linear_config(num_layers=8, hidden_size=1024, num_experts=32, top_k=4)
     raw.update(intermediate_size=4096, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=256,
                qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, moe_intermediate_size=512)
     raw["linear_attn_config"].update(head_dim=128, num_heads=8)
-    return raw
+    return with_mxfp4_experts(raw) if mxfp4 else raw
+
+
+def with_mxfp4_experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Kimi-Linear config whose routed experts are packed MXFP4, under K3's own
+    compressed-tensors quantization_config."""
+    k3 = json.loads((BUNDLED_DIR / "moonshotai--Kimi-K3.json").read_text())
+    return {**raw, "quantization_config": k3["text_config"]["quantization_config"]}

@@ -170,3 +170,28 @@ def test_the_400m_kimi_linear_preset_has_the_benchmarked_size(tmp_path):
     assert 400e6 < total < 420e6 and 95e6 < active < 110e6, (total, active)
     with pytest.raises(SystemExit, match="Kimi-Linear layout"):
         main(["build-tiny", str(tmp_path), "--kind", "k3", "--size", "400m"])
+
+
+def test_mxfp4_kimi_linear_and_its_bf16_twin_give_the_same_tokens(tmp_path):
+    """`build-tiny --kind kimi_linear --mxfp4`: routed experts packed under K3's
+    compressed-tensors config (the MXFP4 row of issue 15's benchmark); `write_bf16_twin` (what
+    llama.cpp converts) holds the same weights, so both generate the same greedy tokens."""
+    from k3serve.cli import main
+    from k3serve.testing.builder import write_bf16_twin
+    from k3serve.weights.checkpoint import CheckpointIndex
+
+    assert main(["build-tiny", str(tmp_path / "q"), "--kind", "kimi_linear", "--mxfp4"]) == 0
+    names = set(CheckpointIndex.open(tmp_path / "q").tensors)
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed" in names
+    assert "model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight" in names  # ignored: bf16
+    twin = write_bf16_twin(tmp_path / "q", tmp_path / "bf16")
+    twin_names = set(CheckpointIndex.open(twin).tensors)
+    assert not any(n.endswith(("_packed", "_scale")) for n in twin_names)
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in twin_names
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(3, 40))}]
+    outs = [LLM(str(d), cache_memory="16MiB", max_model_len=256, kernels="torch").generate(prompt, greedy)
+            for d in (tmp_path / "q", twin)]
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+    with pytest.raises(SystemExit, match="ships MXFP4 experts already"):
+        main(["build-tiny", str(tmp_path / "k"), "--mxfp4"])
