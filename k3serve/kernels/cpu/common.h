@@ -97,23 +97,44 @@ inline const E8M0Table& e8m0() {
 // One packed MXFP4 row (K/2 code bytes, low nibble = even column; K/32 E8M0 scales) -> K floats,
 // exact: a power-of-two scale times an E2M1 value (k3-model-spec.md §8). AVX-512: the 16-entry
 // E2M1 table is one register, each group of 32 codes two permutes and an interleave.
-inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_t K, float* out) {
+#ifdef __AVX512F__
+// One group: 16 code bytes (low nibble = even column) and its power-of-two scale -> columns
+// 0-15 in `lo`, 16-31 in `hi`. The 16-entry E2M1 table is one register: two permutes decode
+// the nibbles, two two-source permutes interleave them back into column order.
+// The group split by parity: `evens` = columns 0, 2, .., 30 (low nibbles), `odds` = 1, .., 31.
+inline void decode_mxfp4_split(const uint8_t* codes, float mult, __m512& evens, __m512& odds) {
   alignas(64) static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                                   -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  const float* pow2 = e8m0().v;
-#ifdef __AVX512F__
   const __m512 lut = _mm512_load_ps(kE2M1);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m512 m = _mm512_set1_ps(mult);
+  evens = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut), m);
+  odds = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), m);
+}
+inline void decode_mxfp4_group(const uint8_t* codes, float mult, __m512& first, __m512& second) {
   const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  __m512 lo, hi;
+  decode_mxfp4_split(codes, mult, lo, hi);
+  first = _mm512_permutex2var_ps(lo, even, hi);
+  second = _mm512_permutex2var_ps(lo, odd, hi);
+}
+#endif
+
+// One packed MXFP4 row (K/2 code bytes, low nibble = even column; K/32 E8M0 scales) -> K floats,
+// exact: a power-of-two scale times an E2M1 value (k3-model-spec.md §8).
+inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_t K, float* out) {
+  const float* pow2 = e8m0().v;
+#ifdef __AVX512F__
   for (int64_t g = 0; g < K / 32; ++g) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + g * 16)));
-    const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut);
-    const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
-    const __m512 m = _mm512_set1_ps(pow2[scale[g]]);
-    _mm512_storeu_ps(out + g * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, even, hi), m));
-    _mm512_storeu_ps(out + g * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, odd, hi), m));
+    __m512 a, b;
+    decode_mxfp4_group(packed + g * 16, pow2[scale[g]], a, b);
+    _mm512_storeu_ps(out + g * 32, a);
+    _mm512_storeu_ps(out + g * 32 + 16, b);
   }
 #else
+  static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
   for (int64_t g = 0; g < K / 32; ++g) {
     const float mult = pow2[scale[g]];
     const uint8_t* p = packed + g * 16;

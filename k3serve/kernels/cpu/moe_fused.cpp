@@ -28,14 +28,14 @@ struct Matrix {
   const uint8_t* scale = nullptr;
   int64_t E, O, I;
 
-  // A packed row is decoded into `buf` once per (expert, row) and reused for that expert's
-  // tokens; a bf16 row is staged as floats only when several tokens share it (a single token
+  // A packed row read by several tokens is decoded into `buf` once per (expert, row) and
+  // reused (one token: decoded inside its dot, never written out); a bf16 row is staged as floats only when several tokens share it (a single token
   // reads it in place: staging would cost as much as the dot). row_dot gives equal sums either
   // way, so staging never changes a result. Returns the row to dot with, or null: read in place.
   const float* prepare(int64_t e, int64_t o, float* buf, int64_t tokens) const {
     if (scale) {
-      k3k::decode_mxfp4_row(static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2), scale + (e * O + o) * (I / kGroup),
-                            I, buf);
+      if (tokens == 1) return nullptr;  // decoded inside the dot (mxfp4_row_dot)
+      k3k::decode_mxfp4_split_row(codes(e, o), scales(e, o), I, buf);
       return buf;
     }
     if (dtype == at::kFloat) return static_cast<const float*>(data) + (e * O + o) * I;
@@ -48,11 +48,16 @@ struct Matrix {
 #endif
     return nullptr;
   }
-  // sum_i row(e, o)[i] x[i], `row` from prepare()
+  // A packed matrix takes its vectors in split order (simd.h split32: no interleaving on decode).
+  bool split() const { return scale != nullptr; }
+  // sum_i row(e, o)[i] x[i], `row` from prepare(), x in split order when split()
   float dot(int64_t e, int64_t o, const float* row, const float* x) const {
     if (row) return k3k::row_dot(x, row, I);
+    if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
     return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
   }
+  const uint8_t* codes(int64_t e, int64_t o) const { return static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2); }
+  const uint8_t* scales(int64_t e, int64_t o) const { return scale + (e * O + o) * (I / kGroup); }
 };
 
 Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const char* name) {
@@ -104,7 +109,11 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   const float *zp = z.data_ptr<float>(), *wp = weights.data_ptr<float>();
   const float fb = float(beta), flb = float(linear_beta);
   const bool rnd = round_bf16_steps;
-  std::vector<float> h(pairs * inter), u(pairs * inter), y(pairs * out_dim);
+  std::vector<float> h(pairs * inter), u(pairs * inter), y(pairs * out_dim), zs, hs;
+  if (m1.split() || m3.split()) {  // each token's row in split order, once
+    zs.resize(N * Kin);
+    for (int64_t t = 0; t < N; ++t) split32(zp + t * Kin, Kin, zs.data() + t * Kin);
+  }
   at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> r1(Kin), r3(Kin);
@@ -112,8 +121,9 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       const int64_t e = active[item / inter], o = item % inter, tokens = offset[e + 1] - offset[e];
       const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
       for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-        const float* x = zp + (order[q] / topk) * Kin;
-        const float g = m1.dot(e, o, row1, x), v = m3.dot(e, o, row3, x);
+        const int64_t t = order[q] / topk;
+        const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin);
+        const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin);
         h[q * inter + o] = rnd ? round_bf16(g) : g;
         u[q * inter + o] = rnd ? round_bf16(v) : v;
       }
@@ -124,6 +134,12 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     activate_n(act, h.data() + begin * inter, u.data() + begin * inter, h.data() + begin * inter,
                (end - begin) * inter, fb, flb, rnd);
   });
+  if (m2.split()) {
+    TORCH_CHECK(inter % kGroup == 0, "intermediate size ", inter, " is not a multiple of ", kGroup);
+    hs.resize(pairs * inter);
+    for (int64_t q = 0; q < pairs; ++q) split32(h.data() + q * inter, inter, hs.data() + q * inter);
+  }
+  const float* hx = m2.split() ? hs.data() : h.data();
   at::parallel_for(0, A * out_dim, grain_for(2 * inter * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> r2(inter);
@@ -131,7 +147,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       const int64_t e = active[item / out_dim], o = item % out_dim;
       const float* row2 = m2.prepare(e, o, r2.data(), offset[e + 1] - offset[e]);
       for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-        const float v = m2.dot(e, o, row2, h.data() + q * inter);
+        const float v = m2.dot(e, o, row2, hx + q * inter);
         y[q * out_dim + o] = rnd ? round_bf16(v) : v;
       }
     }

@@ -10,6 +10,8 @@
 
 #include "common.h"
 
+#include <vector>
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define K3K_AVX512 1  // the masked 16-bit loads need BW + VL beside F
 #endif
@@ -55,6 +57,64 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
   float acc = 0.f;
   for (int64_t k = 0; k < K; ++k) acc += x[k] * as_float(w[k]);
   return acc;
+#endif
+}
+
+// MXFP4 rows meet vectors in "split" order: per 32-column group, its 16 even columns then its
+// 16 odd ones, the order the nibbles decode in (no interleaving permutes: decoding is the cost
+// of a 4-bit dot here). `split32` puts a vector in that order once per token.
+inline void split32(const float* x, int64_t K, float* out) {
+  for (int64_t g = 0; g < K; g += 32)
+    for (int64_t i = 0; i < 16; ++i) out[g + i] = x[g + 2 * i], out[g + 16 + i] = x[g + 2 * i + 1];
+}
+
+// A packed row decoded into split order (for several tokens to reuse); exact values.
+inline void decode_mxfp4_split_row(const uint8_t* packed, const uint8_t* scale, int64_t K, float* out) {
+  const float* pow2 = e8m0().v;
+#ifdef K3K_AVX512
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 a, b;
+    decode_mxfp4_split(packed + g * 16, pow2[scale[g]], a, b);
+    _mm512_storeu_ps(out + g * 32, a);
+    _mm512_storeu_ps(out + g * 32 + 16, b);
+  }
+#else
+  std::vector<float> row(K);
+  decode_mxfp4_row(packed, scale, K, row.data());
+  split32(row.data(), K, out);
+#endif
+}
+
+// row_dot(xs, decode_mxfp4_split_row(...)) for xs in split order, without writing the row out:
+// the same decoded vectors into the same accumulators in the same order (two groups per 64
+// columns, a last odd group into v0), so the sum is bitwise the staged one's.
+inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t* scale, int64_t K) {
+#ifdef K3K_AVX512
+  const float* pow2 = e8m0().v;
+  __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(), v3 = _mm512_setzero_ps();
+  int64_t g = 0;
+  const int64_t groups = K / 32;
+  for (; g + 2 <= groups; g += 2) {
+    __m512 a, b, c, d;
+    decode_mxfp4_split(packed + g * 16, pow2[scale[g]], a, b);
+    decode_mxfp4_split(packed + (g + 1) * 16, pow2[scale[g + 1]], c, d);
+    const float* x = xs + g * 32;
+    v0 = _mm512_fmadd_ps(_mm512_loadu_ps(x), a, v0);
+    v1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), b, v1);
+    v2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32), c, v2);
+    v3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 48), d, v3);
+  }
+  if (g < groups) {
+    __m512 a, b;
+    decode_mxfp4_split(packed + g * 16, pow2[scale[g]], a, b);
+    v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xs + g * 32), a, v0);
+    v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xs + g * 32 + 16), b, v0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+#else
+  std::vector<float> row(K);
+  decode_mxfp4_split_row(packed, scale, K, row.data());
+  return row_dot(xs, row.data(), K);
 #endif
 }
 
