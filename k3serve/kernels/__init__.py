@@ -42,8 +42,12 @@ def _build():
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name="k3serve_cpu_kernels", sources=_SOURCES, verbose=False,
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        # K3SERVE_KERNEL_ARCH (default native): e.g. x86-64-v2 builds the portable scalar paths,
+        # to test them on a machine that has AVX-512 (cached apart, under its own name)
+        arch = os.environ.get("K3SERVE_KERNEL_ARCH", "native")
+        name = "k3serve_cpu_kernels" + ("" if arch == "native" else "_" + arch.replace("-", "_").replace(".", "_"))
+        module = load(name=name, sources=_SOURCES, verbose=False,
+                      extra_cflags=["-O3", f"-march={arch}", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return module, None
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, an unknown ISA: use torch
         log.warning("CPU kernels unavailable (%s: %s); using the torch reference paths", type(e).__name__,

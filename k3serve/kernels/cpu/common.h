@@ -94,14 +94,10 @@ inline const E8M0Table& e8m0() {
   return table;
 }
 
-// One packed MXFP4 row (K/2 code bytes, low nibble = even column; K/32 E8M0 scales) -> K floats,
-// exact: a power-of-two scale times an E2M1 value (k3-model-spec.md §8). AVX-512: the 16-entry
-// E2M1 table is one register, each group of 32 codes two permutes and an interleave.
 #ifdef __AVX512F__
-// One group: 16 code bytes (low nibble = even column) and its power-of-two scale -> columns
-// 0-15 in `lo`, 16-31 in `hi`. The 16-entry E2M1 table is one register: two permutes decode
-// the nibbles, two two-source permutes interleave them back into column order.
-// The group split by parity: `evens` = columns 0, 2, .., 30 (low nibbles), `odds` = 1, .., 31.
+// One group of 32 MXFP4 values: 16 code bytes (low nibble = even column) and its power-of-two
+// scale. The 16-entry E2M1 table is one register, so the nibbles decode with two permutes.
+// Split by parity: `evens` = columns 0, 2, .., 30 (low nibbles), `odds` = 1, .., 31.
 inline void decode_mxfp4_split(const uint8_t* codes, float mult, __m512& evens, __m512& odds) {
   alignas(64) static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                                   -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -111,6 +107,7 @@ inline void decode_mxfp4_split(const uint8_t* codes, float mult, __m512& evens, 
   evens = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut), m);
   odds = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), m);
 }
+// In column order: columns 0-15 in `first`, 16-31 in `second` (two more permutes interleave).
 inline void decode_mxfp4_group(const uint8_t* codes, float mult, __m512& first, __m512& second) {
   const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
@@ -122,13 +119,18 @@ inline void decode_mxfp4_group(const uint8_t* codes, float mult, __m512& first, 
 #endif
 
 // One packed MXFP4 row (K/2 code bytes, low nibble = even column; K/32 E8M0 scales) -> K floats,
-// exact: a power-of-two scale times an E2M1 value (k3-model-spec.md §8).
+// exact: a power-of-two scale times an E2M1 value (k3-model-spec.md §8). In column order, or
+// with `Split` per 32-column group its 16 even columns then its 16 odd ones (simd.h split32).
+template <bool Split = false>
 inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_t K, float* out) {
   const float* pow2 = e8m0().v;
 #ifdef __AVX512F__
   for (int64_t g = 0; g < K / 32; ++g) {
     __m512 a, b;
-    decode_mxfp4_group(packed + g * 16, pow2[scale[g]], a, b);
+    if constexpr (Split)
+      decode_mxfp4_split(packed + g * 16, pow2[scale[g]], a, b);
+    else
+      decode_mxfp4_group(packed + g * 16, pow2[scale[g]], a, b);
     _mm512_storeu_ps(out + g * 32, a);
     _mm512_storeu_ps(out + g * 32 + 16, b);
   }
@@ -140,8 +142,8 @@ inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_
     const uint8_t* p = packed + g * 16;
     float* o = out + g * 32;
     for (int i = 0; i < 16; ++i) {
-      o[2 * i] = kE2M1[p[i] & 0x0F] * mult;
-      o[2 * i + 1] = kE2M1[p[i] >> 4] * mult;
+      o[Split ? i : 2 * i] = kE2M1[p[i] & 0x0F] * mult;
+      o[Split ? 16 + i : 2 * i + 1] = kE2M1[p[i] >> 4] * mult;
     }
   }
 #endif

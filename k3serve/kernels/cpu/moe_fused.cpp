@@ -35,7 +35,7 @@ struct Matrix {
   const float* prepare(int64_t e, int64_t o, float* buf, int64_t tokens) const {
     if (scale) {
       if (tokens == 1) return nullptr;  // decoded inside the dot (mxfp4_row_dot)
-      k3k::decode_mxfp4_split_row(codes(e, o), scales(e, o), I, buf);
+      k3k::decode_mxfp4_row<true>(codes(e, o), scales(e, o), I, buf);
       return buf;
     }
     if (dtype == at::kFloat) return static_cast<const float*>(data) + (e * O + o) * I;

@@ -68,24 +68,7 @@ inline void split32(const float* x, int64_t K, float* out) {
     for (int64_t i = 0; i < 16; ++i) out[g + i] = x[g + 2 * i], out[g + 16 + i] = x[g + 2 * i + 1];
 }
 
-// A packed row decoded into split order (for several tokens to reuse); exact values.
-inline void decode_mxfp4_split_row(const uint8_t* packed, const uint8_t* scale, int64_t K, float* out) {
-  const float* pow2 = e8m0().v;
-#ifdef K3K_AVX512
-  for (int64_t g = 0; g < K / 32; ++g) {
-    __m512 a, b;
-    decode_mxfp4_split(packed + g * 16, pow2[scale[g]], a, b);
-    _mm512_storeu_ps(out + g * 32, a);
-    _mm512_storeu_ps(out + g * 32 + 16, b);
-  }
-#else
-  std::vector<float> row(K);
-  decode_mxfp4_row(packed, scale, K, row.data());
-  split32(row.data(), K, out);
-#endif
-}
-
-// row_dot(xs, decode_mxfp4_split_row(...)) for xs in split order, without writing the row out:
+// row_dot(xs, decode_mxfp4_row<true>(...)) for xs in split order, without writing the row out:
 // the same decoded vectors into the same accumulators in the same order (two groups per 64
 // columns, a last odd group into v0), so the sum is bitwise the staged one's.
 inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t* scale, int64_t K) {
@@ -113,7 +96,7 @@ inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
 #else
   std::vector<float> row(K);
-  decode_mxfp4_split_row(packed, scale, K, row.data());
+  decode_mxfp4_row<true>(packed, scale, K, row.data());
   return row_dot(xs, row.data(), K);
 #endif
 }
