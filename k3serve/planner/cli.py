@@ -37,6 +37,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-params", type=float, default=0.0, help="draft model parameters (BF16, per rank)")
     p.add_argument("--cache-memory", help="cache bytes per rank; skips the GPU arithmetic (engine check)")
     p.add_argument("--mm-encoder-cache", default="256MiB", help="vision encoder cache per rank (models with a tower)")
+    p.add_argument("--pd", metavar="P:D", help="also the best layout disaggregated: P prefill + D decode instances, "
+                                              "with each request's hand-off (latent rows + KDA state) and its time")
+    p.add_argument("--pd-cached-tokens", type=int, default=0,
+                   help="prompt tokens the decode side already holds (prefix-aware hand-off sends only the rest)")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")
@@ -85,6 +89,12 @@ def run_plan(args: argparse.Namespace) -> int:
                   dp=args.dp, ep=args.ep, pp=args.pp, optimize=args.optimize,
                   latency_sensitive=args.latency_sensitive,
                   cache_bytes=parse_bytes(args.cache_memory) if args.cache_memory else None, assumed=assumed)
+    if args.pd and report.best():
+        from k3serve.planner.disagg import parse_pd, pd_layout
+
+        best = report.best()
+        report.pd = pd_layout(cfg, best.gpu, best.layout.num_gpus, *parse_pd(args.pd), args.context,
+                              args.kv_cache_dtype, args.pd_cached_tokens)
     if args.json:
         print(to_json(report, args.top))
     elif args.markdown:

@@ -49,6 +49,7 @@ def report_dict(rep: PlanReport, top: int = 10) -> dict:
         "smallest_gpu_count": rep.smallest,
         "layouts": [result_dict(r) for r in shown(rep, top)],
         "best_per_gpu": [result_dict(r) for r in rep.best_per_gpu()],
+        "disaggregation": rep.pd.to_dict() if rep.pd else None,
         "assumed": rep.assumed,
         "assumptions": assumption_lines(rep)[len(rep.assumed):],
     }
@@ -102,7 +103,20 @@ def summary_lines(rep: PlanReport) -> list[str]:
     if rep.optimize == "cost":
         prices = ", ".join(f"{g.name} ${g.usd_per_hour:g}" for g in rep.gpus)
         lines.append(f"price per GPU-hour: {prices} (illustrative; --price GPU=USD overrides)")
-    return lines
+    return lines + pd_lines(rep)
+
+
+def pd_lines(rep: PlanReport) -> list[str]:
+    pd = rep.pd
+    if pd is None:
+        return []
+    h, best = pd.handoff, rep.best()
+    cached = f" ({h.prompt_tokens - h.sent_tokens:,} already on the decode side)" if h.sent_tokens < h.prompt_tokens else ""
+    return [f"P/D {pd.prefill}:{pd.decode} of {best.layout.num_gpus}x{best.gpu.name} {best.layout.label}: "
+            f"{pd.num_gpus} GPUs (colocated: {best.layout.num_gpus}); per request of {h.prompt_tokens:,} prompt tokens "
+            f"it moves latent {h.latent_bytes:,} B for {h.sent_tokens:,} tokens{cached} + KDA state "
+            f"{h.state_bytes:,} B = {h.total_bytes / 1e6:,.1f} MB, {pd.seconds * 1e3:,.2f} ms over {pd.link} "
+            f"({pd.link_bytes_per_s / 1e9:g} GB/s per GPU per direction x {pd.gpus_per_instance} GPUs)"]
 
 
 def not_fit_lines(rep: PlanReport, rows: list[LayoutResult]) -> list[str]:

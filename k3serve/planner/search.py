@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from k3serve.cache.sizing import kda_state_bytes_per_request, mla_cache_bytes_per_token
 from k3serve.config.model_config import ModelConfig
 from k3serve.planner.commands import launch_commands
+from k3serve.planner.disagg import PDLayout
 from k3serve.planner.hardware import GPU
 from k3serve.planner.layout import Layout, candidate_layouts
 from k3serve.planner.memory import RankMemory, Workload, max_context_one_request, rank_memory
@@ -74,6 +75,7 @@ class PlanReport:
     latency_sensitive: bool
     gpus: list[GPU] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)  # workload questions not asked: what was assumed
+    pd: "PDLayout | None" = None  # --pd: the best layout as P prefill + D decode instances (disagg.py)
 
     def best(self) -> LayoutResult | None:
         return next((r for r in self.results if r.fits), None)

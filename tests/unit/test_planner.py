@@ -291,3 +291,51 @@ def test_the_vision_encoder_cache_is_counted_per_rank(k3):
     without = evaluate(cfg, K3, gpu, lay, ws, Workload(encoder_cache_bytes=0))
     assert with_cache.rank.encoder_cache == 256 * 2**20 and without.rank.encoder_cache == 0
     assert without.rank.cache_budget - with_cache.rank.cache_budget == 256 * 2**20
+
+
+def test_pd_handoff_is_latent_rows_not_held_plus_the_kda_state():
+    """Issue 17's accounting: latent bytes x tokens not already on the decode side (whole
+    blocks) + the KDA state the sizing module predicts (464,633,856 B for K3 in fp32)."""
+    from k3serve.cache.sizing import kda_state_bytes_per_request, mla_cache_bytes_per_token
+    from k3serve.config.bundled import load_model_config
+    from k3serve.planner.disagg import handoff
+
+    k3 = load_model_config("moonshotai/Kimi-K3")
+    per_token = 24 * 576 * 2  # 24 MLA layers x (512 + 64) values x bf16
+    assert mla_cache_bytes_per_token(k3) == per_token and kda_state_bytes_per_request(k3) == 464_633_856
+    first = handoff(k3, 1000)
+    assert first.latent_bytes == 1000 * per_token and first.total_bytes == 1000 * per_token + 464_633_856
+    shared = handoff(k3, 1000, cached_tokens=999)  # 62 whole blocks of 16 held; the partly filled one is resent
+    assert shared.sent_tokens == 1000 - 62 * 16 and shared.state_bytes == 464_633_856
+    assert handoff(k3, 1000, "fp8").latent_bytes == 1000 * per_token // 2
+    with pytest.raises(ValueError, match="cached_tokens"):
+        handoff(k3, 10, cached_tokens=11)
+
+
+def test_pd_layout_times_the_handoff_over_nvlink_inside_a_domain_and_rdma_beyond():
+    from k3serve.config.bundled import load_model_config
+    from k3serve.planner.disagg import parse_pd, pd_layout
+    from k3serve.planner.hardware import get_gpu
+
+    k3, b300 = load_model_config("moonshotai/Kimi-K3"), get_gpu("B300")
+    inside = pd_layout(k3, b300, 4, 1, 1, 8192)  # 8 GPUs: one NVLink domain
+    beyond = pd_layout(k3, b300, 8, 1, 1, 8192)  # 16 GPUs: two nodes, RDMA
+    assert (inside.link, beyond.link) == ("NVLink", "RDMA") and inside.num_gpus == 8 and beyond.num_gpus == 16
+    assert inside.seconds == pytest.approx(inside.handoff.total_bytes / (b300.scaleup_bw / 2 * 4))
+    assert beyond.seconds == pytest.approx(beyond.handoff.total_bytes / (b300.nic_bw * 8))
+    assert parse_pd("2:3") == (2, 3)
+    for bad in ("2", "0:1", "a:b"):
+        with pytest.raises(ValueError, match="--pd"):
+            parse_pd(bad)
+
+
+def test_plan_cli_reports_the_pd_layout(capsys):
+    from k3serve.cli import main
+
+    assert main(["plan", "--gpu", "B300", "--context", "8192", "--pd", "1:1", "--json"]) == 0
+    pd = json.loads(capsys.readouterr().out)["disaggregation"]
+    assert pd["prefill_instances"] == pd["decode_instances"] == 1 and pd["kda_state_bytes"] == 464_633_856
+    assert pd["transfer_bytes"] == pd["latent_bytes"] + pd["kda_state_bytes"] and pd["transfer_seconds"] > 0
+    assert main(["plan", "--gpu", "B300", "--context", "8192", "--pd", "1:1"]) == 0
+    assert "P/D 1:1" in capsys.readouterr().out
+    assert main(["plan", "--gpu", "B300", "--pd", "x"]) == 2
