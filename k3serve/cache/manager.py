@@ -115,6 +115,18 @@ class HybridCacheManager:
                 return PrefixHit(k * bs, blocks, hashes[k - 1], cached * bs)
         return PrefixHit(junction=cached * bs)
 
+    def held_prefix(self, token_ids: list[int]) -> tuple[int, ...]:
+        """Cached blocks of the longest block prefix of `token_ids` (no KDA checkpoint needed):
+        the latent rows a prefill/decode hand-off need not send (engine/handoff.py)."""
+        if not self.prefix_caching:
+            return ()
+        out = []
+        for h in block_hashes(token_ids, self.block_size):
+            if h not in self.blocks.cached:
+                break
+            out.append(self.blocks.cached[h])
+        return tuple(out)
+
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
         st = self.checkpoints.stats
         st.queries, st.query_tokens, st.hit_tokens = st.queries + 1, st.query_tokens + query_tokens, \
@@ -168,7 +180,8 @@ class HybridCacheManager:
         shared = list(hit.blocks) if hit else []
         if shared:
             self.blocks.share(shared)
-            restore = self.checkpoints.pin(hit.checkpoint)
+            # a hand-off brings its own KDA state: shared blocks without a checkpoint (held_prefix)
+            restore = self.checkpoints.pin(hit.checkpoint) if hit.checkpoint is not None else None
             self._registered[req_id] = len(shared)
         blocks = shared + self.blocks.allocate(self.blocks_for(num_tokens) - len(shared))
         self._slot_of[req_id], self._tables[req_id] = slot, blocks

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.cache.sizing import parse_bytes
+from k3serve.engine.handoff import HandoffStore, KVHandoff, capture, install
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.engine.setup import (check_quantization, make_plan, placement, resolve_max_model_len, seq_limit_note,
@@ -112,6 +113,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seen: dict[str, int] = {}  # output tokens already detokenized, per scheduler request
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self.handoffs = HandoffStore()  # prefilled requests kept for a decode engine (engine/handoff.py)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
@@ -119,10 +121,14 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, keep_cache: bool = False) -> None:
+        """`keep_cache`: a prefill for another engine to decode (engine/handoff.py): when it
+        finishes, its latent rows and KDA state wait in `handoffs` for `pull_handoff`."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if keep_cache and params.n != 1:
+            raise ParamError("n", "a prefill handed to a decode engine is one sequence (n = 1)")
         params.check_vocab(self.model.cfg.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
@@ -140,7 +146,7 @@ class LLMEngine:
             p = params.for_sample(i) if params.n > 1 else params
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(rid, list(ids), p, self.model.cfg.eos_token_id, self.max_model_len,
-                          arrival=next(self._arrivals), priority=priority)
+                          arrival=next(self._arrivals), priority=priority, keep_cache=keep_cache)
             group.samples.append(_Sample(req, IncrementalDetokenizer(self.tokenizer, p),
                                          [] if p.logprobs is not None else None))
             if constraints:
@@ -152,6 +158,38 @@ class LLMEngine:
             self._owner[rid] = group
         self._groups[request_id] = group
         self.counters["prompt_tokens"] += len(ids)
+
+    # ---- prefill/decode hand-off (engine/handoff.py) -----------------------------------------
+    def held_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens whose latent rows this engine already caches (whole blocks)."""
+        return len(self.cache.held_prefix(prompt_token_ids)) * self.cache.block_size
+
+    def pull_handoff(self, request_id: str, held_tokens: int = 0) -> KVHandoff:
+        return self.handoffs.pull(request_id, held_tokens)
+
+    def add_prefilled(self, h: KVHandoff, params: SamplingParams | None = None) -> None:
+        """Decode a request another engine prefilled, from its first token on, as if prefilled here."""
+        params = params or SamplingParams()
+        if h.request_id in self._groups:
+            raise ValueError(f"request id {h.request_id!r} is already in use")
+        held = self.cache.held_prefix(h.prompt_token_ids)[:h.start // h.block_size]
+        if len(held) * h.block_size != h.start:
+            raise ValueError(f"this engine no longer holds the {h.start} prompt tokens the hand-off left out; "
+                             f"pull it again with held_tokens={len(held) * h.block_size}")
+        req = Request(h.request_id, list(h.prompt_token_ids), params, self.model.cfg.eos_token_id,
+                      self.max_model_len, arrival=next(self._arrivals))
+        req.output_token_ids.append(h.first_token)
+        group = _Group(h.request_id, None, list(h.prompt_token_ids),
+                       [_Sample(req, IncrementalDetokenizer(self.tokenizer, params), None)],
+                       {"arrival_time": time.monotonic()})
+        alloc = self.scheduler.adopt(req, held)
+        install(self.runner.cache, h, alloc.blocks, alloc.state_slot)
+        self._groups[h.request_id], self._owner[h.request_id] = group, group
+        self.counters["prompt_tokens"] += len(h.prompt_token_ids)
+        req.output_token_ids.pop()  # the first token goes through output processing as if sampled here
+        if req.append_token(h.first_token):
+            self.scheduler.finish(req, req.finish_reason)
+        self._on_token(group, req, SampledToken(h.first_token))
 
     def _constraint(self, so):
         """A fresh grammar state for one sequence; a spec that does not compile is the request's
@@ -286,6 +324,12 @@ class LLMEngine:
                 self._groups.pop(group.request_id, None)
 
     def _release(self, req: Request) -> None:
+        rid = req.request_id
+        if req.keep_cache and self.cache.holds(rid):  # a prefill for a decode engine: copy it out, free
+            if req.finish_reason in ("stop", "length") and req.output_token_ids:
+                self.handoffs.put(capture(self.runner.cache, rid, req.prompt_token_ids, req.output_token_ids[0],
+                                          self.cache.block_table(rid), self.cache.state_slot(rid)))
+            self.cache.free(rid)
         self.runner.release(req.request_id)
         self._owner.pop(req.request_id, None)
         self._seen.pop(req.request_id, None)

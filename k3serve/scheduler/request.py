@@ -41,6 +41,9 @@ class Request:
     # the prompt ids prefix caching hashes: media pads replaced by ids derived from the image
     # (engine/media.py), so a cached prefix is reused only for the same images; None: the prompt
     prompt_cache_ids: list[int] | None = None
+    # prefill/decode hand-off (engine/handoff.py): finishing leaves the cache to the engine, which
+    # copies the request's latent rows and KDA state out for a decode engine before freeing it
+    keep_cache: bool = False
 
     @property
     def max_drafts(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from k3serve.cache.manager import HybridCacheManager, PrefixHit
+from k3serve.cache.manager import CacheAllocation, HybridCacheManager, PrefixHit
 from k3serve.scheduler.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from k3serve.scheduler.request import Request, RequestStatus
 
@@ -65,6 +65,25 @@ class Scheduler:
         self.requests[req.request_id] = req
         self._enqueue(req, front=False)
 
+    def adopt(self, req: Request, held: tuple[int, ...] = ()) -> CacheAllocation:
+        """A request prefilled by another engine (a prefill/decode hand-off): admitted running
+        with its prompt computed and its first token sampled, `held` cached blocks of its prefix
+        shared; the caller writes the other rows and the KDA state into the allocation."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise ValueError(f"the decode engine runs max_num_seqs = {self.config.max_num_seqs} requests already")
+        n = len(req.prompt_token_ids)
+        hit = PrefixHit(len(held) * self.cache.block_size, tuple(held))
+        if not self.cache.can_admit(req.num_tokens, hit):
+            raise ValueError(f"the decode engine has no room for request {req.request_id!r} ({req.num_tokens} tokens)")
+        alloc = self.cache.allocate(req.request_id, req.num_tokens, hit)
+        req.num_computed_tokens, req.num_cached_tokens, req.status = n, hit.num_tokens, RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self.running.append(req)
+        self.cache.register_computed(req.request_id, req.cache_token_ids, n)
+        return alloc
+
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is not None:
@@ -75,7 +94,8 @@ class Scheduler:
         """End a request now (stop string, abort, stop token) and free its cache."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.cache.free(req.request_id)
+            if not req.keep_cache:  # else the engine frees it once the hand-off rows are copied
+                self.cache.free(req.request_id)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED

@@ -1,0 +1,105 @@
+"""Prefill/decode hand-off between two engines (issue 17, engine side): greedy output through a
+prefill engine + a decode engine equals one colocated engine, for a prompt shorter than a block,
+one across block boundaries, and a second prompt sharing a prefix the decode engine already
+caches (then only the new rows move, plus the whole KDA state); the bytes moved equal the
+planner's prediction; both engines' pools return to zero; an unpulled hand-off expires."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve import LLM, SamplingParams
+from k3serve.cache.sizing import kda_state_bytes_per_request
+from k3serve.planner.disagg import handoff as predicted
+
+NEW = 10
+
+
+def engines(path):
+    kw = dict(cache_memory="32MiB", max_model_len=512, block_size=16)
+    return LLM(str(path), **kw), LLM(str(path), **kw), LLM(str(path), **kw)
+
+
+def run_until_done(engine, rid):
+    tokens = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                tokens = out.outputs[0].token_ids
+    return tokens
+
+
+def disaggregated(prefill, decode, rid, prompt):
+    """Prefill on one engine (first token), hand the state over, decode on the other."""
+    prefill.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                        keep_cache=True)
+    first = run_until_done(prefill, rid)
+    held = decode.held_tokens(prompt)
+    h = prefill.pull_handoff(rid, held)
+    decode.add_prefilled(h, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    out = run_until_done(decode, rid)
+    assert out[0] == first[0]  # the decode engine's output starts with the prefill's first token
+    return out, h, held
+
+
+def per_token_latent_bytes(engine) -> int:
+    return sum(t.shape[1] * t.element_size() for t in engine.runner.cache.latent if t is not None)
+
+
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_handoff_decodes_as_a_colocated_engine_would(kind, tiny_k3_dir, tiny_kl_dir):
+    path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
+    colocated, p_llm, d_llm = engines(path)
+    prefill, decode = p_llm.engine, d_llm.engine
+    g = torch.Generator().manual_seed(1)
+    short = torch.randint(1, 500, (5,), generator=g).tolist()  # shorter than a block
+    long = torch.randint(1, 500, (37,), generator=g).tolist()  # crosses two block boundaries
+    shared = long[:32] + torch.randint(1, 500, (9,), generator=g).tolist()  # shares 2 blocks with `long`
+    greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    cfg = prefill.model.cfg
+    kv = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[decode.runner.cache.latent[
+        next(i for i, t in enumerate(decode.runner.cache.latent) if t is not None)].dtype]
+    for i, prompt in enumerate([short, long, shared]):
+        want = colocated.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
+        got, h, held = disaggregated(prefill, decode, f"r{i}", prompt)
+        assert got == want, (i, got, want)
+        assert held == (32 if prompt is shared else 0)  # the second request finds `long`'s blocks cached
+        assert h.start == held and h.latent_bytes == (len(prompt) - held) * per_token_latent_bytes(decode)
+        assert h.state_bytes == kda_state_bytes_per_request(cfg)
+        assert h.nbytes == predicted(cfg, len(prompt), kv, cached_tokens=held).total_bytes
+    for engine in (prefill, decode):  # every block and slot back (cached-free blocks count as free)
+        assert engine.cache.num_requests == 0 and engine.cache.num_free_slots == engine.cache.slots.num_slots
+        assert engine.cache.num_free_blocks == engine.cache.blocks.num_blocks
+    assert not prefill.handoffs.held
+
+
+def test_an_unpulled_handoff_expires_and_a_missing_prefix_is_refused(tiny_kl_dir):
+    _, p_llm, d_llm = engines(tiny_kl_dir)
+    prefill, decode = p_llm.engine, d_llm.engine
+    prefill.handoffs.ttl_s = 0.0
+    prefill.add_request("x", {"prompt_token_ids": list(range(1, 30))},
+                        SamplingParams(temperature=0, max_tokens=1), keep_cache=True)
+    run_until_done(prefill, "x")
+    with pytest.raises(KeyError, match="no prefilled request 'x'"):
+        prefill.pull_handoff("x")
+    prefill.handoffs.ttl_s = 60.0
+    prefill.add_request("y", {"prompt_token_ids": list(range(1, 40))},
+                        SamplingParams(temperature=0, max_tokens=1), keep_cache=True)
+    run_until_done(prefill, "y")
+    h = prefill.pull_handoff("y", held_tokens=32)  # claims 32 tokens the decode engine does not hold
+    with pytest.raises(ValueError, match="no longer holds the 32 prompt tokens"):
+        decode.add_prefilled(h)
+    assert decode.cache.num_requests == 0 and prefill.cache.num_requests == 0
+
+
+def test_a_decode_engine_with_speculative_decoding_continues_the_handoff(tiny_k3_dir):
+    """ngram drafts on the decode engine (greedy verification is exact): the same tokens."""
+    colocated, p_llm, _ = engines(tiny_k3_dir)
+    spec = LLM(str(tiny_k3_dir), cache_memory="32MiB", max_model_len=512, block_size=16,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = [5, 6, 7, 8] * 9  # repetitive: the n-gram drafter proposes
+    want = colocated.generate([{"prompt_token_ids": prompt}],
+                              SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))[0].outputs[0].token_ids
+    got, _, _ = disaggregated(p_llm.engine, spec.engine, "s", prompt)
+    assert got == want and spec.engine.cache.num_requests == 0
