@@ -80,8 +80,10 @@ class AsyncEngine:
         return cls(LLMEngine.from_args(model, **kwargs))
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request until it finishes."""
+                       request_id: str | None = None, priority: int = 0,
+                       keep_cache: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request until it finishes. `keep_cache`: a prefill
+        whose state a decode engine pulls afterwards (`pull_handoff`)."""
         self._ensure_loop()
         rid = request_id or f"req-{next(self._ids)}"
         n = params.n if params is not None else 1
@@ -94,7 +96,7 @@ class AsyncEngine:
         stream = self._streams[rid] = _Stream()
         self._adding += n
         try:
-            await self._call(self.engine.add_request, rid, prompt, params, priority)
+            await self._call(self.engine.add_request, rid, prompt, params, priority, keep_cache)
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -112,6 +114,10 @@ class AsyncEngine:
             if not finished:  # consumer left early: free the request before the next step
                 self._to_abort.add(rid)
                 self._wakeup.set()
+
+    async def pull_handoff(self, request_id: str, held_tokens: int = 0):
+        """A finished `keep_cache` prefill's latent rows (beyond `held_tokens`) and KDA state."""
+        return await self._call(self.engine.pull_handoff, request_id, held_tokens)
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.add(request_id)

@@ -19,6 +19,8 @@ Byte counts equal planner/disagg.py `handoff` (latent bytes x tokens not held + 
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -106,3 +108,35 @@ class HandoffStore:
         now = time.monotonic()
         for rid in [r for r, (_, deadline) in self.held.items() if deadline < now]:
             del self.held[rid]
+
+
+# ---- wire format: one safetensors blob (what the prefill server's /v1/kv/pull returns) ---------
+def to_bytes(h: KVHandoff) -> bytes:
+    from safetensors.torch import save
+
+    tensors = {f"latent.{i}": t.contiguous() for i, t in h.latent.items()}
+    tensors.update({f"recurrent.{i}": t.contiguous() for i, t in h.recurrent.items()})
+    tensors.update({f"conv.{i}": t.contiguous() for i, t in h.conv.items()})
+    meta = {"request_id": h.request_id, "prompt_token_ids": json.dumps(h.prompt_token_ids),
+            "first_token": str(h.first_token), "block_size": str(h.block_size), "start": str(h.start)}
+    return save(tensors, metadata=meta)
+
+
+def from_bytes(data: bytes) -> KVHandoff:
+    from safetensors import safe_open
+
+    parts: dict[str, dict[int, torch.Tensor]] = {"latent": {}, "recurrent": {}, "conv": {}}
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:  # safe_open reads files (and checks headers)
+        f.write(data)
+        f.flush()
+        with safe_open(f.name, framework="pt") as st:
+            meta = st.metadata() or {}
+            for name in st.keys():
+                kind, layer = name.split(".")
+                parts[kind][int(layer)] = st.get_tensor(name)
+    try:
+        return KVHandoff(meta["request_id"], json.loads(meta["prompt_token_ids"]), int(meta["first_token"]),
+                         int(meta["block_size"]), int(meta["start"]), parts["latent"], parts["recurrent"],
+                         parts["conv"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"not a k3serve hand-off: metadata {e} missing or malformed") from None

@@ -74,6 +74,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="memory for vision-tower rows kept by image / video-chunk digest, e.g. 1GiB (0: none)")
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
                    help="hosts image / video URLs may be fetched from (default: none; data: URLs always work)")
+    p.add_argument("--kv-transfer-config", type=json.loads, default=None,
+                   help='prefill/decode disaggregation, JSON: {"kv_connector": "K3HttpConnector", '
+                        '"kv_role": "kv_producer"} (server/kv_transfer.py)')
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept in memory for previous_response_id (oldest evicted)")
     p.add_argument("--seed", type=int, default=0)
@@ -151,6 +154,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_logprobs=args.max_logprobs)
 
 
+def kv_transfer(args: argparse.Namespace):
+    from k3serve.server.kv_transfer import KVTransferConfig
+
+    return None if args.kv_transfer_config is None else KVTransferConfig.from_dict(args.kv_transfer_config)
+
+
 def media_limits(args: argparse.Namespace):
     from k3serve.server.media import MediaLimits
 
@@ -215,7 +224,8 @@ def build_server(args: argparse.Namespace):
                         api_key=api_key(args), wedged_after_s=args.health_step_timeout,
                         log_requests=args.enable_log_requests, chat_template=template,
                         sampling_defaults=defaults, max_logprobs=args.max_logprobs,
-                        max_stored_responses=args.max_stored_responses, media_limits=media_limits(args))
+                        max_stored_responses=args.max_stored_responses, media_limits=media_limits(args),
+                        kv_transfer=kv_transfer(args))
     app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
                     metrics_public=args.allow_unauthenticated_metrics, stats_interval_s=args.stats_log_interval,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,

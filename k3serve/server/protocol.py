@@ -96,6 +96,7 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     n: int = 1
+    kv_transfer_params: dict[str, Any] | None = None  # {"do_remote_decode": true}: server/kv_transfer.py
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

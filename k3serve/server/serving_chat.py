@@ -132,6 +132,9 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    if req.kv_transfer_params:  # not silently ignored: a prefill hand-off would be lost
+        raise APIError(400, "kv_transfer_params is taken on /v1/completions only so far (chat hand-offs: issue 17)",
+                       param="kv_transfer_params")
     chat = await start_chat(state, req)
     run, prompt, parser, top_n = chat.run, chat.prompt, chat.make_parser, req.top_logprobs or 0
     head = {"id": run.request_id, "created": int(time.time()), "model": state.served_model_name}

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.server.errors import APIError
+from k3serve.server.kv_transfer import wants_handoff
 from k3serve.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs_json
 from k3serve.server.protocol import CompletionRequest
 from k3serve.server.structured import requested, to_spec, whole_output_span
@@ -53,13 +54,14 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     want = requested(req)
     structured = to_spec(*want, **whole_output_span(state.eos_token_id)) if want else None
     rid = new_id("cmpl")
+    keep = wants_handoff(state.kv_transfer, req.kv_transfer_params, req.n, bool(req.stream), len(prompts))
     runs = []
     for k, (_, ids) in enumerate(prompts):
         params = req.sampling_params(state.max_tokens(len(ids), req.max_tokens, "prompt"), top_n,
                                      state.sampling_defaults, structured=structured)
         if wanted:
             params = dataclasses.replace(params, prompt_logprobs=max(wanted))
-        runs.append(Run(state, ids, params, f"{rid}-{k}", req.priority))
+        runs.append(Run(state, ids, params, f"{rid}-{k}", req.priority, keep_cache=keep))
     try:
         for r in runs:
             await r.start()
@@ -92,8 +94,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     n_prompt = sum(len(ids) for _, ids in prompts)
     n_out = sum(len(o.token_ids) for f in outs for o in f.outputs)
     cached = sum(f.num_cached_tokens for f in outs)
-    return JSONResponse({**head, "object": "text_completion", "choices": choices,
-                         "usage": usage(n_prompt, n_out, cached)})
+    body = {**head, "object": "text_completion", "choices": choices, "usage": usage(n_prompt, n_out, cached)}
+    if keep:  # what the decode side pulls with (POST /v1/kv/pull)
+        body["kv_transfer_params"] = {"remote_request_id": runs[0].request_id,
+                                      "remote_block_size": state.engine.engine.cache.block_size}
+    return JSONResponse(body)
 
 
 async def _stream(state: ServerState, runs: list[Run], prompts, head, req: CompletionRequest, include_usage: bool):

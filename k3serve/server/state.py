@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from k3serve.chat.render import ChatRenderer
+from k3serve.server.kv_transfer import KVTransferConfig
 from k3serve.engine.async_engine import AsyncEngine
 from k3serve.server.guard import Lifecycle
 from k3serve.server.media import MediaLimits, MediaLoader
@@ -43,6 +44,7 @@ class ServerState:
     max_logprobs: int = 20
     max_stored_responses: int = 1024  # /v1/responses store=true, oldest evicted first
     media_limits: MediaLimits = field(default_factory=MediaLimits)
+    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (server/kv_transfer.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
