@@ -1,4 +1,4 @@
-"""`k3serve` command line: serve | plan | bench | generate | inspect | train-dspark | build-tiny."""
+"""`k3serve` command line: serve | router | plan | bench | generate | inspect | train-dspark | build-tiny."""
 
 from __future__ import annotations
 
@@ -84,6 +84,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k3serve.server.http import uvicorn_config
+    from k3serve.server.router import build_router
+
+    app = build_router(args.prefill, args.decode)
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.uvicorn_log_level)).run()
+    return 0
+
+
 def _cmd_train_demo(args: argparse.Namespace) -> int:
     import logging
 
@@ -144,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled tiny model)")
     add_serve_args(p)
     p.set_defaults(func=_cmd_serve)
+    p = sub.add_parser("router", help="prefill/decode disaggregation proxy in front of k3serve servers")
+    p.add_argument("--prefill", nargs="+", required=True, help="prefill servers (--kv-transfer-config kv_producer)")
+    p.add_argument("--decode", nargs="+", required=True, help="decode servers (--kv-transfer-config kv_consumer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.set_defaults(func=_cmd_router)
     p = sub.add_parser("plan", help="capacity planner: fit, GPU count, concurrency, latency, launch commands")
     add_plan_args(p)
     p.set_defaults(func=_cmd_plan)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -80,10 +81,11 @@ class AsyncEngine:
         return cls(LLMEngine.from_args(model, **kwargs))
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       keep_cache: bool = False) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0, keep_cache: bool = False,
+                       handoff=None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request until it finishes. `keep_cache`: a prefill
-        whose state a decode engine pulls afterwards (`pull_handoff`)."""
+        whose state a decode engine pulls afterwards (`pull_handoff`); `handoff`: a KVHandoff
+        pulled from a prefill engine, decoded from its first token on (`add_prefilled`)."""
         self._ensure_loop()
         rid = request_id or f"req-{next(self._ids)}"
         n = params.n if params is not None else 1
@@ -96,7 +98,12 @@ class AsyncEngine:
         stream = self._streams[rid] = _Stream()
         self._adding += n
         try:
-            await self._call(self.engine.add_request, rid, prompt, params, priority, keep_cache)
+            if handoff is not None:
+                done = await self._call(self.engine.add_prefilled, dataclasses.replace(handoff, request_id=rid), params)
+                if done is not None:  # the first token ended it: no step will report it
+                    stream.put(done)
+            else:
+                await self._call(self.engine.add_request, rid, prompt, params, priority, keep_cache)
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -118,6 +125,9 @@ class AsyncEngine:
     async def pull_handoff(self, request_id: str, held_tokens: int = 0):
         """A finished `keep_cache` prefill's latent rows (beyond `held_tokens`) and KDA state."""
         return await self._call(self.engine.pull_handoff, request_id, held_tokens)
+
+    async def held_tokens(self, prompt_token_ids: list[int]) -> int:
+        return await self._call(self.engine.held_tokens, prompt_token_ids)
 
     async def abort(self, request_id: str) -> None:
         self._to_abort.add(request_id)

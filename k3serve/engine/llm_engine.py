@@ -167,8 +167,9 @@ class LLMEngine:
     def pull_handoff(self, request_id: str, held_tokens: int = 0) -> KVHandoff:
         return self.handoffs.pull(request_id, held_tokens)
 
-    def add_prefilled(self, h: KVHandoff, params: SamplingParams | None = None) -> None:
-        """Decode a request another engine prefilled, from its first token on, as if prefilled here."""
+    def add_prefilled(self, h: KVHandoff, params: SamplingParams | None = None) -> RequestOutput | None:
+        """Decode a request another engine prefilled, from its first token on, as if prefilled
+        here; its final output when the first token already ends it (no step will report it)."""
         params = params or SamplingParams()
         if h.request_id in self._groups:
             raise ValueError(f"request id {h.request_id!r} is already in use")
@@ -190,6 +191,7 @@ class LLMEngine:
         if req.append_token(h.first_token):
             self.scheduler.finish(req, req.finish_reason)
         self._on_token(group, req, SampledToken(h.first_token))
+        return self._output(group) if req.finished else None
 
     def _constraint(self, so):
         """A fresh grammar state for one sequence; a spec that does not compile is the request's

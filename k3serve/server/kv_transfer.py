@@ -8,11 +8,15 @@ max_tokens 1), answers with the first token and `"kv_transfer_params": {"remote_
 ID, "remote_block_size": B}`, and keeps the request's latent rows and KDA state
 (engine/handoff.py) until `POST /v1/kv/pull {"request_id": ID, "held_tokens": N}` fetches them
 (one safetensors blob; only rows past the first N prompt tokens, whole blocks) or they expire.
+A consumer (decode) server takes `{"do_remote_prefill": true, "remote_request_id": ID,
+"remote_url": PREFILL_URL}`: it pulls (telling how much of the prompt it caches), installs, and
+answers (streaming or not) as if it had prefilled the request itself. `kv_producers` in the
+config limits the prefill servers it pulls from (keep decode servers behind the router).
 
 Transport: this HTTP pull (`K3HttpConnector`) is what runs here today. NIXL (UCX over TCP or
 shared memory; `pip install --no-deps nixl nixl-cu12`) was evaluated to work on this CPU host
 and is the connector to add next, for RDMA / GPU memory; Mooncake's engine needs CUDA and
-ibverbs libraries to import. The consumer role (decode servers pulling) and the router are next.
+ibverbs libraries to import.
 """
 
 from __future__ import annotations
@@ -32,47 +36,104 @@ CONNECTORS = ("K3HttpConnector",)
 class KVTransferConfig:
     kv_connector: str
     kv_role: str
+    kv_producers: tuple[str, ...] = ()  # consumer: prefill servers it may pull from (empty: any)
 
     @classmethod
     def from_dict(cls, raw) -> "KVTransferConfig":
         if not isinstance(raw, dict):
             raise ValueError(f"--kv-transfer-config takes a JSON object, got {raw!r}")
-        unknown = set(raw) - {"kv_connector", "kv_role"}
+        unknown = set(raw) - {"kv_connector", "kv_role", "kv_producers"}
         if unknown:
-            raise ValueError(f"--kv-transfer-config: unsupported keys {sorted(unknown)} (kv_connector, kv_role)")
+            raise ValueError(f"--kv-transfer-config: unsupported keys {sorted(unknown)} "
+                             f"(kv_connector, kv_role, kv_producers)")
         connector, role = raw.get("kv_connector"), raw.get("kv_role")
         if connector not in CONNECTORS:
             raise ValueError(f"--kv-transfer-config kv_connector must be one of {CONNECTORS}, got {connector!r}")
         if role not in ROLES:
             raise ValueError(f"--kv-transfer-config kv_role must be one of {ROLES}, got {role!r}")
-        if role == "kv_consumer":
-            raise ValueError("--kv-transfer-config kv_role kv_consumer: decode servers are not built yet "
-                             "(issue 17); a decode engine pulls through LLMEngine.add_prefilled")
-        return cls(connector, role)
+        producers = raw.get("kv_producers", [])
+        if not isinstance(producers, list) or not all(isinstance(u, str) for u in producers):
+            raise ValueError("--kv-transfer-config kv_producers must be a list of URLs")
+        return cls(connector, role, tuple(u.rstrip("/") for u in producers))
 
     @property
     def produces(self) -> bool:
         return self.kv_role in ("kv_producer", "kv_both")
 
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
 
-def wants_handoff(config: KVTransferConfig | None, params: dict | None, n: int, stream: bool,
-                  num_prompts: int) -> bool:
-    """Whether this request is a prefill for a remote decode; a 400 when it cannot be one."""
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a decode server pulls this request's prefilled state from."""
+    url: str
+    request_id: str
+
+
+PRODUCE_KEYS, CONSUME_KEYS = {"do_remote_decode"}, {"do_remote_prefill", "remote_request_id", "remote_url",
+                                                     "remote_block_size"}
+
+
+def handoff_role(config: KVTransferConfig | None, params: dict | None, n: int, stream: bool,
+                 num_prompts: int) -> str | RemotePrefill | None:
+    """"produce" (keep this prefill for a remote decode), a RemotePrefill (decode one pulled from
+    a prefill server), or None; a 400 when the request cannot be what it asks."""
     if not params:
-        return False
-    unknown = set(params) - {"do_remote_decode"}
+        return None
+    unknown = set(params) - PRODUCE_KEYS - CONSUME_KEYS
     if unknown:
-        raise APIError(400, f"kv_transfer_params: unsupported keys {sorted(unknown)} (do_remote_decode)",
+        raise APIError(400, f"kv_transfer_params: unsupported keys {sorted(unknown)} "
+                            f"({', '.join(sorted(PRODUCE_KEYS | CONSUME_KEYS))})", param="kv_transfer_params")
+    produce, consume = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
+    if not (produce or consume):
+        return None
+    if produce and consume:
+        raise APIError(400, "kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
                        param="kv_transfer_params")
-    if not params.get("do_remote_decode"):
-        return False
-    if config is None or not config.produces:
-        raise APIError(400, "kv_transfer_params.do_remote_decode needs a server started with --kv-transfer-config "
-                            "kv_role kv_producer or kv_both", param="kv_transfer_params")
-    if n != 1 or stream or num_prompts != 1:
-        raise APIError(400, "a prefill for remote decode is one prompt, n = 1, not streamed",
+    role = "kv_producer" if produce else "kv_consumer"
+    if config is None or not (config.produces if produce else config.consumes):
+        raise APIError(400, f"kv_transfer_params.{'do_remote_decode' if produce else 'do_remote_prefill'} needs a "
+                            f"server started with --kv-transfer-config kv_role {role} or kv_both",
                        param="kv_transfer_params")
-    return True
+    if n != 1 or num_prompts != 1 or (produce and stream):
+        raise APIError(400, "a prefill/decode hand-off is one prompt, n = 1"
+                            + (", not streamed on the prefill side" if produce else ""), param="kv_transfer_params")
+    if produce:
+        return "produce"
+    url, rid = params.get("remote_url"), params.get("remote_request_id")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or not isinstance(rid, str):
+        raise APIError(400, "kv_transfer_params.do_remote_prefill needs remote_url (http(s)) and remote_request_id",
+                       param="kv_transfer_params")
+    url = url.rstrip("/")
+    if config.kv_producers and url not in config.kv_producers:
+        raise APIError(400, f"kv_transfer_params.remote_url {url} is not one of this server's kv_producers",
+                       param="kv_transfer_params")
+    return RemotePrefill(url, rid)
+
+
+async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], timeout_s: float = 60.0):
+    """Pull a prefilled request from its prefill server: only the latent rows this engine does
+    not already cache, plus the KDA state."""
+    import httpx
+
+    from k3serve.engine.handoff import from_bytes
+
+    held = await state.engine.held_tokens(prompt_ids)
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            r = await client.post(remote.url + "/v1/kv/pull", json={"request_id": remote.request_id,
+                                                                     "held_tokens": held})
+    except httpx.HTTPError as e:
+        raise APIError(502, f"pulling the prefill from {remote.url} failed ({type(e).__name__})") from None
+    if r.status_code != 200:
+        raise APIError(502, f"the prefill server {remote.url} answered {r.status_code}: {r.text[:200]}")
+    h = await state.offload(from_bytes, r.content)
+    if h.prompt_token_ids != prompt_ids:
+        raise APIError(400, "the prefilled prompt differs from this request's prompt", param="kv_transfer_params")
+    state.metrics.kv_transfer_bytes.inc(len(r.content))
+    return h
 
 
 class PullRequest(BaseModel):

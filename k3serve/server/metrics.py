@@ -35,8 +35,8 @@ class ServerMetrics:
                                          registry=r).labels(*lv)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason",
                                 [*LABELS, "finished_reason"], registry=r)
-        self.kv_transfer_bytes = Counter("k3serve:kv_transfer_bytes", "Prefill hand-off bytes sent to decode "
-                                         "engines (latent rows + KDA state)", LABELS, registry=r).labels(*lv)
+        self.kv_transfer_bytes = Counter("k3serve:kv_transfer_bytes", "Prefill hand-off bytes (latent rows + "
+                                         "KDA state) served to decode engines or pulled from prefill ones", LABELS, registry=r).labels(*lv)
         self._lv = lv
 
         def hist(name: str, doc: str, buckets=LATENCY):

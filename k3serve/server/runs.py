@@ -73,7 +73,7 @@ async def _disconnect(raw: Request) -> None:
 
 class Run:
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0, media: tuple = (), keep_cache: bool = False):
+                 priority: int = 0, media: tuple = (), keep_cache: bool = False, handoff=None):
         self.state, self.prompt_ids, self.params, self.request_id = state, prompt_ids, params, request_id
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
         prompt = {"prompt_token_ids": prompt_ids}
@@ -81,7 +81,7 @@ class Run:
             videos = [m for m in media if isinstance(m, ProcessedVideo)]
             prompt["multi_modal_data"] = {"image": [m for m in media if not isinstance(m, ProcessedVideo)],
                                           "video": videos}
-        self._gen = state.engine.generate(prompt, params, request_id, priority, keep_cache)
+        self._gen = state.engine.generate(prompt, params, request_id, priority, keep_cache, handoff)
         if state.log_requests:
             p = params
             log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, top_k=%s, "

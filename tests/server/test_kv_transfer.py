@@ -1,10 +1,14 @@
-"""A prefill server (--kv-transfer-config kv_producer) hands a request to a decode engine over
-HTTP (issue 17): the completion answers with the first token and a pull id, POST /v1/kv/pull
-returns the latent rows + KDA state as one safetensors blob, and a decode engine that installs it
-continues with the same greedy tokens as one colocated engine. Bad uses are 400 / 404; the
-prefill server's pools return to zero; /metrics counts the bytes."""
+"""Prefill/decode disaggregation over HTTP (issue 17). A prefill server (kv_producer) answers
+with the first token and a pull id, POST /v1/kv/pull returns the latent rows + KDA state as one
+safetensors blob, and a decode engine that installs it continues with the same greedy tokens as
+one colocated engine. Through `k3serve router` with a prefill and a decode server (kv_consumer):
+greedy output == a colocated server, streaming == non-streaming, a shared prefix moves only its
+new rows, a dead decode server gets the request retried on another (or a 503). Bad uses are
+400 / 404; pools return to zero; /metrics counts the bytes."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -78,6 +82,89 @@ def test_a_server_without_the_producer_role_refuses_handoffs(live_server, capsys
                                                            "kv_transfer_params": {"do_remote_decode": True}})
     assert chat.status_code == 400 and "/v1/completions only" in chat.json()["error"]["message"]
     for cfg, says in (('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "kv_connector must be"),
-                      ('{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer"}', "not built yet")):
+                      ('{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer", "kv_producers": "x"}',
+                       "kv_producers must be a list")):
         assert main(["serve", "--cache-memory", "16MiB", "--kv-transfer-config", cfg]) == 2
         assert says in capsys.readouterr().err
+
+
+CONSUMER = ["--kv-transfer-config", '{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer"}', "--block-size",
+            "16"]
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tiny_k3_dir, prefill_server):
+    from k3serve.server.router import build_router
+
+    decode_app, decode_state = make_app(tiny_k3_dir, *CONSUMER)
+    colocated_app, _ = make_app(tiny_k3_dir, "--block-size", "16")
+    with serving(decode_app) as decode, serving(colocated_app) as colocated:
+        with serving(build_router([prefill_server[0]], [decode])) as router:
+            yield SimpleNamespace(router=router, colocated=colocated, decode=decode, decode_state=decode_state,
+                                  prefill_state=prefill_server[1])
+
+
+def _completion(base: str, **body) -> dict:
+    r = httpx.post(base + "/v1/completions", timeout=120, json={"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                                **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _streamed_text(base: str, **body) -> str:
+    import json
+
+    text = ""
+    with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
+            "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+    return text
+
+
+def test_router_output_equals_a_colocated_server(disaggregated):
+    router, colocated = disaggregated.router, disaggregated.colocated
+    decode_state, prefill_state = disaggregated.decode_state, disaggregated.prefill_state
+    for prompt in ("Hi", "The quick brown fox jumps over the lazy dog, then runs far away into the hills " * 2):
+        want = _completion(colocated, prompt=prompt)["choices"][0]
+        got = _completion(router, prompt=prompt)["choices"][0]
+        assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"]
+        assert _streamed_text(router, prompt=prompt) == want["text"]  # streaming == non-streaming
+    for state in (decode_state, prefill_state):  # both pools back to zero
+        assert state.engine.engine.cache.num_requests == 0
+    assert not prefill_state.engine.engine.handoffs.held
+
+
+def test_a_shared_prefix_moves_only_its_new_rows(disaggregated):
+    router, decode_state = disaggregated.router, disaggregated.decode_state
+    shared = list(range(10, 58))  # 48 tokens: three whole blocks
+    before = _pulled(decode_state)
+    _completion(router, prompt=shared + [3, 4, 5])
+    first = _pulled(decode_state) - before
+    _completion(router, prompt=shared + [6, 7, 8, 9])  # its first 48 tokens are cached on the decode server
+    second = _pulled(decode_state) - before - first
+    assert second < first - 40 * per_token_bytes(decode_state)
+
+
+def _pulled(state) -> float:
+    return state.metrics.kv_transfer_bytes._value.get()
+
+
+def per_token_bytes(state) -> int:
+    return sum(t.shape[1] * t.element_size() for t in state.engine.engine.runner.cache.latent if t is not None)
+
+
+def test_a_dead_decode_server_is_retried_elsewhere_then_503(prefill_server, disaggregated):
+    from k3serve.server.router import build_router
+
+    dead = "http://127.0.0.1:9"  # nothing listens there
+    with serving(build_router([prefill_server[0]], [dead, disaggregated.decode])) as router:
+        want = _completion(disaggregated.colocated, prompt="Hello there")["choices"][0]["text"]
+        for _ in range(2):  # whichever decode server comes first, the answer is the live one's
+            assert _completion(router, prompt="Hello there")["choices"][0]["text"] == want
+    with serving(build_router([prefill_server[0]], [dead])) as router:
+        r = httpx.post(router + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 503 and "no decode server" in r.json()["error"]["message"]
+    assert disaggregated.decode_state.engine.engine.cache.num_requests == 0

@@ -1,0 +1,149 @@
+"""`k3serve router --prefill URL... --decode URL...`: an OpenAI-compatible proxy for
+prefill/decode disaggregation (issue 17; vLLM's disaggregated-serving proxy, SGLang's router).
+
+POST /v1/completions (streaming or not):
+  1. a prefill server, picked by the prompt's first block (the same prefix goes to the same
+     server, whose prefix cache then holds it), runs the prompt with max_tokens 1 and
+     `kv_transfer_params.do_remote_decode`; it answers with a pull id;
+  2. the least-loaded decode server gets the client's own body plus `do_remote_prefill`, the pull
+     id and the prefill URL; it pulls the request's latent rows + KDA state and decodes; its
+     answer (or its SSE stream, byte for byte) goes back to the client.
+A decode server that cannot be reached or answers 5xx before any byte was sent gets the request
+retried once on another decode server (a fresh prefill: the first pull may have consumed the
+state); after that the client gets a 503. A client that disconnects closes the upstream stream,
+which aborts the request on the decode server. /health is the router's; /v1/models a decode
+server's. Chat hand-offs are not built yet: /v1/chat/completions answers 501.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger("k3serve.router")
+PREFIX_CHARS = 256  # what the prefill choice hashes: about a block of prompt
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                   "invalid_request_error", "code": status}}, status_code=status)
+
+
+@dataclass
+class Pool:
+    prefill: list[str]
+    decode: list[str]
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+    def pick_prefill(self, body: dict) -> str:
+        key = json.dumps(body.get("prompt"), separators=(",", ":"))[:PREFIX_CHARS].encode()
+        return self.prefill[int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") % len(self.prefill)]
+
+    def pick_decode(self, exclude: set[str]) -> str | None:
+        choices = [u for u in self.decode if u not in exclude]
+        return min(choices, key=lambda u: self.in_flight.get(u, 0)) if choices else None
+
+
+def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> FastAPI:
+    if not prefill or not decode:
+        raise ValueError("the router needs at least one --prefill and one --decode server")
+    pool = Pool([u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode])
+    client = httpx.AsyncClient(timeout=timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="k3serve router", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        r = await client.get(pool.decode[0] + "/v1/models")
+        return JSONResponse(r.json(), status_code=r.status_code)
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        return _error(501, "the router hands off /v1/completions only so far (chat hand-offs: issue 17)")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        try:
+            body = await raw.json()
+        except ValueError:
+            return _error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        tried: set[str] = set()
+        for _ in range(2):  # the first decode server, then one retry elsewhere
+            decode_url = pool.pick_decode(tried)
+            if decode_url is None:
+                break
+            tried.add(decode_url)
+            prefilled = await _prefill(client, pool.pick_prefill(body), body)
+            if isinstance(prefilled, Response):
+                return prefilled  # the prefill server's own 4xx/5xx, passed through
+            answer = await _decode(client, pool, decode_url, body, prefilled)
+            if answer is not None:
+                return answer
+        return _error(503, "no decode server could serve the request (tried "
+                      + ", ".join(sorted(tried)) + ")")
+
+    return app
+
+
+async def _prefill(client: httpx.AsyncClient, url: str, body: dict) -> dict | Response:
+    first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    try:
+        r = await client.post(url + "/v1/completions", json=first)
+    except httpx.HTTPError as e:
+        return _error(503, f"the prefill server {url} cannot be reached ({type(e).__name__})")
+    if r.status_code != 200:
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+    return {"do_remote_prefill": True, "remote_request_id": r.json()["kv_transfer_params"]["remote_request_id"],
+            "remote_url": url}
+
+
+async def _decode(client: httpx.AsyncClient, pool: Pool, url: str, body: dict, kv: dict) -> Response | None:
+    """The decode server's answer; None when it failed before sending anything (retry)."""
+    req = client.build_request("POST", url + "/v1/completions", json={**body, "kv_transfer_params": kv})
+    pool.in_flight[url] = pool.in_flight.get(url, 0) + 1
+    try:
+        r = await client.send(req, stream=True)
+    except httpx.HTTPError as e:
+        pool.in_flight[url] -= 1
+        log.warning("decode server %s failed (%s); retrying elsewhere", url, type(e).__name__)
+        return None
+    if r.status_code >= 500:
+        await r.aclose()
+        pool.in_flight[url] -= 1
+        log.warning("decode server %s answered %d; retrying elsewhere", url, r.status_code)
+        return None
+    if not body.get("stream") or r.status_code != 200:
+        try:
+            content = await r.aread()
+        finally:
+            await r.aclose()
+            pool.in_flight[url] -= 1
+        return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    async def relay():
+        try:
+            async for chunk in r.aiter_raw():
+                yield chunk
+        finally:  # also when the client left: closing the upstream aborts the decode
+            await r.aclose()
+            pool.in_flight[url] -= 1
+    return StreamingResponse(relay(), media_type="text/event-stream")
