@@ -21,6 +21,7 @@ ibverbs libraries to import.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from fastapi.responses import Response
@@ -120,6 +121,7 @@ async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], tim
 
     from k3serve.engine.handoff import from_bytes
 
+    began = time.monotonic()
     held = await state.engine.held_tokens(prompt_ids)
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
@@ -133,6 +135,8 @@ async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], tim
     if h.prompt_token_ids != prompt_ids:
         raise APIError(400, "the prefilled prompt differs from this request's prompt", param="kv_transfer_params")
     state.metrics.kv_transfer_bytes.inc(len(r.content))
+    state.metrics.kv_pulls.inc()
+    state.metrics.kv_pull_seconds.inc(time.monotonic() - began)
     return h
 
 

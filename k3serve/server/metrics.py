@@ -37,6 +37,10 @@ class ServerMetrics:
                                 [*LABELS, "finished_reason"], registry=r)
         self.kv_transfer_bytes = Counter("k3serve:kv_transfer_bytes", "Prefill hand-off bytes (latent rows + "
                                          "KDA state) served to decode engines or pulled from prefill ones", LABELS, registry=r).labels(*lv)
+        self.kv_pulls = Counter("k3serve:kv_pulls", "Prefill hand-offs this decode engine pulled", LABELS,
+                                registry=r).labels(*lv)
+        self.kv_pull_seconds = Counter("k3serve:kv_pull_seconds", "Time spent pulling prefill hand-offs "
+                                       "(request to installed bytes)", LABELS, registry=r).labels(*lv)
         self._lv = lv
 
         def hist(name: str, doc: str, buckets=LATENCY):
