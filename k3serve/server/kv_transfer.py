@@ -3,7 +3,8 @@
 
 vLLM's spelling: `--kv-transfer-config '{"kv_connector": "K3HttpConnector", "kv_role":
 "kv_producer" | "kv_consumer" | "kv_both"}'`. A producer (prefill) server takes
-`"kv_transfer_params": {"do_remote_decode": true}` on /v1/completions: it runs the prompt (send
+`"kv_transfer_params": {"do_remote_decode": true}` on /v1/completions or /v1/chat/completions:
+it runs the prompt (send
 max_tokens 1), answers with the first token and `"kv_transfer_params": {"remote_request_id":
 ID, "remote_block_size": B}`, and keeps the request's latent rows and KDA state
 (engine/handoff.py) until `POST /v1/kv/pull {"request_id": ID, "held_tokens": N}` fetches them
@@ -112,6 +113,19 @@ def handoff_role(config: KVTransferConfig | None, params: dict | None, n: int, s
         raise APIError(400, f"kv_transfer_params.remote_url {url} is not one of this server's kv_producers",
                        param="kv_transfer_params")
     return RemotePrefill(url, rid)
+
+
+def check_handoff_params(params, media: tuple = ()) -> None:
+    """What a hand-off does not carry yet is refused, not silently dropped: a grammar's state,
+    the first token's logprobs, media (the decode side would re-key its prefix cache)."""
+    if params.structured is not None:
+        raise APIError(400, "structured outputs / required tool calls cannot be handed between prefill and decode "
+                            "servers yet", param="kv_transfer_params")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise APIError(400, "logprobs are not carried across a prefill/decode hand-off yet", param="logprobs")
+    if media:
+        raise APIError(400, "images and video cannot be handed between prefill and decode servers yet",
+                       param="kv_transfer_params")
 
 
 async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], timeout_s: float = 60.0):

@@ -1,7 +1,7 @@
 """`k3serve router --prefill URL... --decode URL...`: an OpenAI-compatible proxy for
 prefill/decode disaggregation (issue 17; vLLM's disaggregated-serving proxy, SGLang's router).
 
-POST /v1/completions (streaming or not):
+POST /v1/completions and /v1/chat/completions (streaming or not):
   1. a prefill server, picked by the prompt's first block (the same prefix goes to the same
      server, whose prefix cache then holds it), runs the prompt with max_tokens 1 and
      `kv_transfer_params.do_remote_decode`; it answers with a pull id;
@@ -12,7 +12,7 @@ A decode server that cannot be reached or answers 5xx before any byte was sent g
 retried once on another decode server (a fresh prefill: the first pull may have consumed the
 state); after that the client gets a 503. A client that disconnects closes the upstream stream,
 which aborts the request on the decode server. /health is the router's; /v1/models a decode
-server's. Chat hand-offs are not built yet: /v1/chat/completions answers 501.
+server's. What a hand-off does not carry yet (grammars, logprobs, media) is a 400 from the servers.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Pool:
     in_flight: dict[str, int] = field(default_factory=dict)
 
     def pick_prefill(self, body: dict) -> str:
-        key = json.dumps(body.get("prompt"), separators=(",", ":"))[:PREFIX_CHARS].encode()
+        key = json.dumps(body.get("prompt", body.get("messages")), separators=(",", ":"))[:PREFIX_CHARS].encode()
         return self.prefill[int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") % len(self.prefill)]
 
     def pick_decode(self, exclude: set[str]) -> str | None:
@@ -73,12 +73,7 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
         r = await client.get(pool.decode[0] + "/v1/models")
         return JSONResponse(r.json(), status_code=r.status_code)
 
-    @app.post("/v1/chat/completions")
-    async def chat():
-        return _error(501, "the router hands off /v1/completions only so far (chat hand-offs: issue 17)")
-
-    @app.post("/v1/completions")
-    async def completions(raw: Request):
+    async def disaggregated(raw: Request, path: str):
         try:
             body = await raw.json()
         except ValueError:
@@ -91,23 +86,30 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
             if decode_url is None:
                 break
             tried.add(decode_url)
-            prefilled = await _prefill(client, pool.pick_prefill(body), body)
+            prefilled = await _prefill(client, pool.pick_prefill(body), path, body)
             if isinstance(prefilled, Response):
                 return prefilled  # the prefill server's own 4xx/5xx, passed through
-            answer = await _decode(client, pool, decode_url, body, prefilled)
+            answer = await _decode(client, pool, decode_url, path, body, prefilled)
             if answer is not None:
                 return answer
-        return _error(503, "no decode server could serve the request (tried "
-                      + ", ".join(sorted(tried)) + ")")
+        return _error(503, "no decode server could serve the request (tried " + ", ".join(sorted(tried)) + ")")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await disaggregated(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await disaggregated(raw, "/v1/chat/completions")
 
     return app
 
 
-async def _prefill(client: httpx.AsyncClient, url: str, body: dict) -> dict | Response:
-    first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+async def _prefill(client: httpx.AsyncClient, url: str, path: str, body: dict) -> dict | Response:
+    first = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
     first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     try:
-        r = await client.post(url + "/v1/completions", json=first)
+        r = await client.post(url + path, json=first)
     except httpx.HTTPError as e:
         return _error(503, f"the prefill server {url} cannot be reached ({type(e).__name__})")
     if r.status_code != 200:
@@ -116,9 +118,10 @@ async def _prefill(client: httpx.AsyncClient, url: str, body: dict) -> dict | Re
             "remote_url": url}
 
 
-async def _decode(client: httpx.AsyncClient, pool: Pool, url: str, body: dict, kv: dict) -> Response | None:
+async def _decode(client: httpx.AsyncClient, pool: Pool, url: str, path: str, body: dict,
+                  kv: dict) -> Response | None:
     """The decode server's answer; None when it failed before sending anything (retry)."""
-    req = client.build_request("POST", url + "/v1/completions", json={**body, "kv_transfer_params": kv})
+    req = client.build_request("POST", url + path, json={**body, "kv_transfer_params": kv})
     pool.in_flight[url] = pool.in_flight.get(url, 0) + 1
     try:
         r = await client.send(req, stream=True)

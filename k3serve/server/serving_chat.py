@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from k3serve.chat.messages import ChatInputError, check_depth
 from k3serve.chat.render import ChatOptions, RenderedPrompt
 from k3serve.server.errors import APIError
+from k3serve.server.kv_transfer import RemotePrefill, check_handoff_params, fetch_handoff, handoff_role
 from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
 from k3serve.server.structured import k3_chat_span, requested, to_spec, whole_output_span
 from k3serve.server.tool_choice import k2_tool_choice, k3_tool_choice
@@ -96,6 +97,7 @@ class ChatRun:
     prompt: RenderedPrompt
     make_parser: Callable[[], OutputParser]
     top_n: int | None  # top logprobs asked per token, None: no logprobs
+    keeps_cache: bool = False  # a prefill for a remote decode: the answer carries its pull id
 
 
 async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
@@ -126,15 +128,19 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
                             parallel_tool_calls=req.parallel_tool_calls, history_calls=prompt.history_tool_calls,
                             declared=declared)
 
-    run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority, media=prompt.media)
+    role = handoff_role(state.kv_transfer, req.kv_transfer_params, req.n, bool(req.stream), 1)
+    handoff = None
+    if role is not None:
+        check_handoff_params(params, prompt.media)
+        if isinstance(role, RemotePrefill):
+            handoff = await fetch_handoff(state, role, prompt.token_ids)
+    run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority, media=prompt.media,
+              keep_cache=role == "produce", handoff=handoff)
     await run.start()
-    return ChatRun(run, prompt, parser, top_n if req.logprobs else None)
+    return ChatRun(run, prompt, parser, top_n if req.logprobs else None, role == "produce")
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
-    if req.kv_transfer_params:  # not silently ignored: a prefill hand-off would be lost
-        raise APIError(400, "kv_transfer_params is taken on /v1/completions only so far (chat hand-offs: issue 17)",
-                       param="kv_transfer_params")
     chat = await start_chat(state, req)
     run, prompt, parser, top_n = chat.run, chat.prompt, chat.make_parser, req.top_logprobs or 0
     head = {"id": run.request_id, "created": int(time.time()), "model": state.served_model_name}
@@ -161,6 +167,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             "usage": usage(len(prompt.token_ids), n_out, last.num_cached_tokens)}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, last.prompt_logprobs)
+    if chat.keeps_cache:  # what the decode side pulls with (POST /v1/kv/pull)
+        body["kv_transfer_params"] = {"remote_request_id": run.request_id,
+                                      "remote_block_size": state.engine.engine.cache.block_size}
     return JSONResponse(body)
 
 

@@ -64,6 +64,9 @@ def test_prefill_server_hands_off_to_a_decode_engine(prefill_server, tiny_k3_dir
     ({"prompt": [1, 2, 3], "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n = 1"),
     ({"prompt": [1, 2, 3], "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "not streamed"),
     ({"prompt": [1, 2, 3], "kv_transfer_params": {"remote_host": "x"}}, "unsupported keys"),
+    ({"prompt": [1, 2, 3], "logprobs": 2, "kv_transfer_params": {"do_remote_decode": True}}, "logprobs"),
+    ({"prompt": [1, 2, 3], "response_format": {"type": "json_object"}, "kv_transfer_params": {"do_remote_decode": True}},
+     "structured outputs"),
 ])
 def test_bad_handoff_requests_are_400s(prefill_server, body, says):
     r = httpx.post(prefill_server[0] + "/v1/completions", json={"max_tokens": 1, **body})
@@ -80,7 +83,7 @@ def test_a_server_without_the_producer_role_refuses_handoffs(live_server, capsys
     assert httpx.post(base + "/v1/kv/pull", json={"request_id": "x"}).status_code == 404
     chat = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "kv_transfer_params": {"do_remote_decode": True}})
-    assert chat.status_code == 400 and "/v1/completions only" in chat.json()["error"]["message"]
+    assert chat.status_code == 400 and "--kv-transfer-config" in chat.json()["error"]["message"]
     for cfg, says in (('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "kv_connector must be"),
                       ('{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer", "kv_producers": "x"}',
                        "kv_producers must be a list")):
@@ -135,6 +138,26 @@ def test_router_output_equals_a_colocated_server(disaggregated):
     for state in (decode_state, prefill_state):  # both pools back to zero
         assert state.engine.engine.cache.num_requests == 0
     assert not prefill_state.engine.engine.handoffs.held
+
+
+def test_chat_through_the_router_equals_a_colocated_server(disaggregated):
+    msgs = [{"role": "user", "content": "Tell me about the weather in Oslo."}]
+    body = {"messages": msgs, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"thinking": False}}
+    want = httpx.post(disaggregated.colocated + "/v1/chat/completions", timeout=120, json=body).json()
+    got = httpx.post(disaggregated.router + "/v1/chat/completions", timeout=120, json=body)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"] == want["choices"][0]["message"]
+    assert got.json()["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    import json
+
+    text = ""
+    with httpx.stream("POST", disaggregated.router + "/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    assert text == (want["choices"][0]["message"]["content"] or "")
 
 
 def test_a_shared_prefix_moves_only_its_new_rows(disaggregated):
