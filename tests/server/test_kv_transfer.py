@@ -191,3 +191,39 @@ def test_a_dead_decode_server_is_retried_elsewhere_then_503(prefill_server, disa
         r = httpx.post(router + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 503 and "no decode server" in r.json()["error"]["message"]
     assert disaggregated.decode_state.engine.engine.cache.num_requests == 0
+
+
+def test_a_decode_server_dying_mid_request_gets_a_retry_with_the_full_answer(prefill_server, disaggregated):
+    """A 'decode server' that reads the request and drops the connection (as a killed process
+    does): the router retries on the live one, the client gets the whole answer."""
+    import socket
+    import threading
+
+    from k3serve.server.router import build_router
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+
+    def drop_all():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.close()  # dies mid-request: no status line, no bytes
+
+    threading.Thread(target=drop_all, daemon=True).start()
+    dying = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        with serving(build_router([prefill_server[0]], [dying, disaggregated.decode])) as router:
+            want = _completion(disaggregated.colocated, prompt="A story about a cat")["choices"][0]["text"]
+            for stream in (False, True):
+                for _ in range(2):  # the dying server is tried first whenever it is the least loaded
+                    got = (_streamed_text(router, prompt="A story about a cat") if stream else
+                           _completion(router, prompt="A story about a cat")["choices"][0]["text"])
+                    assert got == want
+    finally:
+        sock.close()
+    assert disaggregated.decode_state.engine.engine.cache.num_requests == 0
