@@ -77,9 +77,11 @@ def test_bad_request_raises_to_the_caller_and_overload(k3_llm):
         with pytest.raises(EngineOverloaded):
             async for _ in full.generate(PROMPTS[0], GREEDY):
                 pass
+        # shut down before the next request: two step loops over one LLMEngine would race for
+        # its outputs (the other loop's stream would never see its request finish)
+        await full.shutdown()
         out = [o async for o in engine.generate(PROMPTS[0], GREEDY)][-1]
         await engine.shutdown()
-        await full.shutdown()
         return out
 
     assert len(asyncio.run(main()).outputs[0].token_ids) == 10
