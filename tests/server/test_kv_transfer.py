@@ -227,3 +227,19 @@ def test_a_decode_server_dying_mid_request_gets_a_retry_with_the_full_answer(pre
     finally:
         sock.close()
     assert disaggregated.decode_state.engine.engine.cache.num_requests == 0
+
+
+def test_a_speculating_decode_server_behind_the_router(tiny_k3_dir, prefill_server, disaggregated):
+    """ngram speculative decoding on the decode server (greedy verification is exact) and prefix
+    caching on both sides: the router's answer is still the colocated one."""
+    from k3serve.server.router import build_router
+
+    app, state = make_app(tiny_k3_dir, *CONSUMER, "--speculative-config",
+                          '{"method": "ngram", "num_speculative_tokens": 3}')
+    prompt = "one two three one two three one two three one two three"
+    want = _completion(disaggregated.colocated, prompt=prompt)["choices"][0]["text"]
+    with serving(app) as decode, serving(build_router([prefill_server[0]], [decode])) as router:
+        for _ in range(2):  # the second time the prompt's blocks are cached on both servers
+            assert _completion(router, prompt=prompt)["choices"][0]["text"] == want
+            assert _streamed_text(router, prompt=prompt) == want
+    assert state.engine.engine.cache.num_requests == 0
