@@ -106,9 +106,7 @@ class HybridCacheManager:
         if not self.prefix_caching:
             return PrefixHit()
         bs, hashes = self.block_size, block_hashes(token_ids, self.block_size)
-        cached = 0
-        while cached < len(hashes) and hashes[cached] in self.blocks.cached:
-            cached += 1
+        cached = self._cached_run(hashes)
         for k in range(cached, 0, -1):
             if k * bs < len(token_ids) and self.checkpoints.get(hashes[k - 1]) is not None:
                 blocks = tuple(self.blocks.cached[h] for h in hashes[:k])
@@ -120,12 +118,15 @@ class HybridCacheManager:
         the latent rows a prefill/decode hand-off need not send (engine/handoff.py)."""
         if not self.prefix_caching:
             return ()
-        out = []
-        for h in block_hashes(token_ids, self.block_size):
-            if h not in self.blocks.cached:
-                break
-            out.append(self.blocks.cached[h])
-        return tuple(out)
+        hashes = block_hashes(token_ids, self.block_size)
+        return tuple(self.blocks.cached[h] for h in hashes[:self._cached_run(hashes)])
+
+    def _cached_run(self, hashes: list[bytes]) -> int:
+        """How many leading block hashes have a cached block."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.blocks.cached:
+            n += 1
+        return n
 
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
         st = self.checkpoints.stats

@@ -179,7 +179,7 @@ class LLMEngine:
                              f"pull it again with held_tokens={len(held) * h.block_size}")
         req = Request(h.request_id, list(h.prompt_token_ids), params, self.model.cfg.eos_token_id,
                       self.max_model_len, arrival=next(self._arrivals))
-        req.output_token_ids.append(h.first_token)
+        ended = req.append_token(h.first_token)  # as if sampled here (its rows come with the next step)
         group = _Group(h.request_id, None, list(h.prompt_token_ids),
                        [_Sample(req, IncrementalDetokenizer(self.tokenizer, params), None)],
                        {"arrival_time": time.monotonic()})
@@ -187,8 +187,7 @@ class LLMEngine:
         install(self.runner.cache, h, alloc.blocks, alloc.state_slot)
         self._groups[h.request_id], self._owner[h.request_id] = group, group
         self.counters["prompt_tokens"] += len(h.prompt_token_ids)
-        req.output_token_ids.pop()  # the first token goes through output processing as if sampled here
-        if req.append_token(h.first_token):
+        if ended:
             self.scheduler.finish(req, req.finish_reason)
         self._on_token(group, req, SampledToken(h.first_token))
         return self._output(group) if req.finished else None

@@ -96,7 +96,10 @@ class MediaEncoder:
         starts = [i for i, t in enumerate(ids) if t == begin]
         kinds = []
         for i in starts:
-            j = ids.index(content, i) if content in ids[i:] else len(ids)
+            try:
+                j = ids.index(content, i)
+            except ValueError:
+                j = len(ids)
             kinds.append("video" if tokenizer.decode(ids[i + 1:j]).strip().startswith("video") else "image")
         if kinds.count("image") != len(images) or kinds.count("video") != len(chunks):
             raise ParamError("messages", f"the prompt has {kinds.count('image')} image and {kinds.count('video')} "

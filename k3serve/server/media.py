@@ -10,6 +10,7 @@ becomes a 400.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import binascii
 import threading
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ class MediaLoader:
     def __init__(self, limits: MediaLimits, patch_size: int):
         self.limits = limits
         self.spec = ImageSpec(patch_size=patch_size, max_pixels=limits.spec.max_pixels)
-        self.video_spec = VideoSpec(**{**limits.video.__dict__, "patch_size": patch_size})
+        self.video_spec = dataclasses.replace(limits.video, patch_size=patch_size)
         self.count = {"image": 0, "video": 0}
         self._lock = threading.Lock()
 
