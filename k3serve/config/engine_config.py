@@ -40,6 +40,10 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     load_progress: bool = False  # a per-shard progress bar while loading (the server turns it on)
     kernels: str = "auto"  # auto: the compiled CPU kernels when they build | cpp: require them | torch
+    tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
+    enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
+    distributed_executor_backend: str = "mp"  # mp: local worker processes
+    distributed_timeout: float = 120.0  # seconds any collective or worker start-up may take
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,9 +67,17 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_state_fraction must be in (0, 1), got {self.prefix_cache_state_fraction}")
         if self.prefix_cache_state_interval % self.block_size:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp",):
+            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r} is not built; "
+                             f"use 'mp' (local worker processes)")
         if self.speculative_config:
             from k3serve.spec.config import SpeculativeConfig
-            SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
+            spec = SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
+            if self.tensor_parallel_size > 1 and spec.method != "ngram":
+                raise ValueError(f"speculative method {spec.method!r} with tensor_parallel_size > 1: its draft "
+                                 f"model runs beside the target on one rank, which is not built; use 'ngram'")
         if self.extra:
             raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")
 

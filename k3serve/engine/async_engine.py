@@ -32,6 +32,10 @@ class EngineOverloaded(RuntimeError):
     pass
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run any request (a tensor-parallel worker died): the server answers 503."""
+
+
 class RequestFailed(RuntimeError):
     """This request failed alone (its sampling, output processing or model step raised); the
     message is the engine's own sentence, safe to show to the client."""
@@ -93,6 +97,9 @@ class AsyncEngine:
         # the first of them reaches the scheduler's queue
         if self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
+        workers = self.engine.executor
+        if workers is not None and not workers.alive:
+            raise EngineUnavailable(f"the engine cannot serve: {workers.error}")
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         stream = self._streams[rid] = _Stream()
@@ -142,6 +149,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.engine.shutdown()
 
     # ---- the step loop -------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -170,6 +178,9 @@ class AsyncEngine:
         longer than `wedged_after_s`)."""
         if self._died is not None:
             return f"the engine loop stopped ({type(self._died).__name__})"
+        workers = self.engine.executor
+        if workers is not None and not workers.alive:
+            return workers.error
         began = self._busy_since
         if began is not None and time.monotonic() - began > wedged_after_s:
             return f"an engine step has been running for {time.monotonic() - began:.0f} s"
@@ -208,7 +219,11 @@ class AsyncEngine:
     async def _fail_all(self, error: Exception) -> None:
         rids = list(self._streams)
         await self._call(lambda: [self.engine.abort(r) for r in rids])
-        self._fail_streams(rids, RuntimeError(f"engine step failed: {error}"))
+        workers = self.engine.executor
+        if workers is not None and not workers.alive:  # a dead worker: nothing can run again
+            self._fail_streams(rids, EngineUnavailable(f"the engine cannot serve: {workers.error}"))
+        else:
+            self._fail_streams(rids, RuntimeError(f"engine step failed: {error}"))
 
     def _fail_streams(self, rids: list[str], error: BaseException) -> None:
         for rid in rids:

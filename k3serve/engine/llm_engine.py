@@ -19,6 +19,8 @@ from k3serve.cache.sizing import parse_bytes
 from k3serve.engine.handoff import HandoffStore, KVHandoff, capture, install
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
+from k3serve.distributed.executor import WorkerDied, start_executor
+from k3serve.distributed.group import NO_TP, CollectiveError
 from k3serve.engine.setup import (check_quantization, make_plan, placement, resolve_max_model_len, seq_limit_note,
                                   startup_lines)
 from k3serve.sampling.detokenizer import IncrementalDetokenizer
@@ -54,18 +56,35 @@ class _Group:
         return all(s.req.finished for s in self.samples)
 
 
+def _default_model():
+    from k3serve.demo import default_model
+
+    return default_model()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = str(config.model or _default_model())
+        where = placement(config)
+        self.executor = start_executor(config, self.model_path, where)  # TP ranks 1..N-1, or None
+        try:
+            self._start(config, where)
+        except BaseException:  # no worker outlives an engine that failed to start
+            if self.executor is not None:
+                self.executor.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, where) -> None:
         from k3serve.models.registry import load_model
         from k3serve.runner.model_runner import ModelRunner
-        from k3serve.demo import default_model
         from k3serve.tokenizer import Tokenizer
 
-        self.config = config
-        self.model_path = str(config.model or default_model())
-        where = placement(config)
+        tp = self.executor.join_group() if self.executor is not None else NO_TP
         self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
-                                progress=config.load_progress).to(where.device)
+                                progress=config.load_progress, tp=tp).to(where.device)
+        if self.executor is not None:
+            self.executor.wait_ready()
         check_quantization(config, self.model)
         self.kernels = self.model.use_kernels(config.kernels)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
@@ -99,8 +118,10 @@ class LLMEngine:
             log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
                      self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
                      self.spec.cfg.rejection_sample_method)
+        if self.executor is not None:  # every rank allocates its share of the same plan
+            self.executor.send("allocate", self.plan, str(where.kv_dtype).removeprefix("torch."))
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
-                                  masked_ids=self.unmapped_ids)
+                                  masked_ids=self.unmapped_ids, workers=self.executor)
         self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device,
                                   parse_bytes(config.mm_encoder_cache))
         if self.model.cfg.vision is not None:
@@ -129,6 +150,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if keep_cache and params.n != 1:
             raise ParamError("n", "a prefill handed to a decode engine is one sequence (n = 1)")
+        if keep_cache:
+            self._check_handoff()
         params.check_vocab(self.model.cfg.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
@@ -164,6 +187,16 @@ class LLMEngine:
         """Prompt tokens whose latent rows this engine already caches (whole blocks)."""
         return len(self.cache.held_prefix(prompt_token_ids)) * self.cache.block_size
 
+    def _check_handoff(self) -> None:
+        if self.executor is not None:
+            raise ValueError("prefill/decode hand-offs with tensor_parallel_size > 1 are not built: each rank "
+                             "holds part of the KDA state; serve the P/D engines with --tensor-parallel-size 1")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op for one process); the engine cannot step after."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def pull_handoff(self, request_id: str, held_tokens: int = 0) -> KVHandoff:
         return self.handoffs.pull(request_id, held_tokens)
 
@@ -171,6 +204,7 @@ class LLMEngine:
         """Decode a request another engine prefilled, from its first token on, as if prefilled
         here; its final output when the first token already ends it (no step will report it)."""
         params = params or SamplingParams()
+        self._check_handoff()
         if h.request_id in self._groups:
             raise ValueError(f"request id {h.request_id!r} is already in use")
         held = self.cache.held_prefix(h.prompt_token_ids)[:h.start // h.block_size]
@@ -236,6 +270,10 @@ class LLMEngine:
                 group.metrics.setdefault("scheduled_time", now)
         try:
             out = self.runner.execute(batch)
+        except (WorkerDied, CollectiveError) as e:  # the TP group is broken: no request can run again
+            if self.executor is not None:
+                self.executor.fail(str(e))
+            raise
         except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart
             log.warning("model step over %d requests raised %s: %s; retrying them apart", len(batch.seqs),
                         type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))

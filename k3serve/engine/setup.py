@@ -128,7 +128,7 @@ def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, ma
     return plan_cache(model.cfg, budget, max_model_len=max_model_len,
                       max_num_seqs=config.max_num_seqs, block_size=config.block_size, kv_dtype=kv_name,
                       num_slots=config.num_state_slots,
-                      checkpoint_fraction=frac)
+                      checkpoint_fraction=frac, state_shards=config.tensor_parallel_size)
 
 
 def seq_limit_note(plan: CachePlan, max_num_seqs: int) -> str | None:

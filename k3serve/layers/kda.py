@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3serve.config.model_config import ModelConfig
+from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.layers.common import WeightOnly, linear
 from k3serve.layers.kda_ops import flush_denormals, kda_chunked, kda_step
 from k3serve.layers.norm import l2_normalize, rms_norm
@@ -24,18 +25,22 @@ _NONE = torch.empty(0)  # an absent weight, for the block kernels
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = NO_TP):
         super().__init__()
         k, d = cfg.kda, cfg.hidden_size
-        self.layer_idx, self.heads, self.head_dim = layer_idx, k.num_heads, k.head_dim
+        # under tensor parallelism this rank holds heads H/N (every per-channel tensor follows
+        # its heads; f_a / g_a and o_norm are shared by all heads, so replicated); o_proj then
+        # gives a partial sum the decoder layer all-reduces
+        heads = tp.split(k.num_heads, "linear_attn_config.num_heads")
+        self.layer_idx, self.heads, self.head_dim = layer_idx, heads, k.head_dim
         self.lower_bound, self.eps = k.gate_lower_bound, cfg.rms_norm_eps
-        P = k.proj_dim
+        P = heads * k.head_dim
         self.q_proj, self.k_proj, self.v_proj = linear(P, d), linear(P, d), linear(P, d)
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (WeightOnly(P, 1, k.conv_kernel) for _ in range(3))
         self.f_a_proj, self.f_b_proj = linear(k.head_dim, d), linear(P, k.head_dim)
         self.dt_bias = nn.Parameter(torch.zeros(P))
-        self.A_log = nn.Parameter(torch.zeros(k.num_heads))
-        self.b_proj = linear(k.num_heads, d)
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.b_proj = linear(heads, d)
         if k.use_full_rank_gate:
             self.g_proj = linear(P, d)
         else:

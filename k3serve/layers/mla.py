@@ -12,10 +12,13 @@ against the latent, W_UV applied after mixing; used for decode) and `attend_naiv
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from k3serve.config.model_config import ModelConfig
+from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.layers.common import RMSNorm, linear
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 
@@ -75,9 +78,13 @@ def to_cache(latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class GatedMLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = NO_TP):
         super().__init__()
         m, d = cfg.mla, cfg.hidden_size
+        # under tensor parallelism: heads H/N (q_b, kv_b, g_proj rows; o_proj columns); the latent
+        # projection and its norm are replicated, so every rank caches the whole 576-value latent,
+        # as the absorbed form needs; o_proj gives a partial sum the decoder layer all-reduces
+        m = replace(m, num_heads=tp.split(m.num_heads, "num_attention_heads"))
         self.layer_idx, self.cfg = layer_idx, m
         self.scale = m.qk_head_dim ** -0.5
         if m.q_lora_rank is not None:

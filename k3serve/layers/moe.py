@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from k3serve.config.model_config import ModelConfig
+from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
 from k3serve.layers.common import RMSNorm, WeightOnly, linear
 from k3serve.layers.expert_weights import ExpertWeights
@@ -57,10 +58,10 @@ class Gate(WeightOnly):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP):
         super().__init__()
         m, d = cfg.moe, cfg.hidden_size
-        self.cfg, self.act = m, glu_activation(cfg)
+        self.cfg, self.act, self.tp = m, glu_activation(cfg), tp
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
         self.gate = Gate(m.num_experts, d)
         inner = m.latent_size or d
@@ -70,12 +71,17 @@ class SparseMoE(nn.Module):
             if m.latent_use_norm:
                 self.routed_expert_norm = RMSNorm(inner, cfg.rms_norm_eps)
         # stacked routed experts [E, out, in] as buffers (dense, or packed MXFP4 for K3)
-        inter = m.expert_intermediate_size
-        self.w1 = ExpertWeights(m.num_experts, inter, inner)
-        self.w3 = ExpertWeights(m.num_experts, inter, inner)
-        self.w2 = ExpertWeights(m.num_experts, inner, inter)
+        inter, experts = m.expert_intermediate_size, m.num_experts
+        if tp.expert_parallel:
+            experts = tp.split(experts, "num_experts")
+        else:
+            inter = tp.split(inter, "moe_intermediate_size")
+        self.first_expert = tp.rank * experts if tp.expert_parallel else 0  # global id of local expert 0
+        self.w1 = ExpertWeights(experts, inter, inner)
+        self.w3 = ExpertWeights(experts, inter, inner)
+        self.w2 = ExpertWeights(experts, inner, inter)
         if m.num_shared_experts:
-            self.shared_experts = GluMLP(cfg, d, m.shared_intermediate_size)
+            self.shared_experts = GluMLP(cfg, d, tp.split(m.shared_intermediate_size, "shared experts' intermediate size"))
         self.w4a8 = False  # round expert inputs through MXFP8 (the QAT activation format)
         self.use_reference = False
         self.kernels = None  # k3serve.kernels module (set by use_kernels)
@@ -83,6 +89,8 @@ class SparseMoE(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size > 1:
+            return self._partial_forward(x)
         fast = (self.kernels is not None and not (self.use_reference or self.w4a8) and x.device.type == "cpu"
                 and not torch.is_grad_enabled())
         if fast and x.dtype in (torch.float32, torch.bfloat16):
@@ -96,6 +104,40 @@ class SparseMoE(nn.Module):
         if self.cfg.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
+
+    def _partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block [N, d]; the decoder layer all-reduces it."""
+        m = self.cfg
+        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, m)  # [N, k], same on every rank
+        z = self.routed_expert_down_proj(x) if m.latent_size is not None else x
+        routed = self._local_experts(z, ids, weights)  # [N, L] fp32, this rank's experts / channels
+        if m.latent_size is None:
+            y = routed.to(x.dtype)
+        else:
+            routed = self.tp.all_reduce(routed).to(x.dtype)
+            if self.tp.rank == 0:
+                y = self.routed_expert_norm(routed) if m.latent_use_norm else routed
+                y = self.routed_expert_up_proj(y)
+            else:
+                y = x.new_zeros(x.shape)
+        if m.num_shared_experts:
+            y = y + self.shared_experts(x)
+        return y
+
+    def _local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed sum over the experts this rank holds, FP32 [N, L]. Expert parallelism keeps
+        the (token, slot) pairs routed here, one row each, and adds them back per token."""
+        w = (self.w1.value, self.w2.value, self.w3.value)
+        if not self.tp.expert_parallel:
+            return experts_forward(z, ids, weights, *w, self.act, self.w4a8, self.kernels)
+        local = ids - self.first_expert
+        tok, slot = ((local >= 0) & (local < self.w1.shape[0])).nonzero(as_tuple=True)
+        out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)
+        if tok.numel():
+            y = experts_forward(z[tok], local[tok, slot][:, None], weights[tok, slot][:, None], *w, self.act,
+                                self.w4a8, self.kernels)
+            out.index_add_(0, tok, y)
+        return out
 
     def _block_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Router, routed experts, latent norm / up projection and shared experts in one compiled

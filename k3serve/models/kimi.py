@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from k3serve.config.model_config import LayerKind, ModelConfig
+from k3serve.distributed.group import NO_TP, TPGroup, vocab_shard
 from k3serve.layers.attnres import attnres_mix, attnres_vector
 from k3serve.layers.common import RMSNorm, WeightOnly
 from k3serve.layers.kda import KimiDeltaAttention
@@ -22,34 +23,39 @@ from k3serve.weights.mxfp4 import PackedMXFP4
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int):
+    """Under tensor parallelism both sub-blocks return this rank's partial sum; `attn` and `ffn`
+    all-reduce it, so the residual stream is the same full [N, d] on every rank."""
+
+    def __init__(self, cfg: ModelConfig, i: int, tp: TPGroup = NO_TP):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.tp = tp
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(d, eps), RMSNorm(d, eps)
         kda = cfg.layer_kinds[i] is LayerKind.KDA
-        self.self_attn = KimiDeltaAttention(cfg, i) if kda else GatedMLA(cfg, i)
+        self.self_attn = KimiDeltaAttention(cfg, i, tp) if kda else GatedMLA(cfg, i, tp)
         if cfg.is_moe_layer(i):
-            self.block_sparse_moe = SparseMoE(cfg)
+            self.block_sparse_moe = SparseMoE(cfg, tp)
         else:
-            self.mlp = GluMLP(cfg, d, cfg.intermediate_size)
+            self.mlp = GluMLP(cfg, d, tp.split(cfg.intermediate_size, "intermediate_size"))
         if cfg.use_attnres:
             self.self_attention_res_norm, self.mlp_res_norm = WeightOnly(d), WeightOnly(d)
             self.self_attention_res_proj, self.mlp_res_proj = WeightOnly(1, d), WeightOnly(1, d)
 
     def attn(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(x), batch, cache)
+        return self.tp.all_reduce(self.self_attn(self.input_layernorm(x), batch, cache))
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return mlp(self.post_attention_layernorm(x))
+        return self.tp.all_reduce(mlp(self.post_attention_layernorm(x)))
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        self.vocab_start, rows = vocab_shard(cfg.vocab_size, tp)  # vocab-parallel under TP
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.kernels = None  # k3serve.kernels module: the AttnRes mix in one call (set by use_kernels)
         self._kernel_weights: list[torch.Tensor] | None = None  # AttnRes vectors, reset by use_kernels
@@ -61,7 +67,7 @@ class KimiModel(nn.Module):
                 capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
         [N, d] (the tap layers a DSpark drafter reads)."""
-        h = self.embed_tokens(batch.input_ids)  # [N, d]
+        h = self.embed(batch.input_ids)  # [N, d]
         if batch.media_rows is not None:  # media pads take the vision tower's rows
             h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
         if not self.cfg.use_attnres:
@@ -72,6 +78,16 @@ class KimiModel(nn.Module):
                     capture[i] = h
             return self.norm(h)
         return self.norm(self._attnres_forward(h, batch, cache, capture))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[N] -> [N, d]. Vocab-parallel: each rank looks up the ids in its shard, zeros the
+        others, and the all-reduce adds exactly one non-zero row per token."""
+        if self.tp.size == 1:
+            return self.embed_tokens(ids)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        h = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
+        return self.tp.all_reduce(h.masked_fill(~inside[:, None], 0))
 
     def _attnres_forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors,
                          capture: dict | None = None) -> torch.Tensor:
@@ -111,12 +127,12 @@ class KimiModel(nn.Module):
 class KimiForCausalLM(nn.Module):
     """`KimiK3ForConditionalGeneration` / `KimiK3ForCausalLM` / `KimiLinearForCausalLM` (text)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP):
         super().__init__()
-        self.cfg = cfg
-        self.model = KimiModel(cfg)
+        self.cfg, self.tp = cfg, tp
+        self.model = KimiModel(cfg, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = WeightOnly(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = WeightOnly(vocab_shard(cfg.vocab_size, tp)[1], cfg.hidden_size)
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors,
                 capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -124,6 +140,12 @@ class KimiForCausalLM(nn.Module):
         return self.model(batch, cache, capture)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, d] -> fp32 [R, V]; vocab-parallel: every rank's shard, gathered (a collective)."""
+        if self.tp.size == 1:
+            return self._shard_logits(hidden)
+        return self.tp.all_gather(self._shard_logits(hidden))[:, : self.cfg.vocab_size]
+
+    def _shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         k = self.model.kernels
         if (k is not None and hidden.device.type == "cpu" and hidden.dim() == 2 and hidden.dtype == head.dtype

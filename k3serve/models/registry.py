@@ -9,6 +9,7 @@ import torch
 from k3serve.config.bundled import load_model_config
 from k3serve.config.model_config import ModelConfig
 from k3serve.config.parse import ConfigError
+from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.models.kimi import KimiForCausalLM
 
 MODEL_REGISTRY = {
@@ -18,19 +19,21 @@ MODEL_REGISTRY = {
 }
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> KimiForCausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = NO_TP) -> KimiForCausalLM:
+    """`tp`: the tensor-parallel group this rank's model is built for (its share of the heads,
+    channels or experts); the default is the whole single-process model."""
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ConfigError("architectures", f"{cfg.architecture!r} is not supported; known: {sorted(MODEL_REGISTRY)}")
-    return cls(cfg).to(dtype).eval()
+    return cls(cfg, tp).to(dtype).eval()
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, load_format: str = "auto",
-               progress: bool = True) -> KimiForCausalLM:
+               progress: bool = True, tp: TPGroup = NO_TP) -> KimiForCausalLM:
+    from k3serve.distributed.shard import shard_weights
     from k3serve.weights.loader import load_weights
 
     cfg = load_model_config(path)
-    weights = load_weights(path, cfg, load_format=load_format, progress=progress)
-    model = build_model(cfg, dtype)
-    model.load_weights(weights)
+    model = build_model(cfg, dtype, tp)  # first: its layers name a dimension the TP size does not divide
+    model.load_weights(shard_weights(load_weights(path, cfg, load_format=load_format, progress=progress), cfg, tp))
     return model

@@ -131,13 +131,16 @@ class CacheTensors:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "CacheTensors":
+                 kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp_size: int = 1) -> "CacheTensors":
+        """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole."""
         k, m = cfg.kda, cfg.mla
+        heads = k.num_heads // tp_size
         rec, conv, lat = [], [], []
         for kind in cfg.layer_kinds:
             if kind is LayerKind.KDA:
-                rec.append(torch.zeros(num_slots, k.num_heads, k.head_dim, k.head_dim, device=device))
-                conv.append(torch.zeros(num_slots, k.conv_kernel - 1, 3 * k.proj_dim, device=device))
+                rec.append(torch.zeros(num_slots, heads, k.head_dim, k.head_dim, device=device))
+                conv.append(torch.zeros(num_slots, k.conv_kernel - 1, 3 * heads * k.head_dim, device=device))
                 lat.append(None)
             else:
                 rec.append(None)

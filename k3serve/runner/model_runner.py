@@ -11,7 +11,8 @@ import torch
 
 from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.runner.forward_batch import CacheTensors
+from k3serve.runner.rank_step import RankRunner, StepInputs
 from k3serve.sampling.sampler import Sampler
 from k3serve.engine.media import PromptMedia
 from k3serve.sampling.grammar import Constraint
@@ -22,14 +23,14 @@ from k3serve.scheduler.request import Request
 
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, seed: int = 0,
-                 device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = ()):
+                 device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = (), workers=None):
         self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
+        self.workers = workers  # distributed/executor.py: the other tensor-parallel ranks, or None
         # vocabulary ids the tokenizer cannot decode: never sampled (their logits become -inf)
         self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
-        # checkpoint slots (prefix caching) follow the live slots in the same state tensors
-        self.cache = CacheTensors.allocate(model.cfg, plan.num_slots + plan.num_checkpoints, plan.num_blocks,
-                                           plan.block_size, kv_dtype=kv_dtype, device=self.device)
+        self.cache = allocate_cache(model, plan, kv_dtype, self.device)
+        self.rank = RankRunner(model, self.cache, self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: the engine registers a Constraint per constrained request
@@ -46,19 +47,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         seqs = batch.seqs
-        ids = [t for s in seqs for t in s.token_ids]
-        fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            seq_lens=[s.num_tokens for s in seqs], context_lens=[s.start for s in seqs],
-            state_slots=[s.state_slot for s in seqs], block_tables=[s.block_table for s in seqs],
-            block_size=self.plan.block_size, verify=[i for i, s in enumerate(seqs) if s.drafts])
-        fb.media_rows, fb.media_embeds = self._media_rows(seqs)
-        capture = {i: None for i in self.spec.tap_layers} if self.spec is not None and self.spec.tap_layers else None
-        self._copy_states(batch.restore_states)  # a prefix hit resumes from its checkpoint
-        hidden = self.model(fb, self.cache, capture)  # [N, d]
-        self._copy_states(batch.save_states)  # states exactly at chunk ends become checkpoints
-        bounds = fb.seq_bounds()
-        prompt_lps = self._prompt_logprobs(seqs, bounds, hidden)
+        bounds, pos = [], 0
+        for s in seqs:
+            bounds.append((pos, pos + s.num_tokens))
+            pos += s.num_tokens
         # logits: the last row of sampling sequences, every row of verifying ones
         spans = []  # (seq index, first logits row of it)
         rows: list[int] = []
@@ -66,9 +58,23 @@ class ModelRunner:
             if s.sample:
                 spans.append((i, len(rows)))
                 rows += list(range(b, e)) if s.drafts else [e - 1]
+        asks = self._prompt_logprob_spans(seqs, bounds)
+        media_rows, media_embeds = self._media_rows(seqs)
+        inputs = StepInputs(
+            input_ids=[t for s in seqs for t in s.token_ids], seq_lens=[s.num_tokens for s in seqs],
+            context_lens=[s.start for s in seqs], state_slots=[s.state_slot for s in seqs],
+            block_tables=[s.block_table for s in seqs], block_size=self.plan.block_size,
+            verify=[i for i, s in enumerate(seqs) if s.drafts], restore=batch.restore_states,
+            save=batch.save_states, logit_rows=rows, prompt_rows=[(b, n) for _, _, b, n in asks],
+            media_rows=media_rows, media_embeds=media_embeds)
+        capture = {i: None for i in self.spec.tap_layers} if self.spec is not None and self.spec.tap_layers else None
+        if self.workers is not None:  # every rank runs the same forward (its collectives pair with ours)
+            self.workers.send("forward", inputs)
+        res = self.rank.forward(inputs, capture)
+        prompt_lps = self._prompt_logprobs(seqs, asks, res.prompt_logits)
         if not spans:
             return StepOutput(prompt_logprobs=prompt_lps)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
+        logits = res.logits
         if self.masked_ids is not None:
             logits[:, self.masked_ids] = float("-inf")
         out = StepOutput(prompt_logprobs=prompt_lps)
@@ -104,44 +110,44 @@ class ModelRunner:
             committed[s.request_id] = row
         self._advance(out)
         if slots:
-            self.spec.rollback(self.cache, slots, taus)
+            if self.workers is not None:
+                self.workers.send("rollback", slots, taus)
+            self.rank.rollback(slots, taus)
         if capture is not None:  # the drafter reads tap-layer states at the last committed position
             taps = torch.stack([capture[i] for i in self.spec.tap_layers], 1)  # [N, taps, d]
             for rid, row in committed.items():
                 self.spec.observe(rid, taps[row])
         return out
 
-    def _prompt_logprobs(self, seqs, bounds, hidden: torch.Tensor) -> dict[str, dict[int, PromptLogprob]]:
-        """For requests asking prompt logprobs: row p of a chunk predicts prompt token p + 1, so its
-        log-softmax (raw model logits, fp32) gives that token's logprob and the top-n."""
+    @staticmethod
+    def _prompt_logprob_spans(seqs, bounds) -> list[tuple[int, int, int, int]]:
+        """(seq index, first prompt position, first row, rows) of each chunk whose rows predict
+        prompt tokens for a request asking prompt logprobs: row p predicts prompt token p + 1."""
+        out = []
+        for i, (s, (b, _)) in enumerate(zip(seqs, bounds)):
+            last = min(s.start + s.num_tokens, len(s.request.prompt_token_ids) - 1)
+            if s.request.params.prompt_logprobs is not None and s.start < last:
+                out.append((i, s.start, b, last - s.start))
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(seqs, asks, logits: list[torch.Tensor]) -> dict[str, dict[int, PromptLogprob]]:
+        """Each span's log-softmax (raw model logits, fp32) gives its prompt tokens' logprobs and the top-n."""
         out = {}
-        for s, (b, _) in zip(seqs, bounds):
+        for (i, start, _, n), rows in zip(asks, logits):
+            s = seqs[i]
             n_top = s.request.params.prompt_logprobs
-            prompt = s.request.prompt_token_ids
-            last = min(s.start + s.num_tokens, len(prompt) - 1)  # positions p < len - 1 predict a prompt token
-            if n_top is None or s.start >= last:
-                continue
-            rows = torch.arange(b, b + last - s.start, device=self.device)
-            lsm = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1).cpu()  # [R, V]
-            targets = torch.tensor(prompt[s.start + 1:last + 1])
-            own = lsm.gather(1, targets[:, None])  # [R, 1]
+            lsm = torch.log_softmax(rows, -1)  # [n, V]
+            targets = torch.tensor(s.request.prompt_token_ids[start + 1:start + 1 + n])
+            own = lsm.gather(1, targets[:, None])  # [n, 1]
             ranks = ((lsm > own).sum(-1) + 1).tolist()
             tops = lsm.topk(n_top, -1) if n_top else None
             entries = {}
             for j, (tok, lp) in enumerate(zip(targets.tolist(), own[:, 0].tolist())):
                 top = () if tops is None else tuple(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
-                entries[s.start + 1 + j] = PromptLogprob(tok, lp, ranks[j], top)
+                entries[start + 1 + j] = PromptLogprob(tok, lp, ranks[j], top)
             out[s.request_id] = entries
         return out
-
-    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for t in self.cache.recurrent + self.cache.conv:
-            if t is not None:
-                t[dst] = t[src]
 
     def _media_rows(self, seqs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Flat batch rows of this step's media pads and the tower rows they take: a prefill
@@ -195,6 +201,14 @@ class ModelRunner:
                 seed = self.seed * 1_000_003 + req.arrival
             gen = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
         return gen
+
+
+def allocate_cache(model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype,
+                   device: torch.device) -> CacheTensors:
+    """This rank's cache for `plan`: checkpoint slots (prefix caching) follow the live slots in
+    the same state tensors; under tensor parallelism KDA state holds this rank's heads."""
+    return CacheTensors.allocate(model.cfg, plan.num_slots + plan.num_checkpoints, plan.num_blocks, plan.block_size,
+                                 kv_dtype=kv_dtype, device=device, tp_size=model.tp.size)
 
 
 def weight_bytes(model: KimiForCausalLM) -> int:

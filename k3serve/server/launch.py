@@ -42,7 +42,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-graceful-shutdown", "--shutdown-timeout", type=int, default=10,
                    help="seconds in-flight requests get at SIGTERM/SIGINT while new ones are answered 503; "
                         "then what is left is cancelled (503). 0 aborts at once")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the attention heads and MLP channels are split over (one local process each)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split the routed experts over those ranks by expert id instead of by channel")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "uni"),
+                   help="mp: worker processes on this machine (uni: one process; only with -tp 1)")
+    p.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="seconds a collective or a worker's start-up may take before the engine reports it dead")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
@@ -130,9 +137,11 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size > 1 needs the distributed runner, which this build does not "
-                         "have yet; run with --tensor-parallel-size 1")
+    if args.kv_transfer_config is not None and args.tensor_parallel_size != 1:
+        raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 is not built: each rank holds part "
+                         "of the KDA state; serve prefill and decode engines with --tensor-parallel-size 1")
+    if args.distributed_executor_backend == "uni" and args.tensor_parallel_size != 1:
+        raise ValueError("--distributed-executor-backend uni runs one process: it needs --tensor-parallel-size 1")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (kimi_k3 or kimi_k2)")
     spec = None
@@ -151,7 +160,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
                 quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,
-                max_logprobs=args.max_logprobs)
+                max_logprobs=args.max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
+                enable_expert_parallel=args.enable_expert_parallel, distributed_timeout=args.distributed_timeout)
 
 
 def kv_transfer(args: argparse.Namespace):

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
-from k3serve.engine.async_engine import EngineOverloaded, RequestFailed
+from k3serve.engine.async_engine import EngineOverloaded, EngineUnavailable, RequestFailed
 from k3serve.engine.outputs import RequestOutput
 from k3serve.multimodal.video import ProcessedVideo
 from k3serve.sampling.params import ParamError, SamplingParams
@@ -62,6 +62,8 @@ def stream_error(e: BaseException) -> dict:
     alone, a fixed one (and a log line) for anything else; never raw exception text."""
     if isinstance(e, RequestFailed):
         return error_body(400, str(e))
+    if isinstance(e, EngineUnavailable):
+        return error_body(503, str(e))
     log.error("stream failed: %s", type(e).__name__, exc_info=log.isEnabledFor(logging.DEBUG))
     return error_body(500, f"generation failed (internal {type(e).__name__})")
 
@@ -97,6 +99,8 @@ class Run:
             self._first = await self._gen.__anext__()
         except EngineOverloaded as e:
             raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e)) from None
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         except (ValueError, RequestFailed) as e:
@@ -124,6 +128,8 @@ class Run:
                 last = out
         except RequestFailed as e:
             raise APIError(400, str(e)) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e)) from None
         return last
 
     async def close(self) -> None:

@@ -24,17 +24,14 @@ class VllmFlag:
 
 FLAGS = [
     VllmFlag("--enforce-eager", False, "k3serve runs eagerly (no CUDA graphs to turn off)"),
-    VllmFlag("--disable-custom-all-reduce", False, "single-process runner: there is no all-reduce"),
+    VllmFlag("--disable-custom-all-reduce", False, "tensor parallelism all-reduces through the process group "
+             "(gloo); there is no custom all-reduce kernel to turn off"),
     VllmFlag("--swap-space", True, "k3serve preempts by recompute and never swaps to CPU"),
     VllmFlag("--cpu-offload-gb", True, "weight offloading is not built", refuse=True, allowed=("0",)),
-    VllmFlag("--pipeline-parallel-size", True, "the distributed runner is not built (issue 16)", refuse=True,
+    VllmFlag("--pipeline-parallel-size", True, "pipeline parallelism is not built", refuse=True,
              allowed=("1",)),
-    VllmFlag("--data-parallel-size", True, "the distributed runner is not built (issue 16)", refuse=True,
+    VllmFlag("--data-parallel-size", True, "data parallelism is not built yet (issue 16)", refuse=True,
              allowed=("1",)),
-    VllmFlag("--enable-expert-parallel", False, "the distributed runner is not built (issue 16); "
-             "one process holds every expert", refuse=True),
-    VllmFlag("--distributed-executor-backend", True, "single-process runner: no executor to choose",
-             allowed=("mp", "uni")),
     VllmFlag("--mm-processor-kwargs", True, "multimodal input is not built yet (issue 21)", refuse=True),
     VllmFlag("--tokenizer-mode", True, "the tokenizer is read from the checkpoint (tiktoken or tokenizer.json)",
              allowed=("auto", "slow", "fast")),

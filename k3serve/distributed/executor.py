@@ -1,0 +1,177 @@
+"""The `mp` executor: tensor-parallel ranks 1..N-1 as local worker processes, rank 0 in the driver.
+
+The scheduler, sampler and detokenizer stay single, pure Python, on the driver. Each step's
+prepared batch (StepInputs) reaches every worker once, over its pipe; all ranks then run the
+same forward, whose all-reduces / all-gathers go over one ProcessGroupGloo (CPU; the same
+calls take NCCL on CUDA). Only the driver's logits are sampled.
+
+Faults: every collective has `timeout_s`; a worker that dies closes its pipe and its gloo
+sockets, so the driver's next send or collective raises instead of hanging; `alive` is what
+/health reports. Reference: vLLM v1 `executor/multiproc_executor.py`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import threading
+import uuid
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from k3serve.distributed.group import TPGroup
+from k3serve.distributed.worker import WorkerSpec, make_group, worker_main
+
+log = logging.getLogger("k3serve.distributed")
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker is gone: the engine cannot run another step."""
+
+
+def start_executor(config, model_path: str, where) -> "MultiprocExecutor | None":
+    """The workers of `config.tensor_parallel_size` > 1 (started now, loading beside the driver)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    if where.device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size > 1 on {where.device}: the NCCL group is not built yet; "
+                         f"the gloo (CPU) executor is")
+    check_layout(model_path, TPGroup(0, config.tensor_parallel_size, config.enable_expert_parallel))
+    return MultiprocExecutor(model_path, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
+                             dtype=where.dtype, load_format=config.load_format, kernels=config.kernels,
+                             device=where.device, timeout_s=config.distributed_timeout)
+
+
+def check_layout(model_path: str, tp: TPGroup) -> None:
+    """Refuse a layout the model cannot split before any worker starts: build rank 0's model on
+    the meta device (no memory) and check the MXFP4 expert split, naming the dimension."""
+    from k3serve.config.bundled import load_model_config
+    from k3serve.distributed.shard import check_expert_split
+    from k3serve.models.registry import build_model
+
+    cfg = load_model_config(model_path)
+    with torch.device("meta"):
+        build_model(cfg, tp=tp)
+    check_expert_split(cfg, tp)
+
+
+class MultiprocExecutor:
+    def __init__(self, model_path: str, tp_size: int, *, expert_parallel: bool, dtype: torch.dtype,
+                 load_format: str, kernels: str, device: torch.device, timeout_s: float = 120.0):
+        self.size, self.timeout_s = tp_size, timeout_s
+        self.error: str | None = None
+        threads = max(1, (os.cpu_count() or 1) // tp_size)
+        self._store = dist.TCPStore("127.0.0.1", 0, tp_size, True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        base = dict(world=tp_size, port=self._store.port, prefix=f"k3serve-{uuid.uuid4().hex}", timeout_s=timeout_s,
+                    expert_parallel=expert_parallel, model_path=model_path,
+                    dtype=str(dtype).removeprefix("torch."), load_format=load_format, kernels=kernels,
+                    device=str(device), threads=threads)
+        ctx = mp.get_context("spawn")
+        self._procs, self._conns = [], []
+        for rank in range(1, tp_size):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(WorkerSpec(rank=rank, **base), theirs), daemon=True,
+                            name=f"k3serve-tp{rank}")
+            p.start()
+            theirs.close()
+            self._procs.append(p)
+            self._conns.append(ours)
+        self._spec = WorkerSpec(rank=0, **base)
+        self._ready: set[str] = set()  # workers that said "ready"
+        self.tp: TPGroup | None = None
+
+    def join_group(self) -> TPGroup:
+        """Rank 0's group: a rendezvous with every worker, bounded by timeout_s, that gives up as
+        soon as a worker reports an error or exits (the rendezvous itself cannot see that)."""
+        box: dict = {}
+
+        def rendezvous():
+            try:
+                box["tp"] = make_group(self._spec, self._store, 0)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["error"] = e
+
+        t = threading.Thread(target=rendezvous, daemon=True, name="k3serve-tp-rendezvous")
+        t.start()
+        while t.is_alive():
+            t.join(timeout=0.2)
+            self._check_start()
+        if "error" in box:
+            self.shutdown()
+            raise WorkerDied(f"tensor-parallel group did not form: {box['error']}")
+        self.tp = box["tp"]
+        return self.tp
+
+    def _check_start(self) -> None:
+        """Raise a worker's start-up error or exit, if there is one."""
+        for conn, p in zip(self._conns, self._procs):
+            if conn.poll():
+                kind, detail = conn.recv()
+                if kind == "error":
+                    self.shutdown()
+                    raise RuntimeError(f"tensor-parallel worker failed to start: {detail}")
+                self._ready.add(p.name)
+            elif not p.is_alive():
+                self.shutdown()
+                raise WorkerDied(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while starting")
+
+    def wait_ready(self) -> None:
+        """Block until every worker has loaded its shard; raise the first worker's error."""
+        pending = {c: p for c, p in zip(self._conns, self._procs) if p.name not in self._ready}
+        while pending:
+            ready = wait(list(pending) + [p.sentinel for p in pending.values()], timeout=self.timeout_s)
+            if not ready:
+                raise WorkerDied(f"tensor-parallel workers not ready after {self.timeout_s:.0f} s")
+            for conn in [c for c in pending if c in ready]:
+                kind, detail = conn.recv()
+                if kind == "error":
+                    self.shutdown()
+                    raise RuntimeError(f"tensor-parallel worker failed to start: {detail}")
+                del pending[conn]
+            for conn, p in list(pending.items()):
+                if p.sentinel in ready and not conn.poll():
+                    self.shutdown()
+                    raise WorkerDied(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while loading")
+
+    def send(self, method: str, *args) -> None:
+        """Run `method(*args)` on every worker's RankRunner (the driver runs its own after)."""
+        if self.error is not None:
+            raise WorkerDied(self.error)
+        for conn, p in zip(self._conns, self._procs):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError):
+                self.error = f"tensor-parallel worker {p.name} died (exit code {p.exitcode})"
+                raise WorkerDied(self.error) from None
+
+    @property
+    def alive(self) -> bool:
+        if self.error is None:
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead:
+                self.error = f"tensor-parallel worker {dead[0].name} died (exit code {dead[0].exitcode})"
+        return self.error is None
+
+    def fail(self, why: str) -> None:
+        """A collective failed: the group is broken for good."""
+        self.error = self.error or why
+
+    def shutdown(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("shutdown", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []

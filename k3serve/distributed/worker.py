@@ -1,0 +1,99 @@
+"""A tensor-parallel worker process (ranks 1..N-1; the driver is rank 0).
+
+It joins the group's ProcessGroupGloo (the data plane: all-reduces and all-gathers inside the
+model), loads its shard of the checkpoint, says "ready" on its pipe (or the error that stopped
+it), then runs the commands the driver sends on that pipe, one per step: `allocate` (the
+cache for the driver's plan), `forward` (StepInputs), `rollback`, `shutdown`. The pipe is the
+control plane: it blocks without a timeout while the server idles, and reads EOF when the
+driver is gone, so a worker never outlives its engine.
+Reference: vLLM v1 `executor/multiproc_executor.py` (WorkerProc.worker_busy_loop).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+log = logging.getLogger("k3serve.distributed")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world: int
+    port: int  # the driver's TCPStore on 127.0.0.1
+    prefix: str  # this engine's key space in the store
+    timeout_s: float  # every collective's timeout
+    expert_parallel: bool
+    model_path: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    load_format: str
+    kernels: str
+    device: str
+    threads: int
+
+
+def make_group(spec: WorkerSpec, store, rank: int):
+    """This rank's TPGroup over a ProcessGroupGloo on the shared store (a rendezvous)."""
+    import torch.distributed as dist
+
+    from k3serve.distributed.group import TPGroup
+
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.prefix, store), rank, spec.world, timeout)
+    return TPGroup(rank, spec.world, spec.expert_parallel, pg)
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from k3serve.models.registry import load_model
+
+        torch.set_num_threads(spec.threads)
+        store = dist.TCPStore("127.0.0.1", spec.port, spec.world, False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        tp = make_group(spec, store, spec.rank)
+        model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format,
+                           progress=False, tp=tp).to(spec.device)
+        model.use_kernels(spec.kernels)
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send(("error", f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ready", None))
+    serve(conn, model, spec)
+
+
+def serve(conn, model, spec: WorkerSpec) -> None:
+    import torch
+
+    from k3serve.distributed.group import CollectiveError
+    from k3serve.runner.model_runner import allocate_cache
+    from k3serve.runner.rank_step import RankRunner
+
+    runner = None
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            return
+        if method == "shutdown":
+            return
+        try:
+            if method == "allocate":
+                plan, kv_dtype = args
+                device = torch.device(spec.device)
+                runner = RankRunner(model, allocate_cache(model, plan, getattr(torch, kv_dtype), device), device)
+            else:
+                getattr(runner, method)(*args)
+        except CollectiveError as e:  # a peer died or timed out: the group is broken for good
+            log.error("rank %d: %s: %s", spec.rank, method, e)
+            return
+        except Exception as e:  # noqa: BLE001 - the same inputs fail the same way on the driver, which
+            # retries the step's requests apart; the ranks stay in step
+            log.warning("rank %d: %s raised %s: %s", spec.rank, method, type(e).__name__, e)

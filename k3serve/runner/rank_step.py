@@ -1,0 +1,81 @@
+"""One rank's half of a step: StepInputs (the prepared batch, plain data) -> forward -> logits.
+
+The driver builds `StepInputs` once per step from the ScheduledBatch; under tensor parallelism
+it is broadcast to every worker (distributed/executor.py), and every rank runs the same
+`RankRunner.forward`, so their collectives line up: state restores, the model (all-reduces
+inside), checkpoint saves, then the logits of the sampling rows and of the prompt-logprob rows
+(vocab-parallel all-gathers). Only the driver samples; verify rollbacks come back as a second,
+small command. Reference: vLLM v1 `worker/worker_base.py` (execute_model on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3serve.models.kimi import KimiForCausalLM
+from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.spec.rollback import rollback_states
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int]  # [N] the step's tokens, sequences concatenated
+    seq_lens: list[int]
+    context_lens: list[int]
+    state_slots: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    verify: list[int]  # batch indices of sequences verifying drafts
+    restore: list[tuple[int, int]]  # (checkpoint slot, live slot) copied before the forward
+    save: list[tuple[int, int]]  # (live slot, checkpoint slot) copied after it
+    logit_rows: list[int]  # flat rows whose logits are sampled
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (first row, count) per prompt-logprob span
+    media_rows: torch.Tensor | None = None  # [M] rows taking vision-tower embeddings
+    media_embeds: torch.Tensor | None = None  # [M, d]
+
+
+@dataclass
+class StepResult:
+    hidden: torch.Tensor  # [N, d] final hidden states (replicated on every rank)
+    logits: torch.Tensor | None  # [len(logit_rows), V] fp32 on the CPU
+    prompt_logits: list[torch.Tensor]  # one fp32 [count, V] per prompt_rows span
+
+
+class RankRunner:
+    """The model and this rank's cache tensors (KDA state of this rank's heads, the whole latent)."""
+
+    def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInputs, capture: dict | None = None) -> StepResult:
+        fb = ForwardBatch(
+            input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
+            seq_lens=inp.seq_lens, context_lens=inp.context_lens, state_slots=inp.state_slots,
+            block_tables=inp.block_tables, block_size=inp.block_size, verify=inp.verify)
+        if inp.media_rows is not None:
+            fb.media_rows, fb.media_embeds = inp.media_rows.to(self.device), inp.media_embeds.to(self.device)
+        self.copy_states(inp.restore)  # a prefix hit resumes from its checkpoint
+        hidden = self.model(fb, self.cache, capture)  # [N, d]
+        self.copy_states(inp.save)  # states exactly at chunk ends become checkpoints
+        prompt = [self.model.compute_logits(hidden[b:b + n]).float().cpu() for b, n in inp.prompt_rows]
+        logits = None
+        if inp.logit_rows:
+            rows = torch.tensor(inp.logit_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows]).float().cpu()
+        return StepResult(hidden, logits, prompt)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for t in self.cache.recurrent + self.cache.conv:
+            if t is not None:
+                t[dst] = t[src]
+
+    def rollback(self, slots: list[int], accepted: list[int]) -> None:
+        """After a verify pass: each live slot takes its recorded state at the accepted position."""
+        rollback_states(self.cache, slots, accepted)
