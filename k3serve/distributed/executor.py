@@ -18,12 +18,14 @@ import multiprocessing as mp
 import os
 import threading
 import uuid
+from pathlib import Path
 from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 
 from k3serve.distributed.group import TPGroup
+from k3serve.distributed.shm import create_segment
 from k3serve.distributed.worker import WorkerSpec, make_group, worker_main
 
 log = logging.getLogger("k3serve.distributed")
@@ -64,10 +66,15 @@ class MultiprocExecutor:
                  load_format: str, kernels: str, device: torch.device, timeout_s: float = 120.0):
         self.size, self.timeout_s = tp_size, timeout_s
         self.error: str | None = None
+        # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
+        # spinning on a core a peer needs makes every collective wait for the scheduler
         threads = max(1, (os.cpu_count() or 1) // tp_size)
+        self._driver_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
         self._store = dist.TCPStore("127.0.0.1", 0, tp_size, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        base = dict(world=tp_size, port=self._store.port, prefix=f"k3serve-{uuid.uuid4().hex}", timeout_s=timeout_s,
+        self._shm_path = create_segment(tp_size)
+        base = dict(shm_path=self._shm_path, world=tp_size, port=self._store.port, prefix=f"k3serve-{uuid.uuid4().hex}", timeout_s=timeout_s,
                     expert_parallel=expert_parallel, model_path=model_path,
                     dtype=str(dtype).removeprefix("torch."), load_format=load_format, kernels=kernels,
                     device=str(device), threads=threads)
@@ -121,7 +128,9 @@ class MultiprocExecutor:
                 raise WorkerDied(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while starting")
 
     def wait_ready(self) -> None:
-        """Block until every worker has loaded its shard; raise the first worker's error."""
+        """Block until every worker has loaded its shard; raise the first worker's error. Every
+        rank has mapped the shared segment by then: its file goes (the mappings stay)."""
+        self._unlink_segment()
         pending = {c: p for c, p in zip(self._conns, self._procs) if p.name not in self._ready}
         while pending:
             ready = wait(list(pending) + [p.sentinel for p in pending.values()], timeout=self.timeout_s)
@@ -161,7 +170,16 @@ class MultiprocExecutor:
         """A collective failed: the group is broken for good."""
         self.error = self.error or why
 
+    def _unlink_segment(self) -> None:
+        if self._shm_path is not None:
+            Path(self._shm_path).unlink(missing_ok=True)
+            self._shm_path = None
+
     def shutdown(self) -> None:
+        self._unlink_segment()
+        if self._driver_threads is not None:
+            torch.set_num_threads(self._driver_threads)
+            self._driver_threads = None
         for conn in self._conns:
             try:
                 conn.send(("shutdown", ()))

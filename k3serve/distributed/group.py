@@ -48,12 +48,23 @@ def _run(stats: CommStats, kind: str, x: torch.Tensor, start) -> None:
     stats.add(kind, x.numel() * x.element_size(), time.perf_counter() - began)
 
 
+def _shm(stats: CommStats, kind: str, x: torch.Tensor, op) -> torch.Tensor:
+    began = time.perf_counter()
+    try:
+        out = op(x)
+    except RuntimeError as e:  # a peer is gone or timed out (kernels/cpu/shm_comm.cpp)
+        raise CollectiveError(f"tensor-parallel {kind} failed: {str(e).splitlines()[0]}") from e
+    stats.add(kind, x.numel() * x.element_size(), time.perf_counter() - began)
+    return out
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False  # routed experts split by expert id instead of by channel
     pg: Any = None  # the torch.distributed process group object (None for size 1)
+    shm: Any = None  # distributed/shm.py ShmComm: ranks on one host meet in shared memory (else gloo)
     stats: CommStats = field(default_factory=CommStats, compare=False)
 
     def split(self, n: int, what: str) -> int:
@@ -67,6 +78,8 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return _shm(self.stats, "all_reduce", x, self.shm.all_reduce)
         _run(self.stats, "all_reduce", x, lambda: self.pg.allreduce([x]))
         return x
 
@@ -75,6 +88,8 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return _shm(self.stats, "all_gather", x, self.shm.all_gather)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         _run(self.stats, "all_gather", x, lambda: self.pg.allgather([parts], [x]))
         return torch.cat(parts, -1)

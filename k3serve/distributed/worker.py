@@ -34,17 +34,39 @@ class WorkerSpec:
     kernels: str
     device: str
     threads: int
+    shm_path: str | None = None  # the driver's shared segment (distributed/shm.py), or gloo only
 
 
 def make_group(spec: WorkerSpec, store, rank: int):
-    """This rank's TPGroup over a ProcessGroupGloo on the shared store (a rendezvous)."""
+    """This rank's TPGroup over a ProcessGroupGloo on the shared store (a rendezvous), with the
+    shared-memory transport when every rank could map the segment (agreed over gloo)."""
+    import torch
     import torch.distributed as dist
 
     from k3serve.distributed.group import TPGroup
 
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.prefix, store), rank, spec.world, timeout)
-    return TPGroup(rank, spec.world, spec.expert_parallel, pg)
+    shm = _attach_shm(spec, rank)
+    agree = torch.tensor([int(shm is not None)])
+    pg.allreduce([agree]).wait()
+    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm if int(agree) == spec.world else None)
+
+
+def _attach_shm(spec: WorkerSpec, rank: int):
+    if spec.shm_path is None:
+        return None
+    from k3serve import kernels
+    from k3serve.distributed.shm import ShmComm
+
+    module = kernels.get("auto")  # a transport, not a model kernel: used even under --kernels torch
+    if module is None:
+        return None
+    try:
+        return ShmComm(spec.shm_path, rank, spec.world, module, spec.timeout_s)
+    except (OSError, RuntimeError) as e:
+        log.warning("rank %d: shared-memory collectives unavailable (%s); using gloo", rank, e)
+        return None
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:

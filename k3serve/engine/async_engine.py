@@ -136,6 +136,13 @@ class AsyncEngine:
     async def held_tokens(self, prompt_token_ids: list[int]) -> int:
         return await self._call(self.engine.held_tokens, prompt_token_ids)
 
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.engine.counters
+
+    async def reset_prefix_cache(self) -> tuple[int, int]:
+        return await self._call(self.engine.reset_prefix_cache)
+
     async def abort(self, request_id: str) -> None:
         self._to_abort.add(request_id)
         if self._wakeup is not None:

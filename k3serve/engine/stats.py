@@ -34,6 +34,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    expert_tokens_per_rank: tuple[int, ...] = ()  # expert parallelism: assignments routed to each rank
+    tp_collectives: tuple[tuple[str, int, int, float], ...] = ()  # rank 0's (kind, calls, bytes, seconds)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -61,4 +63,19 @@ def snapshot(engine) -> EngineStats:
         checkpoints_evicted=st.checkpoints_evicted,
         spec_drafts=spec.drafts if spec else 0, spec_draft_tokens=spec.draft_tokens if spec else 0,
         spec_accepted_tokens=spec.accepted_tokens if spec else 0,
-        spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else ())
+        spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
+        **_parallel(engine))
+
+
+def _parallel(engine) -> dict:
+    """Expert load per rank and rank 0's collective totals, for an engine with TP ranks."""
+    tp = getattr(engine.model, "tp", None)
+    if tp is None or tp.size == 1:
+        return {}
+    c = tp.stats
+    out = {"tp_collectives": tuple((k, c.calls[k], c.bytes[k], c.seconds[k]) for k in sorted(c.calls))}
+    loads = [m.expert_load for m in engine.model.moe_layers() if m.expert_load is not None]
+    if loads:
+        total = sum(loads)  # [E] over the MoE layers
+        out["expert_tokens_per_rank"] = tuple(int(v) for v in total.view(tp.size, -1).sum(1))
+    return out

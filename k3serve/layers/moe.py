@@ -77,6 +77,9 @@ class SparseMoE(nn.Module):
         else:
             inter = tp.split(inter, "moe_intermediate_size")
         self.first_expert = tp.rank * experts if tp.expert_parallel else 0  # global id of local expert 0
+        # with expert parallelism: (token, slot) assignments per global expert since start, [E] (the
+        # router runs on every rank, so rank 0 sees every rank's load: /metrics shows imbalance)
+        self.expert_load = torch.zeros(m.num_experts, dtype=torch.long) if tp.expert_parallel else None
         self.w1 = ExpertWeights(experts, inter, inner)
         self.w3 = ExpertWeights(experts, inter, inner)
         self.w2 = ExpertWeights(experts, inner, inter)
@@ -108,9 +111,18 @@ class SparseMoE(nn.Module):
     def _partial_forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the block [N, d]; the decoder layer all-reduces it."""
         m = self.cfg
-        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, m)  # [N, k], same on every rank
+        fast = (self.kernels is not None and x.device.type == "cpu" and not (self.use_reference or self.w4a8)
+                and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled())
+        if fast and m.latent_size is None and not self.tp.expert_parallel:
+            return self._block_kernel(x)  # channel-split experts + shared experts: already a partial sum
+        if fast:
+            ids, weights = self.kernels.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
+                                                  m.router_activation == "sigmoid", m.renormalize,
+                                                  m.routed_scaling_factor, m.num_expert_group, m.topk_group)
+        else:
+            ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, m)  # [N, k], on every rank
         z = self.routed_expert_down_proj(x) if m.latent_size is not None else x
-        routed = self._local_experts(z, ids, weights)  # [N, L] fp32, this rank's experts / channels
+        routed = self._local_experts(z, ids, weights, fast)  # [N, L] fp32, this rank's experts / channels
         if m.latent_size is None:
             y = routed.to(x.dtype)
         else:
@@ -124,20 +136,33 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def _local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fast: bool) -> torch.Tensor:
         """Routed sum over the experts this rank holds, FP32 [N, L]. Expert parallelism keeps
         the (token, slot) pairs routed here, one row each, and adds them back per token."""
-        w = (self.w1.value, self.w2.value, self.w3.value)
+        run = self._experts_kernel if fast else self._experts_torch
         if not self.tp.expert_parallel:
-            return experts_forward(z, ids, weights, *w, self.act, self.w4a8, self.kernels)
+            return run(z, ids, weights)
+        self.expert_load += torch.bincount(ids.reshape(-1).cpu(), minlength=self.expert_load.numel())
         local = ids - self.first_expert
         tok, slot = ((local >= 0) & (local < self.w1.shape[0])).nonzero(as_tuple=True)
         out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)
         if tok.numel():
-            y = experts_forward(z[tok], local[tok, slot][:, None], weights[tok, slot][:, None], *w, self.act,
-                                self.w4a8, self.kernels)
-            out.index_add_(0, tok, y)
+            out.index_add_(0, tok, run(z[tok], local[tok, slot][:, None], weights[tok, slot][:, None].float()))
         return out
+
+    def _experts_torch(self, z, ids, weights) -> torch.Tensor:
+        return experts_forward(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8,
+                               self.kernels)
+
+    def _experts_kernel(self, z, ids, weights) -> torch.Tensor:
+        """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or dense)."""
+        ws = []
+        for w in (self.w1, self.w3, self.w2):
+            ws += [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
+        beta, linear_beta = self.situ or (0.0, 0.0)
+        return self.kernels.moe_experts(z.float().contiguous(), ids.contiguous(), weights.contiguous(), *ws,
+                                        int(self.situ is not None), beta, linear_beta,
+                                        not self.w1.is_packed and z.dtype == torch.bfloat16)
 
     def _block_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Router, routed experts, latent norm / up projection and shared experts in one compiled

@@ -72,7 +72,7 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        blocks, checkpoints = await state.engine.call(state.engine.engine.reset_prefix_cache)
+        blocks, checkpoints = await state.engine.reset_prefix_cache()
         return {"freed_blocks": blocks, "dropped_checkpoints": checkpoints}
 
     @app.get("/v1/models")

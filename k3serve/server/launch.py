@@ -46,6 +46,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the attention heads and MLP channels are split over (one local process each)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split the routed experts over those ranks by expert id instead of by channel")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind this server, each with its own cache; requests go to the replica "
+                        "holding their longest cached prefix, else the least loaded (engine/dp_engine.py)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "uni"),
                    help="mp: worker processes on this machine (uni: one process; only with -tp 1)")
     p.add_argument("--distributed-timeout", type=float, default=120.0,
@@ -137,6 +140,11 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.kv_transfer_config is not None and args.data_parallel_size != 1:
+        raise ValueError("--kv-transfer-config with --data-parallel-size > 1 is not built: run one replica per "
+                         "prefill or decode server and put `k3serve router` in front")
     if args.kv_transfer_config is not None and args.tensor_parallel_size != 1:
         raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 is not built: each rank holds part "
                          "of the KDA state; serve prefill and decode engines with --tensor-parallel-size 1")
@@ -162,6 +170,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,
                 max_logprobs=args.max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel, distributed_timeout=args.distributed_timeout)
+
+
+def start_engines(args: argparse.Namespace):
+    """One AsyncEngine, or a DPEngine over --data-parallel-size replicas of it."""
+    from k3serve.engine.async_engine import AsyncEngine
+    from k3serve.engine.dp_engine import DPEngine
+    from k3serve.engine.llm_engine import LLMEngine
+
+    kwargs = engine_kwargs(args)
+    replicas = []
+    try:
+        for _ in range(args.data_parallel_size):
+            replicas.append(AsyncEngine(LLMEngine.from_args(args.model, **kwargs), max_waiting=args.max_waiting))
+    except BaseException:
+        for r in replicas:
+            r.engine.shutdown()
+        raise
+    return replicas[0] if len(replicas) == 1 else DPEngine(replicas)
 
 
 def kv_transfer(args: argparse.Namespace):
@@ -222,7 +248,7 @@ def build_server(args: argparse.Namespace):
     for note in resolve_args(args):
         log.info("%s", note)
     template = chat_template_arg(args.chat_template)
-    engine = AsyncEngine(LLMEngine.from_args(args.model, **engine_kwargs(args)), max_waiting=args.max_waiting)
+    engine = start_engines(args)
     defaults = load_generation_defaults(args.generation_config, engine.engine.model_path)
     if defaults:
         log.info("request defaults from generation_config.json (a request's own values win): %s", defaults)

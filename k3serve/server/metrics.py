@@ -124,6 +124,27 @@ class _EngineCollector:
         for i, n in enumerate(s.spec_accepted_per_position):
             per_pos.add_metric([*self.lv, str(i)], n)
         yield per_pos
+        if s.expert_tokens_per_rank:
+            load = CounterMetricFamily("k3serve:expert_parallel_tokens", "Token-to-expert assignments routed to "
+                                       "each expert-parallel rank's experts", labels=[*LABELS, "rank"])
+            for r, n in enumerate(s.expert_tokens_per_rank):
+                load.add_metric([*self.lv, str(r)], n)
+            yield load
+            mean = sum(s.expert_tokens_per_rank) / len(s.expert_tokens_per_rank)
+            yield gauge("k3serve:expert_parallel_imbalance", "Busiest expert-parallel rank's assignments / the mean "
+                        "(1 = balanced)", max(s.expert_tokens_per_rank) / mean if mean else 1.0)
+        if s.tp_collectives:
+            secs = CounterMetricFamily("k3serve:tp_collective_seconds", "Seconds rank 0 spent in tensor-parallel "
+                                       "collectives", labels=[*LABELS, "kind"])
+            nbytes = CounterMetricFamily("k3serve:tp_collective_bytes", "Payload bytes of rank 0's tensor-parallel "
+                                         "collectives", labels=[*LABELS, "kind"])
+            calls = CounterMetricFamily("k3serve:tp_collectives", "Tensor-parallel collectives run by rank 0",
+                                        labels=[*LABELS, "kind"])
+            for kind, n, b, t in s.tp_collectives:
+                secs.add_metric([*self.lv, kind], t)
+                nbytes.add_metric([*self.lv, kind], b)
+                calls.add_metric([*self.lv, kind], n)
+            yield from (secs, nbytes, calls)
         yield gauge("k3serve:kda_state_slot_usage_perc", "KDA state slots in use; 1 means 100 percent",
                     s.state_slot_usage)
         # the k3serve: series of the first release, unlabelled, kept for existing scrapers

@@ -32,10 +32,10 @@ def stats_line(prev: dict, now: dict, seconds: float, stats) -> str:
 
 async def log_stats_forever(engine, interval_s: float) -> None:
     """Background task of the server: one stats line every `interval_s` while there is work."""
-    prev, at = dict(engine.engine.counters), time.monotonic()
+    prev, at = dict(engine.counters), time.monotonic()
     while True:
         await asyncio.sleep(interval_s)
-        now, t = dict(engine.engine.counters), time.monotonic()
+        now, t = dict(engine.counters), time.monotonic()
         s = engine.stats
         if now != prev or s.num_running or s.num_waiting:
             log.info(stats_line(prev, now, t - at, s))

@@ -30,8 +30,6 @@ FLAGS = [
     VllmFlag("--cpu-offload-gb", True, "weight offloading is not built", refuse=True, allowed=("0",)),
     VllmFlag("--pipeline-parallel-size", True, "pipeline parallelism is not built", refuse=True,
              allowed=("1",)),
-    VllmFlag("--data-parallel-size", True, "data parallelism is not built yet (issue 16)", refuse=True,
-             allowed=("1",)),
     VllmFlag("--mm-processor-kwargs", True, "multimodal input is not built yet (issue 21)", refuse=True),
     VllmFlag("--tokenizer-mode", True, "the tokenizer is read from the checkpoint (tiktoken or tokenizer.json)",
              allowed=("auto", "slow", "fast")),

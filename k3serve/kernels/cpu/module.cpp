@@ -22,5 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("conv_state"), py::arg("rec_state"), py::arg("slots"), py::arg("starts"),
         py::arg("lower_bound"), py::arg("eps"), py::arg("rec_buf") = py::none(), py::arg("conv_buf") = py::none());
   m.def("mla_block", &mla_block, "a whole gated-MLA attention block for decode / verify rows");
+  m.def("shm_attach", &shm_attach, "write this rank's pid into the segment (peers check it is alive)");
+  // the GIL is released while a rank waits for its peers: the server's event loop keeps running
+  m.def("shm_all_reduce", &shm_all_reduce, "sum over the ranks of x (in place), via the shared segment",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("shm_all_gather", &shm_all_gather, "[world, ...x]: every rank's x, via the shared segment",
+        py::call_guard<py::gil_scoped_release>());
   m.def("moe_block", &moe_block, "a whole MoE block: router, routed experts, latent norm/up, shared experts");
 }

@@ -49,3 +49,10 @@ at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, 
 at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int64_t topk, bool use_sigmoid,
                      bool renorm, double scaling, int64_t groups, int64_t keep, int64_t act, double beta,
                      double linear_beta, double eps);
+
+// shm_comm.cpp: collectives of tensor-parallel ranks on one host, over a shared segment
+void shm_attach(at::Tensor seg, int64_t rank);
+at::Tensor shm_all_reduce(at::Tensor x, at::Tensor seg, int64_t rank, int64_t world, int64_t seq,
+                          int64_t slot_bytes, double timeout_s);
+at::Tensor shm_all_gather(at::Tensor x, at::Tensor seg, int64_t rank, int64_t world, int64_t seq,
+                          int64_t slot_bytes, double timeout_s);
