@@ -99,3 +99,30 @@ def test_planner_launch_command_starts(tiny_k3_dir):
         assert llm.generate("The fox", GREEDY)[0].outputs[0].token_ids
     finally:
         llm.engine.shutdown()
+
+
+def test_tp2_image_prompt_equals_single_process(pair):
+    """The vision tower runs on the driver; its rows travel in StepInputs to every rank."""
+    from k3serve.chat.k3_xtml import Seg, encode_segments, media_block, message
+    from k3serve.multimodal.image import ImageSpec, load_image
+    from tests.server.test_multimodal import png
+
+    ref, tp = pair
+    if ref.engine.model.cfg.vision is None:
+        pytest.skip("Kimi-Linear has no vision tower")
+    img = load_image(png(7), ImageSpec(patch_size=ref.engine.model.cfg.vision.patch_size))
+    ids = encode_segments(ref.engine.tokenizer, message("user", [Seg("look")] + media_block(img)))
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [img]}}
+    _same(ref.generate([prompt], GREEDY), tp.generate([prompt], GREEDY))
+
+
+def test_tp2_prompt_logprobs_equal_single_process(pair):
+    """Prompt-logprob rows are gathered over the vocabulary shards like the sampling rows."""
+    ref, tp = pair
+    p = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    a, b = ref.generate([SHARED + "So"], p)[0], tp.generate([SHARED + "So"], p)[0]
+    assert len(a.prompt_logprobs) == len(b.prompt_logprobs) > 40
+    for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        assert (x.token_id, x.rank) == (y.token_id, y.rank) and abs(x.logprob - y.logprob) < 1e-4
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-4
