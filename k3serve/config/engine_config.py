@@ -44,6 +44,10 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
     distributed_executor_backend: str = "mp"  # mp: local worker processes
     distributed_timeout: float = 120.0  # seconds any collective or worker start-up may take
+    nnodes: int = 1  # nodes the TP ranks span (node 0 runs the server; others `--node-rank n`)
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # node 0's address: the rendezvous store
+    master_port: int = 0  # its port (required with nnodes > 1; 0 = any, one node)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

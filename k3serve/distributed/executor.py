@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from k3serve.distributed.group import TPGroup
+from k3serve.distributed.multinode import ControlChannel, NodeLayout, control_group
 from k3serve.distributed.shm import create_segment
 from k3serve.distributed.worker import WorkerSpec, make_group, worker_main
 
@@ -45,7 +46,20 @@ def start_executor(config, model_path: str, where) -> "MultiprocExecutor | None"
     check_layout(model_path, TPGroup(0, config.tensor_parallel_size, config.enable_expert_parallel))
     return MultiprocExecutor(model_path, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
                              dtype=where.dtype, load_format=config.load_format, kernels=config.kernels,
-                             device=where.device, timeout_s=config.distributed_timeout)
+                             device=where.device, timeout_s=config.distributed_timeout, nodes=node_layout(config))
+
+
+def node_layout(config) -> NodeLayout:
+    """The engine's nodes: torchrun's environment when it started us, else the static flags."""
+    from k3serve.distributed.multinode import torchrun_layout, torchrun_rank
+
+    if torchrun_rank() is not None:
+        rank, world = torchrun_rank()
+        if world != config.tensor_parallel_size:
+            raise ValueError(f"torchrun started {world} processes; --tensor-parallel-size is "
+                             f"{config.tensor_parallel_size}: they must be equal (one process per rank)")
+        return torchrun_layout()
+    return NodeLayout(config.nnodes, config.node_rank, config.master_addr, config.master_port)
 
 
 def check_layout(model_path: str, tp: TPGroup) -> None:
@@ -61,34 +75,69 @@ def check_layout(model_path: str, tp: TPGroup) -> None:
     check_expert_split(cfg, tp)
 
 
+def worker_base(model_path: str, tp_size: int, nodes: NodeLayout, port: int, *, expert_parallel: bool,
+                dtype: torch.dtype, load_format: str, kernels: str, device: torch.device, timeout_s: float,
+                shm_path: str | None) -> dict:
+    """The WorkerSpec fields every rank of one engine shares (all but `rank`)."""
+    threads = max(1, (os.cpu_count() or 1) // len(nodes.ranks(tp_size)))  # this node's share of its cores
+    prefix = f"k3serve-tp-{port}" if nodes.multi else f"k3serve-{uuid.uuid4().hex}"  # nodes must agree
+    return dict(shm_path=shm_path, world=tp_size, port=port, prefix=prefix, timeout_s=timeout_s,
+                expert_parallel=expert_parallel, model_path=model_path, dtype=str(dtype).removeprefix("torch."),
+                load_format=load_format, kernels=kernels, device=str(device), threads=threads,
+                master_addr=nodes.master_addr if nodes.multi else "127.0.0.1", control=nodes.multi)
+
+
+def spawn_workers(base: dict, ranks: list[int], pipes: bool) -> tuple[list, list]:
+    """Start `ranks` as worker processes; (processes, the driver's pipe ends or [])."""
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for rank in ranks:
+        ours, theirs = ctx.Pipe() if pipes else (None, None)
+        p = ctx.Process(target=worker_main, args=(WorkerSpec(rank=rank, **base), theirs), daemon=True,
+                        name=f"k3serve-tp{rank}")
+        p.start()
+        if pipes:
+            theirs.close()
+            conns.append(ours)
+        procs.append(p)
+    return procs, conns
+
+
+def run_headless(model_path: str, tp_size: int, nodes: NodeLayout, **kw) -> int:
+    """A node other than 0: start its ranks, wait until they exit (the driver shut down or died)."""
+    nodes.check(tp_size)
+    base = worker_base(model_path, tp_size, nodes, nodes.master_port, shm_path=None, **kw)
+    procs, _ = spawn_workers(base, nodes.ranks(tp_size), pipes=False)
+    for p in procs:
+        p.join()
+    return max((p.exitcode or 0 for p in procs), default=0)
+
+
 class MultiprocExecutor:
     def __init__(self, model_path: str, tp_size: int, *, expert_parallel: bool, dtype: torch.dtype,
-                 load_format: str, kernels: str, device: torch.device, timeout_s: float = 120.0):
-        self.size, self.timeout_s = tp_size, timeout_s
+                 load_format: str, kernels: str, device: torch.device, timeout_s: float = 120.0,
+                 nodes: NodeLayout = NodeLayout()):
+        nodes.check(tp_size)
+        self.size, self.timeout_s, self.nodes = tp_size, timeout_s, nodes
         self.error: str | None = None
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if nodes.agent_store:  # torchrun's agent hosts it
+            self._store = dist.TCPStore(nodes.master_addr, nodes.master_port, tp_size, False, timeout=timeout)
+        else:
+            host, port = (nodes.master_addr, nodes.master_port) if nodes.multi else ("127.0.0.1", 0)
+            self._store = dist.TCPStore(host, port, tp_size, True, wait_for_workers=False, timeout=timeout)
+        self._shm_path = None if nodes.multi else create_segment(tp_size)  # ranks on one host only
+        base = worker_base(model_path, tp_size, nodes, self._store.port, expert_parallel=expert_parallel, dtype=dtype,
+                           load_format=load_format, kernels=kernels, device=device, timeout_s=timeout_s,
+                           shm_path=self._shm_path)
         # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
         # spinning on a core a peer needs makes every collective wait for the scheduler
-        threads = max(1, (os.cpu_count() or 1) // tp_size)
         self._driver_threads = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        self._store = dist.TCPStore("127.0.0.1", 0, tp_size, True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        self._shm_path = create_segment(tp_size)
-        base = dict(shm_path=self._shm_path, world=tp_size, port=self._store.port, prefix=f"k3serve-{uuid.uuid4().hex}", timeout_s=timeout_s,
-                    expert_parallel=expert_parallel, model_path=model_path,
-                    dtype=str(dtype).removeprefix("torch."), load_format=load_format, kernels=kernels,
-                    device=str(device), threads=threads)
-        ctx = mp.get_context("spawn")
-        self._procs, self._conns = [], []
-        for rank in range(1, tp_size):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(WorkerSpec(rank=rank, **base), theirs), daemon=True,
-                            name=f"k3serve-tp{rank}")
-            p.start()
-            theirs.close()
-            self._procs.append(p)
-            self._conns.append(ours)
+        torch.set_num_threads(base["threads"])
+        local = [] if nodes.torchrun else nodes.ranks(tp_size)[1:]  # torchrun started every rank itself
+        self._procs, self._conns = spawn_workers(base, local, pipes=not nodes.multi)
         self._spec = WorkerSpec(rank=0, **base)
+        self._channel = None  # multi-node: the control group's channel (made in join_group)
         self._ready: set[str] = set()  # workers that said "ready"
         self.tp: TPGroup | None = None
 
@@ -100,6 +149,8 @@ class MultiprocExecutor:
         def rendezvous():
             try:
                 box["tp"] = make_group(self._spec, self._store, 0)
+                if self.nodes.multi:
+                    self._channel = ControlChannel(control_group(self._store, self._spec.prefix, 0, self.size), 0)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 box["error"] = e
 
@@ -131,6 +182,9 @@ class MultiprocExecutor:
         """Block until every worker has loaded its shard; raise the first worker's error. Every
         rank has mapped the shared segment by then: its file goes (the mappings stay)."""
         self._unlink_segment()
+        if self._channel is not None:
+            self._wait_ready_control()
+            return
         pending = {c: p for c, p in zip(self._conns, self._procs) if p.name not in self._ready}
         while pending:
             ready = wait(list(pending) + [p.sentinel for p in pending.values()], timeout=self.timeout_s)
@@ -147,10 +201,27 @@ class MultiprocExecutor:
                     self.shutdown()
                     raise WorkerDied(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while loading")
 
+    def _wait_ready_control(self) -> None:
+        """Multi-node: a barrier where each rank says whether its shard loaded; the errors of
+        those that did not are in the store."""
+        if self._channel.ready(True) == self.size:
+            return
+        keys = [f"{self._spec.prefix}/error/{r}" for r in range(1, self.size)]
+        why = [self._store.get(k).decode() for k in keys if self._store.check([k])]
+        self.shutdown()
+        raise RuntimeError(f"tensor-parallel worker failed to start: {why[0] if why else 'no reason given'}")
+
     def send(self, method: str, *args) -> None:
         """Run `method(*args)` on every worker's RankRunner (the driver runs its own after)."""
         if self.error is not None:
             raise WorkerDied(self.error)
+        if self._channel is not None:
+            try:
+                self._channel.send((method, args))
+            except RuntimeError as e:  # a node's socket closed
+                self.error = f"tensor-parallel control broadcast failed: {str(e).splitlines()[0]}"
+                raise WorkerDied(self.error) from None
+            return
         for conn, p in zip(self._conns, self._procs):
             try:
                 conn.send((method, args))
@@ -180,6 +251,12 @@ class MultiprocExecutor:
         if self._driver_threads is not None:
             torch.set_num_threads(self._driver_threads)
             self._driver_threads = None
+        if self._channel is not None and self.error is None:
+            try:
+                self._channel.send(("shutdown", ()))
+            except RuntimeError:
+                pass
+            self._channel = None
         for conn in self._conns:
             try:
                 conn.send(("shutdown", ()))

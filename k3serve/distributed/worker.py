@@ -35,6 +35,8 @@ class WorkerSpec:
     device: str
     threads: int
     shm_path: str | None = None  # the driver's shared segment (distributed/shm.py), or gloo only
+    master_addr: str = "127.0.0.1"  # where the TCPStore is (node 0, or torchrun's agent)
+    control: bool = False  # commands over the control group (multi-node), not a pipe
 
 
 def make_group(spec: WorkerSpec, store, rank: int):
@@ -69,29 +71,45 @@ def _attach_shm(spec: WorkerSpec, rank: int):
         return None
 
 
-def worker_main(spec: WorkerSpec, conn) -> None:
+def worker_main(spec: WorkerSpec, conn=None) -> None:
+    """One rank: join the groups, load the shard, report, serve commands. `conn`: the pipe to a
+    driver on this machine; None: commands come over the control group (multi-node)."""
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    channel, store = None, None
     try:
         import torch
         import torch.distributed as dist
 
+        from k3serve.distributed.multinode import ControlChannel, control_group
         from k3serve.models.registry import load_model
 
         torch.set_num_threads(spec.threads)
-        store = dist.TCPStore("127.0.0.1", spec.port, spec.world, False,
+        store = dist.TCPStore(spec.master_addr, spec.port, spec.world, False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         tp = make_group(spec, store, spec.rank)
+        if conn is None:
+            channel = ControlChannel(control_group(store, spec.prefix, spec.rank, spec.world), spec.rank)
         model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format,
                            progress=False, tp=tp).to(spec.device)
         model.use_kernels(spec.kernels)
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
-        conn.send(("error", f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        why = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        if conn is not None:
+            conn.send(("error", why))
+        elif store is not None:
+            store.set(f"{spec.prefix}/error/{spec.rank}", why)
+            if channel is not None:
+                channel.ready(False)
         return
-    conn.send(("ready", None))
-    serve(conn, model, spec)
+    if conn is not None:
+        conn.send(("ready", None))
+    else:
+        channel.ready(True)
+    serve(conn if conn is not None else channel, model, spec)
 
 
 def serve(conn, model, spec: WorkerSpec) -> None:
+    """`conn`: anything with recv() -> (method, args): the pipe, or the ControlChannel."""
     import torch
 
     from k3serve.distributed.group import CollectiveError
@@ -102,7 +120,7 @@ def serve(conn, model, spec: WorkerSpec) -> None:
     while True:
         try:
             method, args = conn.recv()
-        except (EOFError, OSError):  # the driver is gone
+        except (EOFError, OSError, RuntimeError):  # the driver is gone (a closed pipe or socket)
             return
         if method == "shutdown":
             return

@@ -40,8 +40,10 @@ def launch_commands(model: str, layout: Layout, context: int, max_num_seqs: int,
         vllm += f" --distributed-executor-backend ray  # on a {nodes}-node Ray cluster"
     if layout.ep > 1:
         k3 += " --enable-expert-parallel"
-    if layout.dp > 1 or layout.pp > 1 or nodes > 1:
-        k3 += "  # DP-attention, pipeline and multi-node ranks are not built yet: only TP/EP on one node runs"
+    if nodes > 1:
+        k3 += f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $HEAD_IP --master-port 29500"
+    if layout.dp > 1 or layout.pp > 1:
+        k3 += "  # DP-attention (experts over TP x DP) and pipeline ranks are not built yet: TP/EP runs"
     elif layout.num_gpus > 1:
         k3 += "  # TP/EP ranks run over gloo (CPU) in this build; the NCCL group for GPUs is not built yet"
     return {"k3serve": k3, "vllm": vllm, "sglang": sgl}

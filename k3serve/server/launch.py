@@ -51,6 +51,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "holding their longest cached prefix, else the least loaded (engine/dp_engine.py)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "uni"),
                    help="mp: worker processes on this machine (uni: one process; only with -tp 1)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the tensor-parallel ranks span; node 0 serves, the others run this command with "
+                        "--node-rank n and serve no HTTP (or launch every rank with torchrun)")
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (the rendezvous store)")
+    p.add_argument("--master-port", type=int, default=0, help="node 0's rendezvous port (needed with --nnodes > 1)")
     p.add_argument("--distributed-timeout", type=float, default=120.0,
                    help="seconds a collective or a worker's start-up may take before the engine reports it dead")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
@@ -169,7 +175,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
                 quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,
                 max_logprobs=args.max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
-                enable_expert_parallel=args.enable_expert_parallel, distributed_timeout=args.distributed_timeout)
+                enable_expert_parallel=args.enable_expert_parallel, distributed_timeout=args.distributed_timeout,
+                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                master_port=args.master_port)
 
 
 def start_engines(args: argparse.Namespace):
@@ -270,10 +278,43 @@ def build_server(args: argparse.Namespace):
     return app, state
 
 
+def headless(args: argparse.Namespace) -> int | None:
+    """On a node other than 0 (or a torchrun rank other than 0): run this node's tensor-parallel
+    ranks until the driver shuts down, and return their exit status; None on the serving node."""
+    from k3serve.config.engine_config import EngineConfig
+    from k3serve.distributed.executor import run_headless, worker_base
+    from k3serve.distributed.multinode import NodeLayout, torchrun_layout, torchrun_rank
+    from k3serve.distributed.worker import WorkerSpec, worker_main
+    from k3serve.engine.llm_engine import _default_model
+    from k3serve.engine.setup import placement
+
+    ran = torchrun_rank()
+    if (ran is None and args.node_rank == 0) or (ran is not None and ran[0] == 0):
+        return None
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    where = placement(config)
+    kw = dict(expert_parallel=config.enable_expert_parallel, dtype=where.dtype, load_format=config.load_format,
+              kernels=config.kernels, device=where.device, timeout_s=config.distributed_timeout)
+    path = str(config.model or _default_model())
+    if ran is not None:  # torchrun started this process as one rank: be it
+        nodes = torchrun_layout()
+        worker_main(WorkerSpec(rank=ran[0], **worker_base(path, ran[1], nodes, nodes.master_port, shm_path=None,
+                                                          **kw)))
+        return 0
+    nodes = NodeLayout(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    logging.getLogger("k3serve.server").info("node %d of %d: tensor-parallel ranks %s, driver at %s:%d",
+                                             args.node_rank, args.nnodes, nodes.ranks(args.tensor_parallel_size),
+                                             args.master_addr, args.master_port)
+    return run_headless(path, args.tensor_parallel_size, nodes, **kw)
+
+
 def serve(args: argparse.Namespace) -> int:
     from k3serve.server.http import draining_server, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    status = headless(args)
+    if status is not None:
+        return status
     app, state = build_server(args)
     logging.getLogger("k3serve.server").info("serving %s on http://%s:%d%s", state.served_model_name,
                                              args.host, args.port, " (API key required)" if state.api_key else "")

@@ -126,3 +126,80 @@ def test_tp2_prompt_logprobs_equal_single_process(pair):
         assert (x.token_id, x.rank) == (y.token_id, y.rank) and abs(x.logprob - y.logprob) < 1e-4
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
         assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-4
+
+
+def _other_node(tiny_kl_dir, port, extra=(), env=None):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "k3serve", "serve", str(tiny_kl_dir), "-tp", "2", "--nnodes", "2", "--node-rank", "1",
+           "--master-port", str(port), *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_two_node_static_launch_equals_single_process(tiny_kl_dir):
+    """Node 1 runs `k3serve serve ... --nnodes 2 --node-rank 1` (headless); node 0 is this
+    engine. Commands cross over the control group, collectives over gloo (no shared memory)."""
+    from tests.live import free_port
+
+    port = free_port()
+    node1 = _other_node(tiny_kl_dir, port)
+    try:
+        llm = LLM(str(tiny_kl_dir), tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port, **KW)
+        try:
+            assert llm.engine.model.tp.shm is None  # ranks on other nodes: gloo
+            ref = LLM(str(tiny_kl_dir), **KW)
+            _same(ref.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, GREEDY))
+        finally:
+            llm.engine.shutdown()
+        assert node1.wait(30) == 0  # the headless node ends with the driver
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_two_torchrun_node_ranks_serve_the_single_process_output(tiny_kl_dir):
+    """`torchrun --nnodes 2 --node-rank {0,1} --nproc-per-node 1 -m k3serve serve ... -tp 2`: rank 0
+    serves HTTP, rank 1 is a headless worker; both read torchrun's environment and agent store."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from tests.live import free_port
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    port, http = free_port(), free_port()
+
+    def node(rank, *extra):
+        cmd = [torchrun, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
+               "127.0.0.1", "--master-port", str(port), "-m", "k3serve", "serve", str(tiny_kl_dir), "-tp", "2",
+               "--cache-memory", "32MiB", "--max-model-len", "512", *extra]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    nodes = [node(1), node(0, "--port", str(http))]
+    try:
+        base = f"http://127.0.0.1:{http}"
+        for _ in range(240):
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        ids = [5, 17, 260, 301, 44, 9]
+        r = httpx.post(base + "/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        ref = LLM(str(tiny_kl_dir), **KW).generate({"prompt_token_ids": ids},
+                                                   SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        assert r.json()["choices"][0]["text"] == ref.text and r.json()["usage"]["completion_tokens"] == 12
+    finally:
+        os.killpg(nodes[1].pid, signal.SIGTERM)
+        for p in nodes:
+            try:
+                p.wait(30)  # node 1's worker ends once node 0's driver is gone
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                raise
