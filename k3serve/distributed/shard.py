@@ -6,11 +6,11 @@ and VocabParallelEmbedding would hold it:
 
   rows (dim 0, heads or channels): KDA q/k/v/g/f_b/b projections, conv taps, dt_bias, A_log;
       MLA q/q_b, kv_b, g; gate/up of the dense MLP and shared experts
-  columns (dim 1): every o_proj and down_proj (their outputs are partial sums)
+  columns (dim 1): every o_proj and down_proj, K3's latent up projection (partial sums)
   vocabulary (dim 0, ceil(V/N) rows, the last shard zero-padded): embed_tokens, lm_head
   routed experts: w1/w3 rows and w2 columns (MXFP4 by whole 32-value groups), or with expert
       parallelism whole experts e in [rank·E/N, (rank+1)·E/N), renumbered from 0
-  replicated: norms, router, K3's latent down/up and their norm, f_a/g_a, kv_a, q_a, AttnRes
+  replicated: norms, router, K3's latent down projection and norm, f_a/g_a, kv_a, q_a, AttnRes
 
 Reference: vLLM `model_executor/layers/linear.py`, `vocab_parallel_embedding.py`,
 `fused_moe/layer.py` (expert map).
@@ -32,7 +32,8 @@ _ROWS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj
          "self_attn.g_proj.weight", "self_attn.g_b_proj.weight", "self_attn.q_b_proj.weight",
          "self_attn.kv_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
          "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")
-_COLUMNS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight")
+_COLUMNS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+            "routed_expert_up_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 Weight = torch.Tensor | PackedMXFP4

@@ -66,8 +66,10 @@ class SparseMoE(nn.Module):
         self.gate = Gate(m.num_experts, d)
         inner = m.latent_size or d
         if m.latent_size is not None:
+            # down is replicated (every rank's experts read the whole latent z); up splits its
+            # input columns under TP, so its output is a partial sum like the shared experts'
             self.routed_expert_down_proj = linear(inner, d)
-            self.routed_expert_up_proj = linear(d, inner)
+            self.routed_expert_up_proj = linear(d, tp.split(inner, "routed_expert_hidden_size"))
             if m.latent_use_norm:
                 self.routed_expert_norm = RMSNorm(inner, cfg.rms_norm_eps)
         # stacked routed experts [E, out, in] as buffers (dense, or packed MXFP4 for K3)
@@ -125,13 +127,11 @@ class SparseMoE(nn.Module):
         routed = self._local_experts(z, ids, weights, fast)  # [N, L] fp32, this rank's experts / channels
         if m.latent_size is None:
             y = routed.to(x.dtype)
-        else:
+        else:  # the latent norm needs the whole routed sum: reduce [N, L] first
             routed = self.tp.all_reduce(routed).to(x.dtype)
-            if self.tp.rank == 0:
-                y = self.routed_expert_norm(routed) if m.latent_use_norm else routed
-                y = self.routed_expert_up_proj(y)
-            else:
-                y = x.new_zeros(x.shape)
+            y = self.routed_expert_norm(routed) if m.latent_use_norm else routed
+            cols = self.routed_expert_up_proj.weight.shape[1]  # this rank's latent columns
+            y = self.routed_expert_up_proj(y[:, self.tp.rank * cols:(self.tp.rank + 1) * cols].contiguous())
         if m.num_shared_experts:
             y = y + self.shared_experts(x)
         return y

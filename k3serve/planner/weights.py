@@ -1,12 +1,13 @@
 """Weight bytes per rank for a parallel layout, tensor by tensor (planner-data.md §5.2-5.3).
 
-Sharding rules (the ones the engine's distributed runner will use):
+Sharding rules (the ones distributed/shard.py applies):
   routed experts            -> split over the EP ranks (EP = all GPUs; 896 % EP == 0)
   head-/column-parallel     -> / attention TP: q/k/v/g/o projections, KDA conv/decay params,
-                               MLA q_b/kv_b, shared experts, dense MLP, latent MoE projections,
-                               embeddings and LM head (vocab-parallel)
+                               MLA q_b/kv_b, shared experts, dense MLP, the latent MoE up
+                               projection, embeddings and LM head (vocab-parallel)
   replicated                -> norms, router, MLA latent down-projections (one latent head,
-                               never split by TP), KDA f_a, AttnRes params, vision tower
+                               never split by TP), the latent MoE down projection (every rank's
+                               experts read the whole latent), KDA f_a, AttnRes params, vision tower
 With DP-attention (attention DP > 1, TP 1) everything but the experts is on every rank.
 Sources: bundled configs via the tensor schema, or a checkpoint dir via safetensors headers.
 """
@@ -18,9 +19,9 @@ from pathlib import Path
 
 from k3serve.config.model_config import ModelConfig
 
-TP_SHARDED = ("q_proj.", "k_proj.", "v_proj.", "g_proj.", "o_proj.", "b_proj.", "f_b_proj.", "q_conv1d.",
+TP_SHARDED = ("q_proj.", "k_proj.", "v_proj.", "g_proj.", "g_b_proj.", "o_proj.", "b_proj.", "f_b_proj.", "q_conv1d.",
               "k_conv1d.", "v_conv1d.", "dt_bias", "A_log", "q_b_proj.", "kv_b_proj.", "shared_experts.",
-              "mlp.", "routed_expert_down_proj.", "routed_expert_up_proj.", "embed_tokens.", "lm_head.")
+              "mlp.", "routed_expert_up_proj.", "embed_tokens.", "lm_head.")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,10 @@ def weight_split(cfg: ModelConfig, checkpoint: str | Path | None = None) -> Weig
         nbytes = {n: actual[n].nbytes if n in actual else b for n, b in nbytes.items()}
     sums = {"expert": 0, "tp": 0, "replicated": 0}
     for s in specs:
-        sums[classify(s.name, s.routed_expert, s.vision)] += nbytes[s.name]
+        b = nbytes[s.name]
+        if s.name.endswith(".A_log"):  # K3 pads it (128 stored, 96 used): the engine keeps num_heads
+            b = min(b, cfg.kda.num_heads * 4)
+        sums[classify(s.name, s.routed_expert, s.vision)] += b
     params = sum(s.params for s in specs if not s.vision)
     expert_params = sum(s.params for s in specs if s.routed_expert)
     m = cfg.moe

@@ -78,3 +78,21 @@ def test_mxfp4_channel_split_names_the_dimension(tiny_k3_dir):
 def test_indivisible_heads_name_the_dimension(tiny_kl_dir):
     with pytest.raises(ValueError, match="linear_attn_config.num_heads = 4 is not divisible by --tensor-parallel-size 3"):
         tp_logits(tiny_kl_dir, world=3)
+
+
+@pytest.mark.parametrize("case", ["kl-tp2", "kl-ep2", "k3-ep2"])
+def test_per_rank_weight_bytes_equal_the_planners(case, tiny_kl_dir, tiny_k3_dir):
+    """Each rank's weight bytes (bf16 as stored) == planner/weights.py's per-rank prediction for the
+    layout (the planner counts the vision tower too, which the engine loads beside the text model;
+    channel-split experts hold 1/N of every expert, the same bytes as 1/N of the experts)."""
+    from k3serve.config.bundled import load_model_config
+    from k3serve.planner.weights import weight_split
+    from k3serve.runner.model_runner import weight_bytes
+    from k3serve.weights.schema import model_tensor_specs
+
+    path = _path(case, (tiny_kl_dir, tiny_k3_dir, None))
+    cfg = load_model_config(path)
+    vision = sum(s.nbytes for s in model_tensor_specs(cfg) if s.vision)
+    got = run_ranks(2, lambda tp: weight_bytes(load_model(path, dtype=torch.bfloat16, progress=False, tp=tp)),
+                    case.endswith("ep2"))
+    assert got == [weight_split(cfg, path).per_rank(tp=2, ep=2) - vision] * 2
