@@ -42,7 +42,7 @@ class EngineConfig:
     kernels: str = "auto"  # auto: the compiled CPU kernels when they build | cpp: require them | torch
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
-    distributed_executor_backend: str = "mp"  # mp: local worker processes
+    distributed_executor_backend: str = "mp"  # mp: worker processes started here | ray: Ray actors
     distributed_timeout: float = 120.0  # seconds any collective or worker start-up may take
     nnodes: int = 1  # nodes the TP ranks span (node 0 runs the server; others `--node-rank n`)
     node_rank: int = 0
@@ -73,9 +73,9 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.distributed_executor_backend not in ("mp",):
-            raise ValueError(f"distributed_executor_backend {self.distributed_executor_backend!r} is not built; "
-                             f"use 'mp' (local worker processes)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' (worker processes started here) or "
+                             f"'ray' (Ray actors on the cluster), got {self.distributed_executor_backend!r}")
         if self.speculative_config:
             from k3serve.spec.config import SpeculativeConfig
             spec = SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key

@@ -44,6 +44,12 @@ def start_executor(config, model_path: str, where) -> "MultiprocExecutor | None"
         raise ValueError(f"tensor_parallel_size > 1 on {where.device}: the NCCL group is not built yet; "
                          f"the gloo (CPU) executor is")
     check_layout(model_path, TPGroup(0, config.tensor_parallel_size, config.enable_expert_parallel))
+    if config.distributed_executor_backend == "ray":
+        from k3serve.distributed.ray_executor import RayExecutor, ray_layout
+
+        return RayExecutor(model_path, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
+                           dtype=where.dtype, load_format=config.load_format, kernels=config.kernels,
+                           device=where.device, timeout_s=config.distributed_timeout, nodes=ray_layout())
     return MultiprocExecutor(model_path, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
                              dtype=where.dtype, load_format=config.load_format, kernels=config.kernels,
                              device=where.device, timeout_s=config.distributed_timeout, nodes=node_layout(config))
@@ -135,11 +141,14 @@ class MultiprocExecutor:
         self._driver_threads = torch.get_num_threads()
         torch.set_num_threads(base["threads"])
         local = [] if nodes.torchrun else nodes.ranks(tp_size)[1:]  # torchrun started every rank itself
-        self._procs, self._conns = spawn_workers(base, local, pipes=not nodes.multi)
+        self._procs, self._conns = self._start_workers(base, local, pipes=not nodes.multi)
         self._spec = WorkerSpec(rank=0, **base)
         self._channel = None  # multi-node: the control group's channel (made in join_group)
         self._ready: set[str] = set()  # workers that said "ready"
         self.tp: TPGroup | None = None
+
+    def _start_workers(self, base: dict, ranks: list[int], pipes: bool) -> tuple[list, list]:
+        return spawn_workers(base, ranks, pipes)
 
     def join_group(self) -> TPGroup:
         """Rank 0's group: a rendezvous with every worker, bounded by timeout_s, that gives up as

@@ -32,11 +32,12 @@ class NodeLayout:
     master_port: int = 0  # 0: any free port (one node only)
     torchrun: bool = False  # every rank's process was started by torchrun: spawn none
     agent_store: bool = False  # torchrun's agent already hosts the TCPStore at master_addr:master_port
+    ray: bool = False  # the ranks are Ray actors, placed by the Ray cluster (distributed/ray_executor.py)
 
     @property
     def multi(self) -> bool:
         """Ranks beyond this machine's pipes: commands go over the control group."""
-        return self.nnodes > 1 or self.torchrun
+        return self.nnodes > 1 or self.torchrun or self.ray
 
     def ranks(self, world: int, node: int | None = None) -> list[int]:
         node = self.node_rank if node is None else node

@@ -49,8 +49,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind this server, each with its own cache; requests go to the replica "
                         "holding their longest cached prefix, else the least loaded (engine/dp_engine.py)")
-    p.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "uni"),
-                   help="mp: worker processes on this machine (uni: one process; only with -tp 1)")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "ray", "uni"),
+                   help="mp: worker processes started by this command (or by --node-rank n / torchrun on other "
+                        "nodes); ray: ranks as Ray actors on the cluster at RAY_ADDRESS; uni: one process (-tp 1)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes the tensor-parallel ranks span; node 0 serves, the others run this command with "
                         "--node-rank n and serve no HTTP (or launch every rank with torchrun)")
@@ -176,6 +177,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,
                 max_logprobs=args.max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel, distributed_timeout=args.distributed_timeout,
+                distributed_executor_backend="ray" if args.distributed_executor_backend == "ray" else "mp",
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port)
 
