@@ -78,10 +78,7 @@ class EngineConfig:
                              f"'ray' (Ray actors on the cluster), got {self.distributed_executor_backend!r}")
         if self.speculative_config:
             from k3serve.spec.config import SpeculativeConfig
-            spec = SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
-            if self.tensor_parallel_size > 1 and spec.method != "ngram":
-                raise ValueError(f"speculative method {spec.method!r} with tensor_parallel_size > 1: its draft "
-                                 f"model runs beside the target on one rank, which is not built; use 'ngram'")
+            SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
         if self.extra:
             raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")
 

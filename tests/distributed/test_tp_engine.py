@@ -203,3 +203,24 @@ def test_two_torchrun_node_ranks_serve_the_single_process_output(tiny_kl_dir):
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 raise
+
+
+def test_dspark_speculation_under_tp2_equals_single_process():
+    """The bundled demo (MXFP4 experts, 64 channels: TP2 splits them by whole groups) with its DSpark
+    drafter, as `make serve` runs it: the drafter reads tap-layer states, which the all-reduces leave
+    whole on rank 0, and runs beside the driver."""
+    from k3serve.demo import default_model
+
+    path = str(default_model())
+    spec = {"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}
+    prompts = ["<|im_user|>user<|im_middle|>What is 23 + 45?<|im_end|><|im_assistant|>assistant<|im_middle|>",
+               "Repeat after me: the quick brown fox"]
+    p = SamplingParams(temperature=0, max_tokens=24)
+    ref = LLM(path, **KW).generate(prompts, p)
+    tp = LLM(path, tensor_parallel_size=2, speculative_config=spec, **KW)
+    try:
+        out = tp.generate(prompts, p)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+        assert tp.engine.spec.stats.accepted_tokens > 0
+    finally:
+        tp.engine.shutdown()
