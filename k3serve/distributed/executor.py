@@ -145,7 +145,6 @@ class MultiprocExecutor:
         self._spec = WorkerSpec(rank=0, **base)
         self._channel = None  # multi-node: the control group's channel (made in join_group)
         self._ready: set[str] = set()  # workers that said "ready"
-        self.tp: TPGroup | None = None
 
     def _start_workers(self, base: dict, ranks: list[int], pipes: bool) -> tuple[list, list]:
         return spawn_workers(base, ranks, pipes)
@@ -171,8 +170,7 @@ class MultiprocExecutor:
         if "error" in box:
             self.shutdown()
             raise WorkerDied(f"tensor-parallel group did not form: {box['error']}")
-        self.tp = box["tp"]
-        return self.tp
+        return box["tp"]
 
     def _check_start(self) -> None:
         """Raise a worker's start-up error or exit, if there is one."""

@@ -39,21 +39,14 @@ class CommStats:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
 
 
-def _run(stats: CommStats, kind: str, x: torch.Tensor, start) -> None:
+def _collective(stats: CommStats, kind: str, x: torch.Tensor, op):
+    """op() over the shared segment or the process group, timed into `stats`; a failure (a peer
+    gone, a timeout) becomes CollectiveError."""
     began = time.perf_counter()
     try:
-        start().wait()
+        out = op()
     except RuntimeError as e:
         raise CollectiveError(f"tensor-parallel {kind} failed: {str(e).splitlines()[0] if str(e) else e}") from e
-    stats.add(kind, x.numel() * x.element_size(), time.perf_counter() - began)
-
-
-def _shm(stats: CommStats, kind: str, x: torch.Tensor, op) -> torch.Tensor:
-    began = time.perf_counter()
-    try:
-        out = op(x)
-    except RuntimeError as e:  # a peer is gone or timed out (kernels/cpu/shm_comm.cpp)
-        raise CollectiveError(f"tensor-parallel {kind} failed: {str(e).splitlines()[0]}") from e
     stats.add(kind, x.numel() * x.element_size(), time.perf_counter() - began)
     return out
 
@@ -79,9 +72,8 @@ class TPGroup:
             return x
         x = x.contiguous()
         if self.shm is not None and self.shm.fits(x):
-            return _shm(self.stats, "all_reduce", x, self.shm.all_reduce)
-        _run(self.stats, "all_reduce", x, lambda: self.pg.allreduce([x]))
-        return x
+            return _collective(self.stats, "all_reduce", x, lambda: self.shm.all_reduce(x))
+        return _collective(self.stats, "all_reduce", x, lambda: (self.pg.allreduce([x]).wait(), x)[1])
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x [..., n] along the last dim -> [..., N * n] (rank order)."""
@@ -89,15 +81,10 @@ class TPGroup:
             return x
         x = x.contiguous()
         if self.shm is not None and self.shm.fits(x):
-            return _shm(self.stats, "all_gather", x, self.shm.all_gather)
+            return _collective(self.stats, "all_gather", x, lambda: self.shm.all_gather(x))
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        _run(self.stats, "all_gather", x, lambda: self.pg.allgather([parts], [x]))
+        _collective(self.stats, "all_gather", x, lambda: self.pg.allgather([parts], [x]).wait())
         return torch.cat(parts, -1)
-
-    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
-        if self.size > 1:
-            _run(self.stats, "broadcast", x, lambda: self.pg.broadcast(x, root))
-        return x
 
 
 NO_TP = TPGroup()

@@ -38,7 +38,6 @@ class StepInputs:
 
 @dataclass
 class StepResult:
-    hidden: torch.Tensor  # [N, d] final hidden states (replicated on every rank)
     logits: torch.Tensor | None  # [len(logit_rows), V] fp32 on the CPU
     prompt_logits: list[torch.Tensor]  # one fp32 [count, V] per prompt_rows span
 
@@ -65,7 +64,7 @@ class RankRunner:
         if inp.logit_rows:
             rows = torch.tensor(inp.logit_rows, device=self.device)
             logits = self.model.compute_logits(hidden[rows]).float().cpu()
-        return StepResult(hidden, logits, prompt)
+        return StepResult(logits, prompt)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

@@ -287,7 +287,7 @@ def headless(args: argparse.Namespace) -> int | None:
     from k3serve.distributed.executor import run_headless, worker_base
     from k3serve.distributed.multinode import NodeLayout, torchrun_layout, torchrun_rank
     from k3serve.distributed.worker import WorkerSpec, worker_main
-    from k3serve.engine.llm_engine import _default_model
+    from k3serve.demo import default_model
     from k3serve.engine.setup import placement
 
     ran = torchrun_rank()
@@ -297,7 +297,7 @@ def headless(args: argparse.Namespace) -> int | None:
     where = placement(config)
     kw = dict(expert_parallel=config.enable_expert_parallel, dtype=where.dtype, load_format=config.load_format,
               kernels=config.kernels, device=where.device, timeout_s=config.distributed_timeout)
-    path = str(config.model or _default_model())
+    path = str(config.model or default_model())
     if ran is not None:  # torchrun started this process as one rank: be it
         nodes = torchrun_layout()
         worker_main(WorkerSpec(rank=ran[0], **worker_base(path, ran[1], nodes, nodes.master_port, shm_path=None,
