@@ -6,11 +6,13 @@ experts) and 2 threads: a colocated server (A), and a prefill server + a decode 
 router (B). `k3serve bench --ablate A B` replays the same requests on both, alternating, and
 reports TTFT, TPOT and their ratios; the decode server's /metrics give the hand-off bytes and
 pull time per request. Only one side computes at a time (the replay is sequential per round).
-Writes bench/results/pd_router.json.
+`--connector NixlConnector` (default; the bytes move by a NIXL READ) or `K3HttpConnector` (in the
+pull's HTTP answer). Writes bench/results/pd_router_<connector>.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -58,26 +60,28 @@ def metric(base: str, name: str) -> float:
 
 
 def main() -> None:
-    out = Path(__file__).parent / "results" / "pd_router.json"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--connector", choices=["NixlConnector", "K3HttpConnector"], default="NixlConnector")
+    connector = ap.parse_args().connector
+    out = Path(__file__).parent / "results" / f"pd_router_{connector}.json"
     out.parent.mkdir(exist_ok=True)
+    kv = '{"kv_connector": "%s", "kv_role": "%%s"}' % connector
     procs = []
     try:
         colo_p, colocated = start(["serve", *COMMON])
-        pre_p, prefill = start(["serve", *COMMON, "--kv-transfer-config",
-                                '{"kv_connector": "K3HttpConnector", "kv_role": "kv_producer"}'])
-        dec_p, decode = start(["serve", *COMMON, "--kv-transfer-config",
-                               '{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer"}'])
+        pre_p, prefill = start(["serve", *COMMON, "--kv-transfer-config", kv % "kv_producer"])
+        dec_p, decode = start(["serve", *COMMON, "--kv-transfer-config", kv % "kv_consumer"])
         procs += [colo_p, pre_p, dec_p]
         rt_p, router = start(["router", "--prefill", prefill, "--decode", decode, "--uvicorn-log-level", "warning"])
         procs.append(rt_p)
-        result_file = out.with_name("pd_router_ablation.json")
+        result_file = out.with_name(f"pd_router_{connector}_ablation.json")
         subprocess.run(EXE + ["bench", "--ablate", colocated, router, "--ablate-rounds", "2", "--num-prompts", "12",
                               "--random-input-len", "512", "--random-output-len", "32", "--max-concurrency", "1",
                               "--ignore-eos", "--no-progress", "--save-result", "--result-filename", str(result_file)],
                        check=True)
         ablation = json.loads(result_file.read_text())
         pulls = metric(decode, "k3serve:kv_pulls_total")
-        result = {"ablation": ablation, "pulls": pulls,
+        result = {"connector": connector, "ablation": ablation, "pulls": pulls,
                   "bytes_per_request": metric(decode, "k3serve:kv_transfer_bytes_total") / max(pulls, 1),
                   "pull_ms_per_request": 1000 * metric(decode, "k3serve:kv_pull_seconds_total") / max(pulls, 1)}
         out.write_text(json.dumps(result, indent=2))

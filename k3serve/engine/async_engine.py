@@ -136,6 +136,12 @@ class AsyncEngine:
     async def held_tokens(self, prompt_token_ids: list[int]) -> int:
         return await self._call(self.engine.held_tokens, prompt_token_ids)
 
+    async def release_handoff(self, request_id: str) -> bool:
+        return await self._call(self.engine.release_handoff, request_id)
+
+    async def cache_ids(self, prompt) -> list[int]:
+        return await self._call(self.engine.cache_ids, prompt)
+
     @property
     def counters(self) -> dict[str, int]:
         return self.engine.counters

@@ -95,6 +95,9 @@ class DPEngine:
     async def held_tokens(self, prompt_token_ids: list[int]) -> int:
         return max([await r.held_tokens(prompt_token_ids) for r in self.replicas])
 
+    async def cache_ids(self, prompt) -> list[int]:
+        return await self.replicas[0].cache_ids(prompt)
+
     async def reset_prefix_cache(self) -> tuple[int, int]:
         blocks = checkpoints = 0
         for r in self.replicas:

@@ -19,14 +19,15 @@ Byte counts equal planner/disagg.py `handoff` (latent bytes x tokens not held + 
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from k3serve.runner.forward_batch import CacheTensors
+from k3serve.scheduler.batch import PromptLogprob
 
 
 @dataclass
@@ -39,6 +40,11 @@ class KVHandoff:
     latent: dict[int, torch.Tensor]  # MLA layer -> [len(prompt) - start, cache_dim] (cache dtype)
     recurrent: dict[int, torch.Tensor]  # KDA layer -> [H, D, D] fp32, the state after the prompt
     conv: dict[int, torch.Tensor]  # KDA layer -> [K-1, 3P] fp32
+    # what the request carries beside its cache, so the decode side continues it exactly:
+    cache_ids: list[int] | None = None  # prefix-cache keys when media replaced the pads (engine/media.py)
+    rng_state: torch.Tensor | None = None  # [5056] uint8: its sampler's generator after the first draw
+    first_logprobs: dict[int, float] | None = None  # the first token's {id: logprob} incl. top-n, if asked
+    prompt_logprobs: dict[int, PromptLogprob] | None = None  # prompt index -> entry, if asked
 
     @property
     def latent_bytes(self) -> int:
@@ -60,13 +66,14 @@ def rows_of(table: list[int], start: int, end: int, block_size: int) -> torch.Te
 
 
 def capture(cache: CacheTensors, request_id: str, prompt: list[int], first_token: int, table: list[int],
-            slot: int) -> KVHandoff:
-    """Copy a finished prefill's rows (every prompt position) and state out of the cache."""
+            slot: int, **carried) -> KVHandoff:
+    """Copy a finished prefill's rows (every prompt position) and state out of the cache;
+    `carried`: the KVHandoff fields beside the cache (cache_ids, rng_state, logprobs)."""
     rows = rows_of(table, 0, len(prompt), cache.block_size)
     latent = {i: t[rows].clone() for i, t in enumerate(cache.latent) if t is not None}
     rec = {i: t[slot].clone() for i, t in enumerate(cache.recurrent) if t is not None}
     conv = {i: t[slot].clone() for i, t in enumerate(cache.conv) if t is not None}
-    return KVHandoff(request_id, list(prompt), first_token, cache.block_size, 0, latent, rec, conv)
+    return KVHandoff(request_id, list(prompt), first_token, cache.block_size, 0, latent, rec, conv, **carried)
 
 
 def install(cache: CacheTensors, h: KVHandoff, table: list[int], slot: int) -> None:
@@ -101,8 +108,7 @@ class HandoffStore:
             raise KeyError(f"no prefilled request {request_id!r} to hand off (never kept, pulled, or expired)")
         h, _ = self.held.pop(request_id)
         start = min(held_tokens, len(h.prompt_token_ids) - 1) // h.block_size * h.block_size
-        return KVHandoff(h.request_id, h.prompt_token_ids, h.first_token, h.block_size, start,
-                         {i: t[start:] for i, t in h.latent.items()}, h.recurrent, h.conv)
+        return dataclasses.replace(h, start=start, latent={i: t[start:] for i, t in h.latent.items()})
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -117,26 +123,49 @@ def to_bytes(h: KVHandoff) -> bytes:
     tensors = {f"latent.{i}": t.contiguous() for i, t in h.latent.items()}
     tensors.update({f"recurrent.{i}": t.contiguous() for i, t in h.recurrent.items()})
     tensors.update({f"conv.{i}": t.contiguous() for i, t in h.conv.items()})
+    if h.rng_state is not None:
+        tensors["rng.0"] = h.rng_state.contiguous()
     meta = {"request_id": h.request_id, "prompt_token_ids": json.dumps(h.prompt_token_ids),
-            "first_token": str(h.first_token), "block_size": str(h.block_size), "start": str(h.start)}
+            "first_token": str(h.first_token), "block_size": str(h.block_size), "start": str(h.start),
+            "carried": json.dumps(_carried_json(h))}
     return save(tensors, metadata=meta)
 
 
-def from_bytes(data: bytes) -> KVHandoff:
-    from safetensors import safe_open
+def _carried_json(h: KVHandoff) -> dict:
+    """cache ids and logprobs as JSON (Python's float repr round-trips exactly)."""
+    out: dict = {"cache_ids": h.cache_ids}
+    if h.first_logprobs is not None:
+        out["first_logprobs"] = [[t, lp] for t, lp in h.first_logprobs.items()]
+    if h.prompt_logprobs is not None:
+        out["prompt_logprobs"] = [[i, e.token_id, e.logprob, e.rank, [list(x) for x in e.top]]
+                                  for i, e in h.prompt_logprobs.items()]
+    return out
 
-    parts: dict[str, dict[int, torch.Tensor]] = {"latent": {}, "recurrent": {}, "conv": {}}
-    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:  # safe_open reads files (and checks headers)
-        f.write(data)
-        f.flush()
-        with safe_open(f.name, framework="pt") as st:
-            meta = st.metadata() or {}
-            for name in st.keys():
-                kind, layer = name.split(".")
-                parts[kind][int(layer)] = st.get_tensor(name)
+
+def _carried_fields(raw: dict) -> dict:
+    out = {"cache_ids": raw.get("cache_ids")}
+    if "first_logprobs" in raw:
+        out["first_logprobs"] = {int(t): float(lp) for t, lp in raw["first_logprobs"]}
+    if "prompt_logprobs" in raw:
+        out["prompt_logprobs"] = {
+            int(i): PromptLogprob(int(t), float(lp), int(r), tuple((int(a), float(b)) for a, b in top))
+            for i, t, lp, r, top in raw["prompt_logprobs"]}
+    return out
+
+
+def from_bytes(data: bytes) -> KVHandoff:
+    from safetensors.torch import load
+
     try:
+        tensors = load(data)  # checks the header and the offsets
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + n])["__metadata__"]
+        parts: dict[str, dict[int, torch.Tensor]] = {"latent": {}, "recurrent": {}, "conv": {}, "rng": {}}
+        for name, t in tensors.items():
+            kind, layer = name.split(".")
+            parts[kind][int(layer)] = t
         return KVHandoff(meta["request_id"], json.loads(meta["prompt_token_ids"]), int(meta["first_token"]),
                          int(meta["block_size"]), int(meta["start"]), parts["latent"], parts["recurrent"],
-                         parts["conv"])
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"not a k3serve hand-off: metadata {e} missing or malformed") from None
+                         parts["conv"], rng_state=parts["rng"].get(0), **_carried_fields(json.loads(meta["carried"])))
+    except Exception as e:  # safetensors' own error, a missing key, a malformed value
+        raise ValueError(f"not a k3serve hand-off ({type(e).__name__}: {e})") from None

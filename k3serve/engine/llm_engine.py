@@ -184,8 +184,18 @@ class LLMEngine:
 
     # ---- prefill/decode hand-off (engine/handoff.py) -----------------------------------------
     def held_tokens(self, prompt_token_ids: list[int]) -> int:
-        """Prompt tokens whose latent rows this engine already caches (whole blocks)."""
+        """Prompt tokens whose latent rows this engine already caches (whole blocks); give a media
+        prompt's `cache_ids`."""
         return len(self.cache.held_prefix(prompt_token_ids)) * self.cache.block_size
+
+    def cache_ids(self, prompt: PromptInput) -> list[int]:
+        """The prefix-cache keys of a prompt: its ids, with media pads replaced by the items'
+        content keys (engine/media.py); nothing is encoded."""
+        mm = (prompt.get("multi_modal_data") or {}) if isinstance(prompt, dict) else {}
+        _, ids = self._tokenize(prompt)
+        if not (mm.get("image") or mm.get("video")):
+            return ids
+        return self.media.cache_ids(ids, list(mm.get("image", [])), list(mm.get("video", [])), self.tokenizer)
 
     def _check_handoff(self) -> None:
         if self.executor is not None:
@@ -200,6 +210,10 @@ class LLMEngine:
     def pull_handoff(self, request_id: str, held_tokens: int = 0) -> KVHandoff:
         return self.handoffs.pull(request_id, held_tokens)
 
+    def release_handoff(self, request_id: str) -> bool:
+        """Drop a kept prefill nobody will pull; whether there was one."""
+        return self.handoffs.held.pop(request_id, None) is not None
+
     def add_prefilled(self, h: KVHandoff, params: SamplingParams | None = None) -> RequestOutput | None:
         """Decode a request another engine prefilled, from its first token on, as if prefilled
         here; its final output when the first token already ends it (no step will report it)."""
@@ -207,24 +221,49 @@ class LLMEngine:
         self._check_handoff()
         if h.request_id in self._groups:
             raise ValueError(f"request id {h.request_id!r} is already in use")
-        held = self.cache.held_prefix(h.prompt_token_ids)[:h.start // h.block_size]
+        held = self.cache.held_prefix(h.cache_ids or h.prompt_token_ids)[:h.start // h.block_size]
         if len(held) * h.block_size != h.start:
             raise ValueError(f"this engine no longer holds the {h.start} prompt tokens the hand-off left out; "
                              f"pull it again with held_tokens={len(held) * h.block_size}")
+        first = self._first_token(h, params)
+        constraint = self._constraint(params.structured) if params.structured else None
+        if constraint is not None and not constraint.accept(h.first_token):
+            raise ParamError("kv_transfer_params", "the prefilled first token breaks this request's output grammar: "
+                                                   "send the prefill server the same structured-output request")
         req = Request(h.request_id, list(h.prompt_token_ids), params, self.model.cfg.eos_token_id,
                       self.max_model_len, arrival=next(self._arrivals))
+        req.prompt_cache_ids = h.cache_ids
         ended = req.append_token(h.first_token)  # as if sampled here (its rows come with the next step)
         group = _Group(h.request_id, None, list(h.prompt_token_ids),
-                       [_Sample(req, IncrementalDetokenizer(self.tokenizer, params), None)],
-                       {"arrival_time": time.monotonic()})
+                       [_Sample(req, IncrementalDetokenizer(self.tokenizer, params),
+                                [] if params.logprobs is not None else None)],
+                       {"arrival_time": time.monotonic()}, prompt_logprobs=h.prompt_logprobs)
         alloc = self.scheduler.adopt(req, held)
         install(self.runner.cache, h, alloc.blocks, alloc.state_slot)
+        if h.rng_state is not None:  # the prefill's random stream goes on where its first draw left it
+            self.runner.restore_rng(req, h.rng_state)
+        if constraint is not None:
+            self.runner.constraints[h.request_id] = constraint
         self._groups[h.request_id], self._owner[h.request_id] = group, group
         self.counters["prompt_tokens"] += len(h.prompt_token_ids)
         if ended:
             self.scheduler.finish(req, req.finish_reason)
-        self._on_token(group, req, SampledToken(h.first_token))
+        self._on_token(group, req, first)
         return self._output(group) if req.finished else None
+
+    @staticmethod
+    def _first_token(h: KVHandoff, params: SamplingParams) -> SampledToken:
+        """The prefill's first token, with the logprobs it was sampled with when they are asked."""
+        if params.prompt_logprobs is not None and h.prompt_logprobs is None:
+            raise ParamError("prompt_logprobs", "the prefill carried no prompt logprobs: send prompt_logprobs to "
+                                                "the prefill server too")
+        if params.logprobs is None:
+            return SampledToken(h.first_token)
+        if h.first_logprobs is None or h.first_token not in h.first_logprobs:
+            raise ParamError("logprobs", "the prefill carried no logprobs for the first token: send logprobs to the "
+                                         "prefill server too")
+        top = tuple((t, lp) for t, lp in h.first_logprobs.items() if t != h.first_token)
+        return SampledToken(h.first_token, h.first_logprobs[h.first_token], top)
 
     def _constraint(self, so):
         """A fresh grammar state for one sequence; a spec that does not compile is the request's
@@ -366,12 +405,22 @@ class LLMEngine:
         rid = req.request_id
         if req.keep_cache and self.cache.holds(rid):  # a prefill for a decode engine: copy it out, free
             if req.finish_reason in ("stop", "length") and req.output_token_ids:
-                self.handoffs.put(capture(self.runner.cache, rid, req.prompt_token_ids, req.output_token_ids[0],
-                                          self.cache.block_table(rid), self.cache.state_slot(rid)))
+                self.handoffs.put(self._capture(req))
             self.cache.free(rid)
         self.runner.release(req.request_id)
         self._owner.pop(req.request_id, None)
         self._seen.pop(req.request_id, None)
+
+    def _capture(self, req: Request) -> KVHandoff:
+        """A finished prefill's cache rows and state, and what continues it exactly elsewhere:
+        its sampler's random stream, the first token's logprobs, prompt logprobs, media keys."""
+        rid, group = req.request_id, self._owner[req.request_id]
+        sample = group.samples[0]
+        return capture(self.runner.cache, rid, req.prompt_token_ids, req.output_token_ids[0],
+                       self.cache.block_table(rid), self.cache.state_slot(rid), cache_ids=req.prompt_cache_ids,
+                       rng_state=self.runner.rng_state(rid),
+                       first_logprobs=dict(sample.logprobs[0]) if sample.logprobs else None,
+                       prompt_logprobs=dict(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
 
     def _output(self, group: _Group) -> RequestOutput:
         outs = []

@@ -74,20 +74,29 @@ class MediaEncoder:
 
     def prepare(self, ids: list[int], images: list, videos: list = (), tokenizer=None) -> PromptMedia:
         """`tokenizer` reads the block headers; needed only when a prompt has both kinds."""
+        items, positions, hash_ids = self._keyed(ids, images, videos, tokenizer)
+        embeds = torch.cat([self.encode(im) for im in items]) if items else torch.empty(0)
+        return PromptMedia(torch.tensor(positions, dtype=torch.long), embeds, hash_ids)
+
+    def cache_ids(self, ids: list[int], images: list, videos: list = (), tokenizer=None) -> list[int]:
+        """The prefix-cache keys alone (a decode engine taking a hand-off encodes nothing)."""
+        return self._keyed(ids, images, videos, tokenizer)[2]
+
+    def _keyed(self, ids: list[int], images: list, videos: list, tokenizer) -> tuple[list, list[int], list[int]]:
+        """(tower items in prompt order, pad positions, ids with each pad replaced by its key)."""
         if self.cfg.vision is None or self.pad_id is None:
             raise ParamError("messages", "this model has no vision tower: send text only")
-        images = self.in_prompt_order(ids, list(images), list(videos), tokenizer) if videos else list(images)
+        items = self.in_prompt_order(ids, list(images), list(videos), tokenizer) if videos else list(images)
         positions = [i for i, t in enumerate(ids) if t == self.pad_id]
-        want = sum(im.num_tokens for im in images)
+        want = sum(im.num_tokens for im in items)
         if len(positions) != want:
             raise ParamError("messages", f"the prompt has {len(positions)} media pad tokens but its images need {want}")
         hash_ids, k = list(ids), 0
-        for im in images:
+        for im in items:
             for j in range(im.num_tokens):
                 hash_ids[positions[k]] = pseudo_id(im.digest, j)
                 k += 1
-        embeds = torch.cat([self.encode(im) for im in images]) if images else torch.empty(0)
-        return PromptMedia(torch.tensor(positions, dtype=torch.long), embeds, hash_ids)
+        return items, positions, hash_ids
 
     def in_prompt_order(self, ids: list[int], images: list, videos: list, tokenizer) -> list:
         """The tower items (images, video chunks) in the order of the prompt's media blocks."""

@@ -193,6 +193,14 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.release(request_id)
 
+    def rng_state(self, request_id: str) -> torch.Tensor | None:
+        """A request's sampler generator state (a prefill/decode hand-off carries it)."""
+        gen = self._generators.get(request_id)
+        return None if gen is None else gen.get_state()
+
+    def restore_rng(self, req: Request, state: torch.Tensor) -> None:
+        self._generator(req).set_state(state)
+
     def _generator(self, req: Request) -> torch.Generator:
         gen = self._generators.get(req.request_id)
         if gen is None:

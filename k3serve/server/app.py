@@ -21,7 +21,7 @@ from k3serve.chat.messages import ChatInputError
 from k3serve.chat.render import ChatOptions
 from k3serve.server.errors import APIError, install_error_handlers
 from k3serve.server.guard import GuardConfig, GuardMiddleware
-from k3serve.server.kv_transfer import PullRequest, pull
+from k3serve.server.kv_transfer import HeldRequest, PullRequest, ReleaseRequest, held, pull, release
 from k3serve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                      as_dicts)
 from k3serve.server.serving_chat import create_chat_completion, template_options
@@ -33,7 +33,7 @@ from k3serve.server.stats_log import log_stats_forever
 
 ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize",
                     "/detokenize", "/health", "/ping", "/version", "/metrics", "/reset_prefix_cache",
-                    "/v1/kv/pull"})
+                    "/v1/kv/pull", "/v1/kv/held", "/v1/kv/release"})
 ALWAYS_PUBLIC = frozenset({"/health", "/ping"})
 
 
@@ -95,6 +95,14 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     @app.post("/v1/kv/pull")
     async def kv_pull(req: PullRequest):
         return await pull(state, req)
+
+    @app.post("/v1/kv/held")
+    async def kv_held(req: HeldRequest):
+        return await held(state, req)
+
+    @app.post("/v1/kv/release")
+    async def kv_release(req: ReleaseRequest):
+        return await release(state, req)
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request):

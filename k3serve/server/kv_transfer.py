@@ -1,23 +1,26 @@
 """Prefill/decode disaggregation on the server (issue 17): `--kv-transfer-config` roles, the
-`kv_transfer_params` request field, and the pull endpoint a decode engine fetches state from.
+`kv_transfer_params` request field, and the endpoints a decode engine pulls state through.
 
-vLLM's spelling: `--kv-transfer-config '{"kv_connector": "K3HttpConnector", "kv_role":
-"kv_producer" | "kv_consumer" | "kv_both"}'`. A producer (prefill) server takes
+vLLM's spelling: `--kv-transfer-config '{"kv_connector": "NixlConnector" | "K3HttpConnector",
+"kv_role": "kv_producer" | "kv_consumer" | "kv_both"}'`. A producer (prefill) server takes
 `"kv_transfer_params": {"do_remote_decode": true}` on /v1/completions or /v1/chat/completions:
-it runs the prompt (send
-max_tokens 1), answers with the first token and `"kv_transfer_params": {"remote_request_id":
-ID, "remote_block_size": B}`, and keeps the request's latent rows and KDA state
-(engine/handoff.py) until `POST /v1/kv/pull {"request_id": ID, "held_tokens": N}` fetches them
-(one safetensors blob; only rows past the first N prompt tokens, whole blocks) or they expire.
+it runs the prompt (send max_tokens 1), answers with the first token and
+`"kv_transfer_params": {"remote_request_id": ID, "remote_block_size": B}`, and keeps the
+request's latent rows, KDA state, sampler random state and logprobs (engine/handoff.py) until
+`POST /v1/kv/pull {"request_id": ID, "held_tokens": N}` takes them (only rows past the first N
+prompt tokens, whole blocks), `POST /v1/kv/release` drops them, or they expire.
 A consumer (decode) server takes `{"do_remote_prefill": true, "remote_request_id": ID,
 "remote_url": PREFILL_URL}`: it pulls (telling how much of the prompt it caches), installs, and
-answers (streaming or not) as if it had prefilled the request itself. `kv_producers` in the
-config limits the prefill servers it pulls from (keep decode servers behind the router).
+answers (streaming or not) as if it had prefilled the request itself; a grammar is replayed
+over the first token. `kv_producers` limits the prefill servers it pulls from.
 
-Transport: this HTTP pull (`K3HttpConnector`) is what runs here today. NIXL (UCX over TCP or
-shared memory; `pip install --no-deps nixl nixl-cu12`) was evaluated to work on this CPU host
-and is the connector to add next, for RDMA / GPU memory; Mooncake's engine needs CUDA and
-ibverbs libraries to import.
+Transports (both ends use the same connector):
+  NixlConnector    the pull answers a NIXL offer and the decode side READs the bytes out of the
+                   prefill server's memory over UCX (server/kv_nixl.py; shared memory on one host,
+                   TCP/RDMA across hosts; `pip install -e '.[nixl]'`).
+  K3HttpConnector  the pull answers the bytes themselves (one safetensors blob); no extra library.
+Mooncake's transfer engine was evaluated too: its engine.so links libcudart, libcuda and
+libibverbs, so it does not import on a CPU-only host.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from k3serve.server.errors import APIError
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-CONNECTORS = ("K3HttpConnector",)
+CONNECTORS = ("K3HttpConnector", "NixlConnector")
 
 
 @dataclass(frozen=True)
@@ -115,40 +118,37 @@ def handoff_role(config: KVTransferConfig | None, params: dict | None, n: int, s
     return RemotePrefill(url, rid)
 
 
-def check_handoff_params(params, media: tuple = ()) -> None:
-    """What a hand-off does not carry yet is refused, not silently dropped: a grammar's state,
-    the first token's logprobs, media (the decode side would re-key its prefix cache)."""
-    if params.structured is not None:
-        raise APIError(400, "structured outputs / required tool calls cannot be handed between prefill and decode "
-                            "servers yet", param="kv_transfer_params")
-    if params.logprobs is not None or params.prompt_logprobs is not None:
-        raise APIError(400, "logprobs are not carried across a prefill/decode hand-off yet", param="logprobs")
-    if media:
-        raise APIError(400, "images and video cannot be handed between prefill and decode servers yet",
-                       param="kv_transfer_params")
-
-
-async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], timeout_s: float = 60.0):
+async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], media: tuple = (),
+                        timeout_s: float = 60.0):
     """Pull a prefilled request from its prefill server: only the latent rows this engine does
-    not already cache, plus the KDA state."""
+    not already cache (keyed as the prefix cache keys them: media pads by content), plus the
+    KDA state and what continues the request exactly (random stream, logprobs)."""
     import httpx
 
     from k3serve.engine.handoff import from_bytes
+    from k3serve.server.runs import engine_prompt
 
     began = time.monotonic()
-    held = await state.engine.held_tokens(prompt_ids)
+    cache_ids = await state.engine.cache_ids(engine_prompt(prompt_ids, media)) if media else prompt_ids
+    held = await state.engine.held_tokens(cache_ids)
+    nixl = state.kv_transfer.kv_connector == "NixlConnector"
+    ask = {"request_id": remote.request_id, "held_tokens": held, "transport": "nixl" if nixl else "http"}
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
-            r = await client.post(remote.url + "/v1/kv/pull", json={"request_id": remote.request_id,
-                                                                     "held_tokens": held})
+            r = await client.post(remote.url + "/v1/kv/pull", json=ask)
     except httpx.HTTPError as e:
         raise APIError(502, f"pulling the prefill from {remote.url} failed ({type(e).__name__})") from None
     if r.status_code != 200:
         raise APIError(502, f"the prefill server {remote.url} answered {r.status_code}: {r.text[:200]}")
-    h = await state.offload(from_bytes, r.content)
-    if h.prompt_token_ids != prompt_ids:
-        raise APIError(400, "the prefilled prompt differs from this request's prompt", param="kv_transfer_params")
-    state.metrics.kv_transfer_bytes.inc(len(r.content))
+    try:
+        data = await state.offload(state.nixl.read, r.json(), timeout_s) if nixl else r.content
+        h = await state.offload(from_bytes, data)
+    except (ConnectionError, ValueError) as e:
+        raise APIError(502, f"the hand-off from {remote.url} did not arrive whole: {e}") from None
+    if h.prompt_token_ids != prompt_ids or (h.cache_ids or h.prompt_token_ids) != cache_ids:
+        raise APIError(400, "the prefilled prompt (or its media) differs from this request's",
+                       param="kv_transfer_params")
+    state.metrics.kv_transfer_bytes.inc(len(data))
     state.metrics.kv_pulls.inc()
     state.metrics.kv_pull_seconds.inc(time.monotonic() - began)
     return h
@@ -157,6 +157,43 @@ async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], tim
 class PullRequest(BaseModel):
     request_id: str
     held_tokens: int = 0
+    transport: str = "http"  # "http": the bytes in the answer; "nixl": an offer to READ them (server/kv_nixl.py)
+
+
+class ReleaseRequest(BaseModel):
+    request_id: str
+
+
+class HeldRequest(BaseModel):
+    """A request body as the router would send it: how much of its prompt this server caches."""
+    chat: dict | None = None  # a /v1/chat/completions body
+    completion: dict | None = None  # a /v1/completions body (one prompt)
+
+
+async def held(state, req: HeldRequest) -> dict:
+    """The prompt tokens of a request this server's prefix cache holds (whole blocks), for a
+    router choosing the prefill server with the longest cached prefix; the prompt is rendered
+    exactly as the request itself would be (tools, media keys), nothing is run."""
+    from k3serve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from k3serve.server.runs import engine_prompt
+    from k3serve.server.serving_chat import render_chat
+    from k3serve.server.serving_completion import _prompts
+
+    if (req.chat is None) == (req.completion is None):
+        raise APIError(400, "give exactly one of `chat` or `completion`")
+    try:
+        if req.chat is not None:
+            prompt = (await render_chat(state, ChatCompletionRequest.model_validate(req.chat)))[2]
+            ids, media = prompt.token_ids, prompt.media
+        else:
+            prompts = await state.offload(_prompts, state, CompletionRequest.model_validate(req.completion).prompt)
+            if len(prompts) != 1:
+                raise APIError(400, "a prefill/decode hand-off is one prompt", param="prompt")
+            ids, media = prompts[0][1], ()
+    except ValueError as e:  # pydantic's ValidationError
+        raise APIError(400, f"not a valid request body: {e}") from None
+    cache_ids = await state.engine.cache_ids(engine_prompt(ids, media)) if media else ids
+    return {"held_tokens": await state.engine.held_tokens(cache_ids), "prompt_tokens": len(ids)}
 
 
 async def pull(state, req: PullRequest) -> Response:
@@ -166,10 +203,22 @@ async def pull(state, req: PullRequest) -> Response:
         raise APIError(404, "this server keeps no prefills for remote decode (no --kv-transfer-config producer role)")
     if req.held_tokens < 0:
         raise APIError(400, "held_tokens must be >= 0", param="held_tokens")
+    if req.transport not in ("http", "nixl") or (req.transport == "nixl") != (state.nixl is not None):
+        raise APIError(400, f"transport {req.transport!r} does not match this server's kv_connector "
+                            f"{state.kv_transfer.kv_connector}", param="transport")
     try:
         h = await state.engine.pull_handoff(req.request_id, req.held_tokens)
     except KeyError as e:
         raise APIError(404, str(e.args[0]), param="request_id") from None
     data = await state.offload(to_bytes, h)
     state.metrics.kv_transfer_bytes.inc(len(data))
+    if state.nixl is not None:
+        return JSONResponse(await state.offload(state.nixl.lend, req.request_id, data))
     return Response(content=data, media_type="application/octet-stream")
+
+
+async def release(state, req: ReleaseRequest) -> dict:
+    """Drop a kept prefill nobody will pull (the router retried the request elsewhere)."""
+    if state.kv_transfer is None or not state.kv_transfer.produces:
+        raise APIError(404, "this server keeps no prefills for remote decode (no --kv-transfer-config producer role)")
+    return {"request_id": req.request_id, "released": await state.engine.release_handoff(req.request_id)}

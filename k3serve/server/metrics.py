@@ -15,7 +15,7 @@ References: vLLM `vllm/v1/metrics/loggers.py` (names, types, labels).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
@@ -85,6 +85,15 @@ class ServerMetrics:
         """`tokens` new output tokens arrived `seconds` after the previous ones (one ITL each)."""
         for _ in range(tokens):
             self.itl.observe(seconds / tokens)
+
+    def watch_handoffs(self, store, nixl) -> None:
+        """Gauges of what a prefill server still holds for decode engines (both return to zero)."""
+        g = Gauge("k3serve:kv_handoffs_held", "Prefilled requests kept for a decode engine, not yet pulled",
+                  registry=self.registry)
+        g.set_function(lambda: len(store.held))
+        lent = Gauge("k3serve:kv_nixl_lent_bytes", "Hand-off bytes registered with NIXL, not yet read",
+                     registry=self.registry)
+        lent.set_function(lambda: nixl.lent_bytes if nixl is not None else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

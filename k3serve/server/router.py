@@ -2,21 +2,23 @@
 prefill/decode disaggregation (issue 17; vLLM's disaggregated-serving proxy, SGLang's router).
 
 POST /v1/completions and /v1/chat/completions (streaming or not):
-  1. a prefill server, picked by the prompt's first block (the same prefix goes to the same
-     server, whose prefix cache then holds it), runs the prompt with max_tokens 1 and
-     `kv_transfer_params.do_remote_decode`; it answers with a pull id;
+  1. a prefill server runs the prompt with max_tokens 1 and `kv_transfer_params.do_remote_decode`
+     and answers with a pull id. With several, each is asked (`/v1/kv/held`) how much of the
+     prompt its prefix cache holds: the longest wins (the least loaded on a tie); when none holds
+     any, the prompt's first characters pick one by hash, so a new prefix's later requests meet it;
   2. the least-loaded decode server gets the client's own body plus `do_remote_prefill`, the pull
      id and the prefill URL; it pulls the request's latent rows + KDA state and decodes; its
      answer (or its SSE stream, byte for byte) goes back to the client.
 A decode server that cannot be reached or answers 5xx before any byte was sent gets the request
 retried once on another decode server (a fresh prefill: the first pull may have consumed the
-state); after that the client gets a 503. A client that disconnects closes the upstream stream,
+state; an unpulled one is released with `/v1/kv/release`); after that the client gets a 503. A client that disconnects closes the upstream stream,
 which aborts the request on the decode server. /health is the router's; /v1/models a decode
-server's. What a hand-off does not carry yet (grammars, logprobs, media) is a 400 from the servers.
+server's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -28,7 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 log = logging.getLogger("k3serve.router")
-PREFIX_CHARS = 256  # what the prefill choice hashes: about a block of prompt
+PREFIX_CHARS = 256  # what the prefill choice hashes when no server caches the prompt: about a block
+PROBE_TIMEOUT_S = 5.0  # a prefill server's /v1/kv/held answer, and /v1/kv/release
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -42,9 +45,19 @@ class Pool:
     decode: list[str]
     in_flight: dict[str, int] = field(default_factory=dict)
 
-    def pick_prefill(self, body: dict) -> str:
+    def by_hash(self, body: dict) -> str:
+        """The prefill server a prompt's first characters hash to: a cold prefix still goes
+        where its later requests will go."""
         key = json.dumps(body.get("prompt", body.get("messages")), separators=(",", ":"))[:PREFIX_CHARS].encode()
         return self.prefill[int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") % len(self.prefill)]
+
+    def pick_prefill(self, body: dict, held: dict[str, int]) -> str:
+        """The prefill server whose cache holds the longest prefix of the prompt (asked of each,
+        `held`), the least loaded of those; by hash when none holds any."""
+        best = max(held.values(), default=0)
+        if best <= 0:
+            return self.by_hash(body)
+        return min((u for u in self.prefill if held.get(u) == best), key=lambda u: self.in_flight.get(u, 0))
 
     def pick_decode(self, exclude: set[str]) -> str | None:
         choices = [u for u in self.decode if u not in exclude]
@@ -86,12 +99,18 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
             if decode_url is None:
                 break
             tried.add(decode_url)
-            prefilled = await _prefill(client, pool.pick_prefill(body), path, body)
+            prefill_url = pool.pick_prefill(body, await _held(client, pool, path, body))
+            pool.in_flight[prefill_url] = pool.in_flight.get(prefill_url, 0) + 1
+            try:
+                prefilled = await _prefill(client, prefill_url, path, body)
+            finally:
+                pool.in_flight[prefill_url] -= 1
             if isinstance(prefilled, Response):
                 return prefilled  # the prefill server's own 4xx/5xx, passed through
             answer = await _decode(client, pool, decode_url, path, body, prefilled)
             if answer is not None:
                 return answer
+            await _release(client, prefilled)  # the retry prefills again: drop the unpulled state
         return _error(503, "no decode server could serve the request (tried " + ", ".join(sorted(tried)) + ")")
 
     @app.post("/v1/completions")
@@ -103,6 +122,30 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
         return await disaggregated(raw, "/v1/chat/completions")
 
     return app
+
+
+async def _held(client: httpx.AsyncClient, pool: Pool, path: str, body: dict) -> dict[str, int]:
+    """Each prefill server's cached prefix of this prompt, in tokens (-1: it did not answer)."""
+    if len(pool.prefill) == 1:
+        return {}
+    probe = {"chat" if path.endswith("chat/completions") else "completion": body}
+
+    async def ask(url: str) -> int:
+        try:
+            r = await client.post(url + "/v1/kv/held", json=probe, timeout=PROBE_TIMEOUT_S)
+            return int(r.json()["held_tokens"]) if r.status_code == 200 else -1
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return -1
+    return dict(zip(pool.prefill, await asyncio.gather(*(ask(u) for u in pool.prefill))))
+
+
+async def _release(client: httpx.AsyncClient, kv: dict) -> None:
+    """Best effort: a prefill server that cannot be told keeps the state until its TTL."""
+    try:
+        await client.post(kv["remote_url"] + "/v1/kv/release", json={"request_id": kv["remote_request_id"]},
+                          timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        pass
 
 
 async def _prefill(client: httpx.AsyncClient, url: str, path: str, body: dict) -> dict | Response:

@@ -73,17 +73,22 @@ async def _disconnect(raw: Request) -> None:
         pass
 
 
+def engine_prompt(prompt_ids: list[int], media: tuple = ()) -> dict:
+    """The engine's prompt input: ids, and the rendered images and videos (vLLM's keys)."""
+    prompt: dict = {"prompt_token_ids": prompt_ids}
+    if media:
+        prompt["multi_modal_data"] = {"image": [m for m in media if not isinstance(m, ProcessedVideo)],
+                                      "video": [m for m in media if isinstance(m, ProcessedVideo)]}
+    return prompt
+
+
 class Run:
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
                  priority: int = 0, media: tuple = (), keep_cache: bool = False, handoff=None):
         self.state, self.prompt_ids, self.params, self.request_id = state, prompt_ids, params, request_id
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
-        prompt = {"prompt_token_ids": prompt_ids}
-        if media:
-            videos = [m for m in media if isinstance(m, ProcessedVideo)]
-            prompt["multi_modal_data"] = {"image": [m for m in media if not isinstance(m, ProcessedVideo)],
-                                          "video": videos}
-        self._gen = state.engine.generate(prompt, params, request_id, priority, keep_cache, handoff)
+        self._gen = state.engine.generate(engine_prompt(prompt_ids, media), params, request_id, priority,
+                                          keep_cache, handoff)
         if state.log_requests:
             p = params
             log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, top_k=%s, "

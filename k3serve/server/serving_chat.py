@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from k3serve.chat.messages import ChatInputError, check_depth
 from k3serve.chat.render import ChatOptions, RenderedPrompt
 from k3serve.server.errors import APIError
-from k3serve.server.kv_transfer import RemotePrefill, check_handoff_params, fetch_handoff, handoff_role
+from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
 from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
 from k3serve.server.structured import k3_chat_span, requested, to_spec, whole_output_span
 from k3serve.server.tool_choice import k2_tool_choice, k3_tool_choice
@@ -40,6 +41,12 @@ def _tool_choice(req: ChatCompletionRequest, state: ServerState):
         if name not in {(t.get("function") or {}).get("name") for t in tools}:
             raise APIError(400, f"tool_choice names tool {name!r}, which is not in `tools`", param="tool_choice")
     return tools, choice
+
+
+async def render_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[list | None, Any, RenderedPrompt]:
+    """(tools, tool choice, the rendered prompt) of a chat request; rendered off the event loop."""
+    tools, choice = _tool_choice(req, state)
+    return tools, choice, await state.offload(_render, req, state, tools, choice)
 
 
 def check_json_depth(value, param: str) -> None:
@@ -105,8 +112,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
     a byte of the response is sent (the Responses API starts its turns here too)."""
     state.check_model(req.model)
     req.check_fields()
-    tools, choice = _tool_choice(req, state)
-    prompt = await state.offload(_render, req, state, tools, choice)  # long chats must not stall the loop
+    tools, choice, prompt = await render_chat(state, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     state.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -130,10 +136,8 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
 
     role = handoff_role(state.kv_transfer, req.kv_transfer_params, req.n, bool(req.stream), 1)
     handoff = None
-    if role is not None:
-        check_handoff_params(params, prompt.media)
-        if isinstance(role, RemotePrefill):
-            handoff = await fetch_handoff(state, role, prompt.token_ids)
+    if isinstance(role, RemotePrefill):
+        handoff = await fetch_handoff(state, role, prompt.token_ids, prompt.media)
     run = Run(state, prompt.token_ids, params, new_id("chatcmpl"), req.priority, media=prompt.media,
               keep_cache=role == "produce", handoff=handoff)
     await run.start()

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.server.errors import APIError
-from k3serve.server.kv_transfer import RemotePrefill, check_handoff_params, fetch_handoff, handoff_role
+from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
 from k3serve.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs_json
 from k3serve.server.protocol import CompletionRequest
 from k3serve.server.structured import requested, to_spec, whole_output_span
@@ -62,10 +62,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                                      state.sampling_defaults, structured=structured)
         if wanted:
             params = dataclasses.replace(params, prompt_logprobs=max(wanted))
-        if role is not None:
-            check_handoff_params(params)
-            if isinstance(role, RemotePrefill):  # pull only once the request is known to be servable
-                handoff = await fetch_handoff(state, role, ids)
+        if isinstance(role, RemotePrefill):  # pull only once the request is known to be servable
+            handoff = await fetch_handoff(state, role, ids)
         runs.append(Run(state, ids, params, f"{rid}-{k}", req.priority, keep_cache=keep, handoff=handoff))
     try:
         for r in runs:

@@ -70,6 +70,12 @@ class ServerState:
         self.unmapped_ids = eng.unmapped  # frozenset
         self.max_num_seqs = eng.plan.num_slots  # what can run at once (eng.seq_limit_note says why if fewer)
         self.responses = ResponseStore(self.max_stored_responses)
+        self.nixl = None  # the NIXL agent of a NixlConnector server (server/kv_nixl.py)
+        if self.kv_transfer is not None and self.kv_transfer.kv_connector == "NixlConnector":
+            from k3serve.server.kv_nixl import NixlTransport
+
+            self.nixl = NixlTransport(ttl_s=eng.handoffs.ttl_s)
+        self.metrics.watch_handoffs(eng.handoffs, self.nixl)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="k3serve-prep")
 
     async def offload(self, fn, *args):

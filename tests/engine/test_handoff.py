@@ -6,6 +6,8 @@ planner's prediction; both engines' pools return to zero; an unpulled hand-off e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -103,3 +105,92 @@ def test_a_decode_engine_with_speculative_decoding_continues_the_handoff(tiny_k3
                               SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))[0].outputs[0].token_ids
     got, _, _ = disaggregated(p_llm.engine, spec.engine, "s", prompt)
     assert got == want and spec.engine.cache.num_requests == 0
+
+
+# ---- what a hand-off carries beside the cache: the random stream, logprobs, a grammar, media keys ----
+def final_output(engine, rid, done=None):
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                done = out
+    return done
+
+
+def carried(prefill, decode, rid, prompt, params):
+    """The request's own parameters on both sides (the prefill samples one token with them),
+    the hand-off through its wire format, media prompts keyed as the prefix cache keys them."""
+    from k3serve.engine.handoff import from_bytes, to_bytes
+
+    prefill.add_request(rid, prompt, dataclasses.replace(params, max_tokens=1), keep_cache=True)
+    final_output(prefill, rid)
+    held = decode.held_tokens(decode.cache_ids(prompt))
+    h = from_bytes(to_bytes(prefill.pull_handoff(rid, held)))
+    return final_output(decode, rid, decode.add_prefilled(h, params)), held
+
+
+def test_a_seeded_sampled_request_continues_its_random_stream_and_logprobs(tiny_k3_dir):
+    """temperature 1 with a seed: the decode side draws from the prefill's generator where its
+    first draw left it (a fresh generator of the same seed would repeat the first draw), and the
+    logprobs of every token and of the prompt are the colocated ones."""
+    colocated, p_llm, d_llm = engines(tiny_k3_dir)
+    prompt = {"prompt_token_ids": list(range(7, 44))}
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    want = colocated.generate([prompt], params)[0]
+    got, _ = carried(p_llm.engine, d_llm.engine, "seeded", prompt, params)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].logprobs == want.outputs[0].logprobs  # the same math on the same rows: bitwise
+    assert got.outputs[0].cumulative_logprob == want.outputs[0].cumulative_logprob
+    assert got.prompt_logprobs == want.prompt_logprobs
+    first_draw = colocated.generate([prompt], dataclasses.replace(params, max_tokens=1))[0]
+    assert first_draw.outputs[0].token_ids[0] == want.outputs[0].token_ids[0]  # the first draw is the seed's
+
+
+def test_a_grammar_is_replayed_over_the_first_token(tiny_k3_dir):
+    """The decode side's grammar starts after the prefill's first token: the output still
+    matches the pattern, and is the colocated one."""
+    import re
+
+    from k3serve.sampling.structured import StructuredOutputs
+
+    colocated, p_llm, d_llm = engines(tiny_k3_dir)
+    eos = colocated.engine.model.cfg.eos_token_id
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=20,
+                            structured=StructuredOutputs("regex", r"[0-9]{3}-[a-z]{2}", stop_ids=(eos,)))
+    prompt = {"prompt_token_ids": list(range(20, 41))}
+    want = colocated.generate([prompt], params)[0].outputs[0]
+    got, _ = carried(p_llm.engine, d_llm.engine, "g", prompt, params)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", got.outputs[0].text), got.outputs[0].text
+    assert got.outputs[0].token_ids == want.token_ids
+
+
+def test_an_image_prompt_hands_off_keyed_by_its_image(tiny_k3_dir):
+    """The decode side encodes no image: the latent rows carry it. Its prefix cache keys the
+    pads by image content, so a second request with the same image finds the image's blocks
+    held, and one with another image behind the same text does not."""
+    from k3serve.chat.k3_xtml import Seg, encode_segments, media_block, message
+    from k3serve.multimodal.image import ImageSpec, load_image
+    from tests.server.test_multimodal import png
+
+    colocated, p_llm, d_llm = engines(tiny_k3_dir)
+    tok, spec = colocated.engine.tokenizer, ImageSpec(patch_size=colocated.engine.model.cfg.vision.patch_size)
+
+    def prompt(seed, text):
+        img = load_image(png(seed), spec)
+        ids = encode_segments(tok, message("user", media_block(img) + [Seg(text)]))
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": [img]}}
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = prompt(3, "What is in the picture?")
+    want = colocated.generate([first], greedy)[0].outputs[0].token_ids
+    got, held = carried(p_llm.engine, d_llm.engine, "img1", first, greedy)
+    assert held == 0 and got.outputs[0].token_ids == want
+    assert d_llm.engine.media.misses == 0  # nothing was encoded on the decode side
+    same = prompt(3, "Describe its colours.")
+    got, held = carried(p_llm.engine, d_llm.engine, "img2", same, greedy)
+    pads = first["prompt_token_ids"].index(colocated.engine.model.cfg.media_placeholder_token_id)
+    n_img = first["multi_modal_data"]["image"][0].num_tokens
+    assert held >= (pads + n_img) // 16 * 16 > 0  # the image's whole blocks are held
+    assert got.outputs[0].token_ids == colocated.generate([same], greedy)[0].outputs[0].token_ids
+    other = prompt(4, "What is in the picture?")
+    assert d_llm.engine.held_tokens(d_llm.engine.cache_ids(other)) <= pads // 16 * 16

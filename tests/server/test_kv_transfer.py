@@ -64,13 +64,28 @@ def test_prefill_server_hands_off_to_a_decode_engine(prefill_server, tiny_k3_dir
     ({"prompt": [1, 2, 3], "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n = 1"),
     ({"prompt": [1, 2, 3], "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "not streamed"),
     ({"prompt": [1, 2, 3], "kv_transfer_params": {"remote_host": "x"}}, "unsupported keys"),
-    ({"prompt": [1, 2, 3], "logprobs": 2, "kv_transfer_params": {"do_remote_decode": True}}, "logprobs"),
-    ({"prompt": [1, 2, 3], "response_format": {"type": "json_object"}, "kv_transfer_params": {"do_remote_decode": True}},
-     "structured outputs"),
+    ({"prompt": [1, 2, 3], "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": True}},
+     "exclude each other"),
 ])
 def test_bad_handoff_requests_are_400s(prefill_server, body, says):
     r = httpx.post(prefill_server[0] + "/v1/completions", json={"max_tokens": 1, **body})
     assert r.status_code == 400 and says in r.json()["error"]["message"]
+
+
+def test_pull_release_and_held_endpoints_check_their_input(prefill_server):
+    base, state = prefill_server
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    rid = r.json()["kv_transfer_params"]["remote_request_id"]
+    wrong = httpx.post(base + "/v1/kv/pull", json={"request_id": rid, "transport": "nixl"})
+    assert wrong.status_code == 400 and "does not match this server's kv_connector" in wrong.json()["error"]["message"]
+    assert httpx.post(base + "/v1/kv/release", json={"request_id": rid}).json()["released"] is True
+    assert httpx.post(base + "/v1/kv/release", json={"request_id": rid}).json()["released"] is False
+    assert not state.engine.engine.handoffs.held
+    both = httpx.post(base + "/v1/kv/held", json={"chat": {}, "completion": {}})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    probe = httpx.post(base + "/v1/kv/held", json={"completion": {"prompt": "Hello"}}).json()
+    assert probe["prompt_tokens"] >= 1 and probe["held_tokens"] % 16 == 0
 
 
 def test_a_server_without_the_producer_role_refuses_handoffs(live_server, capsys):
@@ -84,7 +99,7 @@ def test_a_server_without_the_producer_role_refuses_handoffs(live_server, capsys
     chat = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "kv_transfer_params": {"do_remote_decode": True}})
     assert chat.status_code == 400 and "--kv-transfer-config" in chat.json()["error"]["message"]
-    for cfg, says in (('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}', "kv_connector must be"),
+    for cfg, says in (('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_producer"}', "kv_connector must be"),
                       ('{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer", "kv_producers": "x"}',
                        "kv_producers must be a list")):
         assert main(["serve", "--cache-memory", "16MiB", "--kv-transfer-config", cfg]) == 2
@@ -191,6 +206,7 @@ def test_a_dead_decode_server_is_retried_elsewhere_then_503(prefill_server, disa
         r = httpx.post(router + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 503 and "no decode server" in r.json()["error"]["message"]
     assert disaggregated.decode_state.engine.engine.cache.num_requests == 0
+    assert not prefill_server[1].engine.engine.handoffs.held  # the router released what nobody pulled
 
 
 def test_a_decode_server_dying_mid_request_gets_a_retry_with_the_full_answer(prefill_server, disaggregated):
@@ -243,3 +259,115 @@ def test_a_speculating_decode_server_behind_the_router(tiny_k3_dir, prefill_serv
             assert _completion(router, prompt=prompt)["choices"][0]["text"] == want
             assert _streamed_text(router, prompt=prompt) == want
     assert state.engine.engine.cache.num_requests == 0
+
+
+def test_sampling_logprobs_and_grammars_cross_the_router(disaggregated):
+    """A seeded temperature-1 request continues its random stream on the decode server; logprobs
+    (the first token's from the prefill side), prompt logprobs and a JSON grammar (replayed over
+    the first token) all come out as the colocated server's."""
+    for body in ({"prompt": "Once upon a time", "temperature": 1.0, "seed": 99, "logprobs": 2, "prompt_logprobs": 1},
+                 {"prompt": "A person:", "temperature": 1.0, "seed": 3, "ignore_eos": False, "max_tokens": 40,
+                  "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+                      "type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
+                      "additionalProperties": False}}}}):
+        want = _completion(disaggregated.colocated, **body)["choices"][0]
+        got = _completion(disaggregated.router, **body)["choices"][0]
+        assert (got["text"], got["logprobs"], got.get("prompt_logprobs")) == \
+            (want["text"], want["logprobs"], want.get("prompt_logprobs"))
+    assert '"age"' in got["text"] and got["finish_reason"] == "stop"
+
+
+def test_the_router_sends_a_prompt_to_the_prefill_server_that_caches_it(tiny_k3_dir, prefill_server, disaggregated):
+    """Two prefill servers: the one whose prefix cache holds the prompt's blocks gets it, though
+    the hash choice would pick the other."""
+    from k3serve.server.router import Pool, build_router
+
+    other_app, other_state = make_app(tiny_k3_dir, *PRODUCER)
+    prompt = list(range(100, 148))  # three whole blocks
+    with serving(other_app) as other:
+        servers = [prefill_server[0], other]
+        body = {"prompt": prompt + [5, 6], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        cold = Pool(servers, []).by_hash(body)
+        warm_url, warm_state = (other, other_state) if cold == prefill_server[0] else prefill_server
+        assert _completion(warm_url, prompt=prompt + [1, 2], max_tokens=1)  # warm the one hashing does not pick
+        before = _prefix_hits(warm_state)
+        with serving(build_router(servers, [disaggregated.decode])) as router:
+            got = _completion(router, **body)["choices"][0]["text"]
+        assert _prefix_hits(warm_state) - before >= 32  # its cache served the prompt's prefix
+        assert got == _completion(disaggregated.colocated, **body)["choices"][0]["text"]
+
+
+def _prefix_hits(state) -> int:
+    return state.engine.engine.cache.checkpoints.stats.hit_tokens
+
+
+NIXL = ('{"kv_connector": "NixlConnector", "kv_role": "%s"}',)
+
+
+def test_nixl_connector_moves_the_handoff_by_a_nixl_read(tiny_k3_dir, disaggregated):
+    """kv_connector NixlConnector on both sides: the pull answers a NIXL offer (no tensor bytes
+    over HTTP), the decode server READs the hand-off out of the prefill server's memory over UCX,
+    and the answers are the colocated ones; the lent buffer is dropped after the read."""
+    import time
+
+    from k3serve.server.router import build_router
+
+    pytest.importorskip("nixl", reason="NIXL is installed by `make` (the [nixl] extra)")
+    p_app, p_state = make_app(tiny_k3_dir, "--kv-transfer-config", NIXL[0] % "kv_producer", "--block-size", "16")
+    d_app, d_state = make_app(tiny_k3_dir, "--kv-transfer-config", NIXL[0] % "kv_consumer", "--block-size", "16")
+    assert p_state.nixl is not None and d_state.nixl is not None
+    with serving(p_app) as prefill, serving(d_app) as decode, serving(build_router([prefill], [decode])) as router:
+        for prompt in ("Hi", "The quick brown fox jumps over the lazy dog, then runs far away " * 2):
+            want = _completion(disaggregated.colocated, prompt=prompt)["choices"][0]["text"]
+            assert _completion(router, prompt=prompt)["choices"][0]["text"] == want
+            assert _streamed_text(router, prompt=prompt) == want
+        offer = httpx.post(prefill + "/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        rid = offer["kv_transfer_params"]["remote_request_id"]
+        wrong = httpx.post(prefill + "/v1/kv/pull", json={"request_id": rid, "transport": "http"})
+        assert wrong.status_code == 400
+        assert httpx.post(prefill + "/v1/kv/release", json={"request_id": rid}).json()["released"]
+        deadline = time.monotonic() + 10
+        while p_state.nixl.lent and time.monotonic() < deadline:  # the READs' notifications free them
+            time.sleep(0.05)
+        assert not p_state.nixl.lent and not p_state.engine.engine.handoffs.held
+        assert d_state.metrics.kv_pulls._value.get() == 4
+        assert "k3serve:kv_nixl_lent_bytes 0.0" in httpx.get(prefill + "/metrics").text
+    for state in (p_state, d_state):
+        assert state.engine.engine.cache.num_requests == 0
+
+
+def test_a_nixl_read_of_memory_the_prefill_agent_never_lent_is_a_connection_error():
+    pytest.importorskip("nixl", reason="NIXL is installed by `make` (the [nixl] extra)")
+    from k3serve.server.kv_nixl import NixlTransport
+
+    lender, reader = NixlTransport(), NixlTransport()
+    offer = lender.lend("r", b"state" * 1000)
+    assert reader.read(offer) == b"state" * 1000
+    with pytest.raises(ConnectionError, match="NIXL could not start the read"):
+        reader.read({**offer, "addr": offer["addr"] + (1 << 30)})
+    with pytest.raises(ConnectionError, match="malformed"):
+        reader.read({"addr": 1})
+
+
+def test_an_image_chat_crosses_the_router(disaggregated):
+    """The decode server keys the image's pads by content (it encodes nothing): the answer is
+    the colocated one, and the same image asked again moves only the rows past its held blocks."""
+    from tests.server.test_multimodal import data_url, png
+
+    def ask(base, text):
+        parts = [{"type": "image_url", "image_url": {"url": data_url(png(11))}}, {"type": "text", "text": text}]
+        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"thinking": False}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    for text in ("What is this?", "And its colours?"):
+        want = ask(disaggregated.colocated, text)
+        before = _pulled(disaggregated.decode_state)
+        got = ask(disaggregated.router, text)
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the image's blocks were held
+    assert _pulled(disaggregated.decode_state) - before < got["usage"]["prompt_tokens"] * per_token_bytes(
+        disaggregated.decode_state) + 1  # not every row again
