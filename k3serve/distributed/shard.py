@@ -39,17 +39,21 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 Weight = torch.Tensor | PackedMXFP4
 
 
-def shard_weights(weights: dict[str, Weight], cfg: ModelConfig, tp: TPGroup) -> dict[str, Weight]:
-    """Canonical name -> this rank's slice (names of kept experts renumbered locally)."""
-    if tp.size == 1:
+def shard_weights(weights: dict[str, Weight], cfg: ModelConfig, tp: TPGroup,
+                  ep: TPGroup | None = None) -> dict[str, Weight]:
+    """Canonical name -> this rank's slice (names of kept experts renumbered locally). With
+    DP-attention's expert group `ep`, routed experts are split by id over `ep` and the rest by `tp`."""
+    if tp.size == 1 and (ep is None or ep.size == 1):
         return weights
     out: dict[str, Weight] = {}
     for name, w in weights.items():
         m = _EXPERT.match(name)
         if m:
-            kept = _expert(name, m, w, cfg, tp)
+            kept = _expert(name, m, w, cfg, ep if ep is not None else tp)
             if kept is not None:
                 out[kept[0]] = kept[1]
+        elif tp.size == 1:
+            out[name] = w
         elif name.endswith(_VOCAB):
             out[name] = _vocab(w, cfg.vocab_size, tp)
         elif name.endswith(_ROWS):

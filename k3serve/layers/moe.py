@@ -58,10 +58,19 @@ class Gate(WeightOnly):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP):
+    """`tp`: the group the block's dense parts (latent up projection, shared experts) split over;
+    routed experts split over it too, by channel or by id (expert parallelism), unless `ep` is
+    given: DP-attention + EP, where each data-parallel rank brings its own tokens, the experts
+    are split by id over `ep` and the block's output is whole (`_dp_ep_forward`)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
         super().__init__()
         m, d = cfg.moe, cfg.hidden_size
-        self.cfg, self.act, self.tp = m, glu_activation(cfg), tp
+        if ep is not None and (tp.size > 1 or not ep.expert_parallel):
+            raise ValueError("DP-attention with expert parallelism is built for --tensor-parallel-size 1 per "
+                             "data-parallel rank, experts split by id over the data-parallel ranks")
+        self.cfg, self.act, self.tp, self.ep = m, glu_activation(cfg), tp, ep
+        xg = self.xg = ep if ep is not None else tp  # the group the routed experts are split over
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
         self.gate = Gate(m.num_experts, d)
         inner = m.latent_size or d
@@ -74,14 +83,14 @@ class SparseMoE(nn.Module):
                 self.routed_expert_norm = RMSNorm(inner, cfg.rms_norm_eps)
         # stacked routed experts [E, out, in] as buffers (dense, or packed MXFP4 for K3)
         inter, experts = m.expert_intermediate_size, m.num_experts
-        if tp.expert_parallel:
-            experts = tp.split(experts, "num_experts")
+        if xg.expert_parallel:
+            experts = xg.split(experts, "num_experts")
         else:
-            inter = tp.split(inter, "moe_intermediate_size")
-        self.first_expert = tp.rank * experts if tp.expert_parallel else 0  # global id of local expert 0
+            inter = xg.split(inter, "moe_intermediate_size")
+        self.first_expert = xg.rank * experts if xg.expert_parallel else 0  # global id of local expert 0
         # with expert parallelism: (token, slot) assignments per global expert since start, [E] (the
         # router runs on every rank, so rank 0 sees every rank's load: /metrics shows imbalance)
-        self.expert_load = torch.zeros(m.num_experts, dtype=torch.long) if tp.expert_parallel else None
+        self.expert_load = torch.zeros(m.num_experts, dtype=torch.long) if xg.expert_parallel else None
         self.w1 = ExpertWeights(experts, inter, inner)
         self.w3 = ExpertWeights(experts, inter, inner)
         self.w2 = ExpertWeights(experts, inner, inter)
@@ -94,6 +103,8 @@ class SparseMoE(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:
+            return self._dp_ep_forward(x)
         if self.tp.size > 1:
             return self._partial_forward(x)
         fast = (self.kernels is not None and not (self.use_reference or self.w4a8) and x.device.type == "cpu"
@@ -113,16 +124,10 @@ class SparseMoE(nn.Module):
     def _partial_forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the block [N, d]; the decoder layer all-reduces it."""
         m = self.cfg
-        fast = (self.kernels is not None and x.device.type == "cpu" and not (self.use_reference or self.w4a8)
-                and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled())
+        fast = self._fast(x)
         if fast and m.latent_size is None and not self.tp.expert_parallel:
             return self._block_kernel(x)  # channel-split experts + shared experts: already a partial sum
-        if fast:
-            ids, weights = self.kernels.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
-                                                  m.router_activation == "sigmoid", m.renormalize,
-                                                  m.routed_scaling_factor, m.num_expert_group, m.topk_group)
-        else:
-            ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, m)  # [N, k], on every rank
+        ids, weights = self._route(x, fast)  # [N, k], on every rank
         z = self.routed_expert_down_proj(x) if m.latent_size is not None else x
         routed = self._local_experts(z, ids, weights, fast)  # [N, L] fp32, this rank's experts / channels
         if m.latent_size is None:
@@ -136,11 +141,50 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
+    def _dp_ep_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """DP-attention + EP: x [n, d] is this data-parallel rank's tokens (each rank has its own
+        batch). All ranks' tokens are gathered over `ep` (padded to the largest n), every rank runs
+        its own experts on all of them, the fp32 sums over ranks are all-reduced and this rank keeps
+        its rows: [n, d], whole (the latent norm, up projection and shared experts are replicated).
+        vLLM's DP+EP does the same with an all-to-all; for small decode batches the gather is cheaper."""
+        m, ep, n = self.cfg, self.ep, x.shape[0]
+        counts = [int(c) for c in ep.all_gather(torch.tensor([float(n)]))]  # [M] rows per rank
+        most = max(counts)
+        padded = x.new_zeros(most, x.shape[1], dtype=torch.float32)
+        padded[:n] = x
+        every = ep.all_gather(padded.reshape(-1)).view(ep.size, most, -1)  # fp32 [M, most, d]
+        xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
+        fast = self._fast(x)
+        ids, weights = self._route(xs, fast)
+        z = self.routed_expert_down_proj(xs) if m.latent_size is not None else xs
+        routed = ep.all_reduce(self._local_experts(z, ids, weights, fast))  # [sum n, L] fp32
+        start = sum(counts[:ep.rank])
+        y = routed[start:start + n].to(x.dtype)
+        if m.latent_size is not None:
+            if m.latent_use_norm:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if m.num_shared_experts:
+            y = y + self.shared_experts(x)
+        return y
+
+    def _fast(self, x: torch.Tensor) -> bool:
+        return (self.kernels is not None and x.device.type == "cpu" and not (self.use_reference or self.w4a8)
+                and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled())
+
+    def _route(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.cfg
+        if fast:
+            return self.kernels.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
+                                          m.router_activation == "sigmoid", m.renormalize,
+                                          m.routed_scaling_factor, m.num_expert_group, m.topk_group)
+        return route(x, self.gate.weight, self.gate.e_score_correction_bias, m)
+
     def _local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fast: bool) -> torch.Tensor:
         """Routed sum over the experts this rank holds, FP32 [N, L]. Expert parallelism keeps
         the (token, slot) pairs routed here, one row each, and adds them back per token."""
         run = self._experts_kernel if fast else self._experts_torch
-        if not self.tp.expert_parallel:
+        if not self.xg.expert_parallel:
             return run(z, ids, weights)
         self.expert_load += torch.bincount(ids.reshape(-1).cpu(), minlength=self.expert_load.numel())
         local = ids - self.first_expert

@@ -26,7 +26,7 @@ class DecoderLayer(nn.Module):
     """Under tensor parallelism both sub-blocks return this rank's partial sum; `attn` and `ffn`
     all-reduce it, so the residual stream is the same full [N, d] on every rank."""
 
-    def __init__(self, cfg: ModelConfig, i: int, tp: TPGroup = NO_TP):
+    def __init__(self, cfg: ModelConfig, i: int, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.tp = tp
@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
         kda = cfg.layer_kinds[i] is LayerKind.KDA
         self.self_attn = KimiDeltaAttention(cfg, i, tp) if kda else GatedMLA(cfg, i, tp)
         if cfg.is_moe_layer(i):
-            self.block_sparse_moe = SparseMoE(cfg, tp)
+            self.block_sparse_moe = SparseMoE(cfg, tp, ep)
         else:
             self.mlp = GluMLP(cfg, d, tp.split(cfg.intermediate_size, "intermediate_size"))
         if cfg.use_attnres:
@@ -50,12 +50,12 @@ class DecoderLayer(nn.Module):
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.vocab_start, rows = vocab_shard(cfg.vocab_size, tp)  # vocab-parallel under TP
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ep) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.kernels = None  # k3serve.kernels module: the AttnRes mix in one call (set by use_kernels)
         self._kernel_weights: list[torch.Tensor] | None = None  # AttnRes vectors, reset by use_kernels
@@ -127,10 +127,13 @@ class KimiModel(nn.Module):
 class KimiForCausalLM(nn.Module):
     """`KimiK3ForConditionalGeneration` / `KimiK3ForCausalLM` / `KimiLinearForCausalLM` (text)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
+        """`tp`: the tensor-parallel group of this rank's attention, MLPs and vocabulary; `ep`:
+        DP-attention's expert group (every data-parallel rank's tokens meet each MoE layer's
+        experts there, layers/moe.py), None when experts follow `tp`."""
         super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.model = KimiModel(cfg, tp)
+        self.cfg, self.tp, self.ep = cfg, tp, ep
+        self.model = KimiModel(cfg, tp, ep)
         if not cfg.tie_word_embeddings:
             self.lm_head = WeightOnly(vocab_shard(cfg.vocab_size, tp)[1], cfg.hidden_size)
 

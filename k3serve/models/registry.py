@@ -19,21 +19,24 @@ MODEL_REGISTRY = {
 }
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = NO_TP) -> KimiForCausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = NO_TP,
+                ep: TPGroup | None = None) -> KimiForCausalLM:
     """`tp`: the tensor-parallel group this rank's model is built for (its share of the heads,
-    channels or experts); the default is the whole single-process model."""
+    channels or experts); `ep`: DP-attention's expert group (routed experts by id over the
+    data-parallel ranks); the default is the whole single-process model."""
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ConfigError("architectures", f"{cfg.architecture!r} is not supported; known: {sorted(MODEL_REGISTRY)}")
-    return cls(cfg, tp).to(dtype).eval()
+    return cls(cfg, tp, ep).to(dtype).eval()
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, load_format: str = "auto",
-               progress: bool = True, tp: TPGroup = NO_TP) -> KimiForCausalLM:
+               progress: bool = True, tp: TPGroup = NO_TP, ep: TPGroup | None = None) -> KimiForCausalLM:
     from k3serve.distributed.shard import shard_weights
     from k3serve.weights.loader import load_weights
 
     cfg = load_model_config(path)
-    model = build_model(cfg, dtype, tp)  # first: its layers name a dimension the TP size does not divide
-    model.load_weights(shard_weights(load_weights(path, cfg, load_format=load_format, progress=progress), cfg, tp))
+    model = build_model(cfg, dtype, tp, ep)  # first: its layers name a dimension the TP size does not divide
+    weights = load_weights(path, cfg, load_format=load_format, progress=progress)
+    model.load_weights(shard_weights(weights, cfg, tp, ep))
     return model

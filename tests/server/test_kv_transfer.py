@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation over HTTP (issue 17). A prefill server (kv_producer) answers
 with the first token and a pull id, POST /v1/kv/pull returns the latent rows + KDA state as one
-safetensors blob, and a decode engine that installs it continues with the same greedy tokens as
-one colocated engine. Through `k3serve router` with a prefill and a decode server (kv_consumer):
-greedy output == a colocated server, streaming == non-streaming, a shared prefix moves only its
-new rows, a dead decode server gets the request retried on another (or a 503). Bad uses are
+safetensors blob (K3HttpConnector) or a NIXL offer to READ (NixlConnector), and a decode engine
+that installs it continues with the same tokens as one colocated engine. Through `k3serve router`
+with a prefill and a decode server (kv_consumer): greedy output == a colocated server, streaming
+== non-streaming, seeded sampling, logprobs, a grammar and an image prompt carry across, a shared
+prefix moves only its new rows, the prefill server holding a prefix gets it, a dead decode server
+gets the request retried on another (or a 503) and its unpulled state released. Bad uses are
 400 / 404; pools return to zero; /metrics counts the bytes."""
 
 from __future__ import annotations
@@ -304,21 +306,26 @@ def _prefix_hits(state) -> int:
 NIXL = ('{"kv_connector": "NixlConnector", "kv_role": "%s"}',)
 
 
-def test_nixl_connector_moves_the_handoff_by_a_nixl_read(tiny_k3_dir, disaggregated):
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_nixl_connector_moves_the_handoff_by_a_nixl_read(kind, tiny_k3_dir, tiny_kl_dir):
     """kv_connector NixlConnector on both sides: the pull answers a NIXL offer (no tensor bytes
     over HTTP), the decode server READs the hand-off out of the prefill server's memory over UCX,
-    and the answers are the colocated ones; the lent buffer is dropped after the read."""
+    and the answers are the colocated ones, on tiny K3 and Kimi-Linear; the lent buffer is
+    dropped after the read."""
     import time
 
     from k3serve.server.router import build_router
 
     pytest.importorskip("nixl", reason="NIXL is installed by `make` (the [nixl] extra)")
-    p_app, p_state = make_app(tiny_k3_dir, "--kv-transfer-config", NIXL[0] % "kv_producer", "--block-size", "16")
-    d_app, d_state = make_app(tiny_k3_dir, "--kv-transfer-config", NIXL[0] % "kv_consumer", "--block-size", "16")
+    path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
+    p_app, p_state = make_app(path, "--kv-transfer-config", NIXL[0] % "kv_producer", "--block-size", "16")
+    d_app, d_state = make_app(path, "--kv-transfer-config", NIXL[0] % "kv_consumer", "--block-size", "16")
+    c_app, _ = make_app(path, "--block-size", "16")
     assert p_state.nixl is not None and d_state.nixl is not None
-    with serving(p_app) as prefill, serving(d_app) as decode, serving(build_router([prefill], [decode])) as router:
+    with serving(p_app) as prefill, serving(d_app) as decode, serving(c_app) as colocated, \
+            serving(build_router([prefill], [decode])) as router:
         for prompt in ("Hi", "The quick brown fox jumps over the lazy dog, then runs far away " * 2):
-            want = _completion(disaggregated.colocated, prompt=prompt)["choices"][0]["text"]
+            want = _completion(colocated, prompt=prompt)["choices"][0]["text"]
             assert _completion(router, prompt=prompt)["choices"][0]["text"] == want
             assert _streamed_text(router, prompt=prompt) == want
         offer = httpx.post(prefill + "/v1/completions", timeout=60, json={

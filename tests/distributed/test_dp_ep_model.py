@@ -1,0 +1,70 @@
+"""DP-attention + expert parallelism at the model level (issue 16): two data-parallel ranks
+(threads over gloo, k3serve/testing/tp_harness.py), each with its own prompt, its own cache and
+the whole attention, meet in every MoE layer, where the routed experts are split by id over
+both. Each rank's fp32 logits, through a prefill that crosses latent blocks and greedy decode
+steps, stay within 1e-5 of the logit scale of the single-process model's on the same prompt (the
+bound test_tp_model.py states and explains), its greedy tokens are identical, and each rank
+holds the weight bytes the planner predicts for attention TP1 with experts over 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve.distributed.group import NO_TP
+from k3serve.models.registry import load_model
+from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.testing.tp_harness import run_ranks
+
+BLOCK = 16
+PROMPTS = [[(7 * i + 3) % 500 for i in range(37)], [(11 * i + 5) % 500 for i in range(21)]]  # unequal lengths
+
+
+@torch.inference_mode()
+def greedy_logits(path, prompt, ep=None, kernels="auto", steps=3) -> torch.Tensor:
+    """[len(prompt) + steps, V]: every prompt row, then each greedy decode step's row."""
+    model = load_model(path, dtype=torch.float32, progress=False, tp=NO_TP, ep=ep)
+    model.use_kernels(kernels)
+    cache = CacheTensors.allocate(model.cfg, 2, 8, BLOCK)
+    table = list(range(8))
+    fb = ForwardBatch(torch.tensor(prompt), [len(prompt)], [0], [1], [table], BLOCK)
+    rows = [model.compute_logits(model(fb, cache))]
+    for t in range(steps):
+        nxt = int(rows[-1][-1].argmax())
+        fb = ForwardBatch(torch.tensor([nxt]), [1], [len(prompt) + t], [1], [table], BLOCK)
+        rows.append(model.compute_logits(model(fb, cache)))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_dp2_attention_with_ep2_matches_single_process_per_rank(kind, kernels, tiny_k3_dir, tiny_kl_dir):
+    path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
+    outs = run_ranks(2, lambda ep: greedy_logits(path, PROMPTS[ep.rank], ep, kernels), expert_parallel=True)
+    for prompt, got in zip(PROMPTS, outs):
+        ref = greedy_logits(path, prompt, kernels=kernels)
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_dp_ep_rank_weight_bytes_equal_the_planners(kind, tiny_k3_dir, tiny_kl_dir):
+    """Attention, MLPs and the vocabulary whole on each rank, routed experts halved."""
+    from k3serve.config.bundled import load_model_config
+    from k3serve.planner.weights import weight_split
+    from k3serve.runner.model_runner import weight_bytes
+    from k3serve.weights.schema import model_tensor_specs
+
+    path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
+    cfg = load_model_config(path)
+    vision = sum(s.nbytes for s in model_tensor_specs(cfg) if s.vision)
+    got = run_ranks(2, lambda ep: weight_bytes(load_model(path, dtype=torch.bfloat16, progress=False, ep=ep)), True)
+    assert got == [weight_split(cfg, path).per_rank(tp=1, ep=2) - vision] * 2
+
+
+def test_dp_attention_needs_tp1_and_experts_by_id(tiny_kl_dir):
+    from k3serve.distributed.group import TPGroup
+
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1 per data-parallel rank"):
+        load_model(tiny_kl_dir, progress=False, ep=TPGroup(0, 2, expert_parallel=False))
