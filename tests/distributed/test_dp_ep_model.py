@@ -11,38 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.distributed.group import NO_TP
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 from k3serve.testing.tp_harness import run_ranks
+from tests.distributed.test_tp_model import PROMPT, greedy_logits
 
-BLOCK = 16
-PROMPTS = [[(7 * i + 3) % 500 for i in range(37)], [(11 * i + 5) % 500 for i in range(21)]]  # unequal lengths
-
-
-@torch.inference_mode()
-def greedy_logits(path, prompt, ep=None, kernels="auto", steps=3) -> torch.Tensor:
-    """[len(prompt) + steps, V]: every prompt row, then each greedy decode step's row."""
-    model = load_model(path, dtype=torch.float32, progress=False, tp=NO_TP, ep=ep)
-    model.use_kernels(kernels)
-    cache = CacheTensors.allocate(model.cfg, 2, 8, BLOCK)
-    table = list(range(8))
-    fb = ForwardBatch(torch.tensor(prompt), [len(prompt)], [0], [1], [table], BLOCK)
-    rows = [model.compute_logits(model(fb, cache))]
-    for t in range(steps):
-        nxt = int(rows[-1][-1].argmax())
-        fb = ForwardBatch(torch.tensor([nxt]), [1], [len(prompt) + t], [1], [table], BLOCK)
-        rows.append(model.compute_logits(model(fb, cache)))
-    return torch.cat(rows)
+PROMPTS = [PROMPT, [(11 * i + 5) % 500 for i in range(21)]]  # unequal lengths
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("kind", ["k3", "kl"])
 def test_dp2_attention_with_ep2_matches_single_process_per_rank(kind, kernels, tiny_k3_dir, tiny_kl_dir):
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
-    outs = run_ranks(2, lambda ep: greedy_logits(path, PROMPTS[ep.rank], ep, kernels), expert_parallel=True)
+    outs = run_ranks(2, lambda ep: greedy_logits(path, kernels=kernels, prompt=PROMPTS[ep.rank], ep=ep),
+                     expert_parallel=True)
     for prompt, got in zip(PROMPTS, outs):
-        ref = greedy_logits(path, prompt, kernels=kernels)
+        ref = greedy_logits(path, kernels=kernels, prompt=prompt)
         assert got.shape == ref.shape
         assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
         assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -23,18 +23,20 @@ PROMPT = [(7 * i + 3) % 500 for i in range(37)]  # 37 tokens: three latent block
 
 
 @torch.inference_mode()
-def greedy_logits(path, tp=None, kernels="auto", steps=3, dtype=torch.float32) -> torch.Tensor:
-    """[37 + steps, V]: every prompt row, then each greedy decode step's row."""
+def greedy_logits(path, tp=None, kernels="auto", steps=3, dtype=torch.float32, prompt=PROMPT,
+                  ep=None) -> torch.Tensor:
+    """[len(prompt) + steps, V]: every prompt row, then each greedy decode step's row (`ep`: a
+    DP-attention expert group, test_dp_ep_model.py)."""
     kw = {} if tp is None else {"tp": tp}
-    model = load_model(path, dtype=dtype, progress=False, **kw)
+    model = load_model(path, dtype=dtype, progress=False, ep=ep, **kw)
     model.use_kernels(kernels)
     cache = CacheTensors.allocate(model.cfg, 2, 8, BLOCK, tp_size=model.tp.size)
     table = list(range(8))
-    fb = ForwardBatch(torch.tensor(PROMPT), [len(PROMPT)], [0], [1], [table], BLOCK)
+    fb = ForwardBatch(torch.tensor(prompt), [len(prompt)], [0], [1], [table], BLOCK)
     rows = [model.compute_logits(model(fb, cache))]
     for t in range(steps):
         nxt = int(rows[-1][-1].argmax())
-        fb = ForwardBatch(torch.tensor([nxt]), [1], [len(PROMPT) + t], [1], [table], BLOCK)
+        fb = ForwardBatch(torch.tensor([nxt]), [1], [len(prompt) + t], [1], [table], BLOCK)
         rows.append(model.compute_logits(model(fb, cache)))
     return torch.cat(rows)
 
