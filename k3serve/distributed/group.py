@@ -59,11 +59,12 @@ class TPGroup:
     pg: Any = None  # the torch.distributed process group object (None for size 1)
     shm: Any = None  # distributed/shm.py ShmComm: ranks on one host meet in shared memory (else gloo)
     stats: CommStats = field(default_factory=CommStats, compare=False)
+    size_flag: str = "--tensor-parallel-size"  # what sets `size` (DP-attention's expert group: the DP size)
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of a dimension of size n; an error naming it when N does not divide it."""
         if n % self.size:
-            raise ValueError(f"{what} = {n} is not divisible by --tensor-parallel-size {self.size}")
+            raise ValueError(f"{what} = {n} is not divisible by {self.size_flag} {self.size}")
         return n // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

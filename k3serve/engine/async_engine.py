@@ -61,6 +61,16 @@ class _Stream:
         return item
 
 
+async def cancel(task: asyncio.Task | None) -> None:
+    """Cancel a step loop and wait until it has stopped."""
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 4096):
         self.engine, self.max_waiting = engine, max_waiting
@@ -74,6 +84,7 @@ class AsyncEngine:
         self.stats: EngineStats = snapshot(engine)  # refreshed on the engine thread after every call
         self._busy_since: float | None = None  # when the engine-thread call now running began
         self._died: BaseException | None = None
+        self.lockstep = None  # engine/lockstep.py: DP-attention replicas step together, from its loop
 
     @property
     def num_waiting(self) -> int:
@@ -155,17 +166,15 @@ class AsyncEngine:
             self._wakeup.set()
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel(self._task)
         self._executor.shutdown(wait=True)
         self.engine.shutdown()
 
     # ---- the step loop -------------------------------------------------------------------
     def _ensure_loop(self) -> None:
+        if self.lockstep is not None:  # one loop steps every replica
+            self.lockstep.ensure_loop()
+            return
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="k3serve-engine-loop")
@@ -216,18 +225,25 @@ class AsyncEngine:
             try:
                 outs = await self._call(self._step, aborts)
             except Exception as e:  # a bug in a step must not take the server down
-                log.exception("engine step failed; failing the running requests")
-                await self._fail_all(e)
+                await self._step_failed(e)
                 continue
-            for out in outs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(RequestFailed(out.error) if out.error else out)
+            self._deliver(outs)
 
-    def _step(self, aborts: set[str]) -> list[RequestOutput]:
+    async def _step_failed(self, e: Exception) -> None:
+        log.error("engine step failed; failing the running requests", exc_info=e)
+        await self._fail_all(e)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(RequestFailed(out.error) if out.error else out)
+
+    def _step(self, aborts: set[str], always: bool = False) -> list[RequestOutput]:
+        """`always`: step even with nothing to run (a DP-attention replica's idle forward)."""
         for rid in aborts:
             self.engine.abort(rid)
-        return self.engine.step() if self.engine.has_unfinished_requests() else []
+        return self.engine.step() if always or self.engine.has_unfinished_requests() else []
 
     async def _fail_all(self, error: Exception) -> None:
         rids = list(self._streams)

@@ -8,7 +8,9 @@ turn elsewhere recomputes its whole history), and among equals to the least load
 AsyncEngine: `generate`, `abort`, `health`, `stats` (the replicas' sum), `engine` (replica 0's
 LLMEngine, for what every replica shares: model, plan, block size, spec config).
 The replicas share this process, so their Python step overheads take turns on the GIL while
-torch ops run in parallel; vLLM runs each DP engine core in its own process.
+torch ops run in parallel; vLLM runs each DP engine core in its own process. With expert
+parallelism the replicas are DP-attention ranks: one expert group, stepped together
+(engine/lockstep.py).
 Reference: vLLM v1 `DPLBAsyncMPClient` (load balancing), SGLang's cache-aware router.
 """
 
@@ -18,14 +20,17 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from k3serve.engine.async_engine import AsyncEngine
+from k3serve.engine.lockstep import Lockstep
 from k3serve.engine.stats import EngineStats
 
 
 class DPEngine:
-    def __init__(self, replicas: list[AsyncEngine]):
+    def __init__(self, replicas: list[AsyncEngine], lockstep: bool = False):
+        """`lockstep`: DP-attention + EP replicas (engine/lockstep.py), which step together."""
         if not replicas:
             raise ValueError("data parallelism needs at least one replica")
         self.replicas = replicas
+        self.lockstep = Lockstep(replicas) if lockstep else None
         self._owner: dict[str, AsyncEngine] = {}  # request id -> the replica running it
         self.routed = [0] * len(replicas)  # requests sent to each replica
         self.routed_by_prefix = 0  # of them, placed by a cached prefix (not by load)
@@ -116,6 +121,8 @@ class DPEngine:
         return None
 
     async def shutdown(self) -> None:
+        if self.lockstep is not None:
+            await self.lockstep.shutdown()
         for r in self.replicas:
             await r.shutdown()
 

@@ -63,8 +63,11 @@ def _default_model():
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, config: EngineConfig, ep=None):
+        """`ep`: this replica's expert group under DP-attention + EP (engine/lockstep.py): its
+        model holds 1/M of the routed experts and meets the other replicas in every MoE layer,
+        so every step runs a forward, an idle one when nothing is scheduled."""
+        self.config, self.ep = config, ep
         self.model_path = str(config.model or _default_model())
         where = placement(config)
         self.executor = start_executor(config, self.model_path, where)  # TP ranks 1..N-1, or None
@@ -82,7 +85,7 @@ class LLMEngine:
 
         tp = self.executor.join_group() if self.executor is not None else NO_TP
         self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
-                                progress=config.load_progress, tp=tp).to(where.device)
+                                progress=config.load_progress, tp=tp, ep=self.ep).to(where.device)
         if self.executor is not None:
             self.executor.wait_ready()
         check_quantization(config, self.model)
@@ -301,6 +304,8 @@ class LLMEngine:
         self._propose()
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            if self.ep is not None:  # the other replicas' MoE layers wait for this one's
+                self.runner.idle_step()
             return []
         now = time.monotonic()
         for seq in batch.seqs:  # queue time ends when a request is first scheduled

@@ -69,7 +69,7 @@ def snapshot(engine) -> EngineStats:
 
 def _parallel(engine) -> dict:
     """Expert load per rank and rank 0's collective totals, for an engine with TP ranks."""
-    tp = getattr(engine.model, "tp", None)
+    tp = getattr(engine.model, "ep", None) or getattr(engine.model, "tp", None)  # DP-attention: the expert group
     if tp is None or tp.size == 1:
         return {}
     c = tp.stats

@@ -153,13 +153,17 @@ class SparseMoE(nn.Module):
         padded = x.new_zeros(most, x.shape[1], dtype=torch.float32)
         padded[:n] = x
         every = ep.all_gather(padded.reshape(-1)).view(ep.size, most, -1)  # fp32 [M, most, d]
+        if not sum(counts):  # every replica idle: all of them skip the rest alike
+            return x
         xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
-        fast = self._fast(x)
+        fast = self._fast(xs)
         ids, weights = self._route(xs, fast)
         z = self.routed_expert_down_proj(xs) if m.latent_size is not None else xs
-        routed = ep.all_reduce(self._local_experts(z, ids, weights, fast))  # [sum n, L] fp32
         start = sum(counts[:ep.rank])
-        y = routed[start:start + n].to(x.dtype)
+        routed = ep.all_reduce(self._local_experts(z, ids, weights, fast, counted=slice(start, start + n)))
+        if n == 0:  # an idle replica: its part in the collectives is done
+            return x
+        y = routed[start:start + n].to(x.dtype)  # [n, L] fp32 -> this rank's rows
         if m.latent_size is not None:
             if m.latent_use_norm:
                 y = self.routed_expert_norm(y)
@@ -180,13 +184,15 @@ class SparseMoE(nn.Module):
                                           m.routed_scaling_factor, m.num_expert_group, m.topk_group)
         return route(x, self.gate.weight, self.gate.e_score_correction_bias, m)
 
-    def _local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fast: bool) -> torch.Tensor:
+    def _local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fast: bool,
+                       counted: slice = slice(None)) -> torch.Tensor:
         """Routed sum over the experts this rank holds, FP32 [N, L]. Expert parallelism keeps
-        the (token, slot) pairs routed here, one row each, and adds them back per token."""
+        the (token, slot) pairs routed here, one row each, and adds them back per token.
+        `counted`: the rows whose assignments this rank adds to `expert_load` (DP-attention: its own)."""
         run = self._experts_kernel if fast else self._experts_torch
         if not self.xg.expert_parallel:
             return run(z, ids, weights)
-        self.expert_load += torch.bincount(ids.reshape(-1).cpu(), minlength=self.expert_load.numel())
+        self.expert_load += torch.bincount(ids[counted].reshape(-1).cpu(), minlength=self.expert_load.numel())
         local = ids - self.first_expert
         tok, slot = ((local >= 0) & (local < self.w1.shape[0])).nonzero(as_tuple=True)
         out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)

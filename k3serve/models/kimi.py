@@ -174,6 +174,14 @@ class KimiForCausalLM(nn.Module):
                 m._kernel_weights = None
         return module
 
+    def idle_moe(self) -> None:
+        """A DP-attention replica with no tokens this step: its MoE layers still take part in
+        the expert group's collectives, in layer order, with [0, d] inputs."""
+        w = self.model.embed_tokens.weight
+        empty = w.new_zeros(0, self.cfg.hidden_size)
+        for moe in self.moe_layers():
+            moe(empty)
+
     def moe_layers(self) -> list[SparseMoE]:
         return [l.block_sparse_moe for l in self.model.layers if hasattr(l, "block_sparse_moe")]
 

@@ -38,12 +38,15 @@ def launch_commands(model: str, layout: Layout, context: int, max_num_seqs: int,
             f"--reasoning-parser kimi_k3")
     if nodes > 1:
         vllm += f" --distributed-executor-backend ray  # on a {nodes}-node Ray cluster"
+    if layout.dp > 1:
+        k3 += f" --data-parallel-size {layout.dp}"
     if layout.ep > 1:
         k3 += " --enable-expert-parallel"
     if nodes > 1:
         k3 += f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $HEAD_IP --master-port 29500"
-    if layout.dp > 1 or layout.pp > 1:
-        k3 += "  # DP-attention (experts over TP x DP) and pipeline ranks are not built yet: TP/EP runs"
+    if layout.pp > 1 or (layout.dp > 1 and (layout.tp > 1 or nodes > 1)):
+        k3 += ("  # built: TP/EP, and DP-attention with TP 1 on one node; TP inside DP-attention ranks, "
+               "DP-attention across nodes and pipeline ranks are not yet")
     elif layout.num_gpus > 1:
         k3 += "  # TP/EP ranks run over gloo (CPU) in this build; the NCCL group for GPUs is not built yet"
     return {"k3serve": k3, "vllm": vllm, "sglang": sgl}

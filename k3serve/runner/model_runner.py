@@ -119,6 +119,11 @@ class ModelRunner:
                 self.spec.observe(rid, taps[row])
         return out
 
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
+        self.model.idle_moe()
+
     @staticmethod
     def _prompt_logprob_spans(seqs, bounds) -> list[tuple[int, int, int, int]]:
         """(seq index, first prompt position, first row, rows) of each chunk whose rows predict

@@ -188,16 +188,29 @@ def start_engines(args: argparse.Namespace):
     from k3serve.engine.dp_engine import DPEngine
     from k3serve.engine.llm_engine import LLMEngine
 
+    from k3serve.config.engine_config import EngineConfig
+
     kwargs = engine_kwargs(args)
+    dp = args.data_parallel_size
+    dp_attention = dp > 1 and args.enable_expert_parallel  # experts over the DP ranks (engine/lockstep.py)
+    if dp_attention and args.tensor_parallel_size != 1:
+        raise ValueError("--data-parallel-size with --enable-expert-parallel (DP-attention) is built for "
+                         "--tensor-parallel-size 1 per data-parallel rank")
+    groups = [None] * dp
+    if dp_attention:
+        from k3serve.distributed.expert_group import expert_groups
+
+        groups = expert_groups(dp, args.distributed_timeout)
     replicas = []
     try:
-        for _ in range(args.data_parallel_size):
-            replicas.append(AsyncEngine(LLMEngine.from_args(args.model, **kwargs), max_waiting=args.max_waiting))
+        for ep in groups:
+            engine = LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs), ep=ep)
+            replicas.append(AsyncEngine(engine, max_waiting=args.max_waiting))
     except BaseException:
         for r in replicas:
             r.engine.shutdown()
         raise
-    return replicas[0] if len(replicas) == 1 else DPEngine(replicas)
+    return replicas[0] if len(replicas) == 1 else DPEngine(replicas, lockstep=dp_attention)
 
 
 def kv_transfer(args: argparse.Namespace):

@@ -1,0 +1,98 @@
+"""`k3serve serve --data-parallel-size 2 --enable-expert-parallel`: DP-attention + EP (issue 16).
+Two replicas, each with its own scheduler, cache and whole attention, hold half the routed
+experts each and step together (engine/lockstep.py): greedy output equals a single-process
+server for one request (the other replica runs idle forwards for it) and for two at once on
+different replicas, on tiny K3 and Kimi-Linear; /metrics shows each rank's expert load."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.live import serving
+from tests.server.conftest import make_app
+
+LONG = "Alpha beta gamma delta, the first story of the day. " * 3
+SHORT = "Zulu yankee xray whiskey, another tale."
+OTHER = "Quite a different prompt, cached nowhere yet."
+
+
+def _complete(base, prompt, max_tokens, out=None):
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    if out is not None:
+        out.append(text)
+    return text
+
+
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_dp2_attention_with_ep_equals_a_single_process_server(kind, tiny_k3_dir, tiny_kl_dir):
+    path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
+    ref_app, _ = make_app(path)
+    app, state = make_app(path, "--data-parallel-size", "2", "--enable-expert-parallel")
+    dp = state.engine
+    experts = [r.engine.model.moe_layers()[0].w1.shape[0] for r in dp.replicas]
+    assert experts == [dp.replicas[0].engine.model.cfg.moe.num_experts // 2] * 2  # half the experts on each replica
+    with serving(ref_app) as ref, serving(app, start_timeout=60) as base:
+        want_long, want_short, want_other = _complete(ref, LONG, 40), _complete(ref, SHORT, 12), _complete(ref, OTHER, 12)
+        assert _complete(base, SHORT, 12) == want_short  # replica 1 idles through it in lockstep
+        got: list[str] = []
+        busy = threading.Thread(target=_complete, args=(base, LONG, 40, got))
+        busy.start()
+        while sum(r.stats.num_running for r in dp.replicas) == 0:
+            threading.Event().wait(0.01)
+        assert _complete(base, OTHER, 12) == want_other  # on the other replica, alongside
+        busy.join(120)
+        assert got == [want_long]
+        assert sorted(dp.routed) == [1, 2]  # the two at once went to different replicas
+        text = httpx.get(base + "/metrics", timeout=10).text
+        load = [float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+                if l.startswith("k3serve:expert_parallel_tokens_total{")]
+        cfg = dp.replicas[0].engine.model.cfg
+        assert len(load) == 2 and all(v > 0 for v in load)
+        assert sum(load) % (cfg.moe.top_k * len(dp.replicas[0].engine.model.moe_layers())) == 0
+    for r in dp.replicas:
+        assert r.engine.cache.num_requests == 0
+
+
+def test_dp_attention_refuses_tensor_parallel_ranks_inside(tiny_kl_dir):
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1 per data-parallel rank"):
+        make_app(tiny_kl_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--tensor-parallel-size", "2")
+
+
+def test_the_planners_dp_attention_line_starts(tiny_kl_dir):
+    """The planner's k3serve line for DP2/EP2 parses and starts two lockstep replicas."""
+    import shlex
+
+    from k3serve.planner.commands import launch_commands
+    from k3serve.planner.layout import Layout
+
+    line = launch_commands(str(tiny_kl_dir), Layout(2, tp=1, dp=2, ep=2), 512, 4, 32 * 2**20, 0.9, 0.8, "auto")
+    assert "DP-attention" not in line["k3serve"]  # no "not built" remark: only the GPU (NCCL) one
+    cmd = shlex.split(line["k3serve"].split("#")[0])
+    assert "--data-parallel-size" in cmd and "--enable-expert-parallel" in cmd
+    _, state = make_app(*cmd[2:])
+    assert state.engine.lockstep is not None and [r.engine.ep.rank for r in state.engine.replicas] == [0, 1]
+
+
+def test_a_client_leaving_a_lockstep_stream_frees_its_replica(tiny_kl_dir):
+    import time
+
+    app, state = make_app(tiny_kl_dir, "--data-parallel-size", "2", "--enable-expert-parallel")
+    with serving(app, start_timeout=60) as base:
+        with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                "prompt": LONG, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 4:
+                    break  # leaves mid-stream: the request is aborted on its replica
+        deadline = time.monotonic() + 30
+        while any(rep.engine.has_unfinished_requests() for rep in state.engine.replicas):
+            assert time.monotonic() < deadline, "the aborted request still runs"
+            time.sleep(0.05)
+        assert _complete(base, SHORT, 4)  # the lockstep loop still serves
+    for rep in state.engine.replicas:
+        assert rep.engine.cache.num_requests == 0
