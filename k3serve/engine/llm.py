@@ -17,7 +17,16 @@ from k3serve.sampling.params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
-        self.engine = LLMEngine.from_args(model, **engine_kwargs)
+        """`data_parallel_size` > 1: replicas of the engine (engine/dp_llm_engine.py)."""
+        dp = engine_kwargs.pop("data_parallel_size", 1)
+        if dp == 1:
+            self.engine = LLMEngine.from_args(model, **engine_kwargs)
+        else:
+            from k3serve.engine.dp_llm_engine import DataParallelEngine
+
+            if not isinstance(dp, int) or dp < 1:
+                raise ValueError(f"data_parallel_size must be an int >= 1, got {dp!r}")
+            self.engine = DataParallelEngine(model, dp, **engine_kwargs)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

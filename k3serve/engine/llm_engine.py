@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -125,6 +126,8 @@ class LLMEngine:
             self.executor.send("allocate", self.plan, str(where.kv_dtype).removeprefix("torch."))
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
                                   masked_ids=self.unmapped_ids, workers=self.executor)
+        if self.ep is not None:  # the replicas step at once: each takes its share of the cores
+            self.runner.threads = max(1, (os.cpu_count() or 1) // self.ep.size)
         self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device,
                                   parse_bytes(config.mm_encoder_cache))
         if self.model.cfg.vision is not None:

@@ -51,3 +51,21 @@ def test_dp_attention_needs_tp1_and_experts_by_id(tiny_kl_dir):
 
     with pytest.raises(ValueError, match="--tensor-parallel-size 1 per data-parallel rank"):
         load_model(tiny_kl_dir, progress=False, ep=TPGroup(0, 2, expert_parallel=False))
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_offline_llm_with_data_parallel_replicas_equals_one_engine(ep, tiny_k3_dir):
+    """LLM(data_parallel_size=2): plain replicas, and DP-attention + EP (lockstep) replicas."""
+    from k3serve import LLM, SamplingParams
+
+    prompts = ["The fox jumps", "A long time ago, in a place far away,", [5, 6, 7, 8, 9], "Zebra"]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(cache_memory="32MiB", max_model_len=512)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_k3_dir), **kw).generate(prompts, greedy)]
+    dp = LLM(str(tiny_k3_dir), data_parallel_size=2, enable_expert_parallel=ep, **kw)
+    got = [o.outputs[0].token_ids for o in dp.generate(prompts, greedy)]
+    assert got == want
+    assert dp.engine.routed == [2, 2]  # least loaded: the replicas took turns
+    assert all(r.cache.num_requests == 0 for r in dp.engine.replicas)
+    if ep:
+        assert [r.ep.rank for r in dp.engine.replicas] == [0, 1]

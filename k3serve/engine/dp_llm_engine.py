@@ -1,0 +1,80 @@
+"""Offline data parallelism: `LLM(model, data_parallel_size=M)` (issue 16).
+
+M `LLMEngine` replicas in this process, each with its own scheduler and cache, stepped at once
+(one thread per replica, so their torch ops overlap). A request goes to the replica caching its
+longest prompt prefix, else the least loaded, as the server's DPEngine routes. With
+`enable_expert_parallel=True` the replicas are DP-attention ranks sharing one expert group
+(engine/lockstep.py explains): then every replica steps every time, idle ones included.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from k3serve.config.engine_config import EngineConfig
+from k3serve.engine.llm_engine import LLMEngine, PromptInput
+from k3serve.engine.outputs import RequestOutput
+from k3serve.sampling.params import SamplingParams
+
+
+class DataParallelEngine:
+    def __init__(self, model: str | None, data_parallel_size: int, **kwargs):
+        dp = data_parallel_size
+        self.lockstep = dp > 1 and bool(kwargs.get("enable_expert_parallel"))
+        if self.lockstep and kwargs.get("tensor_parallel_size", 1) != 1:
+            raise ValueError("data_parallel_size with enable_expert_parallel (DP-attention) is built for "
+                             "tensor_parallel_size 1 per data-parallel rank")
+        groups = [None] * dp
+        if self.lockstep:
+            from k3serve.distributed.expert_group import expert_groups
+
+            groups = expert_groups(dp, kwargs.get("distributed_timeout", 120.0))
+        self.replicas: list[LLMEngine] = []
+        try:
+            for ep in groups:
+                self.replicas.append(LLMEngine(EngineConfig.from_kwargs(model, **kwargs), ep=ep))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._pool = ThreadPoolExecutor(dp, thread_name_prefix="k3serve-dp")
+        self._owner: dict[str, LLMEngine] = {}
+        self.routed = [0] * dp
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.replicas[0].cache_ids(prompt)
+        held = [r.held_tokens(ids) for r in self.replicas]
+        load = [len(r.scheduler.running) + len(r.scheduler.waiting) for r in self.replicas]
+        i = max(range(len(self.replicas)), key=lambda j: (held[j], -load[j], -j))
+        self.replicas[i].add_request(request_id, prompt, params, priority)
+        self._owner[request_id] = self.replicas[i]
+        self.routed[i] += 1
+
+    def abort(self, request_id: str) -> None:
+        replica = self._owner.pop(request_id, None)
+        if replica is not None:
+            replica.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica with work (of all of them in lockstep), concurrently."""
+        busy = [r for r in self.replicas if self.lockstep or r.has_unfinished_requests()]
+        outs: list[RequestOutput] = []
+        for future in [self._pool.submit(r.step) for r in busy]:
+            outs += future.result()
+        for out in outs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outs
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            r.shutdown()
