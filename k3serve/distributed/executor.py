@@ -236,6 +236,43 @@ class MultiprocExecutor:
                 self.error = f"tensor-parallel worker {p.name} died (exit code {p.exitcode})"
                 raise WorkerDied(self.error) from None
 
+    def send_each(self, method: str, per_rank: list[tuple]) -> None:
+        """Run `method(*per_rank[r - 1])` on worker rank r (one host: over the pipes)."""
+        self._check_pipes(method)
+        for conn, p, args in zip(self._conns, self._procs, per_rank):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError):
+                self.error = f"tensor-parallel worker {p.name} died (exit code {p.exitcode})"
+                raise WorkerDied(self.error) from None
+
+    def call(self, method: str, *args) -> list:
+        """Run `method(*args)` on every worker and return their answers, rank order (pipes only)."""
+        self._check_pipes(method)
+        self.send(method, *args)
+        out = []
+        for conn, p in zip(self._conns, self._procs):
+            if not conn.poll(self.timeout_s):
+                self.error = f"tensor-parallel worker {p.name} did not answer {method} in {self.timeout_s:.0f} s"
+                raise WorkerDied(self.error)
+            kind, value = conn.recv()
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel worker {p.name}: {value}")
+            out.append(value)
+        return out
+
+    @property
+    def local(self) -> bool:
+        """Every worker is a process of this host reached over a pipe (not torchrun, Ray or nodes)."""
+        return self._channel is None and not self.nodes.multi
+
+    def _check_pipes(self, method: str) -> None:
+        if self.error is not None:
+            raise WorkerDied(self.error)
+        if not self.local:
+            raise ValueError(f"{method} needs the tensor-parallel workers on this node (no torchrun, Ray or "
+                             f"--nnodes)")
+
     @property
     def alive(self) -> bool:
         if self.error is None:

@@ -3,7 +3,8 @@
 It joins the group's ProcessGroupGloo (the data plane: all-reduces and all-gathers inside the
 model), loads its shard of the checkpoint, says "ready" on its pipe (or the error that stopped
 it), then runs the commands the driver sends on that pipe, one per step: `allocate` (the
-cache for the driver's plan), `forward` (StepInputs), `rollback`, `shutdown`. The pipe is the
+cache for the driver's plan), `forward` (StepInputs), `rollback`, `read_state` / `write_state`
+(a prefill/decode hand-off's KDA heads, and latent rows, of this rank), `shutdown`. The pipe is the
 control plane: it blocks without a timeout while the server idles, and reads EOF when the
 driver is gone, so a worker never outlives its engine.
 Reference: vLLM v1 `executor/multiproc_executor.py` (WorkerProc.worker_busy_loop).
@@ -18,6 +19,7 @@ import traceback
 from dataclasses import dataclass
 
 log = logging.getLogger("k3serve.distributed")
+ANSWERS = frozenset({"read_state"})  # commands whose result goes back to the driver (pipes only)
 
 
 @dataclass(frozen=True)
@@ -130,10 +132,14 @@ def serve(conn, model, spec: WorkerSpec) -> None:
                 device = torch.device(spec.device)
                 runner = RankRunner(model, allocate_cache(model, plan, getattr(torch, kv_dtype), device), device)
             else:
-                getattr(runner, method)(*args)
+                result = getattr(runner, method)(*args)
+                if method in ANSWERS:
+                    conn.send(("ok", result))
         except CollectiveError as e:  # a peer died or timed out: the group is broken for good
             log.error("rank %d: %s: %s", spec.rank, method, e)
             return
         except Exception as e:  # noqa: BLE001 - the same inputs fail the same way on the driver, which
             # retries the step's requests apart; the ranks stay in step
             log.warning("rank %d: %s raised %s: %s", spec.rank, method, type(e).__name__, e)
+            if method in ANSWERS:
+                conn.send(("error", f"{type(e).__name__}: {e}"))

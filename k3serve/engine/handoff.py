@@ -90,6 +90,31 @@ def install(cache: CacheTensors, h: KVHandoff, table: list[int], slot: int) -> N
             cache.conv[i][slot] = h.conv[i]
 
 
+# ---- tensor parallelism: each rank holds H/N heads of the KDA state --------------------------
+# A hand-off always carries every head (in checkpoint order), so a TP2 prefill engine can hand
+# to a TP1 or TP4 decode engine. Rank r holds heads [r*h, (r+1)*h): recurrent [h, D, D]; conv
+# [K-1, 3hD] laid out [q_r | k_r | v_r] (layers/kda.py), the whole one [q | k | v].
+def merge_heads(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """Rank-ordered (recurrent, conv) per rank -> the whole state, every head."""
+    rec = {i: torch.cat([p[0][i] for p in parts]) for i in parts[0][0]}
+    conv = {}
+    for i in parts[0][1]:
+        thirds = [p[1][i].view(p[1][i].shape[0], 3, -1) for p in parts]  # [K-1, 3, hD] per rank
+        conv[i] = torch.cat(thirds, -1).reshape(thirds[0].shape[0], -1)
+    return rec, conv
+
+
+def split_heads(rec: dict, conv: dict, size: int) -> list[tuple[dict, dict]]:
+    """The whole state -> each of `size` ranks' (recurrent, conv) share."""
+    out = []
+    for r in range(size):
+        mine_rec = {i: t.chunk(size)[r].contiguous() for i, t in rec.items()}
+        mine_conv = {i: t.view(t.shape[0], 3, -1).chunk(size, -1)[r].reshape(t.shape[0], -1).contiguous()
+                     for i, t in conv.items()}
+        out.append((mine_rec, mine_conv))
+    return out
+
+
 @dataclass
 class HandoffStore:
     """Captured prefills waiting for their decode engine, dropped after `ttl_s`."""

@@ -8,6 +8,7 @@ the same); prefix caching (issue 6) will let them share the prompt's cache.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.cache.sizing import parse_bytes
-from k3serve.engine.handoff import HandoffStore, KVHandoff, capture, install
+from k3serve.engine.handoff import (HandoffStore, KVHandoff, capture, install, merge_heads, rows_of,
+                                    split_heads)
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.distributed.executor import WorkerDied, start_executor
@@ -204,9 +206,12 @@ class LLMEngine:
         return self.media.cache_ids(ids, list(mm.get("image", [])), list(mm.get("video", [])), self.tokenizer)
 
     def _check_handoff(self) -> None:
-        if self.executor is not None:
-            raise ValueError("prefill/decode hand-offs with tensor_parallel_size > 1 are not built: each rank "
-                             "holds part of the KDA state; serve the P/D engines with --tensor-parallel-size 1")
+        if self.executor is not None and not self.executor.local:
+            raise ValueError("prefill/decode hand-offs under tensor parallelism need every rank on this node "
+                             "(their KDA heads are read and written over the workers' pipes): not with torchrun, "
+                             "Ray or --nnodes")
+        if self.ep is not None:
+            raise ValueError("prefill/decode hand-offs with DP-attention replicas are not built")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op for one process); the engine cannot step after."""
@@ -245,7 +250,7 @@ class LLMEngine:
                                 [] if params.logprobs is not None else None)],
                        {"arrival_time": time.monotonic()}, prompt_logprobs=h.prompt_logprobs)
         alloc = self.scheduler.adopt(req, held)
-        install(self.runner.cache, h, alloc.blocks, alloc.state_slot)
+        self._install(h, alloc.blocks, alloc.state_slot)
         if h.rng_state is not None:  # the prefill's random stream goes on where its first draw left it
             self.runner.restore_rng(req, h.rng_state)
         if constraint is not None:
@@ -256,6 +261,17 @@ class LLMEngine:
             self.scheduler.finish(req, req.finish_reason)
         self._on_token(group, req, first)
         return self._output(group) if req.finished else None
+
+    def _install(self, h: KVHandoff, table: list[int], slot: int) -> None:
+        """Write a hand-off into this engine's cache; under TP each rank takes its heads and the
+        latent rows (whole on every rank)."""
+        if self.executor is None:
+            install(self.runner.cache, h, table, slot)
+            return
+        shares = split_heads(h.recurrent, h.conv, self.executor.size)
+        rows = rows_of(table, h.start, len(h.prompt_token_ids), h.block_size)
+        self.executor.send_each("write_state", [(slot, *share, rows, h.latent) for share in shares[1:]])
+        install(self.runner.cache, dataclasses.replace(h, recurrent=shares[0][0], conv=shares[0][1]), table, slot)
 
     @staticmethod
     def _first_token(h: KVHandoff, params: SamplingParams) -> SampledToken:
@@ -423,12 +439,15 @@ class LLMEngine:
         """A finished prefill's cache rows and state, and what continues it exactly elsewhere:
         its sampler's random stream, the first token's logprobs, prompt logprobs, media keys."""
         rid, group = req.request_id, self._owner[req.request_id]
-        sample = group.samples[0]
-        return capture(self.runner.cache, rid, req.prompt_token_ids, req.output_token_ids[0],
-                       self.cache.block_table(rid), self.cache.state_slot(rid), cache_ids=req.prompt_cache_ids,
-                       rng_state=self.runner.rng_state(rid),
-                       first_logprobs=dict(sample.logprobs[0]) if sample.logprobs else None,
-                       prompt_logprobs=dict(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
+        sample, slot = group.samples[0], self.cache.state_slot(rid)
+        h = capture(self.runner.cache, rid, req.prompt_token_ids, req.output_token_ids[0],
+                    self.cache.block_table(rid), slot, cache_ids=req.prompt_cache_ids,
+                    rng_state=self.runner.rng_state(rid),
+                    first_logprobs=dict(sample.logprobs[0]) if sample.logprobs else None,
+                    prompt_logprobs=dict(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
+        if self.executor is not None:  # every head: this rank's, then each worker's (engine/handoff.py)
+            h.recurrent, h.conv = merge_heads([(h.recurrent, h.conv), *self.executor.call("read_state", slot)])
+        return h
 
     def _output(self, group: _Group) -> RequestOutput:
         outs = []

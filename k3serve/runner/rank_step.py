@@ -78,3 +78,17 @@ class RankRunner:
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify pass: each live slot takes its recorded state at the accepted position."""
         rollback_states(self.cache, slots, accepted)
+
+    def read_state(self, slot: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """This rank's KDA state of one slot (its heads): recurrent [h, D, D], conv [K-1, 3hD] per layer."""
+        return ({i: t[slot].clone() for i, t in enumerate(self.cache.recurrent) if t is not None},
+                {i: t[slot].clone() for i, t in enumerate(self.cache.conv) if t is not None})
+
+    def write_state(self, slot: int, recurrent: dict, conv: dict, rows: torch.Tensor | None = None,
+                    latent: dict | None = None) -> None:
+        """Install a hand-off on this rank: its heads' state, and the latent rows (whole on every rank)."""
+        for i, t in recurrent.items():
+            self.cache.recurrent[i][slot] = t
+            self.cache.conv[i][slot] = conv[i]
+        for i, t in (latent or {}).items():
+            self.cache.latent[i][rows] = t.to(self.cache.latent[i].dtype)

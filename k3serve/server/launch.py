@@ -152,9 +152,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if args.kv_transfer_config is not None and args.data_parallel_size != 1:
         raise ValueError("--kv-transfer-config with --data-parallel-size > 1 is not built: run one replica per "
                          "prefill or decode server and put `k3serve router` in front")
-    if args.kv_transfer_config is not None and args.tensor_parallel_size != 1:
-        raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 is not built: each rank holds part "
-                         "of the KDA state; serve prefill and decode engines with --tensor-parallel-size 1")
+    if args.kv_transfer_config is not None and args.tensor_parallel_size != 1 and (
+            args.nnodes > 1 or args.distributed_executor_backend == "ray"):
+        raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 needs every rank on this node (the "
+                         "hand-off's KDA heads go over the workers' pipes): not with --nnodes or the ray backend")
     if args.distributed_executor_backend == "uni" and args.tensor_parallel_size != 1:
         raise ValueError("--distributed-executor-backend uni runs one process: it needs --tensor-parallel-size 1")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
