@@ -3,23 +3,24 @@
 One step = schedule (pure Python) -> execute (model + sampler) -> update progress -> detokenize,
 check stop strings -> RequestOutputs for requests that produced tokens or finished. An n > 1
 request fans out into n scheduler requests with seeds offset by sample index (vLLM v1 does
-the same); prefix caching (issue 6) will let them share the prompt's cache.
+the same); prefix caching lets them share the prompt's cache. Taking and handing over
+prefilled requests (prefill/decode disaggregation) is engine/disagg.py, a mixin of this class;
+the per-request bookkeeping (samples, detokenizers, logprobs) is engine/groups.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.cache.sizing import parse_bytes
-from k3serve.engine.handoff import (HandoffStore, KVHandoff, capture, install, merge_heads, rows_of,
-                                    split_heads)
+from k3serve.engine.disagg import HandoffMixin
+from k3serve.engine.groups import Group, PromptInput, Sample  # noqa: F401 - PromptInput is re-exported
+from k3serve.engine.handoff import HandoffStore
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.distributed.executor import WorkerDied, start_executor
@@ -28,35 +29,11 @@ from k3serve.engine.setup import (check_quantization, make_plan, placement, reso
                                   startup_lines)
 from k3serve.sampling.detokenizer import IncrementalDetokenizer
 from k3serve.sampling.params import ParamError, SamplingParams
-from k3serve.scheduler.batch import PromptLogprob, SampledToken
+from k3serve.scheduler.batch import SampledToken
 from k3serve.scheduler.request import Request
 from k3serve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("k3serve.engine")
-PromptInput = str | list[int] | dict
-
-
-@dataclass
-class _Sample:
-    req: Request
-    detok: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float = 0.0
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    prompt_logprobs: dict[int, PromptLogprob] | None = None  # prompt index -> entry, as computed
-
-    @property
-    def finished(self) -> bool:
-        return all(s.req.finished for s in self.samples)
 
 
 def _default_model():
@@ -65,7 +42,7 @@ def _default_model():
     return default_model()
 
 
-class LLMEngine:
+class LLMEngine(HandoffMixin):
     def __init__(self, config: EngineConfig, ep=None):
         """`ep`: this replica's expert group under DP-attention + EP (engine/lockstep.py): its
         model holds 1/M of the routed experts and meets the other replicas in every MoE layer,
@@ -137,8 +114,8 @@ class LLMEngine:
                     f"(tower rows by image / video-chunk digest)")
             self.startup_log.append(line)
             log.info(line)
-        self._groups: dict[str, _Group] = {}
-        self._owner: dict[str, _Group] = {}  # scheduler request id -> its group
+        self._groups: dict[str, Group] = {}
+        self._owner: dict[str, Group] = {}  # scheduler request id -> its group
         self._arrivals = itertools.count()
         self._seen: dict[str, int] = {}  # output tokens already detokenized, per scheduler request
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
@@ -171,15 +148,15 @@ class LLMEngine:
         media = (self.media.prepare(ids, images, videos, self.tokenizer)
                  if images or videos or self.media.needs_images(ids) else None)
         constraints = [self._constraint(params.structured) for _ in range(params.n)] if params.structured else None
-        group = _Group(request_id, text, ids, [], {"arrival_time": time.monotonic()},
-                       prompt_logprobs={} if params.prompt_logprobs is not None else None)
+        group = Group(request_id, text, ids, [], {"arrival_time": time.monotonic()},
+                      prompt_logprobs={} if params.prompt_logprobs is not None else None)
         for i in range(params.n):
             p = params.for_sample(i) if params.n > 1 else params
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(rid, list(ids), p, self.model.cfg.eos_token_id, self.max_model_len,
                           arrival=next(self._arrivals), priority=priority, keep_cache=keep_cache)
-            group.samples.append(_Sample(req, IncrementalDetokenizer(self.tokenizer, p),
-                                         [] if p.logprobs is not None else None))
+            group.samples.append(Sample(req, IncrementalDetokenizer(self.tokenizer, p),
+                                        [] if p.logprobs is not None else None))
             if constraints:
                 self.runner.constraints[rid] = constraints[i]
             if media is not None:
@@ -190,102 +167,10 @@ class LLMEngine:
         self._groups[request_id] = group
         self.counters["prompt_tokens"] += len(ids)
 
-    # ---- prefill/decode hand-off (engine/handoff.py) -----------------------------------------
-    def held_tokens(self, prompt_token_ids: list[int]) -> int:
-        """Prompt tokens whose latent rows this engine already caches (whole blocks); give a media
-        prompt's `cache_ids`."""
-        return len(self.cache.held_prefix(prompt_token_ids)) * self.cache.block_size
-
-    def cache_ids(self, prompt: PromptInput) -> list[int]:
-        """The prefix-cache keys of a prompt: its ids, with media pads replaced by the items'
-        content keys (engine/media.py); nothing is encoded."""
-        mm = (prompt.get("multi_modal_data") or {}) if isinstance(prompt, dict) else {}
-        _, ids = self._tokenize(prompt)
-        if not (mm.get("image") or mm.get("video")):
-            return ids
-        return self.media.cache_ids(ids, list(mm.get("image", [])), list(mm.get("video", [])), self.tokenizer)
-
-    def _check_handoff(self) -> None:
-        if self.executor is not None and not self.executor.local:
-            raise ValueError("prefill/decode hand-offs under tensor parallelism need every rank on this node "
-                             "(their KDA heads are read and written over the workers' pipes): not with torchrun, "
-                             "Ray or --nnodes")
-        if self.ep is not None:
-            raise ValueError("prefill/decode hand-offs with DP-attention replicas are not built")
-
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op for one process); the engine cannot step after."""
         if self.executor is not None:
             self.executor.shutdown()
-
-    def pull_handoff(self, request_id: str, held_tokens: int = 0) -> KVHandoff:
-        return self.handoffs.pull(request_id, held_tokens)
-
-    def release_handoff(self, request_id: str) -> bool:
-        """Drop a kept prefill nobody will pull; whether there was one."""
-        return self.handoffs.held.pop(request_id, None) is not None
-
-    def add_prefilled(self, h: KVHandoff, params: SamplingParams | None = None) -> RequestOutput | None:
-        """Decode a request another engine prefilled, from its first token on, as if prefilled
-        here; its final output when the first token already ends it (no step will report it)."""
-        params = params or SamplingParams()
-        self._check_handoff()
-        if h.request_id in self._groups:
-            raise ValueError(f"request id {h.request_id!r} is already in use")
-        held = self.cache.held_prefix(h.cache_ids or h.prompt_token_ids)[:h.start // h.block_size]
-        if len(held) * h.block_size != h.start:
-            raise ValueError(f"this engine no longer holds the {h.start} prompt tokens the hand-off left out; "
-                             f"pull it again with held_tokens={len(held) * h.block_size}")
-        first = self._first_token(h, params)
-        constraint = self._constraint(params.structured) if params.structured else None
-        if constraint is not None and not constraint.accept(h.first_token):
-            raise ParamError("kv_transfer_params", "the prefilled first token breaks this request's output grammar: "
-                                                   "send the prefill server the same structured-output request")
-        req = Request(h.request_id, list(h.prompt_token_ids), params, self.model.cfg.eos_token_id,
-                      self.max_model_len, arrival=next(self._arrivals))
-        req.prompt_cache_ids = h.cache_ids
-        ended = req.append_token(h.first_token)  # as if sampled here (its rows come with the next step)
-        group = _Group(h.request_id, None, list(h.prompt_token_ids),
-                       [_Sample(req, IncrementalDetokenizer(self.tokenizer, params),
-                                [] if params.logprobs is not None else None)],
-                       {"arrival_time": time.monotonic()}, prompt_logprobs=h.prompt_logprobs)
-        alloc = self.scheduler.adopt(req, held)
-        self._install(h, alloc.blocks, alloc.state_slot)
-        if h.rng_state is not None:  # the prefill's random stream goes on where its first draw left it
-            self.runner.restore_rng(req, h.rng_state)
-        if constraint is not None:
-            self.runner.constraints[h.request_id] = constraint
-        self._groups[h.request_id], self._owner[h.request_id] = group, group
-        self.counters["prompt_tokens"] += len(h.prompt_token_ids)
-        if ended:
-            self.scheduler.finish(req, req.finish_reason)
-        self._on_token(group, req, first)
-        return self._output(group) if req.finished else None
-
-    def _install(self, h: KVHandoff, table: list[int], slot: int) -> None:
-        """Write a hand-off into this engine's cache; under TP each rank takes its heads and the
-        latent rows (whole on every rank)."""
-        if self.executor is None:
-            install(self.runner.cache, h, table, slot)
-            return
-        shares = split_heads(h.recurrent, h.conv, self.executor.size)
-        rows = rows_of(table, h.start, len(h.prompt_token_ids), h.block_size)
-        self.executor.send_each("write_state", [(slot, *share, rows, h.latent) for share in shares[1:]])
-        install(self.runner.cache, dataclasses.replace(h, recurrent=shares[0][0], conv=shares[0][1]), table, slot)
-
-    @staticmethod
-    def _first_token(h: KVHandoff, params: SamplingParams) -> SampledToken:
-        """The prefill's first token, with the logprobs it was sampled with when they are asked."""
-        if params.prompt_logprobs is not None and h.prompt_logprobs is None:
-            raise ParamError("prompt_logprobs", "the prefill carried no prompt logprobs: send prompt_logprobs to "
-                                                "the prefill server too")
-        if params.logprobs is None:
-            return SampledToken(h.first_token)
-        if h.first_logprobs is None or h.first_token not in h.first_logprobs:
-            raise ParamError("logprobs", "the prefill carried no logprobs for the first token: send logprobs to the "
-                                         "prefill server too")
-        top = tuple((t, lp) for t, lp in h.first_logprobs.items() if t != h.first_token)
-        return SampledToken(h.first_token, h.first_logprobs[h.first_token], top)
 
     def _constraint(self, so):
         """A fresh grammar state for one sequence; a spec that does not compile is the request's
@@ -345,7 +230,7 @@ class LLMEngine:
             return [self._fail(self._owner[r.request_id], why) for r in culprits if r.request_id in self._owner]
         self.scheduler.update(batch, out)
         failed: dict[str, RequestOutput] = {}
-        touched: dict[str, _Group] = {}
+        touched: dict[str, Group] = {}
         for seq in batch.seqs:
             group = self._owner.get(seq.request_id)
             if group is None:
@@ -361,7 +246,7 @@ class LLMEngine:
                 touched[group.request_id] = group
         return list(failed.values()) + [self._output(g) for g in touched.values()]
 
-    def _emit(self, group: _Group, req: Request, toks: list[SampledToken]) -> str | None:
+    def _emit(self, group: Group, req: Request, toks: list[SampledToken]) -> str | None:
         """Hand one sequence's tokens of this step to its group; why that failed, or None."""
         try:
             for tok in toks:  # stop after the tokens the scheduler appended (a stop cuts the rest)
@@ -386,7 +271,7 @@ class LLMEngine:
             for r in reqs:
                 r.spec_token_ids = []
 
-    def _fail(self, group: _Group, why: str) -> RequestOutput:
+    def _fail(self, group: Group, why: str) -> RequestOutput:
         """End every sample of `group` with finish reason "error"; its final output."""
         group.error = why
         for s in group.samples:
@@ -397,7 +282,7 @@ class LLMEngine:
         group.metrics["finish_time"] = time.monotonic()
         return self._output(group)
 
-    def _on_token(self, group: _Group, req: Request, tok: SampledToken) -> None:
+    def _on_token(self, group: Group, req: Request, tok: SampledToken) -> None:
         """One emitted token (several per step with speculation): logprobs, detokenize, stop strings."""
         sample = next(s for s in group.samples if s.req is req)
         seen = self._seen[req.request_id] = self._seen.get(req.request_id, 0) + 1
@@ -435,21 +320,7 @@ class LLMEngine:
         self._owner.pop(req.request_id, None)
         self._seen.pop(req.request_id, None)
 
-    def _capture(self, req: Request) -> KVHandoff:
-        """A finished prefill's cache rows and state, and what continues it exactly elsewhere:
-        its sampler's random stream, the first token's logprobs, prompt logprobs, media keys."""
-        rid, group = req.request_id, self._owner[req.request_id]
-        sample, slot = group.samples[0], self.cache.state_slot(rid)
-        h = capture(self.runner.cache, rid, req.prompt_token_ids, req.output_token_ids[0],
-                    self.cache.block_table(rid), slot, cache_ids=req.prompt_cache_ids,
-                    rng_state=self.runner.rng_state(rid),
-                    first_logprobs=dict(sample.logprobs[0]) if sample.logprobs else None,
-                    prompt_logprobs=dict(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
-        if self.executor is not None:  # every head: this rank's, then each worker's (engine/handoff.py)
-            h.recurrent, h.conv = merge_heads([(h.recurrent, h.conv), *self.executor.call("read_state", slot)])
-        return h
-
-    def _output(self, group: _Group) -> RequestOutput:
+    def _output(self, group: Group) -> RequestOutput:
         outs = []
         for i, s in enumerate(group.samples):
             done = s.req.finished
