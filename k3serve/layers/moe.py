@@ -107,9 +107,7 @@ class SparseMoE(nn.Module):
             return self._dp_ep_forward(x)
         if self.tp.size > 1:
             return self._partial_forward(x)
-        fast = (self.kernels is not None and not (self.use_reference or self.w4a8) and x.device.type == "cpu"
-                and not torch.is_grad_enabled())
-        if fast and x.dtype in (torch.float32, torch.bfloat16):
+        if self._fast(x):
             return self._block_kernel(x)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
         y = self._routed_torch(x, z).to(x.dtype)
