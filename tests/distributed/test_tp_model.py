@@ -2,10 +2,12 @@
 and greedy decode steps (TP ranks as threads over gloo, k3serve/testing/tp_harness.py):
 
 in float32, on the torch and kernel paths, every rank's gathered logits stay within 1e-5 of the
-logit scale (max |delta| <= 1e-5 * max |logit|) and the greedy tokens are identical. An absolute
-1e-5 is below this model's own fp32 noise: the single-process torch and kernel paths differ by up
-to 4e-5 on tiny K3, single-process fp32 sits 6e-5 from a float64 run, and TP2 no farther
-(measured, see the issue 16 note); only the summation order of the split sums moves."""
+logit scale (max |delta| <= 1e-5 * max |logit|) or, where that is finer than the model's own fp32
+rounding, within the single-process run's distance from a float64 run; the greedy tokens are
+identical. An absolute 1e-5 is below this model's fp32 noise: on tiny K3 the single-process
+torch and kernel paths differ by 4e-5, single-process fp32 sits 7e-5 (kernels) to 9e-5 (torch)
+from float64, and TP2 x EP2 on the kernel path 5.7e-5 from one process (an AMD EPYC; 1e-5 of
+the scale is 4.1e-5); only the summation order of the split sums moves."""
 
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ PROMPT = [(7 * i + 3) % 500 for i in range(37)]  # 37 tokens: three latent block
 
 
 @torch.inference_mode()
+def fp32_noise(path, ref: torch.Tensor) -> float:
+    """max |ref - float64 run|: how far `ref`, a single-process fp32 run, is from exact."""
+    return (ref.double() - greedy_logits(path, kernels="torch", dtype=torch.float64)).abs().max().item()
+
+
+def tolerance(path, ref: torch.Tensor) -> float:
+    return max(1e-5 * ref.abs().max().item(), fp32_noise(path, ref))
+
+
 def greedy_logits(path, tp=None, kernels="auto", steps=3, dtype=torch.float32, prompt=PROMPT,
                   ep=None) -> torch.Tensor:
     """[len(prompt) + steps, V]: every prompt row, then each greedy decode step's row (`ep`: a
@@ -66,9 +77,10 @@ def test_tp2_float32_logits_match_single_process(case, kernels, tiny_kl_dir, tin
     path = _path(case, (tiny_kl_dir, tiny_k3_dir, k3_wide_dir))
     ref = greedy_logits(path, kernels=kernels)
     outs = tp_logits(path, expert_parallel=case.endswith("ep2"), kernels=kernels)
+    tol = tolerance(path, ref)
     for got in outs:  # every rank gathers the whole vocabulary
         assert got.shape == ref.shape
-        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= tol
     assert torch.equal(outs[0].argmax(-1), ref.argmax(-1))
 
 

@@ -1,14 +1,21 @@
 """The model with its compiled CPU kernels (use_kernels("cpp"): decode/verify blocks, MoE blocks,
 norms, AttnRes mix) against the same model on the plain torch path (use_kernels("torch")),
 over prefill, batched decode, a verify pass beside a decode, and a step mixing decode rows with
-a prefill chunk. Summation orders differ, so logits and states are compared with tolerances:
-FP32 1e-4, BF16 a few bf16 ulps of the logits' scale."""
+a prefill chunk. Summation orders differ, so logits and states are compared with tolerances.
+
+FP32: the whole run, logits and states within 1e-4. BF16: block by block along the torch path's
+own run (each decoder block's kernel form gets the same input and a copy of the same cache as
+its torch form), within one bf16 ulp of the block output's scale. A whole bf16 run cannot be
+compared tightly: a 1-ulp difference flips a near-tie in some later token's expert choice, and
+this random tiny model then moves by most of its logit scale (its torch bf16 run alone sits up
+to 80% of the scale from its fp32 run); how far depends on the CPU's bf16 GEMM."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from k3serve import kernels
 from k3serve.models.registry import load_model
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 
@@ -55,17 +62,75 @@ def script(model, mode):
     return out, cache
 
 
+def _clone(cache: CacheTensors) -> CacheTensors:
+    copy = lambda xs: [None if x is None else x.clone() for x in xs]  # noqa: E731
+    return CacheTensors(copy(cache.recurrent), copy(cache.conv), copy(cache.latent), cache.block_size)
+
+
+def _set_kernels(block, module) -> None:
+    for m in block.modules():
+        if hasattr(m, "kernels"):
+            m.kernels = module
+        if hasattr(m, "_kernel_weights"):
+            m._kernel_weights = None
+        if hasattr(m, "use_reference"):  # as in script(): packed experts' torch side is FP32
+            m.use_reference = module is None and m.w1.is_packed
+
+
+def blockwise(model) -> list[tuple[str, int, float, float]]:
+    """Run script()'s steps on the torch path; at every decoder block also run its kernel form on
+    the same input and a copy of the cache. (what, layer, max |kernel - torch|, max |torch|) per
+    block call and per updated state."""
+    module, rows = kernels.get("cpp"), []
+
+    def diff(what, i, f, r):
+        rows.append((what, i, (f.float() - r.float()).abs().max().item(), r.float().abs().max().item()))
+
+    for i, layer in enumerate(model.model.layers):
+        attn, ffn = layer.attn, layer.ffn
+
+        def teach_attn(x, batch, cache, attn=attn, layer=layer, i=i):
+            copy = _clone(cache)
+            _set_kernels(layer, module)
+            f = attn(x, batch, copy)
+            _set_kernels(layer, None)
+            r = attn(x, batch, cache)
+            diff("attn", i, f, r)
+            for name in ("recurrent", "conv", "latent"):
+                if getattr(cache, name)[i] is not None:
+                    diff(name, i, getattr(copy, name)[i], getattr(cache, name)[i])
+            return r
+
+        def teach_ffn(x, ffn=ffn, layer=layer, i=i):
+            _set_kernels(layer, module)
+            f = ffn(x)
+            _set_kernels(layer, None)
+            r = ffn(x)
+            diff("ffn", i, f, r)
+            return r
+
+        layer.attn, layer.ffn = teach_attn, teach_ffn
+    try:
+        script(model, "torch")
+    finally:
+        for layer in model.model.layers:
+            del layer.attn, layer.ffn
+    return rows
+
+
 def test_kernels_match_the_torch_path(model):
+    if model.dtype == torch.bfloat16:
+        rows = blockwise(model)
+        assert {what for what, *_ in rows} >= {"attn", "ffn", "recurrent", "conv", "latent"}
+        for what, i, err, scale in rows:  # one bf16 ulp of the scale (measured: <= 0.3%)
+            assert err <= scale / 128, f"{what} of layer {i}: {err} > {scale / 128}"
+        return
     fast, fast_cache = script(model, "cpp")
     ref, ref_cache = script(model, "torch")
-    bf16 = model.dtype == torch.bfloat16
     for i, (f, r) in enumerate(zip(fast, ref)):
-        tol = 0.05 * r.abs().max().item() if bf16 else 1e-4  # bf16: ulp flips of 1/128 propagate
-        assert (f - r).abs().max().item() <= tol, f"step {i}"
-        if not bf16:
-            assert torch.equal(f.argmax(-1), r.argmax(-1)), f"step {i}"
+        assert (f - r).abs().max().item() <= 1e-4, f"step {i}"
+        assert torch.equal(f.argmax(-1), r.argmax(-1)), f"step {i}"
     for x, y in zip(fast_cache.recurrent + fast_cache.conv + fast_cache.latent,
                     ref_cache.recurrent + ref_cache.conv + ref_cache.latent):
         if x is not None:
-            scale = y.float().abs().max().item()
-            assert (x.float() - y.float()).abs().max().item() <= (0.05 * scale if bf16 else 1e-4)
+            assert (x.float() - y.float()).abs().max().item() <= 1e-4
