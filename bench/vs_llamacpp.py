@@ -12,8 +12,11 @@ pre-tokenizer cannot know a tiny vocabulary; the regex is Kimi's, `kimi-k2`).
 
 Measured, alternating the two engines, best of `--repeats`: prefill 512 (llama-bench pp512;
 k3serve: a 512-token prompt to its first token, after one warm-up prompt, best of two), decode 1 stream (tg64; k3serve: 64 greedy
-tokens after a 32-token prompt), and 8 / 16 concurrent streams (llama-batched-bench, 32-token
-prompts, 64 tokens each; k3serve: the same through continuous batching, median of three), as aggregate tok/s.
+tokens after a 32-token prompt, timed from the first token), and 8 / 16 concurrent streams
+(llama-batched-bench, 32-token prompts, 64 tokens each, its S_TG; k3serve: the same through
+continuous batching, median of three, timed from the last first token), as aggregate tok/s.
+Both sides leave the prompts' prefill out of decode figures; before 2026-12-02 k3serve's
+included it, which cost it 10-25% on the 400 M model.
 Prints the ratios k3serve / llama.cpp, the machine's read and copy bandwidth (512 MB, so DRAM)
 and the share of the read bandwidth 1-stream decode reaches (weight bytes read per token x
 tok/s), and writes bench/results/vs_llamacpp.json. The MXFP4 400 M model's llama.cpp side is its
@@ -153,15 +156,20 @@ def k3serve_numbers(ckpt: Path, streams: tuple[int, ...]) -> dict[str, float]:
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
     def run(n: int) -> float:
-        """Median of three runs: one 64-token run on this VM varies by up to 2x (llama-bench
-        reports its runs' mean)."""
+        """Decode tok/s of n streams, as llama.cpp counts it: llama-bench's tg64 decodes from an
+        empty context and llama-batched-bench's S_TG times the generation after every prompt is
+        processed, so the prompts' prefill is left out here too: the tokens after each stream's
+        first over the time from the last first token to the last finish (every prompt prefills
+        in the first step). Median of three runs: one 64-token run on this VM varies by up to 2x
+        (llama-bench reports its runs' mean)."""
         prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 1 for j in range(PROMPT)]} for i in range(n)]
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))  # prompt-only warm-up
         speeds = []
         for _ in range(3):
-            t = time.perf_counter()
             outs = llm.generate(prompts, greedy)
-            speeds.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+            first = max(o.metrics["first_token_time"] for o in outs)
+            last = max(o.metrics["finish_time"] for o in outs)
+            speeds.append(sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first))
         return sorted(speeds)[1]
 
     def prefill(offset: int) -> float:  # a fresh 512-token prompt each time (no prefix caching anyway)

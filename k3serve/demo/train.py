@@ -150,6 +150,8 @@ def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128,
             _save_state(state_file, step + 1, model, opt, sched, g, losses)
         if time_limit_s and time.time() - t0 > time_limit_s:
             log.info("time limit reached at step %d", step)
+            if checkpoint_every:  # a timed stop loses no step: --resume continues from here
+                _save_state(state_file, step + 1, model, opt, sched, g, losses)
             break
     _export(out, model.cpu().eval(), cfg)
     return {"steps": len(losses), "first_loss": losses[0], "last_loss": sum(losses[-20:]) / min(20, len(losses)),

@@ -28,16 +28,60 @@ using k3k::round_bf16;
 
 using k3k::row_dot;
 
-// y[m, n] (row stride ldy) = sum_k x[m, k] W[n, k], fp32 accumulation; W float or bf16 bits
+// y[m, n] (row stride ldy) = sum_k x[m, k] W[n, k], fp32 accumulation; W float or bf16 bits.
+// About 2^18 flops per chunk (128 KB of bf16 weights): a 1 MB expert or shared-expert matrix
+// splits over both cores (at 2^20 it ran on one, 30 vs 37-45 GB/s cold on 2 cores).
+template <typename W>
+void gemv_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t begin, int64_t end, float* y, int64_t ldy,
+               bool rnd) {
+  for (int64_t n = begin; n < end; ++n) {
+    const W* wr = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float acc = row_dot(x + m * K, wr, K);
+      y[m * ldy + n] = rnd ? round_bf16(acc) : acc;
+    }
+  }
+}
+
 template <typename W>
 void gemv_raw(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy, bool rnd) {
-  at::parallel_for(0, N, k3k::grain_for(2 * K * M, 1 << 20), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const W* wr = w + n * K;
-      for (int64_t m = 0; m < M; ++m) {
-        const float acc = row_dot(x + m * K, wr, K);
-        y[m * ldy + n] = rnd ? round_bf16(acc) : acc;
-      }
+  at::parallel_for(0, N, k3k::grain_for(2 * K * M, 1 << 18), [&](int64_t begin, int64_t end) {
+    gemv_rows(x, M, K, w, begin, end, y, ldy, rnd);
+  });
+}
+
+// One projection of a shared input: W [N, K] (float or bf16), output y with row stride ldy.
+struct Target {
+  const at::Tensor* w;
+  float* y;
+  int64_t ldy;
+};
+
+void check_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "block weight must be a contiguous 2-D tensor");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "block weight dtype ",
+              w.scalar_type(), " is not supported");
+}
+
+// Several projections of the same x [M, K] (q, k, v, f_a, b, g of a KDA block, ...) in one
+// parallel region over all their output rows: one fork/join instead of one per matrix, and the
+// small ones no longer leave a core idle. Each output row is computed as gemv_raw computes it.
+void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets, bool rnd) {
+  std::vector<int64_t> first{0};
+  for (const Target& t : targets) {
+    check_weight(*t.w);
+    TORCH_CHECK(t.w->size(1) == K, "block weight has ", t.w->size(1), " columns, the input ", K);
+    first.push_back(first.back() + t.w->size(0));
+  }
+  at::parallel_for(0, first.back(), k3k::grain_for(2 * K * M, 1 << 18), [&](int64_t begin, int64_t end) {
+    for (size_t j = 0; j < targets.size(); ++j) {
+      const int64_t lo = std::max(begin, first[j]) - first[j], hi = std::min(end, first[j + 1]) - first[j];
+      if (lo >= hi) continue;
+      const Target& t = targets[j];
+      if (t.w->scalar_type() == at::kFloat)
+        gemv_rows(x, M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy, rnd);
+      else
+        gemv_rows(x, M, K, reinterpret_cast<const uint16_t*>(t.w->data_ptr<at::BFloat16>()), lo, hi, t.y, t.ldy, rnd);
     }
   });
 }
@@ -68,6 +112,9 @@ struct Proj {
                rnd);
     else
       TORCH_CHECK(false, "block weight dtype ", w.scalar_type(), " is not supported");
+  }
+  void many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets) const {
+    gemv_many(x, M, K, targets, rnd);
   }
   float r(float v) const { return rnd ? round_bf16(v) : v; }
   // RMSNorm over n values in place with HF's rounding points (layers/norm.py rms_norm)
@@ -152,17 +199,14 @@ at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_st
   }
   const Proj proj{x.scalar_type() == at::kBFloat16};
   Buf xf = floats(x), u(R * 3 * P), fa(R * Da), z(R * P), b(R * H), gate(R * P), y(R * P), out(R * d);
-  for (int part = 0; part < 3; ++part) proj(xf.data(), R, w[part], u.data() + part * P, 3 * P);
-  proj(xf.data(), R, w[3], fa.data(), Da);
+  // every projection of x in one region, then the low-rank second halves
+  const bool low_rank_gate = has(w[7]);
+  Buf ga(low_rank_gate ? R * w[6].size(0) : 0);
+  proj.many(xf.data(), R, d, {{&w[0], u.data(), 3 * P}, {&w[1], u.data() + P, 3 * P}, {&w[2], u.data() + 2 * P, 3 * P},
+                             {&w[3], fa.data(), Da}, {&w[5], b.data(), H},
+                             low_rank_gate ? Target{&w[6], ga.data(), w[6].size(0)} : Target{&w[6], gate.data(), P}});
   proj(fa.data(), R, w[4], z.data(), P);
-  proj(xf.data(), R, w[5], b.data(), H);
-  if (has(w[7])) {
-    Buf ga(R * w[6].size(0));
-    proj(xf.data(), R, w[6], ga.data(), w[6].size(0));
-    proj(ga.data(), R, w[7], gate.data(), P);
-  } else {
-    proj(xf.data(), R, w[6], gate.data(), P);
-  }
+  if (low_rank_gate) proj(ga.data(), R, w[7], gate.data(), P);
   at::Tensor taps[3], fp32[3];
   for (int part = 0; part < 3; ++part) {
     taps[part] = w[9 + part].to(at::kFloat).contiguous();
@@ -202,18 +246,17 @@ at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, 
   const int64_t R = x.size(0), d = x.size(1), width = w[3].size(0), qdim = has(w[1]) ? w[2].size(0) : w[0].size(0);
   TORCH_CHECK(cache.size(1) == width && cache_rows.size(0) == R, "latent rows and cache disagree");
   const Proj proj{x.scalar_type() == at::kBFloat16};
-  Buf xf = floats(x), q(R * qdim), lat(R * width);
+  const int64_t ql = w[0].size(0), gdim = has(w[6]) ? w[6].size(0) : 0;
+  Buf xf = floats(x), q(R * qdim), lat(R * width), qa(has(w[1]) ? R * ql : 0), g(R * gdim);
+  // q (or q_a), the latent and the output gate are projections of x: one region
+  std::vector<Target> of_x{{&w[0], has(w[1]) ? qa.data() : q.data(), ql}, {&w[3], lat.data(), width}};
+  if (gdim) of_x.push_back({&w[6], g.data(), gdim});
+  proj.many(xf.data(), R, d, of_x);
   if (has(w[1])) {
-    const int64_t ql = w[0].size(0);
-    Buf qa(R * ql);
-    proj(xf.data(), R, w[0], qa.data(), ql);
     const Buf nw = floats(w[1]);
     for (int64_t i = 0; i < R; ++i) proj.norm(qa.data() + i * ql, ql, nw, float(norm_eps));
     proj(qa.data(), R, w[2], q.data(), qdim);
-  } else {
-    proj(xf.data(), R, w[0], q.data(), qdim);
   }
-  proj(xf.data(), R, w[3], lat.data(), width);
   const Buf kvw = floats(w[4]);
   for (int64_t i = 0; i < R; ++i) proj.norm(lat.data() + i * width, kv_lora, kvw, float(norm_eps));
   const int64_t* rows = cache_rows.data_ptr<int64_t>();
@@ -229,9 +272,8 @@ at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, 
   at::Tensor att = mla_decode(qt, nope, cache, w[5].view({heads, -1, kv_lora}), table, seq, pos, block, scale);
   const int64_t hv = att.size(1) * att.size(2);
   Buf o(att.data_ptr<float>(), att.data_ptr<float>() + R * hv), out(R * d);
-  if (has(w[6])) {
-    Buf g(R * hv);
-    proj(xf.data(), R, w[6], g.data(), hv);
+  if (gdim) {
+    TORCH_CHECK(gdim == hv, "g_proj has ", gdim, " rows, the heads' output ", hv);
     for (int64_t i = 0; i < R * hv; ++i) o[i] *= sigmoid(g[i]);
   }
   for (auto& v : o) v = proj.r(v);  // out.to(x.dtype) before o_proj
@@ -262,14 +304,18 @@ at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int
   const Proj proj{bf16};
   Buf xf = floats(x);
   Buf z;
-  int64_t L = d;
+  const int64_t L = w[2].has_value() ? w[2]->size(0) : d, I = w[11].has_value() ? w[11]->size(0) : 0;
+  Buf g(R * I), u(R * I);
+  // the latent down projection and the shared experts' gate and up are projections of x: one region
+  std::vector<Target> of_x;
   if (w[2].has_value()) {
-    L = w[2]->size(0);
     z.resize(R * L);
-    proj(xf.data(), R, *w[2], z.data(), L);
+    of_x.push_back({&*w[2], z.data(), L});
   } else {
     z = xf;
   }
+  if (I) of_x.insert(of_x.end(), {{&*w[11], g.data(), I}, {&*w[12], u.data(), I}});
+  if (!of_x.empty()) proj.many(xf.data(), R, d, of_x);
   at::Tensor zt = at::from_blob(z.data(), {R, L}, x.options().dtype(at::kFloat));
   at::Tensor routed = moe_experts(zt, ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10], act, beta, linear_beta,
                                   !packed && bf16);
@@ -284,11 +330,8 @@ at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int
   } else {
     out = y;
   }
-  if (w[11].has_value()) {
-    const int64_t I = w[11]->size(0);
-    Buf g(R * I), u(R * I), s(R * d);
-    proj(xf.data(), R, *w[11], g.data(), I);
-    proj(xf.data(), R, *w[12], u.data(), I);
+  if (I) {
+    Buf s(R * d);
     k3k::activate_n(act, g.data(), u.data(), g.data(), R * I, float(beta), float(linear_beta), proj.rnd);
     proj(g.data(), R, *w[13], s.data(), d);
     for (int64_t i = 0; i < R * d; ++i) out[i] = proj.r(out[i] + s[i]);
