@@ -71,7 +71,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     # -1e3..-1e4 and FP32 differences of such sums would lose ~1e-4 relative accuracy.
     gam = g.double().cumsum(-2)
     outs, s = [], state
-    step = max(1, _MAX_INTRA_ELEMS // (q.shape[0] * chunk * SUB * q.shape[-1]))
+    step = max(1, _MAX_INTRA_ELEMS // (q.shape[0] * chunk * (chunk + 4 * q.shape[-1])))
     for c0 in range(0, n, step):  # intra-chunk terms for a group of chunks at once
         sl = slice(c0, min(n, c0 + step))
         w, u, qk, qg = _intra_chunk(q[:, sl], k[:, sl], v[:, sl], gam[:, sl], beta[:, sl])
@@ -85,8 +85,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o[:T], s
 
 
-_MAX_INTRA_ELEMS = 1 << 24  # bounds the [H, chunks, C, S, Dk] diagonal pairwise-decay tensor
-SUB = 16  # sub-block for the intra-chunk interactions
+_MAX_INTRA_ELEMS = 1 << 24  # bounds the [H, chunks, C, C] and [H, chunks, C, Dk] intra-chunk tensors
 
 
 def _intra_chunk(q, k, v, gam, beta):
@@ -96,7 +95,7 @@ def _intra_chunk(q, k, v, gam, beta):
     T = (I + L)^-1 Diag(beta), L_ij = beta_i sum_k k_ik exp(G_ik - G_jk) k_jk for j < i.
     """
     C = q.shape[2]
-    kk, qk = _decayed_dots(k, q, gam, min(SUB, C))
+    kk, qk = _decayed_dots(k, q, gam)
     lower = beta.unsqueeze(-1) * kk.tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(lower)
     t = torch.linalg.solve_triangular(eye + lower, torch.diag_embed(beta), upper=False,
@@ -105,36 +104,45 @@ def _intra_chunk(q, k, v, gam, beta):
     return t @ (eg * k), t @ v, qk.tril(), q * eg
 
 
-def _decayed_dots(k, q, gam, sub):
-    """kk_ij = sum_d k_id e^(G_id - G_jd) k_jd and qk_ij (same with q_i), for j <= i.
+def _decayed_dots(k, q, gam):
+    """kk_ij = sum_d k_id e^(G_id - G_jd) k_jd and qk_ij (the same with q_i), for j <= i; above
+    the diagonal both are 0. k, q [H, n, C, D], gam [H, n, C, D] (FP64 cumulative log decays).
 
-    Row block a = [a, a+S) is one matmul against all columns j < a+S, factored through the
-    reference position r = a: e^(G_i - G_r) <= 1 for i >= r, e^(G_r - G_j) <= 1 for j <= r, and
-    for j inside the block e^(G_r - G_j) <= e^(span of one sub-block). When some sub-block's
-    decay span could overflow FP32 (only possible with unbounded decay, i.e. Kimi-Linear with
-    very large steps), the diagonal blocks use pairwise differences instead, which never overflow.
+    By bisection of the chunk: every pair j < i is first split at one level of halving, into a
+    row block [m, m + b) and the column block [m - b, m) just before it, and is factored there
+    through the reference position m: e^(G_i - G_m) <= 1 for i >= m and e^(G_m - G_j) <= 1 for
+    j < m (G never increases), so neither factor can overflow whatever the decay, and one that
+    underflows belongs to a product below 1e-38 anyway. Each level is one batched matmul over
+    all its blocks; the diagonal is e^0 = 1.
     """
     H, n, C, D = k.shape
+    if C & (C - 1):  # a chunk that is not a power of two: pad to one, crop the result
+        pad = (1 << C.bit_length()) - C
+        k, q = F.pad(k, (0, 0, 0, pad)), F.pad(q, (0, 0, 0, pad))
+        gam = torch.cat([gam, gam[:, :, -1:].expand(H, n, pad, D)], 2)
+        kk, qk = _decayed_dots(k, q, gam)
+        return kk[:, :, :C, :C], qk[:, :, :C, :C]
+    k, q = k.contiguous(), q.contiguous()  # reshaped once per level below
     kk = k.new_zeros(H, n, C, C)
     qk = k.new_zeros(H, n, C, C)
-    blocks = gam.reshape(H, n, C // sub, sub, D)
-    span_ok = bool(((blocks[:, :, :, 0] - blocks[:, :, :, -1]).amax() < _SAFE_SPAN).item())
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
-    for a in range(0, C, sub):
-        rows, upto = slice(a, a + sub), a + sub
-        ga, ka, qa = gam[:, :, rows], k[:, :, rows], q[:, :, rows]  # [H, n, S, D]
-        g_ref = gam[:, :, a:a + 1]  # Gamma at r = a
-        left = _exp(ga - g_ref, k.dtype)  # exponent <= 0
-        cols = upto if span_ok else a
-        right = k[:, :, :cols] * _exp(g_ref - gam[:, :, :cols], k.dtype)  # [H, n, cols, D]
-        kk[:, :, rows, :cols] = (ka * left) @ right.transpose(-1, -2)
-        qk[:, :, rows, :cols] = (qa * left) @ right.transpose(-1, -2)
-        if not span_ok:  # pairwise differences inside the diagonal block
-            diff = ga.unsqueeze(3) - ga.unsqueeze(2)  # [H, n, S(i), S(j), D]
-            decay = _exp(diff, k.dtype).masked_fill_(~causal[:, :, None], 0.0)  # j > i: e^-inf
-            kd = decay * ka.unsqueeze(2)
-            kk[:, :, rows, rows] = (kd * ka.unsqueeze(3)).sum(-1)
-            qk[:, :, rows, rows] = (kd * qa.unsqueeze(3)).sum(-1)
+    b = C // 2
+    while b >= 1:
+        pairs = C // (2 * b)  # [column block, row block] pairs at this level
+        g = gam.reshape(H, n, pairs, 2, b, D)
+        ref = g[:, :, :, 1, :1]  # G_m: the first row of each row block, [H, n, P, 1, D]
+        left = _exp(g[:, :, :, 1] - ref, k.dtype)  # [H, n, P, b, D]
+        right = k.reshape(H, n, pairs, 2, b, D)[:, :, :, 0] * _exp(ref - g[:, :, :, 0], k.dtype)
+        rows = slice(b, 2 * b)
+        for x, out in ((k, kk), (q, qk)):
+            xr = x.reshape(H, n, pairs, 2, b, D)[:, :, :, 1]
+            block = (xr * left) @ right.transpose(-1, -2)  # [H, n, P, b(i), b(j)]
+            # the P blocks sit on the diagonal of a [P, 2b] x [P, 2b] grid of `out`
+            grid = out.view(H, n, pairs, 2 * b, pairs, 2 * b)
+            torch.diagonal(grid, dim1=2, dim2=4)[:, :, rows, :b] = block.permute(0, 1, 3, 4, 2)
+        b //= 2
+    idx = torch.arange(C, device=k.device)
+    kk[:, :, idx, idx] = (k * k).sum(-1)
+    qk[:, :, idx, idx] = (q * k).sum(-1)
     return kk, qk
 
 
@@ -154,4 +162,3 @@ def _exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 _FLUSH = -87.0  # e^-87 ~ 1.6e-38, FP32's smallest normal is 1.2e-38
-_SAFE_SPAN = 80.0  # e^-80 > FP32 min normal (1e-38) and e^80 << FP32 max: both factors stay representable
