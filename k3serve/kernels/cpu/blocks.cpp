@@ -12,6 +12,7 @@
 
 #include <c10/util/Float8_e4m3fn.h>
 
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -31,9 +32,22 @@ using k3k::row_dot;
 // y[m, n] (row stride ldy) = sum_k x[m, k] W[n, k], fp32 accumulation; W float or bf16 bits.
 // About 2^18 flops per chunk (128 KB of bf16 weights): a 1 MB expert or shared-expert matrix
 // splits over both cores (at 2^20 it ran on one, 30 vs 37-45 GB/s cold on 2 cores).
+// With vdpbf16ps (K3K_DPBF16), bf16 weights take the activations as bf16 bits `xb` [M, K]
+// (converted once per call, before the parallel region); otherwise xb is unused.
 template <typename W>
-void gemv_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t begin, int64_t end, float* y, int64_t ldy,
-               bool rnd) {
+void gemv_rows(const float* x, const uint16_t* xb, int64_t M, int64_t K, const W* w, int64_t begin, int64_t end,
+               float* y, int64_t ldy, bool rnd) {
+#ifdef K3K_DPBF16
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    for (int64_t n = begin; n < end; ++n) {
+      k3k::dot_rows_bf16(xb, K, M, w + n * K, K, y + n, ldy);
+      if (rnd)
+        for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = round_bf16(y[m * ldy + n]);
+    }
+    return;
+  }
+#endif
+  (void)xb;
   for (int64_t n = begin; n < end; ++n) {
     const W* wr = w + n * K;
     for (int64_t m = 0; m < M; ++m) {
@@ -43,10 +57,24 @@ void gemv_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t begin, 
   }
 }
 
+// x [M, K] as bf16 bits for bf16 weights' dots, or empty where they are not used
+std::vector<uint16_t> bf16_input(const float* x, int64_t M, int64_t K, bool bf16_weights) {
+#ifdef K3K_DPBF16
+  if (bf16_weights) {
+    std::vector<uint16_t> xb(M * K);
+    k3k::to_bf16_bits(x, M * K, xb.data());
+    return xb;
+  }
+#endif
+  (void)x, (void)M, (void)K, (void)bf16_weights;
+  return {};
+}
+
 template <typename W>
 void gemv_raw(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy, bool rnd) {
+  const std::vector<uint16_t> xb = bf16_input(x, M, K, std::is_same_v<W, uint16_t>);
   at::parallel_for(0, N, k3k::grain_for(2 * K * M, 1 << 18), [&](int64_t begin, int64_t end) {
-    gemv_rows(x, M, K, w, begin, end, y, ldy, rnd);
+    gemv_rows(x, xb.data(), M, K, w, begin, end, y, ldy, rnd);
   });
 }
 
@@ -68,20 +96,24 @@ void check_weight(const at::Tensor& w) {
 // small ones no longer leave a core idle. Each output row is computed as gemv_raw computes it.
 void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets, bool rnd) {
   std::vector<int64_t> first{0};
+  bool any_bf16 = false;
   for (const Target& t : targets) {
     check_weight(*t.w);
     TORCH_CHECK(t.w->size(1) == K, "block weight has ", t.w->size(1), " columns, the input ", K);
     first.push_back(first.back() + t.w->size(0));
+    any_bf16 |= t.w->scalar_type() == at::kBFloat16;
   }
+  const std::vector<uint16_t> xb = bf16_input(x, M, K, any_bf16);
   at::parallel_for(0, first.back(), k3k::grain_for(2 * K * M, 1 << 18), [&](int64_t begin, int64_t end) {
     for (size_t j = 0; j < targets.size(); ++j) {
       const int64_t lo = std::max(begin, first[j]) - first[j], hi = std::min(end, first[j + 1]) - first[j];
       if (lo >= hi) continue;
       const Target& t = targets[j];
       if (t.w->scalar_type() == at::kFloat)
-        gemv_rows(x, M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy, rnd);
+        gemv_rows(x, xb.data(), M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy, rnd);
       else
-        gemv_rows(x, M, K, reinterpret_cast<const uint16_t*>(t.w->data_ptr<at::BFloat16>()), lo, hi, t.y, t.ldy, rnd);
+        gemv_rows(x, xb.data(), M, K, reinterpret_cast<const uint16_t*>(t.w->data_ptr<at::BFloat16>()), lo, hi, t.y,
+                  t.ldy, rnd);
     }
   });
 }

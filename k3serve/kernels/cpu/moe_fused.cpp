@@ -46,11 +46,21 @@ struct Matrix {
   // A packed matrix takes its vectors in split order (simd.h split32: no interleaving on decode).
   bool split() const { return scale != nullptr; }
   // sum_i row(e, o)[i] x[i], `row` from prepare(), x in split order when split()
-  float dot(int64_t e, int64_t o, const float* row, const float* x) const {
+  // xb: the same vector as bf16 bits, for a bf16 matrix's vdpbf16ps dots (K3K_DPBF16)
+  float dot(int64_t e, int64_t o, const float* row, const float* x, const uint16_t* xb) const {
     if (row) return k3k::row_dot(x, row, I);
     if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
-    return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
+    const uint16_t* w = static_cast<const uint16_t*>(data) + (e * O + o) * I;
+#ifdef K3K_DPBF16
+    float out;
+    k3k::dot_rows_bf16<1>(xb, 0, w, I, &out, 0);
+    return out;
+#else
+    (void)xb;
+    return k3k::row_dot(x, w, I);
+#endif
   }
+  bool bf16() const { return !scale && dtype == at::kBFloat16; }
   const uint8_t* codes(int64_t e, int64_t o) const { return static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2); }
   const uint8_t* scales(int64_t e, int64_t o) const { return scale + (e * O + o) * (I / kGroup); }
 };
@@ -109,6 +119,14 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     zs.resize(N * Kin);
     for (int64_t t = 0; t < N; ++t) split32(zp + t * Kin, Kin, zs.data() + t * Kin);
   }
+  // bf16 experts meet bf16 activations (z and h are bf16 values there: round_bf16_steps)
+  std::vector<uint16_t> zb, hb;
+#ifdef K3K_DPBF16
+  if (m1.bf16() || m3.bf16()) {
+    zb.resize(N * Kin);
+    to_bf16_bits(zp, N * Kin, zb.data());
+  }
+#endif
   at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> r1(Kin), r3(Kin);
@@ -117,8 +135,9 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
       for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
         const int64_t t = order[q] / topk;
-        const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin);
-        const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin);
+        const uint16_t* xb = zb.empty() ? nullptr : zb.data() + t * Kin;
+        const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin, xb);
+        const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin, xb);
         h[q * inter + o] = rnd ? round_bf16(g) : g;
         u[q * inter + o] = rnd ? round_bf16(v) : v;
       }
@@ -135,6 +154,12 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     for (int64_t q = 0; q < pairs; ++q) split32(h.data() + q * inter, inter, hs.data() + q * inter);
   }
   const float* hx = m2.split() ? hs.data() : h.data();
+#ifdef K3K_DPBF16
+  if (m2.bf16()) {
+    hb.resize(pairs * inter);
+    to_bf16_bits(h.data(), pairs * inter, hb.data());
+  }
+#endif
   at::parallel_for(0, A * out_dim, grain_for(2 * inter * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> r2(inter);
@@ -142,7 +167,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       const int64_t e = active[item / out_dim], o = item % out_dim;
       const float* row2 = m2.prepare(e, o, r2.data(), offset[e + 1] - offset[e]);
       for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-        const float v = m2.dot(e, o, row2, hx + q * inter);
+        const float v = m2.dot(e, o, row2, hx + q * inter, hb.empty() ? nullptr : hb.data() + q * inter);
         y[q * out_dim + o] = rnd ? round_bf16(v) : v;
       }
     }

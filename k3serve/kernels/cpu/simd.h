@@ -60,6 +60,64 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 #endif
 }
 
+#if defined(K3K_AVX512) && defined(__AVX512BF16__)
+#define K3K_DPBF16 1  // bf16 weight rows meet bf16 activations in vdpbf16ps (32 products per instruction)
+
+// bf16 bits (round to nearest even) of n floats: the activations' form for bf16 dots. Wherever a
+// bf16 weight meets an activation, the blocks have rounded it to bf16 already (the model dtype),
+// so this is exact there.
+inline void to_bf16_bits(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+  for (; i < n; ++i) out[i] = c10::BFloat16(x[i]).x;
+}
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// out[m * ldo] = sum_k xb[m * ldx + k] w[k] for m < M, all bf16 bits, fp32 sums: products of
+// bf16 pairs are exact in fp32, summed by vdpbf16ps in two chains over alternate 32-column
+// blocks, then a masked tail. A row's arithmetic does not depend on M (batch invariance).
+template <int M>
+inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t ldo) {
+  __m512 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh w0 = as_bh(_mm512_loadu_si512(w + k)), w1 = as_bh(_mm512_loadu_si512(w + k + 32));
+    for (int m = 0; m < M; ++m) {
+      a0[m] = _mm512_dpbf16_ps(a0[m], as_bh(_mm512_loadu_si512(xb + m * ldx + k)), w0);
+      a1[m] = _mm512_dpbf16_ps(a1[m], as_bh(_mm512_loadu_si512(xb + m * ldx + k + 32)), w1);
+    }
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 mk = K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (K - k)) - 1);
+    const __m512bh w0 = as_bh(_mm512_maskz_loadu_epi16(mk, w + k));
+    for (int m = 0; m < M; ++m)
+      a0[m] = _mm512_dpbf16_ps(a0[m], as_bh(_mm512_maskz_loadu_epi16(mk, xb + m * ldx + k)), w0);
+  }
+  for (int m = 0; m < M; ++m) out[m * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+
+// any number of rows, eight at a time (16 accumulators and the weights fit the 32 registers)
+inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, float* out,
+                          int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) dot_rows_bf16<8>(xb + m * ldx, ldx, w, K, out + m * ldo, ldo);
+  xb += m * ldx, out += m * ldo;
+  switch (M - m) {
+    case 1: dot_rows_bf16<1>(xb, ldx, w, K, out, ldo); break;
+    case 2: dot_rows_bf16<2>(xb, ldx, w, K, out, ldo); break;
+    case 3: dot_rows_bf16<3>(xb, ldx, w, K, out, ldo); break;
+    case 4: dot_rows_bf16<4>(xb, ldx, w, K, out, ldo); break;
+    case 5: dot_rows_bf16<5>(xb, ldx, w, K, out, ldo); break;
+    case 6: dot_rows_bf16<6>(xb, ldx, w, K, out, ldo); break;
+    case 7: dot_rows_bf16<7>(xb, ldx, w, K, out, ldo); break;
+    default: break;
+  }
+}
+#endif
+
 // MXFP4 rows meet vectors in "split" order: per 32-column group, its 16 even columns then its
 // 16 odd ones, the order the nibbles decode in (no interleaving permutes: decoding is the cost
 // of a 4-bit dot here). `split32` puts a vector in that order once per token.
