@@ -126,16 +126,17 @@ def test_training_turns_are_independent_sequences(tmp_path):
 
 
 def test_an_interrupted_run_resumed_equals_one_run(tmp_path):
-    """Checkpoint / resume: stop after the first step (its state saved), resume to the end: the
-    exported weights are byte-identical to an uninterrupted run, drill phase included."""
+    """Checkpoint / resume: a time limit stops the run after its first step, before any periodic
+    checkpoint (every 5), and saves the state; resumed to the end, the exported weights are
+    byte-identical to an uninterrupted run, drill phase included."""
     from k3serve.demo.train import train_demo
 
     kw = dict(steps=3, num_conversations=40, batch=2, seed=4, tokenizer_conversations=40, text_chars=40_000,
               drill_steps=2, num_drills=30)
     whole = train_demo(tmp_path / "whole", **kw)
-    part = train_demo(tmp_path / "split", checkpoint_every=1, time_limit_s=-1, **kw)
+    part = train_demo(tmp_path / "split", checkpoint_every=5, time_limit_s=-1, **kw)
     assert part["steps"] == 1 and (tmp_path / "split" / "train_state.pt").is_file()
-    rest = train_demo(tmp_path / "split", checkpoint_every=1, resume=True, **kw)
+    rest = train_demo(tmp_path / "split", checkpoint_every=5, resume=True, **kw)
     assert rest["steps"] == 3 and rest["last_loss"] == whole["last_loss"]
     assert (tmp_path / "split" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
 

@@ -11,21 +11,22 @@ from k3serve.config.model_config import MoEConfig
 from k3serve.layers.activation import situ_and_mul
 from k3serve.layers.attnres import attnres_mix
 from k3serve.layers.experts import experts_forward, experts_reference, mxfp4_linear
-from k3serve.layers.mla import attend_absorbed, attend_absorbed_batched, attend_naive
+from k3serve.layers.mla import attend_absorbed, attend_absorbed_batched, attend_fused, attend_naive
 from k3serve.layers.router import route
 from k3serve.weights.mxfp4 import PackedMXFP4
 
 
-@pytest.mark.parametrize("start,T", [(0, 9), (12, 1), (30, 5)])
-def test_mla_absorbed_equals_naive(start, T):
+@pytest.mark.parametrize("start,T", [(0, 9), (12, 1), (30, 5), (0, 300), (100, 77)])
+def test_mla_absorbed_and_fused_equal_naive(start, T):
     g = torch.Generator().manual_seed(start)
     H, n, r, v, c = 4, 16, 8, 12, 32
     L = start + T
     args = (torch.randn(T, H, n, generator=g), torch.randn(T, H, r, generator=g),
             torch.randn(L, c, generator=g), torch.randn(L, r, generator=g),
             torch.randn(H, n + v, c, generator=g) / c ** 0.5, v, start, (n + r) ** -0.5)
-    a, b = attend_absorbed(*args), attend_naive(*args)
+    a, b, f = attend_absorbed(*args), attend_naive(*args), attend_fused(*args)
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(f, b, atol=1e-5, rtol=1e-5)  # the prefill path: torch's fused attention
     # and both equal attention written out for one query and head
     q_nope, q_pe, lat, k_pe, w, *_ = args
     kv = lat @ w[1].t()  # head 1: [L, n+v]
