@@ -79,6 +79,18 @@ Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const
   return {w.scalar_type(), w.data_ptr(), nullptr, w.size(0), w.size(1), w.size(2)};
 }
 
+#ifdef K3K_DPBF16
+// w1 and w3 can take the bf16 route: both packed MXFP4 (K a multiple of 32, one split order) or
+// both bf16, and every value of z [n] representable in bf16 (then the route is exact up to
+// summation order, whatever the batch)
+bool gate_up_bf16(const Matrix& m1, const Matrix& m3, const float* z, int64_t n) {
+  if (!((m1.scale && m3.scale) || (m1.bf16() && m3.bf16()))) return false;
+  for (int64_t i = 0; i < n; ++i)
+    if (k3k::round_bf16(z[i]) != z[i] && !std::isnan(z[i])) return false;
+  return true;
+}
+#endif
+
 }  // namespace
 
 at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Tensor w1,
@@ -126,6 +138,40 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     zb.resize(N * Kin);
     to_bf16_bits(zp, N * Kin, zb.data());
   }
+#endif
+#ifdef K3K_DPBF16
+  // Where z holds bf16 values (a bf16 model: z is x or a bf16 projection of it), w1 and w3 meet it
+  // in vdpbf16ps, each (expert, row) against all its tokens at once, eight per weight load: the
+  // pairs' z rows gathered in expert order as bf16 bits (split order for packed experts).
+  if (gate_up_bf16(m1, m3, zp, N * Kin)) {
+    std::vector<uint16_t> zg(pairs * Kin);
+    for (int64_t q = 0; q < pairs; ++q) {
+      const float* zt = zp + (order[q] / topk) * Kin;
+      if (m1.split()) {
+        std::vector<float> tmp(Kin);
+        split32(zt, Kin, tmp.data());
+        to_bf16_bits(tmp.data(), Kin, zg.data() + q * Kin);
+      } else {
+        to_bf16_bits(zt, Kin, zg.data() + q * Kin);
+      }
+    }
+    at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t e = active[item / inter], o = item % inter, q0 = offset[e], T = offset[e + 1] - q0;
+        const uint16_t* xs = zg.data() + q0 * Kin;
+        for (const auto& [mat, dst] : {std::pair{&m1, &h}, std::pair{&m3, &u}}) {
+          float* out = dst->data() + q0 * inter + o;
+          if (mat->scale)
+            mxfp4_dot_rows_bf16(xs, Kin, T, mat->codes(e, o), mat->scales(e, o), Kin, out, inter);
+          else
+            dot_rows_bf16(xs, Kin, T, static_cast<const uint16_t*>(mat->data) + (e * inter + o) * Kin, Kin, out, inter);
+          if (rnd)
+            for (int64_t j = 0; j < T; ++j) out[j * inter] = round_bf16(out[j * inter]);
+        }
+      }
+    });
+  } else
 #endif
   at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                    [&](int64_t begin, int64_t end) {
