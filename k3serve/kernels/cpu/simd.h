@@ -160,23 +160,32 @@ inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t
 }
 
 #ifdef K3K_DPBF16
-// dot_rows_bf16 for a packed MXFP4 row: each 32-column group decodes exactly (an E2M1 value
-// times a power of two has a bf16 form) into one bf16 vector, evens then odds, and meets the
-// rows xs in split order (split32) as bf16 bits; four chains over groups g mod 4 (one token is
-// latency-bound on fewer: 2 chains ran 7% slower than the FP32 form), so rows go four at a time.
-// The same arithmetic for a row whatever M is (batch invariance). K a multiple of 32.
+// dot_rows_bf16 for a packed MXFP4 row, the group scale applied after each group's dot: the 32
+// codes of a group become E2M1 values as bf16 in one 16-bit permute (evens then odds, exact),
+// meet the rows xs in split order (split32) as bf16 bits in vdpbf16ps, and the group's sum is
+// multiplied into the row's sum by its power-of-two scale (exact: scaling a sum by 2^e equals
+// summing the scaled terms, barring overflow). Four chains over groups g mod 4, rows four at a
+// time. The same arithmetic for a row whatever M is (batch invariance). K a multiple of 32.
 template <int M>
 inline void mxfp4_dot_rows_bf16(const uint16_t* xs, int64_t ldx, const uint8_t* packed, const uint8_t* scale,
                                 int64_t K, float* out, int64_t ldo) {
+  // E2M1 as bf16 bits: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives (lanes 16-31 unused)
+  alignas(64) static constexpr uint16_t kE2M1[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                                     0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+  const __m512i lut = _mm512_load_si512(kE2M1);
   const float* pow2 = e8m0().v;
   __m512 acc[4][M];
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = acc[2][m] = acc[3][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < K / 32; ++g) {
-    __m512 evens, odds;
-    decode_mxfp4_split(packed + g * 16, pow2[scale[g]], evens, odds);
-    const __m512bh w = _mm512_cvtne2ps_pbh(odds, evens);  // lanes 0-15 evens, 16-31 odds
-    for (int m = 0; m < M; ++m)
-      acc[g & 3][m] = _mm512_dpbf16_ps(acc[g & 3][m], as_bh(_mm512_loadu_si512(xs + m * ldx + g * 32)), w);
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + g * 16)));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
+                                           _mm256_srli_epi16(b, 4), 1);
+    const __m512bh w = as_bh(_mm512_permutexvar_epi16(idx, lut));  // lanes 0-15 evens, 16-31 odds
+    const __m512 sc = _mm512_set1_ps(pow2[scale[g]]);
+    for (int m = 0; m < M; ++m) {
+      const __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(xs + m * ldx + g * 32)), w);
+      acc[g & 3][m] = _mm512_fmadd_ps(part, sc, acc[g & 3][m]);
+    }
   }
   for (int m = 0; m < M; ++m)
     out[m * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]),
