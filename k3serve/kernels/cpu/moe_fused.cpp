@@ -46,19 +46,21 @@ struct Matrix {
   // A packed matrix takes its vectors in split order (simd.h split32: no interleaving on decode).
   bool split() const { return scale != nullptr; }
   // sum_i row(e, o)[i] x[i], `row` from prepare(), x in split order when split()
-  // xb: the same vector as bf16 bits, for a bf16 matrix's vdpbf16ps dots (K3K_DPBF16)
+  // xb: the same vector as bf16 bits when its values are bf16 (then a bf16 matrix's dot runs in
+  // vdpbf16ps, K3K_DPBF16), else null: FP32
   float dot(int64_t e, int64_t o, const float* row, const float* x, const uint16_t* xb) const {
     if (row) return k3k::row_dot(x, row, I);
     if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
     const uint16_t* w = static_cast<const uint16_t*>(data) + (e * O + o) * I;
 #ifdef K3K_DPBF16
-    float out;
-    k3k::dot_rows_bf16<1>(xb, 0, w, I, &out, 0);
-    return out;
-#else
+    if (xb) {
+      float out;
+      k3k::dot_rows_bf16<1>(xb, 0, w, I, &out, 0);
+      return out;
+    }
+#endif
     (void)xb;
     return k3k::row_dot(x, w, I);
-#endif
   }
   bool bf16() const { return !scale && dtype == at::kBFloat16; }
   const uint8_t* codes(int64_t e, int64_t o) const { return static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2); }
@@ -131,14 +133,8 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     zs.resize(N * Kin);
     for (int64_t t = 0; t < N; ++t) split32(zp + t * Kin, Kin, zs.data() + t * Kin);
   }
-  // bf16 experts meet bf16 activations (z and h are bf16 values there: round_bf16_steps)
-  std::vector<uint16_t> zb, hb;
-#ifdef K3K_DPBF16
-  if (m1.bf16() || m3.bf16()) {
-    zb.resize(N * Kin);
-    to_bf16_bits(zp, N * Kin, zb.data());
-  }
-#endif
+  // w2 of bf16 experts meets h in vdpbf16ps where h is rounded to bf16 (round_bf16_steps)
+  std::vector<uint16_t> hb;
 #ifdef K3K_DPBF16
   // Where z holds bf16 values (a bf16 model: z is x or a bf16 projection of it), w1 and w3 meet it
   // in vdpbf16ps, each (expert, row) against all its tokens at once, eight per weight load: the
@@ -181,9 +177,9 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
       for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
         const int64_t t = order[q] / topk;
-        const uint16_t* xb = zb.empty() ? nullptr : zb.data() + t * Kin;
-        const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin, xb);
-        const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin, xb);
+        // here z is not all bf16 values (else the route above): FP32 dots
+        const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin, nullptr);
+        const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin, nullptr);
         h[q * inter + o] = rnd ? round_bf16(g) : g;
         u[q * inter + o] = rnd ? round_bf16(v) : v;
       }
@@ -201,7 +197,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   }
   const float* hx = m2.split() ? hs.data() : h.data();
 #ifdef K3K_DPBF16
-  if (m2.bf16()) {
+  if (m2.bf16() && rnd) {
     hb.resize(pairs * inter);
     to_bf16_bits(h.data(), pairs * inter, hb.data());
   }
