@@ -21,10 +21,13 @@ from k3serve.layers.experts import experts_forward, experts_reference
 from k3serve.layers.router import route
 
 
-# Past this many rows, dense (bf16 / fp32) experts run as one torch matmul per selected expert
-# (oneDNN's GEMM) instead of the compiled block's per-row dots. 400 M Kimi-Linear, 7 MoE layers,
-# 2 cores: 32 rows 38 vs 48 ms, 64 rows 70 vs 55 ms, 256 rows 238 vs 88 ms (a prefill: 4x).
+# Past this many rows, dense (bf16 / fp32) experts of at least DENSE_GEMM_ELEMS weights per
+# matrix run as one torch matmul per selected expert (oneDNN's GEMM) instead of the compiled
+# block's per-row dots. 400 M Kimi-Linear (512 x 1024 experts), 7 MoE layers, 2 cores: 32 rows
+# 38 vs 48 ms, 64 rows 70 vs 55 ms, 256 rows 238 vs 88 ms (a prefill: 4x). Small experts stay
+# compiled: tiny Kimi-Linear's (32 x 64) 512-token prefill takes 13-14 ms so, 17 ms through torch.
 DENSE_KERNEL_ROWS = 48
+DENSE_GEMM_ELEMS = 1 << 16
 
 
 def glu_activation(cfg: ModelConfig):
@@ -113,7 +116,7 @@ class SparseMoE(nn.Module):
             return self._dp_ep_forward(x)
         if self.tp.size > 1:
             return self._partial_forward(x)
-        if self._fast(x) and (x.shape[0] <= DENSE_KERNEL_ROWS or self.w1.is_packed):
+        if self._fast(x) and (x.shape[0] <= DENSE_KERNEL_ROWS or self.w1.is_packed or not self._big_experts()):
             return self._block_kernel(x)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
         y = self._routed_torch(x, z).to(x.dtype)
@@ -175,6 +178,9 @@ class SparseMoE(nn.Module):
         if m.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
+
+    def _big_experts(self) -> bool:
+        return self.w1.shape[1] * self.w1.shape[2] >= DENSE_GEMM_ELEMS
 
     def _fast(self, x: torch.Tensor) -> bool:
         return (self.kernels is not None and x.device.type == "cpu" and not (self.use_reference or self.w4a8)
