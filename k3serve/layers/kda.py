@@ -68,7 +68,8 @@ class KimiDeltaAttention(nn.Module):
             y = torch.empty(N, u.shape[1] // 3, dtype=torch.float32, device=x.device)
             if fast:
                 y[step.rows] = self._stepwise_kernel(u, conv_w, z, b, gate, batch, cache)
-            prefill = [i for i in range(batch.num_seqs) if i not in set(step.seqs) and batch.seq_lens[i]]
+            stepped = set(step.seqs)
+            prefill = [i for i in range(batch.num_seqs) if i not in stepped and batch.seq_lens[i]]
             if prefill:
                 rows, y_rows = self._prefill_kernel(prefill, u, conv_w, z, b, gate, batch, cache)
                 y[rows] = y_rows

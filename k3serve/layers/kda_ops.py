@@ -158,7 +158,9 @@ def _exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # under 2^-24 |x| + 1 ulp: <= 6e-8 for |x| <= 1, 5e-6 only for terms below e^-80. In FP32 and
     # without a [x]-sized fill + where, the chunk solve's exps took 55 ms of a 126 ms layer (400 M).
     y = x.to(dtype)
-    return y.masked_fill_(y < _FLUSH, -torch.inf).exp_() if y is not x else y.masked_fill(y < _FLUSH, -torch.inf).exp_()
+    if y is x:  # already `dtype` (a float64 run): never write into the caller's tensor
+        y = y.clone()
+    return y.masked_fill_(y < _FLUSH, -torch.inf).exp_()
 
 
 _FLUSH = -87.0  # e^-87 ~ 1.6e-38, FP32's smallest normal is 1.2e-38

@@ -70,14 +70,6 @@ std::vector<uint16_t> bf16_input(const float* x, int64_t M, int64_t K, bool bf16
   return {};
 }
 
-template <typename W>
-void gemv_raw(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy, bool rnd) {
-  const std::vector<uint16_t> xb = bf16_input(x, M, K, std::is_same_v<W, uint16_t>);
-  at::parallel_for(0, N, k3k::grain_for(2 * K * M, 1 << 18), [&](int64_t begin, int64_t end) {
-    gemv_rows(x, xb.data(), M, K, w, begin, end, y, ldy, rnd);
-  });
-}
-
 // One projection of a shared input: W [N, K] (float or bf16), output y with row stride ldy.
 struct Target {
   const at::Tensor* w;
@@ -93,7 +85,8 @@ void check_weight(const at::Tensor& w) {
 
 // Several projections of the same x [M, K] (q, k, v, f_a, b, g of a KDA block, ...) in one
 // parallel region over all their output rows: one fork/join instead of one per matrix, and the
-// small ones no longer leave a core idle. Each output row is computed as gemv_raw computes it.
+// small ones no longer leave a core idle; one projection alone (Proj) is the same call with one
+// target (chunking: gemv_rows).
 void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets, bool rnd) {
   std::vector<int64_t> first{0};
   bool any_bf16 = false;
@@ -136,14 +129,7 @@ Buf floats(const at::Tensor& x) {
 struct Proj {
   bool rnd;
   void operator()(const float* x, int64_t M, const at::Tensor& w, float* y, int64_t ldy) const {
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "block weight must be a contiguous 2-D tensor");
-    if (w.scalar_type() == at::kFloat)
-      gemv_raw(x, M, w.size(1), w.data_ptr<float>(), w.size(0), y, ldy, rnd);
-    else if (w.scalar_type() == at::kBFloat16)
-      gemv_raw(x, M, w.size(1), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), y, ldy,
-               rnd);
-    else
-      TORCH_CHECK(false, "block weight dtype ", w.scalar_type(), " is not supported");
+    gemv_many(x, M, w.size(1), {{&w, y, ldy}}, rnd);
   }
   void many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets) const {
     gemv_many(x, M, K, targets, rnd);

@@ -141,16 +141,8 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   // pairs' z rows gathered in expert order as bf16 bits (split order for packed experts).
   if (gate_up_bf16(m1, m3, zp, N * Kin)) {
     std::vector<uint16_t> zg(pairs * Kin);
-    for (int64_t q = 0; q < pairs; ++q) {
-      const float* zt = zp + (order[q] / topk) * Kin;
-      if (m1.split()) {
-        std::vector<float> tmp(Kin);
-        split32(zt, Kin, tmp.data());
-        to_bf16_bits(tmp.data(), Kin, zg.data() + q * Kin);
-      } else {
-        to_bf16_bits(zt, Kin, zg.data() + q * Kin);
-      }
-    }
+    const float* zx = m1.split() ? zs.data() : zp;  // split order already made above
+    for (int64_t q = 0; q < pairs; ++q) to_bf16_bits(zx + (order[q] / topk) * Kin, Kin, zg.data() + q * Kin);
     at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                      [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
