@@ -222,7 +222,7 @@ class SparseMoE(nn.Module):
         beta, linear_beta = self.situ or (0.0, 0.0)
         return self.kernels.moe_experts(z.float().contiguous(), ids.contiguous(), weights.contiguous(), *ws,
                                         int(self.situ is not None), beta, linear_beta,
-                                        not self.w1.is_packed and z.dtype == torch.bfloat16)
+                                        z.dtype == torch.bfloat16)
 
     def _block_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Router, routed experts, latent norm / up projection and shared experts in one compiled

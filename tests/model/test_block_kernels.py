@@ -32,12 +32,9 @@ def model(request, tiny_k3_dir, tiny_kl_dir):
 def script(model, mode):
     """The same sequence of steps with kernels `mode`; returns every step's logits and the cache.
 
-    The compiled MoE computes packed MXFP4 experts in FP32 whatever the model dtype (as the
-    grouped kernel always has), while torch's fast path decodes them into the model dtype; so
-    for packed experts the torch side runs `experts_reference`, FP32 dequantize-then-matmul."""
+    Both sides compute packed MXFP4 experts in the model dtype: torch's path decodes them into
+    it and the compiled MoE rounds at the same steps (each matmul's output, the GLU)."""
     model.use_kernels(mode)
-    for moe in model.moe_layers():
-        moe.use_reference = mode == "torch" and moe.w1.is_packed
     g = torch.Generator().manual_seed(0)
     cache = CacheTensors.allocate(model.cfg, 4, 32, BS, kv_dtype=model.dtype)
     tables = [list(range(8 * s, 8 * s + 8)) for s in range(3)]
@@ -57,8 +54,6 @@ def script(model, mode):
             out.append(model.compute_logits(model(fb, cache)))
             cache.spec_states.clear()
     model.use_kernels("torch")
-    for moe in model.moe_layers():
-        moe.use_reference = False
     return out, cache
 
 
@@ -73,8 +68,6 @@ def _set_kernels(block, module) -> None:
             m.kernels = module
         if hasattr(m, "_kernel_weights"):
             m._kernel_weights = None
-        if hasattr(m, "use_reference"):  # as in script(): packed experts' torch side is FP32
-            m.use_reference = module is None and m.w1.is_packed
 
 
 def blockwise(model) -> list[tuple[str, int, float, float]]:

@@ -19,7 +19,7 @@ from k3serve.layers.mla import attend_absorbed
 from k3serve.layers.norm import l2_normalize, rms_norm
 from k3serve.layers.router import route
 from k3serve.layers.short_conv import short_conv_step
-from k3serve.weights.mxfp4 import PackedMXFP4
+from k3serve.weights.mxfp4 import PackedMXFP4, decode_mxfp4
 
 K = kernels.get("cpp")
 
@@ -153,49 +153,117 @@ def test_moe_route_equals_the_router(groups, keep, act, dtype):
     torch.testing.assert_close(wts, w_ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["mxfp4", "fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-bf16", "fp32", "bf16"])
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts_equals_the_torch_experts(kind, act):
+    """mxfp4: FP32 activations (FP32 dots); mxfp4-bf16: a bf16 model's (bf16 dots on rows decoded
+    to bf16, rounding where torch's bf16 path rounds); h = 96 leaves a lone 32-group after the
+    64-column steps, inter = 96 too, 9 tokens fill 3 x 4 tiles raggedly."""
     g = torch.Generator().manual_seed(len(kind) + len(act))
-    E, h, inter, out, T, k = 6, 64, 96, 24, 9, 2
+    E, h, inter, out, T, k = 6, 96, 96, 40, 9, 2
     dense = [torch.randn(E, inter, h, generator=g) / 8, torch.randn(E, inter, h, generator=g) / 8,
              torch.randn(E, out, inter, generator=g) / 6]
     fn = (lambda a, b: situ_and_mul(a, b, 4.0, 25.0)) if act == "situ" else silu_and_mul
     x = torch.randn(T, h, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     ids[3] = ids[4]  # two tokens share experts
+    ids[5:9, 0] = 1  # and one expert serves five
     weights = torch.rand(T, k, generator=g)
-    if kind == "mxfp4":
+    bf16 = kind in ("bf16", "mxfp4-bf16")
+    if kind.startswith("mxfp4"):
         w1, w3, w2 = (PackedMXFP4.quantize(d) for d in dense)
-        args, ref_x = [w1.packed, w1.scale, w3.packed, w3.scale, w2.packed, w2.scale], x
+        args, ref_x = [w1.packed, w1.scale, w3.packed, w3.scale, w2.packed, w2.scale], x.to(torch.bfloat16 if bf16 else torch.float32)
     else:
         dt = torch.float32 if kind == "fp32" else torch.bfloat16
         w1, w3, w2 = (d.to(dt) for d in dense)
         args, ref_x = [w1, None, w3, None, w2, None], x.to(dt)
     ref = experts_forward(ref_x, ids, weights, w1, w2, w3, fn)  # the torch path (no kernels)
-    got = K.moe_experts(ref_x.float(), ids, weights, *args, int(act == "situ"), 4.0, 25.0, kind == "bf16")
-    tol = 2e-2 if kind == "bf16" else 1e-5  # bf16: both round at the same steps; an ulp flip moves 1/128
+    got = K.moe_experts(ref_x.float(), ids, weights, *args, int(act == "situ"), 4.0, 25.0, bf16)
+    tol = 2e-2 if bf16 else 1e-5  # bf16: both round at the same steps; an ulp flip moves 1/128
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kind", ["mxfp4", "bf16"])
+@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-bf16", "bf16"])
 def test_moe_experts_rows_do_not_depend_on_batch_mates(kind):
-    """Alone, a token's expert rows are read in place (MXFP4 decoded inside the dot); shared,
-    they are staged as floats once. Both must give the same bits (K = 96 leaves an odd 32-group
-    after the 64-column steps, I = 32 only that group)."""
+    """Alone, a token's expert rows meet it in 1-token tiles (FP32 MXFP4: decoded inside the
+    dot); shared, in 4-token tiles of a staged row. Both must give the same bits (K = 96 leaves
+    a lone 32-group after the 64-column steps, I = 32 only that group). mxfp4-bf16 also has one
+    w1 row whose scale does not fold into bf16 (its FP32 fallback) in the shared expert."""
     g = torch.Generator().manual_seed(9)
     dense = [torch.randn(4, 32, 96, generator=g), torch.randn(4, 32, 96, generator=g), torch.randn(4, 96, 32, generator=g)]
-    if kind == "mxfp4":
+    x, ids, wt = torch.randn(9, 96, generator=g), torch.randint(0, 4, (9, 1), generator=g), torch.rand(9, 1)
+    ids[0] = ids[2] = ids[5] = ids[7] = ids[8]  # token 2's expert is shared by five in the full batch
+    if kind.startswith("mxfp4"):
         packed = [PackedMXFP4.quantize(d) for d in dense]
+        if kind == "mxfp4-bf16":
+            packed[0].scale[ids[2, 0], 7, 1] = 1  # 2^-126: folding would make bf16 denormals
+            x = x.bfloat16().float()
         args = [t for p in packed for t in (p.packed, p.scale)]
     else:
         args = [t for d in dense for t in (d.bfloat16(), None)]
-    args += [1, 4.0, 25.0, kind == "bf16"]
-    x, ids, wt = torch.randn(5, 96, generator=g), torch.randint(0, 4, (5, 1), generator=g), torch.rand(5, 1)
-    ids[0] = ids[2]  # token 2's expert is shared in the full batch
+    args += [1, 4.0, 25.0, kind != "mxfp4"]
     full = K.moe_experts(x, ids, wt, *args)
     one = K.moe_experts(x[2:3].clone(), ids[2:3].clone(), wt[2:3].clone(), *args)
     assert torch.equal(full[2], one[0])
+
+
+needs_bf16_dot = pytest.mark.skipif(not K.has_bf16_dot(), reason="this CPU build has no AVX512-BF16 route")
+
+
+def split64(cols: int) -> torch.Tensor:
+    """The column order of the bf16 MXFP4 route (simd.h): per 64 columns the evens of its first
+    32-group, the evens of its second, the odds of the first, the odds of the second; a lone
+    last group its evens then odds."""
+    order = []
+    for b in range(0, cols - cols % 64, 64):
+        order += [b + 2 * i for i in range(16)] + [b + 32 + 2 * i for i in range(16)]
+        order += [b + 2 * i + 1 for i in range(16)] + [b + 33 + 2 * i for i in range(16)]
+    if cols % 64:
+        b = cols - 32
+        order += [b + 2 * i for i in range(16)] + [b + 2 * i + 1 for i in range(16)]
+    return torch.tensor(order)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("cols", [32, 64, 96, 1088, 2080])
+def test_mxfp4_rows_decode_to_bf16_exactly(cols):
+    """Scales folded into bf16 exponents over the whole foldable range [2, 252] give decode_mxfp4's
+    bf16 values bit for bit (signed zeros included); rows with a scale outside it (bf16 denormals,
+    overflow, NaN) are refused, to be computed in FP32. 1088 and 2080 columns span more than one
+    register of scales (32 groups) and end on a lone group or a partial register."""
+    g = torch.Generator().manual_seed(cols)
+    rows = 40
+    packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(2, 253, (rows, cols // 32), dtype=torch.uint8, generator=g)
+    scale[0] = 2
+    scale[1] = 252
+    bad = {3: 0, 4: 1, 5: 253, 6: 255}
+    for r, v in bad.items():
+        scale[r, -1] = v
+    got, folded = K.mxfp4_rows_bf16(packed, scale)
+    assert folded.tolist() == [r not in bad for r in range(rows)]
+    want = decode_mxfp4(packed, scale, torch.bfloat16)[:, split64(cols)]
+    ok = folded.nonzero().squeeze(1)
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_equals_a_float64_matmul_on_ragged_shapes(dtype):
+    """The small-M linear (GEMV / 3 x 4 bf16 tiles): every M up to the GEMV limit, widths off the
+    64-column step and row counts off the 3-row tile, against float64; bf16 outputs within one
+    bf16 rounding of the exact sum (the products are exact, FP32 sums), FP32 within 1e-5. A row's
+    result does not depend on the other rows (bitwise)."""
+    g = torch.Generator().manual_seed(3)
+    for K_, N in [(1, 1), (31, 2), (64, 7), (95, 50), (130, 3), (1024, 8)]:
+        w = torch.randn(N, K_, generator=g).to(dtype)
+        x = torch.randn(16, K_, generator=g).to(dtype)
+        exact = x.double() @ w.double().t()
+        for M in range(1, 17):
+            got = K.linear(x[:M].contiguous(), w)
+            assert got.dtype == dtype and got.shape == (M, N)
+            bound = exact[:M].abs() * (2 ** -8 if dtype == torch.bfloat16 else 1e-5) + 1e-5 * (K_ ** 0.5)
+            assert ((got.double() - exact[:M]).abs() <= bound).all(), (K_, N, M)
+            assert torch.equal(got[M - 1], K.linear(x[M - 1:M].contiguous(), w)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

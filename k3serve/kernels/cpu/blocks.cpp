@@ -39,10 +39,14 @@ void gemv_rows(const float* x, const uint16_t* xb, int64_t M, int64_t K, const W
                float* y, int64_t ldy, bool rnd) {
 #ifdef K3K_DPBF16
   if constexpr (std::is_same_v<W, uint16_t>) {
-    for (int64_t n = begin; n < end; ++n) {
-      k3k::dot_rows_bf16(xb, K, M, w + n * K, K, y + n, ldy);
+    const int tile = k3k::tile_rows_bf16(M);
+    for (int64_t n = begin; n < end; n += tile) {
+      const int R = int(std::min<int64_t>(tile, end - n));
+      const uint16_t* rows[3] = {w + n * K, w + std::min(n + 1, end - 1) * K, w + std::min(n + 2, end - 1) * K};
+      k3k::dot_rows_bf16(xb, K, M, rows, R, K, y + n, ldy);
       if (rnd)
-        for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = round_bf16(y[m * ldy + n]);
+        for (int64_t m = 0; m < M; ++m)
+          for (int r = 0; r < R; ++r) y[m * ldy + n + r] = round_bf16(y[m * ldy + n + r]);
     }
     return;
   }
@@ -308,12 +312,12 @@ at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int
   TORCH_CHECK(w.size() == 14, "moe_block takes 14 weights, got ", w.size());
   x = x.contiguous();
   const int64_t R = x.size(0), d = x.size(1);
-  const bool bf16 = x.scalar_type() == at::kBFloat16, packed = w[6].has_value();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto [ids, weights] = moe_route(x, *w[0], *w[1], topk, use_sigmoid, renorm, scaling, groups, keep);
   if (R > kSmallM) {  // prefill-sized: torch's GEMMs for the dense projections
     at::Tensor z = w[2].has_value() ? at::linear(x, *w[2]) : x;
     at::Tensor y = moe_experts(z.to(at::kFloat).contiguous(), ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10],
-                               act, beta, linear_beta, !packed && bf16).to(x.scalar_type());
+                               act, beta, linear_beta, bf16).to(x.scalar_type());
     if (w[2].has_value()) y = at::linear(w[3].has_value() ? rms_norm(y, *w[3], eps) : y, *w[4]);
     if (w[11].has_value())
       y = y + at::linear(glu_act(at::linear(x, *w[11]), at::linear(x, *w[12]), act, beta, linear_beta), *w[13]);
@@ -336,7 +340,7 @@ at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int
   if (!of_x.empty()) proj.many(xf.data(), R, d, of_x);
   at::Tensor zt = at::from_blob(z.data(), {R, L}, x.options().dtype(at::kFloat));
   at::Tensor routed = moe_experts(zt, ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10], act, beta, linear_beta,
-                                  !packed && bf16);
+                                  bf16);
   Buf y(routed.data_ptr<float>(), routed.data_ptr<float>() + R * L), out(R * d);
   for (auto& v : y) v = proj.r(v);  // y.to(x.dtype)
   if (w[2].has_value()) {

@@ -2,10 +2,20 @@
 #include <torch/extension.h>
 
 #include "ops.h"
+#include "simd.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_grouped_matmul", &mxfp4_grouped_matmul,
         "y[N, O] = x[N, K] @ W_e^T per expert group, W packed MXFP4 [E, O, K/2] + E8M0 [E, O, K/32]");
+  m.def("mxfp4_rows_bf16", &mxfp4_rows_bf16,
+        "packed MXFP4 rows -> (bf16 in split64 order, rows whose scales fold into bf16): the test hook of the bf16 decode");
+  m.def("has_bf16_dot", []() {
+#ifdef K3K_DPBF16
+    return true;
+#else
+    return false;
+#endif
+  }, "whether this build runs bf16 dots in vdpbf16ps (AVX512-BF16)");
   m.def("kda_decode", &kda_decode, "stepwise KDA rows (decode / verify) with in-place states -> y [N, P]",
         py::arg("u"), py::arg("conv_w"), py::arg("z"), py::arg("b"), py::arg("gate"), py::arg("dt_bias"),
         py::arg("a_log"), py::arg("o_norm_w"), py::arg("conv_state"), py::arg("rec_state"), py::arg("slots"),

@@ -3,8 +3,10 @@
 // weighted sum), for packed MXFP4 experts (K3) and dense fp32/bf16 ones (Kimi-Linear).
 //
 // moe_experts groups (token, expert) pairs by expert; each (expert, output row) decodes its row
-// once and dots it with that expert's tokens, as mxfp4_grouped_matmul does, so a 4-bit expert
-// costs its packed bytes of traffic. Every pair's result is summed into its token in expert
+// once and dots it with that expert's tokens, so a 4-bit expert costs its packed bytes of
+// traffic. In a bf16 model (activations hold bf16 values) the rows decode to bf16 and every
+// matrix runs in vdpbf16ps tiles, rounding to bf16 where torch's path does (each matmul's
+// output, the GLU); otherwise in FP32. Every pair's result is summed into its token in expert
 // order, independent of which other tokens share the step (batch invariance).
 // References: k3serve/layers/router.py `route`, k3serve/layers/experts.py `experts_forward`
 // (and `experts_reference`), compared in tests/model/test_kernels.py.
@@ -28,11 +30,9 @@ struct Matrix {
   const uint8_t* scale = nullptr;
   int64_t E, O, I;
 
-  // A packed row read by several tokens is decoded into `buf` once per (expert, row) and
-  // reused (one token: decoded inside its dot, never written out). A bf16 row is read in place
-  // by every token's dot, widened in registers: staging it as floats cost more than the dots at
-  // decode batches (~2 tokens per expert; 7 layers of 17 rows on the 400 M model: 27 ms staged,
-  // 20 ms in place), and past DENSE_KERNEL_ROWS (layers/moe.py) torch's GEMM takes over.
+  // The FP32 route (activations that are not bf16 values): a packed row read by several tokens
+  // is decoded into `buf` once per (expert, row) and reused (one token: decoded inside its dot,
+  // never written out); a bf16 row is read in place by every token's dot, widened in registers.
   // Returns the row to dot with, or null: read in place.
   const float* prepare(int64_t e, int64_t o, float* buf, int64_t tokens) const {
     if (scale) {
@@ -45,23 +45,57 @@ struct Matrix {
   }
   // A packed matrix takes its vectors in split order (simd.h split32: no interleaving on decode).
   bool split() const { return scale != nullptr; }
-  // sum_i row(e, o)[i] x[i], `row` from prepare(), x in split order when split()
-  // xb: the same vector as bf16 bits when its values are bf16 (then a bf16 matrix's dot runs in
-  // vdpbf16ps, K3K_DPBF16), else null: FP32
-  float dot(int64_t e, int64_t o, const float* row, const float* x, const uint16_t* xb) const {
+  // sum_i row(e, o)[i] x[i] in FP32, `row` from prepare(), x in split32 order when split()
+  float dot(int64_t e, int64_t o, const float* row, const float* x) const {
     if (row) return k3k::row_dot(x, row, I);
     if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
-    const uint16_t* w = static_cast<const uint16_t*>(data) + (e * O + o) * I;
-#ifdef K3K_DPBF16
-    if (xb) {
-      float out;
-      k3k::dot_rows_bf16<1>(xb, 0, w, I, &out, 0);
-      return out;
-    }
-#endif
-    (void)xb;
-    return k3k::row_dot(x, w, I);
+    return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
   }
+#ifdef K3K_DPBF16
+  // The bf16 route: out[j * ldo + r] = row (e, o + r) . xs[j] for R <= 3 rows and T activation
+  // rows xs [T, I] of bf16 bits (split64 order when packed), in simd.h's tiles. A packed row meets
+  // up to 4 tokens as it decodes (mxfp4_dot_rows_bf16), more from a bf16 copy in wb [3 * I]. A
+  // row whose scales do not fold into bf16 goes to FP32 in column order (wf scratch, xf(j): row j
+  // as floats). Every choice is made by the row and T alone, and the staged and in-register forms
+  // give the same bits, so no result depends on the batch.
+  template <typename XF>
+  void dot_rows(int64_t e, int64_t o, int R, const uint16_t* xs, int64_t T, float* out, int64_t ldo, uint16_t* wb,
+                float* wf, XF xf) const {
+    const uint16_t* rows[3];
+    bool folded = true;
+    for (int r = 0; r < R && folded; ++r) {
+      if (!scale) {
+        rows[r] = static_cast<const uint16_t*>(data) + (e * O + o + r) * I;
+      } else if (T <= 4) {
+        folded = in_registers(e, o + r, xs, T, out + r, ldo);
+      } else {
+        rows[r] = wb + r * I;
+        folded = k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb + r * I);
+      }
+    }
+    if (folded) {
+      if (!scale || T > 4) k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo);
+      return;
+    }
+    for (int r = 0; r < R; ++r) {  // row by row, each folded or in FP32
+      if (T <= 4 ? in_registers(e, o + r, xs, T, out + r, ldo)
+                 : k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb)) {
+        if (T > 4) k3k::dot_rows_bf16(xs, I, T, wb, I, out + r, ldo);
+        continue;
+      }
+      k3k::decode_mxfp4_row(codes(e, o + r), scales(e, o + r), I, wf);
+      for (int64_t j = 0; j < T; ++j) out[j * ldo + r] = k3k::row_dot(xf(j), wf, I);
+    }
+  }
+  bool in_registers(int64_t e, int64_t o, const uint16_t* xs, int64_t T, float* out, int64_t ldo) const {
+    switch (T) {
+      case 1: return k3k::mxfp4_dot_rows_bf16<1>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
+      case 2: return k3k::mxfp4_dot_rows_bf16<2>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
+      case 3: return k3k::mxfp4_dot_rows_bf16<3>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
+      default: return k3k::mxfp4_dot_rows_bf16<4>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
+    }
+  }
+#endif
   bool bf16() const { return !scale && dtype == at::kBFloat16; }
   const uint8_t* codes(int64_t e, int64_t o) const { return static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2); }
   const uint8_t* scales(int64_t e, int64_t o) const { return scale + (e * O + o) * (I / kGroup); }
@@ -129,83 +163,113 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   const float fb = float(beta), flb = float(linear_beta);
   const bool rnd = round_bf16_steps;
   std::vector<float> h(pairs * inter), u(pairs * inter), y(pairs * out_dim), zs, hs;
-  if (m1.split() || m3.split()) {  // each token's row in split order, once
-    zs.resize(N * Kin);
-    for (int64_t t = 0; t < N; ++t) split32(zp + t * Kin, Kin, zs.data() + t * Kin);
-  }
-  // w2 of bf16 experts meets h in vdpbf16ps where h is rounded to bf16 (round_bf16_steps)
-  std::vector<uint16_t> hb;
 #ifdef K3K_DPBF16
   // Where z holds bf16 values (a bf16 model: z is x or a bf16 projection of it), w1 and w3 meet it
   // in vdpbf16ps, each (expert, row) against all its tokens at once, eight per weight load: the
-  // pairs' z rows gathered in expert order as bf16 bits (split order for packed experts).
+  // pairs' z rows gathered in expert order as bf16 bits (split64 order for packed experts, whose
+  // rows are decoded to bf16 once per (expert, row): decode_mxfp4_row_bf16).
   if (gate_up_bf16(m1, m3, zp, N * Kin)) {
     std::vector<uint16_t> zg(pairs * Kin);
-    const float* zx = m1.split() ? zs.data() : zp;  // split order already made above
-    for (int64_t q = 0; q < pairs; ++q) to_bf16_bits(zx + (order[q] / topk) * Kin, Kin, zg.data() + q * Kin);
+    {
+      std::vector<uint16_t> tb(Kin);
+      for (int64_t q = 0; q < pairs; ++q) {
+        to_bf16_bits(zp + (order[q] / topk) * Kin, Kin, m1.split() ? tb.data() : zg.data() + q * Kin);
+        if (m1.split()) split64_bf16(tb.data(), Kin, zg.data() + q * Kin);
+      }
+    }
     at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                      [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
+      std::vector<uint16_t> wb(3 * Kin);
+      std::vector<float> wf(Kin);
+      for (int64_t item = begin; item < end;) {
         const int64_t e = active[item / inter], o = item % inter, q0 = offset[e], T = offset[e + 1] - q0;
-        const uint16_t* xs = zg.data() + q0 * Kin;
+        const int R = int(std::min<int64_t>({tile_rows_bf16(T), end - item, inter - o}));
+        const auto zrow = [&](int64_t j) { return zp + (order[q0 + j] / topk) * Kin; };
         for (const auto& [mat, dst] : {std::pair{&m1, &h}, std::pair{&m3, &u}}) {
           float* out = dst->data() + q0 * inter + o;
-          if (mat->scale)
-            mxfp4_dot_rows_bf16(xs, Kin, T, mat->codes(e, o), mat->scales(e, o), Kin, out, inter);
-          else
-            dot_rows_bf16(xs, Kin, T, static_cast<const uint16_t*>(mat->data) + (e * inter + o) * Kin, Kin, out, inter);
+          mat->dot_rows(e, o, R, zg.data() + q0 * Kin, T, out, inter, wb.data(), wf.data(), zrow);
           if (rnd)
-            for (int64_t j = 0; j < T; ++j) out[j * inter] = round_bf16(out[j * inter]);
+            for (int64_t j = 0; j < T; ++j)
+              for (int r = 0; r < R; ++r) out[j * inter + r] = round_bf16(out[j * inter + r]);
         }
+        item += R;
       }
     });
   } else
 #endif
-  at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
-                   [&](int64_t begin, int64_t end) {
-    std::vector<float> r1(Kin), r3(Kin);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = active[item / inter], o = item % inter, tokens = offset[e + 1] - offset[e];
-      const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
-      for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-        const int64_t t = order[q] / topk;
-        // here z is not all bf16 values (else the route above): FP32 dots
-        const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin, nullptr);
-        const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin, nullptr);
-        h[q * inter + o] = rnd ? round_bf16(g) : g;
-        u[q * inter + o] = rnd ? round_bf16(v) : v;
-      }
+  {
+    if (m1.split() || m3.split()) {  // each token's row in split order, once
+      zs.resize(N * Kin);
+      for (int64_t t = 0; t < N; ++t) split32(zp + t * Kin, Kin, zs.data() + t * Kin);
     }
-  });
+    at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
+                     [&](int64_t begin, int64_t end) {
+      std::vector<float> r1(Kin), r3(Kin);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t e = active[item / inter], o = item % inter, tokens = offset[e + 1] - offset[e];
+        const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
+        for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
+          const int64_t t = order[q] / topk;
+          // here z is not all bf16 values (else the route above): FP32 dots
+          const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin);
+          const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin);
+          h[q * inter + o] = rnd ? round_bf16(g) : g;
+          u[q * inter + o] = rnd ? round_bf16(v) : v;
+        }
+      }
+    });
+  }
   // the GLU over every pair at once: vector transcendentals instead of one call per element
   at::parallel_for(0, pairs, grain_for(32 * inter), [&](int64_t begin, int64_t end) {
     activate_n(act, h.data() + begin * inter, u.data() + begin * inter, h.data() + begin * inter,
                (end - begin) * inter, fb, flb, rnd);
   });
-  if (m2.split()) {
-    TORCH_CHECK(inter % kGroup == 0, "intermediate size ", inter, " is not a multiple of ", kGroup);
-    hs.resize(pairs * inter);
-    for (int64_t q = 0; q < pairs; ++q) split32(h.data() + q * inter, inter, hs.data() + q * inter);
-  }
-  const float* hx = m2.split() ? hs.data() : h.data();
+  TORCH_CHECK(!m2.split() || inter % kGroup == 0, "intermediate size ", inter, " is not a multiple of ", kGroup);
+  const int64_t grain2 = grain_for(2 * inter * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1)));
 #ifdef K3K_DPBF16
-  if (m2.bf16() && rnd) {
-    hb.resize(pairs * inter);
-    to_bf16_bits(h.data(), pairs * inter, hb.data());
-  }
-#endif
-  at::parallel_for(0, A * out_dim, grain_for(2 * inter * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
-                   [&](int64_t begin, int64_t end) {
-    std::vector<float> r2(inter);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = active[item / out_dim], o = item % out_dim;
-      const float* row2 = m2.prepare(e, o, r2.data(), offset[e + 1] - offset[e]);
-      for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-        const float v = m2.dot(e, o, row2, hx + q * inter, hb.empty() ? nullptr : hb.data() + q * inter);
-        y[q * out_dim + o] = rnd ? round_bf16(v) : v;
+  if (rnd && (m2.bf16() || m2.split())) {  // h holds bf16 values: w2 meets it in vdpbf16ps
+    std::vector<uint16_t> hb(pairs * inter);
+    {
+      std::vector<uint16_t> tb(inter);
+      for (int64_t q = 0; q < pairs; ++q) {
+        to_bf16_bits(h.data() + q * inter, inter, m2.split() ? tb.data() : hb.data() + q * inter);
+        if (m2.split()) split64_bf16(tb.data(), inter, hb.data() + q * inter);
       }
     }
-  });
+    at::parallel_for(0, A * out_dim, grain2, [&](int64_t begin, int64_t end) {
+      std::vector<uint16_t> wb(3 * inter);
+      std::vector<float> wf(inter);
+      for (int64_t item = begin; item < end;) {
+        const int64_t e = active[item / out_dim], o = item % out_dim, q0 = offset[e], T = offset[e + 1] - q0;
+        const int R = int(std::min<int64_t>({tile_rows_bf16(T), end - item, out_dim - o}));
+        float* out = y.data() + q0 * out_dim + o;
+        m2.dot_rows(e, o, R, hb.data() + q0 * inter, T, out, out_dim, wb.data(), wf.data(),
+                    [&](int64_t j) { return h.data() + (q0 + j) * inter; });
+        for (int64_t j = 0; j < T; ++j)
+          for (int r = 0; r < R; ++r) out[j * out_dim + r] = round_bf16(out[j * out_dim + r]);
+        item += R;
+      }
+    });
+  } else
+#endif
+  {
+    if (m2.split()) {
+      hs.resize(pairs * inter);
+      for (int64_t q = 0; q < pairs; ++q) split32(h.data() + q * inter, inter, hs.data() + q * inter);
+    }
+    const float* hx = m2.split() ? hs.data() : h.data();
+    at::parallel_for(0, A * out_dim, grain2, [&](int64_t begin, int64_t end) {
+      std::vector<float> r2(inter);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t e = active[item / out_dim], o = item % out_dim;
+        const float* row2 = m2.prepare(e, o, r2.data(), offset[e + 1] - offset[e]);
+        for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
+          const float v = m2.dot(e, o, row2, hx + q * inter);
+          y[q * out_dim + o] = rnd ? round_bf16(v) : v;
+        }
+      }
+    });
+  }
   auto out = at::zeros({N, out_dim}, z.options());
   float* op = out.data_ptr<float>();
   for (int64_t t = 0; t < N; ++t) {  // each token's pairs in expert order (the sorted order)

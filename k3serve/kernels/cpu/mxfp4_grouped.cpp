@@ -12,9 +12,11 @@
 // the step (batch invariance). The plain reference is `dequantize_mxfp4` + matmul
 // (k3serve/weights/mxfp4.py), compared in tests/model/test_kernels.py.
 #include "common.h"
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -60,4 +62,32 @@ at::Tensor mxfp4_grouped_matmul(at::Tensor x, at::Tensor offsets, at::Tensor pac
     }
   });
   return y;
+}
+
+// The bf16 decode of simd.h (decode_mxfp4_row_bf16) row by row, for its test against
+// decode_mxfp4: packed [O, K/2], scale [O, K/32] -> (bf16 [O, K] in split64 order, folded [O]:
+// false where a row's scales do not fold into bf16 and its values are left zero).
+std::tuple<at::Tensor, at::Tensor> mxfp4_rows_bf16(at::Tensor packed, at::Tensor scale) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "packed must be contiguous [O, K/2] uint8");
+  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kByte && scale.is_contiguous(),
+              "scale must be contiguous [O, K/32] uint8");
+  const int64_t O = packed.size(0), K = 2 * packed.size(1);
+  TORCH_CHECK(K % kGroup == 0 && scale.size(0) == O && scale.size(1) * kGroup == K, "K = ", K,
+              " must be a multiple of 32 with scales [O, K/32]");
+  auto out = at::zeros({O, K}, packed.options().dtype(at::kBFloat16));
+  auto folded = at::zeros({O}, packed.options().dtype(at::kBool));
+#ifdef K3K_DPBF16
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> row(K);
+  for (int64_t o = 0; o < O; ++o) {
+    const bool ok = k3k::decode_mxfp4_row_bf16(packed.data_ptr<uint8_t>() + o * K / 2,
+                                               scale.data_ptr<uint8_t>() + o * K / kGroup, K, row.data());
+    folded.data_ptr<bool>()[o] = ok;
+    if (ok) std::copy(row.begin(), row.end(), op + o * K);
+  }
+#else
+  TORCH_CHECK(false, "mxfp4_rows_bf16 needs AVX512-BF16 (this build has no bf16 route)");
+#endif
+  return {out, folded};
 }

@@ -75,46 +75,79 @@ inline void to_bf16_bits(const float* x, int64_t n, uint16_t* out) {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
-// out[m * ldo] = sum_k xb[m * ldx + k] w[k] for m < M, all bf16 bits, fp32 sums: products of
-// bf16 pairs are exact in fp32, summed by vdpbf16ps in two chains over alternate 32-column
-// blocks, then a masked tail. A row's arithmetic does not depend on M (batch invariance).
-template <int M>
-inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t ldo) {
-  __m512 a0[M], a1[M];
-  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+// out[m * ldo + r] = sum_k xb[m * ldx + k] w[r][k] for R weight rows and T activation rows, all
+// bf16 bits, fp32 sums: products of bf16 pairs are exact in fp32, summed by vdpbf16ps in two
+// chains over alternate 32-column blocks, then a masked tail into the first. A tile of 3 rows x 4
+// tokens holds 24 accumulators and loads 14 vectors per 24 products' instructions (one row
+// against 8 tokens loaded 18 per 16). Each (row, token) sum takes the same steps whatever tile
+// it sits in, so no result depends on R, T or the batch (batch invariance).
+template <int R, int T>
+inline void dot_tile_bf16(const uint16_t* xb, int64_t ldx, const uint16_t* const* w, int64_t K, float* out,
+                          int64_t ldo) {
+  __m512 a0[R][T], a1[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) a0[r][t] = a1[r][t] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    const __m512bh w0 = as_bh(_mm512_loadu_si512(w + k)), w1 = as_bh(_mm512_loadu_si512(w + k + 32));
-    for (int m = 0; m < M; ++m) {
-      a0[m] = _mm512_dpbf16_ps(a0[m], as_bh(_mm512_loadu_si512(xb + m * ldx + k)), w0);
-      a1[m] = _mm512_dpbf16_ps(a1[m], as_bh(_mm512_loadu_si512(xb + m * ldx + k + 32)), w1);
+    __m512bh w0[R];
+    for (int r = 0; r < R; ++r) w0[r] = as_bh(_mm512_loadu_si512(w[r] + k));
+    for (int t = 0; t < T; ++t) {
+      const __m512bh x = as_bh(_mm512_loadu_si512(xb + t * ldx + k));
+      for (int r = 0; r < R; ++r) a0[r][t] = _mm512_dpbf16_ps(a0[r][t], x, w0[r]);
+    }
+    for (int r = 0; r < R; ++r) w0[r] = as_bh(_mm512_loadu_si512(w[r] + k + 32));
+    for (int t = 0; t < T; ++t) {
+      const __m512bh x = as_bh(_mm512_loadu_si512(xb + t * ldx + k + 32));
+      for (int r = 0; r < R; ++r) a1[r][t] = _mm512_dpbf16_ps(a1[r][t], x, w0[r]);
     }
   }
   for (; k < K; k += 32) {
     const __mmask32 mk = K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (K - k)) - 1);
-    const __m512bh w0 = as_bh(_mm512_maskz_loadu_epi16(mk, w + k));
-    for (int m = 0; m < M; ++m)
-      a0[m] = _mm512_dpbf16_ps(a0[m], as_bh(_mm512_maskz_loadu_epi16(mk, xb + m * ldx + k)), w0);
+    __m512bh w0[R];
+    for (int r = 0; r < R; ++r) w0[r] = as_bh(_mm512_maskz_loadu_epi16(mk, w[r] + k));
+    for (int t = 0; t < T; ++t) {
+      const __m512bh x = as_bh(_mm512_maskz_loadu_epi16(mk, xb + t * ldx + k));
+      for (int r = 0; r < R; ++r) a0[r][t] = _mm512_dpbf16_ps(a0[r][t], x, w0[r]);
+    }
   }
-  for (int m = 0; m < M; ++m) out[m * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][t], a1[r][t]));
 }
 
-// any number of rows, eight at a time (16 accumulators and the weights fit the 32 registers)
-inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, float* out,
-                          int64_t ldo) {
+template <int R>
+inline void dot_rows_tiled_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* const* w, int64_t K,
+                                float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) dot_rows_bf16<8>(xb + m * ldx, ldx, w, K, out + m * ldo, ldo);
+  for (; m + 4 <= M; m += 4) dot_tile_bf16<R, 4>(xb + m * ldx, ldx, w, K, out + m * ldo, ldo);
   xb += m * ldx, out += m * ldo;
   switch (M - m) {
-    case 1: dot_rows_bf16<1>(xb, ldx, w, K, out, ldo); break;
-    case 2: dot_rows_bf16<2>(xb, ldx, w, K, out, ldo); break;
-    case 3: dot_rows_bf16<3>(xb, ldx, w, K, out, ldo); break;
-    case 4: dot_rows_bf16<4>(xb, ldx, w, K, out, ldo); break;
-    case 5: dot_rows_bf16<5>(xb, ldx, w, K, out, ldo); break;
-    case 6: dot_rows_bf16<6>(xb, ldx, w, K, out, ldo); break;
-    case 7: dot_rows_bf16<7>(xb, ldx, w, K, out, ldo); break;
+    case 1: dot_tile_bf16<R, 1>(xb, ldx, w, K, out, ldo); break;
+    case 2: dot_tile_bf16<R, 2>(xb, ldx, w, K, out, ldo); break;
+    case 3: dot_tile_bf16<R, 3>(xb, ldx, w, K, out, ldo); break;
     default: break;
   }
+}
+
+// Weight rows per tile for M activation rows: 3 from 6 rows up, where the tile's reuse of each
+// activation load pays (cold 1024 x 2048 bf16 matrices, 16 rows: 10 -> 15 GB/s); 1 below, where
+// a matrix streams from memory and one row at a time reads it faster (1-4 rows: ~42 vs ~33 GB/s).
+inline int tile_rows_bf16(int64_t M) { return M < 6 ? 1 : 3; }
+
+// R (1 to 3) weight rows w[r] against the M rows of xb: out[m * ldo + r]
+inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* const* w, int R, int64_t K,
+                          float* out, int64_t ldo) {
+  switch (R) {
+    case 1: return dot_rows_tiled_bf16<1>(xb, ldx, M, w, K, out, ldo);
+    case 2: return dot_rows_tiled_bf16<2>(xb, ldx, M, w, K, out, ldo);
+    case 3: return dot_rows_tiled_bf16<3>(xb, ldx, M, w, K, out, ldo);
+    default: TORCH_CHECK(false, "dot_rows_bf16 takes 1 to 3 weight rows, got ", R);
+  }
+}
+
+// one weight row w against the M rows of xb: out[m * ldo]
+inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, float* out,
+                          int64_t ldo) {
+  dot_rows_tiled_bf16<1>(xb, ldx, M, &w, K, out, ldo);
 }
 #endif
 
@@ -160,49 +193,106 @@ inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t
 }
 
 #ifdef K3K_DPBF16
-// dot_rows_bf16 for a packed MXFP4 row, the group scale applied after each group's dot: the 32
-// codes of a group become E2M1 values as bf16 in one 16-bit permute (evens then odds, exact),
-// meet the rows xs in split order (split32) as bf16 bits in vdpbf16ps, and the group's sum is
-// multiplied into the row's sum by its power-of-two scale (exact: scaling a sum by 2^e equals
-// summing the scaled terms, barring overflow). Four chains over groups g mod 4, rows four at a
-// time. The same arithmetic for a row whatever M is (batch invariance). K a multiple of 32.
-template <int M>
-inline void mxfp4_dot_rows_bf16(const uint16_t* xs, int64_t ldx, const uint8_t* packed, const uint8_t* scale,
-                                int64_t K, float* out, int64_t ldo) {
-  // E2M1 as bf16 bits: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives (lanes 16-31 unused)
-  alignas(64) static constexpr uint16_t kE2M1[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                                                     0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-  const __m512i lut = _mm512_load_si512(kE2M1);
-  const float* pow2 = e8m0().v;
-  __m512 acc[4][M];
-  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = acc[2][m] = acc[3][m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < K / 32; ++g) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + g * 16)));
-    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
-                                           _mm256_srli_epi16(b, 4), 1);
-    const __m512bh w = as_bh(_mm512_permutexvar_epi16(idx, lut));  // lanes 0-15 evens, 16-31 odds
-    const __m512 sc = _mm512_set1_ps(pow2[scale[g]]);
-    for (int m = 0; m < M; ++m) {
-      const __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(xs + m * ldx + g * 32)), w);
-      acc[g & 3][m] = _mm512_fmadd_ps(part, sc, acc[g & 3][m]);
+// MXFP4 rows for vdpbf16ps: a packed row becomes bf16 bits once per (expert, row) and meets all
+// of that expert's tokens in dot_rows_bf16, so its decode is paid once per row, not per token,
+// and the dot runs at the bf16 rate (one vdpbf16ps per 32 products, no per-group scaling).
+//
+// "split64" order, the order two groups decode in without interleaving permutes: per 64-column
+// block its first group's 16 even columns, the second's 16 evens, the first's 16 odds, the
+// second's 16 odds; a last lone 32-column group its evens then its odds. Activations are put in
+// the same order once per token (split64_bf16).
+inline void split64_bf16(const uint16_t* x, int64_t K, uint16_t* out) {
+  int64_t g = 0;
+  for (; g + 64 <= K; g += 64)
+    for (int64_t i = 0; i < 16; ++i) {
+      out[g + i] = x[g + 2 * i], out[g + 16 + i] = x[g + 32 + 2 * i];
+      out[g + 32 + i] = x[g + 2 * i + 1], out[g + 48 + i] = x[g + 33 + 2 * i];
     }
-  }
-  for (int m = 0; m < M; ++m)
-    out[m * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]),
-                                                      _mm512_add_ps(acc[2][m], acc[3][m])));
+  for (; g < K; g += 32)
+    for (int64_t i = 0; i < 16; ++i) out[g + i] = x[g + 2 * i], out[g + 16 + i] = x[g + 2 * i + 1];
 }
 
-inline void mxfp4_dot_rows_bf16(const uint16_t* xs, int64_t ldx, int64_t M, const uint8_t* packed,
-                                const uint8_t* scale, int64_t K, float* out, int64_t ldo) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) mxfp4_dot_rows_bf16<4>(xs + m * ldx, ldx, packed, scale, K, out + m * ldo, ldo);
-  xs += m * ldx, out += m * ldo;
-  switch (M - m) {
-    case 1: mxfp4_dot_rows_bf16<1>(xs, ldx, packed, scale, K, out, ldo); break;
-    case 2: mxfp4_dot_rows_bf16<2>(xs, ldx, packed, scale, K, out, ldo); break;
-    case 3: mxfp4_dot_rows_bf16<3>(xs, ldx, packed, scale, K, out, ldo); break;
-    default: break;
+// The scales a row can fold into bf16 exponents: E2M1 magnitudes 0.5 .. 6 times 2^(s - 127) stay
+// bf16 normals for s in [2, 252] (vdpbf16ps reads denormals as zero; 0xFF is NaN).
+constexpr int kFoldLo = 2, kFoldHi = 252;
+
+// One packed row (K/2 code bytes, K/32 E8M0 scales; K a multiple of 32) as bf16 bits in split64
+// order, each value E2M1 x 2^(s - 127) exactly: the group's scale is added to the exponent field
+// of the E2M1 table's nonzero entries (bf16 bits + (s - 127) << 7), then the codes look the table
+// up, two groups per 16-bit permute. Hands each 64-column block to pair(col, first32, second32)
+// and a lone last group to lone(col, v). Returns false, having stopped early, when a scale lies
+// outside [kFoldLo, kFoldHi]: the caller takes an FP32 path for that row.
+template <typename Pair, typename Lone>
+inline bool for_mxfp4_row_bf16(const uint8_t* packed, const uint8_t* scale, int64_t K, Pair&& pair, Lone&& lone) {
+  // E2M1 as bf16 bits, twice: lanes 0-15 serve the block's first group, 16-31 its second
+  alignas(64) static constexpr uint16_t kE2M1[32] = {
+      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+  const __m512i lut = _mm512_load_si512(kE2M1);
+  const __mmask32 nonzero = 0xFEFEFEFEu;  // +-0 (codes 0 and 8) keep their bits
+  const __m512i low4 = _mm512_set1_epi16(15), upper = _mm512_set_epi64(0x0010001000100010, 0x0010001000100010,
+      0x0010001000100010, 0x0010001000100010, 0, 0, 0, 0);  // +16: the second group's table half
+  const int64_t groups = K / 32;
+  for (int64_t c = 0; c < groups; c += 32) {  // 32 groups' shifts per register
+    const int64_t n = std::min<int64_t>(32, groups - c);
+    const __mmask32 live = n == 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << n) - 1);
+    const __m512i s = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, scale + c));
+    if (_mm512_mask_cmplt_epi16_mask(live, s, _mm512_set1_epi16(kFoldLo)) |
+        _mm512_mask_cmpgt_epi16_mask(live, s, _mm512_set1_epi16(kFoldHi)))
+      return false;
+    const __m512i shifts = _mm512_slli_epi16(_mm512_sub_epi16(s, _mm512_set1_epi16(127)), 7);
+    // lanes 0-15 pick group c + 2j's shift, 16-31 group c + 2j + 1's
+    __m512i pick = _mm512_set_epi64(0x0001000100010001, 0x0001000100010001, 0x0001000100010001, 0x0001000100010001,
+                                    0, 0, 0, 0);
+    int64_t g = c;
+    for (; g + 2 <= c + n; g += 2, pick = _mm512_add_epi16(pick, _mm512_set1_epi16(2))) {
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + g * 16)));
+      const __m512i table = _mm512_mask_add_epi16(lut, nonzero, lut, _mm512_permutexvar_epi16(pick, shifts));
+      const __m512i lo = _mm512_ternarylogic_epi32(b, low4, upper, 0xEA);  // (b & 15) | upper
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(b, 4), upper);
+      pair(g * 32, _mm512_permutexvar_epi16(lo, table), _mm512_permutexvar_epi16(hi, table));  // evens, odds
+    }
+    if (g < c + n) {  // the row's last, lone group: its evens then its odds, its shift in lanes 0-15
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + g * 16)));
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
+                                             _mm256_srli_epi16(b, 4), 1);
+      const __m512i table = _mm512_mask_add_epi16(lut, nonzero, lut, _mm512_permutexvar_epi16(
+          _mm512_set1_epi16(int16_t(g - c)), shifts));
+      lone(g * 32, _mm512_permutexvar_epi16(idx, table));
+    }
   }
+  return true;
+}
+
+// the row's bf16 bits into out [K] (split64 order)
+inline bool decode_mxfp4_row_bf16(const uint8_t* packed, const uint8_t* scale, int64_t K, uint16_t* out) {
+  return for_mxfp4_row_bf16(
+      packed, scale, K,
+      [&](int64_t k, __m512i a, __m512i b) { _mm512_storeu_si512(out + k, a), _mm512_storeu_si512(out + k + 32, b); },
+      [&](int64_t k, __m512i v) { _mm512_storeu_si512(out + k, v); });
+}
+
+// dot_tile_bf16<1, T> of the decoded row, decoding in registers (no staging: the form for a
+// few tokens, where the row's store and reload would cost as much as its dots). The same
+// instructions on the same values in the same chains, so the same bits as the staged form.
+template <int T>
+inline bool mxfp4_dot_rows_bf16(const uint16_t* xs, int64_t ldx, const uint8_t* packed, const uint8_t* scale,
+                                int64_t K, float* out, int64_t ldo) {
+  __m512 a0[T], a1[T];
+  for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+  const bool ok = for_mxfp4_row_bf16(
+      packed, scale, K,
+      [&](int64_t k, __m512i a, __m512i b) {
+        for (int t = 0; t < T; ++t) a0[t] = _mm512_dpbf16_ps(a0[t], as_bh(_mm512_loadu_si512(xs + t * ldx + k)), as_bh(a));
+        for (int t = 0; t < T; ++t)
+          a1[t] = _mm512_dpbf16_ps(a1[t], as_bh(_mm512_loadu_si512(xs + t * ldx + k + 32)), as_bh(b));
+      },
+      [&](int64_t k, __m512i v) {
+        for (int t = 0; t < T; ++t) a0[t] = _mm512_dpbf16_ps(a0[t], as_bh(_mm512_loadu_si512(xs + t * ldx + k)), as_bh(v));
+      });
+  if (ok)
+    for (int t = 0; t < T; ++t) out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+  return ok;
 }
 #endif
 
