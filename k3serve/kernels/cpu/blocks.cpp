@@ -43,7 +43,7 @@ void gemv_rows(const float* x, const uint16_t* xb, int64_t M, int64_t K, const W
     for (int64_t n = begin; n < end; n += tile) {
       const int R = int(std::min<int64_t>(tile, end - n));
       const uint16_t* rows[3] = {w + n * K, w + std::min(n + 1, end - 1) * K, w + std::min(n + 2, end - 1) * K};
-      k3k::dot_rows_bf16(xb, K, M, rows, R, K, y + n, ldy);
+      k3k::dot_rows_bf16(xb, K, M, rows, R, K, y + n, ldy, tile * K);  // prefetching the next tile
       if (rnd)
         for (int64_t m = 0; m < M; ++m)
           for (int r = 0; r < R; ++r) y[m * ldy + n + r] = round_bf16(y[m * ldy + n + r]);

@@ -74,7 +74,7 @@ struct Matrix {
       }
     }
     if (folded) {
-      if (!scale || T > 4) k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo);
+      if (!scale || T > 4) k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo, scale ? 0 : R * I);
       return;
     }
     for (int r = 0; r < R; ++r) {  // row by row, each folded or in FP32

@@ -83,13 +83,18 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 // it sits in, so no result depends on R, T or the batch (batch invariance).
 template <int R, int T>
 inline void dot_tile_bf16(const uint16_t* xb, int64_t ldx, const uint16_t* const* w, int64_t K, float* out,
-                          int64_t ldo) {
+                          int64_t ldo, int64_t pf = 0) {
   __m512 a0[R][T], a1[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) a0[r][t] = a1[r][t] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
     __m512bh w0[R];
+    if (pf)
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + pf), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + pf + 32), _MM_HINT_T1);
+      }
     for (int r = 0; r < R; ++r) w0[r] = as_bh(_mm512_loadu_si512(w[r] + k));
     for (int t = 0; t < T; ++t) {
       const __m512bh x = as_bh(_mm512_loadu_si512(xb + t * ldx + k));
@@ -116,14 +121,14 @@ inline void dot_tile_bf16(const uint16_t* xb, int64_t ldx, const uint16_t* const
 
 template <int R>
 inline void dot_rows_tiled_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* const* w, int64_t K,
-                                float* out, int64_t ldo) {
+                                float* out, int64_t ldo, int64_t pf) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dot_tile_bf16<R, 4>(xb + m * ldx, ldx, w, K, out + m * ldo, ldo);
+  for (; m + 4 <= M; m += 4, pf = 0) dot_tile_bf16<R, 4>(xb + m * ldx, ldx, w, K, out + m * ldo, ldo, pf);
   xb += m * ldx, out += m * ldo;
   switch (M - m) {
-    case 1: dot_tile_bf16<R, 1>(xb, ldx, w, K, out, ldo); break;
-    case 2: dot_tile_bf16<R, 2>(xb, ldx, w, K, out, ldo); break;
-    case 3: dot_tile_bf16<R, 3>(xb, ldx, w, K, out, ldo); break;
+    case 1: dot_tile_bf16<R, 1>(xb, ldx, w, K, out, ldo, pf); break;
+    case 2: dot_tile_bf16<R, 2>(xb, ldx, w, K, out, ldo, pf); break;
+    case 3: dot_tile_bf16<R, 3>(xb, ldx, w, K, out, ldo, pf); break;
     default: break;
   }
 }
@@ -133,13 +138,16 @@ inline void dot_rows_tiled_bf16(const uint16_t* xb, int64_t ldx, int64_t M, cons
 // a matrix streams from memory and one row at a time reads it faster (1-4 rows: ~42 vs ~33 GB/s).
 inline int tile_rows_bf16(int64_t M) { return M < 6 ? 1 : 3; }
 
-// R (1 to 3) weight rows w[r] against the M rows of xb: out[m * ldo + r]
+// R (1 to 3) weight rows w[r] against the M rows of xb: out[m * ldo + r]. pf (elements, 0 for
+// none): while the first activation tile runs, each w[r] + pf is prefetched into L2 along with
+// it, the next tile's rows where they sit that far on, so a matrix streaming from memory is
+// fetched while the tiles of the rows before it compute.
 inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* const* w, int R, int64_t K,
-                          float* out, int64_t ldo) {
+                          float* out, int64_t ldo, int64_t pf = 0) {
   switch (R) {
-    case 1: return dot_rows_tiled_bf16<1>(xb, ldx, M, w, K, out, ldo);
-    case 2: return dot_rows_tiled_bf16<2>(xb, ldx, M, w, K, out, ldo);
-    case 3: return dot_rows_tiled_bf16<3>(xb, ldx, M, w, K, out, ldo);
+    case 1: return dot_rows_tiled_bf16<1>(xb, ldx, M, w, K, out, ldo, pf);
+    case 2: return dot_rows_tiled_bf16<2>(xb, ldx, M, w, K, out, ldo, pf);
+    case 3: return dot_rows_tiled_bf16<3>(xb, ldx, M, w, K, out, ldo, pf);
     default: TORCH_CHECK(false, "dot_rows_bf16 takes 1 to 3 weight rows, got ", R);
   }
 }
@@ -147,7 +155,7 @@ inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint
 // one weight row w against the M rows of xb: out[m * ldo]
 inline void dot_rows_bf16(const uint16_t* xb, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, float* out,
                           int64_t ldo) {
-  dot_rows_tiled_bf16<1>(xb, ldx, M, &w, K, out, ldo);
+  dot_rows_tiled_bf16<1>(xb, ldx, M, &w, K, out, ldo, 0);
 }
 #endif
 
