@@ -90,16 +90,24 @@ class KimiDeltaAttention(nn.Module):
         step, i = batch.step, self.layer_idx
         rec, conv = cache.recurrent[i], cache.conv[i]
         bufs = self._records(batch, rec, conv)
+        y = self.kernels.kda_block(x if step.identity else x[step.rows], self.block_weights(), conv, rec, step.slots,
+                                   step.starts, self._lower_bound(), self.eps, *bufs)
+        self._keep_records(batch, cache, bufs)
+        return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
+
+    def block_weights(self) -> list[torch.Tensor]:
+        """kda_block's 15 weights (kernels/cpu/blocks.cpp), built once; with block_scalars, what
+        the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
         if self._kernel_weights is None:
             g = [self.g_proj.weight, _NONE] if hasattr(self, "g_proj") else [self.g_a_proj.weight, self.g_b_proj.weight]
             self._kernel_weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
                                     self.f_b_proj.weight, self.b_proj.weight, *g, self.o_proj.weight,
                                     self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias,
                                     self.A_log, self.o_norm.weight]
-        y = self.kernels.kda_block(x if step.identity else x[step.rows], self._kernel_weights, conv, rec, step.slots,
-                                   step.starts, self._lower_bound(), self.eps, *bufs)
-        self._keep_records(batch, cache, bufs)
-        return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
+        return self._kernel_weights
+
+    def block_scalars(self) -> tuple[list[int], list[float]]:
+        return [], [self._lower_bound(), self.eps]
 
     def _stepwise_kernel(self, u, conv_w, z, b, gate, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """Decode and verify rows of a mixed step in one compiled call (kernels/cpu/kda_decode.cpp)."""

@@ -173,17 +173,27 @@ class GatedMLA(nn.Module):
         """Projections, latent norm and cache write, absorbed attention, gate and o_proj in one
         compiled call (kernels/cpu/blocks.cpp mla_block)."""
         m, step = self.cfg, batch.step
+        y = self.kernels.mla_block(x if step.identity else x[step.rows], self.block_weights(),
+                                   cache.latent[self.layer_idx], step.cache_rows, step.table, step.seq, step.positions,
+                                   batch.block_size, self.scale, m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank,
+                                   MLA_NORM_EPS)
+        return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
+
+    def block_weights(self) -> list[torch.Tensor]:
+        """mla_block's 8 weights (kernels/cpu/blocks.cpp), built once; with block_scalars, what
+        the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
+        m = self.cfg
         if self._kernel_weights is None:
             q = ([self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight] if m.q_lora_rank is not None
                  else [self.q_proj.weight, _NONE, _NONE])
             self._kernel_weights = [*q, self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight,
                                     self.kv_b_proj.weight, self.g_proj.weight if m.use_output_gate else _NONE,
                                     self.o_proj.weight]
-        y = self.kernels.mla_block(x if step.identity else x[step.rows], self._kernel_weights,
-                                   cache.latent[self.layer_idx], step.cache_rows, step.table, step.seq, step.positions,
-                                   batch.block_size, self.scale, m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank,
-                                   MLA_NORM_EPS)
-        return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
+        return self._kernel_weights
+
+    def block_scalars(self) -> tuple[list[int], list[float]]:
+        m = self.cfg
+        return [m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank], [self.scale, MLA_NORM_EPS]
 
     def _decode_batched(self, idx, q_nope, q_pe, latent, w_kv_b, batch, store, out) -> None:
         """All single-token decodes: write their rows, gather each sequence's rows padded to the

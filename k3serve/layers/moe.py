@@ -117,7 +117,7 @@ class SparseMoE(nn.Module):
         if self.tp.size > 1:
             return self._partial_forward(x)
         if self._fast(x) and (x.shape[0] <= DENSE_KERNEL_ROWS or self.w1.is_packed or not self._big_experts()):
-            return self._block_kernel(x)
+            return self._block_kernel(x)  # (takes_block_kernel: this test, for the decode stack)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
         y = self._routed_torch(x, z).to(x.dtype)
         if self.cfg.latent_size is not None:
@@ -227,6 +227,19 @@ class SparseMoE(nn.Module):
     def _block_kernel(self, x: torch.Tensor) -> torch.Tensor:
         """Router, routed experts, latent norm / up projection and shared experts in one compiled
         call (kernels/cpu/blocks.cpp moe_block), for any number of rows."""
+        ints, floats = self.block_scalars()
+        return self.kernels.moe_block(x, self.block_weights(), ints[0], bool(ints[1]), bool(ints[2]), floats[0],
+                                      *ints[3:], *floats[1:])
+
+    def takes_block_kernel(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs `_block_kernel` (no TP / EP, the fast path, and experts the
+        kernel takes at this many rows)."""
+        return (self.ep is None and self.tp.size == 1 and self._fast(x)
+                and (x.shape[0] <= DENSE_KERNEL_ROWS or self.w1.is_packed or not self._big_experts()))
+
+    def block_weights(self) -> list:
+        """moe_block's 14 weights (None where absent), built once; with block_scalars, what the
+        decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
         m = self.cfg
         if self._kernel_weights is None:
             latent = m.latent_size is not None
@@ -238,10 +251,14 @@ class SparseMoE(nn.Module):
                                     self.routed_expert_down_proj.weight if latent else None,
                                     self.routed_expert_norm.weight if latent and m.latent_use_norm else None,
                                     self.routed_expert_up_proj.weight if latent else None, *experts, *shared]
+        return self._kernel_weights
+
+    def block_scalars(self) -> tuple[list[int], list[float]]:
+        """ints {top_k, sigmoid, renormalize, groups, topk_group, situ}, floats {scaling, beta, linear_beta, eps}"""
+        m = self.cfg
         beta, linear_beta = self.situ or (0.0, 0.0)
-        return self.kernels.moe_block(x, self._kernel_weights, m.top_k, m.router_activation == "sigmoid",
-                                      m.renormalize, m.routed_scaling_factor, m.num_expert_group, m.topk_group,
-                                      int(self.situ is not None), beta, linear_beta, self.eps)
+        return ([m.top_k, int(m.router_activation == "sigmoid"), int(m.renormalize), m.num_expert_group, m.topk_group,
+                 int(self.situ is not None)], [m.routed_scaling_factor, beta, linear_beta, self.eps])
 
     def _routed_torch(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)

@@ -59,6 +59,7 @@ class KimiModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.kernels = None  # k3serve.kernels module: the AttnRes mix in one call (set by use_kernels)
         self._kernel_weights: list[torch.Tensor] | None = None  # AttnRes vectors, reset by use_kernels
+        self._decode_stack = None  # kernels.DecodeStack (False: this model has none), reset by use_kernels
         if cfg.use_attnres:
             self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
             self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
@@ -70,6 +71,11 @@ class KimiModel(nn.Module):
         h = self.embed(batch.input_ids)  # [N, d]
         if batch.media_rows is not None:  # media pads take the vision tower's rows
             h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
+        stack = self._stack_for(batch, h) if capture is None else None
+        if stack is not None:  # a plain decode step: the whole stack in one compiled call
+            step = batch.step
+            return self.norm(stack.run(h, self._stack_states(cache), step.slots, step.starts, step.cache_rows,
+                                       step.table, step.seq, step.positions, batch.block_size))
         if not self.cfg.use_attnres:
             for i, layer in enumerate(self.layers):
                 h = h + layer.attn(h, batch, cache)
@@ -78,6 +84,55 @@ class KimiModel(nn.Module):
                     capture[i] = h
             return self.norm(h)
         return self.norm(self._attnres_forward(h, batch, cache, capture))
+
+    def _stack_for(self, batch: ForwardBatch, h: torch.Tensor):
+        """The compiled decode stack (kernels/cpu/decode_stack.cpp) when this step is one it
+        runs as the layers would: decode rows only (no verify records, no media), in step order,
+        every block on its block kernel; else None. Built once per use_kernels."""
+        step = batch.step
+        if (self.kernels is None or h.device.type != "cpu" or self.tp.size > 1 or batch.verify or not step.seqs
+                or not (step.covers_all and step.identity) or batch.media_rows is not None or torch.is_grad_enabled()):
+            return None
+        if self._decode_stack is None:
+            self._decode_stack = self._build_stack() or False
+        ok = self._decode_stack and all(l.block_sparse_moe.takes_block_kernel(h) for l in self.layers
+                                        if hasattr(l, "block_sparse_moe"))
+        return self._decode_stack if ok else None
+
+    def _build_stack(self):
+        """A DecodeStack of every layer's block arguments, or None where a layer has no block
+        kernel (MLA without absorbed decode, experts split over ranks)."""
+        vectors = self._attnres_vectors() if self.cfg.use_attnres else []
+        stack = self.kernels.DecodeStack(self.cfg.rms_norm_eps, self.cfg.attn_res_block_size if vectors else 1,
+                                         vectors)
+        for layer in self.layers:
+            attn = layer.self_attn
+            mla = not isinstance(attn, KimiDeltaAttention)
+            if mla and not attn.absorbed_decode:
+                return None
+            attn_i, attn_f = attn.block_scalars()
+            if hasattr(layer, "block_sparse_moe"):
+                moe = layer.block_sparse_moe
+                if moe.ep is not None or moe.tp.size > 1:
+                    return None
+                ffn, (ffn_i, ffn_f) = moe.block_weights(), moe.block_scalars()
+            else:
+                beta, linear_beta = layer.mlp.situ or (0.0, 0.0)
+                ffn, ffn_i, ffn_f = layer.mlp.weights(), [int(layer.mlp.situ is not None)], [beta, linear_beta]
+            stack.add_layer(int(mla), layer.input_layernorm.weight, attn.block_weights(), attn_i, attn_f,
+                            int(not hasattr(layer, "block_sparse_moe")), layer.post_attention_layernorm.weight, ffn,
+                            ffn_i, ffn_f)
+        return stack
+
+    def _stack_states(self, cache: CacheTensors) -> list[torch.Tensor]:
+        """Each layer's cache tensors in layer order (KDA: conv, recurrent; MLA: latent)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                out += [cache.conv[i], cache.recurrent[i]]
+            else:
+                out.append(cache.latent[i])
+        return out
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[N] -> [N, d]. Vocab-parallel: each rank looks up the ids in its shard, zeros the
@@ -172,6 +227,8 @@ class KimiForCausalLM(nn.Module):
                 m.kernels = module
             if hasattr(m, "_kernel_weights"):  # cached argument lists: call this after the last load / move
                 m._kernel_weights = None
+            if hasattr(m, "_decode_stack"):
+                m._decode_stack = None
         return module
 
     def idle_moe(self) -> None:

@@ -4,7 +4,10 @@
 #include "ops.h"
 #include "simd.h"
 
+void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_stack(m);
   m.def("mxfp4_grouped_matmul", &mxfp4_grouped_matmul,
         "y[N, O] = x[N, K] @ W_e^T per expert group, W packed MXFP4 [E, O, K/2] + E8M0 [E, O, K/32]");
   m.def("mxfp4_rows_bf16", &mxfp4_rows_bf16,

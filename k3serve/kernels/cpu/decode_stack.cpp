@@ -1,0 +1,123 @@
+// A decode step's whole decoder stack in one call (issue 15). On a tiny model a decode step is
+// mostly Python between the compiled blocks: per layer two norms, two block calls, two residual
+// adds, their module calls and argument lists (~0.15-0.2 ms of a ~0.45 ms step). DecodeStack holds
+// every layer's block arguments, built once from the modules (KimiModel.decode_stack), and runs
+// the same kernels in the same order as the per-layer path: RMSNorm, the KDA / MLA block, the
+// residual add, RMSNorm, the MoE block or the GLU MLP, the residual add (or Block AttnRes's
+// depth mixes between them), so its result equals that path's bit for bit.
+// Reference: KimiModel.forward / _attnres_forward (k3serve/models/kimi.py), compared in
+// tests/model/test_block_kernels.py.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+#include <vector>
+
+namespace {
+
+// One decoder layer's arguments. KDA (attn_kind 0): 15 weights, floats {lower_bound, eps}; its
+// conv and recurrent state come with each step. MLA (1): 8 weights (its latent cache comes with
+// each step), ints {heads, nope, kv_lora},
+// floats {scale, norm_eps}. MoE (ffn_kind 0): moe_block's 14 weights, ints {topk, sigmoid,
+// renorm, groups, keep, act}, floats {scaling, beta, linear_beta, eps}. GLU MLP (1): gate, up,
+// down, ints {act}, floats {beta, linear_beta}.
+struct Layer {
+  int64_t attn_kind, ffn_kind;
+  at::Tensor in_norm, post_norm;
+  std::vector<at::Tensor> attn;
+  std::vector<int64_t> attn_i, ffn_i;
+  std::vector<double> attn_f, ffn_f;
+  std::vector<c10::optional<at::Tensor>> ffn;
+};
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  DecodeStack(double norm_eps, int64_t attnres_block, std::vector<at::Tensor> attnres_vectors)
+      : eps_(norm_eps), block_(attnres_block), vectors_(std::move(attnres_vectors)) {}
+
+  void add_layer(int64_t attn_kind, at::Tensor in_norm, std::vector<at::Tensor> attn, std::vector<int64_t> attn_i, std::vector<double> attn_f, int64_t ffn_kind, at::Tensor post_norm,
+                 std::vector<c10::optional<at::Tensor>> ffn, std::vector<int64_t> ffn_i, std::vector<double> ffn_f) {
+    TORCH_CHECK(attn_kind == 0 ? attn.size() == 15 && attn_f.size() == 2
+                               : attn.size() == 8 && attn_i.size() == 3 && attn_f.size() == 2,
+                "decode stack: bad attention arguments for layer ", layers_.size());
+    TORCH_CHECK(ffn_kind == 0 ? ffn.size() == 14 && ffn_i.size() == 6 && ffn_f.size() == 4
+                              : ffn.size() == 3 && ffn_i.size() == 1 && ffn_f.size() == 2,
+                "decode stack: bad feed-forward arguments for layer ", layers_.size());
+    layers_.push_back({attn_kind, ffn_kind, in_norm, post_norm, std::move(attn), std::move(attn_i),
+                       std::move(ffn_i), std::move(attn_f), std::move(ffn_f), std::move(ffn)});
+  }
+
+  // h [N, d]: the embedded decode rows, in step order (StepRows.identity). states: each layer's
+  // cache tensors in layer order (KDA: conv, recurrent; MLA: latent). The step's KDA state slots /
+  // row starts and MLA cache rows / block table / sequences / positions, as ForwardBatch carries
+  // them. Returns the last hidden state before the final norm.
+  at::Tensor run(at::Tensor h, std::vector<at::Tensor> states, at::Tensor slots, at::Tensor starts,
+                 at::Tensor cache_rows, at::Tensor table, at::Tensor seq, at::Tensor pos, int64_t block) const {
+    std::vector<const at::Tensor*> state(layers_.size());
+    size_t next = 0;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      state[i] = &states.at(next);
+      next += layers_[i].attn_kind == 0 ? 2 : 1;
+    }
+    TORCH_CHECK(next == states.size(), "decode stack: ", states.size(), " cache tensors for ", next, " expected");
+    const auto attn = [&](size_t i, const at::Tensor& x) {
+      const Layer& l = layers_[i];
+      const at::Tensor a = rms_norm(x.contiguous(), l.in_norm, eps_);
+      if (l.attn_kind == 0)
+        return kda_block(a, l.attn, state[i][0], state[i][1], slots, starts, l.attn_f[0], l.attn_f[1], c10::nullopt,
+                         c10::nullopt);
+      return mla_block(a, l.attn, state[i][0], cache_rows, table, seq, pos, block, l.attn_f[0], l.attn_i[0],
+                       l.attn_i[1], l.attn_i[2], l.attn_f[1]);
+    };
+    if (vectors_.empty()) {
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        h = h + attn(i, h);
+        h = h + ffn(layers_[i], h);
+      }
+      return h;
+    }
+    TORCH_CHECK(vectors_.size() == 2 * layers_.size() + 1, "decode stack: one AttnRes vector per sublayer and the output");
+    std::vector<at::Tensor> bank;
+    const auto with = [&bank](const at::Tensor& t) {
+      std::vector<at::Tensor> c(bank);
+      c.push_back(t);
+      return c;
+    };
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const at::Tensor a_in = bank.empty() ? h : attnres_mix(with(h), vectors_[2 * i], eps_);
+      at::Tensor partial;
+      if (int64_t(i) % block_ == 0) {
+        bank.push_back(h);
+        partial = attn(i, a_in);
+      } else {
+        partial = h + attn(i, a_in);
+      }
+      h = partial + ffn(layers_[i], attnres_mix(with(partial), vectors_[2 * i + 1], eps_));
+    }
+    return attnres_mix(with(h), vectors_.back(), eps_);
+  }
+
+ private:
+  at::Tensor ffn(const Layer& l, const at::Tensor& x) const {
+    const at::Tensor m = rms_norm(x.contiguous(), l.post_norm, eps_);
+    const auto& i = l.ffn_i;
+    const auto& f = l.ffn_f;
+    if (l.ffn_kind == 0)
+      return moe_block(m, l.ffn, i[0], i[1] != 0, i[2] != 0, f[0], i[3], i[4], i[5], f[1], f[2], f[3]);
+    return fast_linear(glu_act(fast_linear(m, *l.ffn[0]), fast_linear(m, *l.ffn[1]), i[0], f[0], f[1]), *l.ffn[2]);
+  }
+
+  double eps_;
+  int64_t block_;
+  std::vector<at::Tensor> vectors_;
+  std::vector<Layer> layers_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder stack in one call")
+      .def(pybind11::init<double, int64_t, std::vector<at::Tensor>>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("run", &DecodeStack::run);
+}
