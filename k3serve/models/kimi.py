@@ -71,11 +71,9 @@ class KimiModel(nn.Module):
         h = self.embed(batch.input_ids)  # [N, d]
         if batch.media_rows is not None:  # media pads take the vision tower's rows
             h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
-        stack = self._stack_for(batch, h) if capture is None else None
-        if stack is not None:  # a plain decode step: the whole stack in one compiled call
-            step = batch.step
-            return self.norm(stack.run(h, self._stack_states(cache), step.slots, step.starts, step.cache_rows,
-                                       step.table, step.seq, step.positions, batch.block_size))
+        stack = self._stack_for(batch, h)
+        if stack is not None:  # a decode / verify step: the whole stack in one compiled call
+            return self.norm(self._run_stack(stack, h, batch, cache, capture))
         if not self.cfg.use_attnres:
             for i, layer in enumerate(self.layers):
                 h = h + layer.attn(h, batch, cache)
@@ -85,12 +83,37 @@ class KimiModel(nn.Module):
             return self.norm(h)
         return self.norm(self._attnres_forward(h, batch, cache, capture))
 
+    def _run_stack(self, stack, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors,
+                   capture: dict | None) -> torch.Tensor:
+        """One DecodeStack call; a verify pass's KDA records are allocated and kept as each KDA
+        layer's _block_kernel does, the tap layers' outputs land in `capture`."""
+        step, states, records, kdas = batch.step, [], [], []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                states += [cache.conv[i], cache.recurrent[i]]
+                if batch.verify:
+                    bufs = attn._records(batch, cache.recurrent[i], cache.conv[i])
+                    records += bufs
+                    kdas.append((attn, bufs))
+            else:
+                states.append(cache.latent[i])
+        taps = list(capture) if capture else []
+        out = stack.run(h, states, records, step.slots, step.starts, step.cache_rows, step.table, step.seq,
+                        step.positions, batch.block_size, taps)
+        for attn, bufs in kdas:
+            attn._keep_records(batch, cache, bufs)
+        for i, t in zip(taps, out[1:]):
+            capture[i] = t
+        return out[0]
+
     def _stack_for(self, batch: ForwardBatch, h: torch.Tensor):
         """The compiled decode stack (kernels/cpu/decode_stack.cpp) when this step is one it
-        runs as the layers would: decode rows only (no verify records, no media), in step order,
-        every block on its block kernel; else None. Built once per use_kernels."""
+        runs as the layers would: decode and verify rows only (no media), in step order, every
+        block on its block kernel; else None. Built once per use_kernels."""
         step = batch.step
-        if (self.kernels is None or h.device.type != "cpu" or self.tp.size > 1 or batch.verify or not step.seqs
+        if (self.kernels is None or h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16)
+                or self.tp.size > 1 or not step.seqs
                 or not (step.covers_all and step.identity) or batch.media_rows is not None or torch.is_grad_enabled()):
             return None
         if self._decode_stack is None:
@@ -123,16 +146,6 @@ class KimiModel(nn.Module):
                             int(not hasattr(layer, "block_sparse_moe")), layer.post_attention_layernorm.weight, ffn,
                             ffn_i, ffn_f)
         return stack
-
-    def _stack_states(self, cache: CacheTensors) -> list[torch.Tensor]:
-        """Each layer's cache tensors in layer order (KDA: conv, recurrent; MLA: latent)."""
-        out = []
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer.self_attn, KimiDeltaAttention):
-                out += [cache.conv[i], cache.recurrent[i]]
-            else:
-                out.append(cache.latent[i])
-        return out
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[N] -> [N, d]. Vocab-parallel: each rank looks up the ids in its shard, zeros the

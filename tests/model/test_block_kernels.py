@@ -130,10 +130,13 @@ def test_kernels_match_the_torch_path(model):
 
 
 def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
-    """Plain decode steps through the compiled decode stack (kernels/cpu/decode_stack.cpp: the
-    whole decoder stack in one call) and through the layers one call each (the stack switched
-    off) give identical logits and cache states: the same kernels in the same order. K3 covers
-    Block AttnRes and MXFP4 experts, Kimi-Linear the dense first layer."""
+    """Decode and verify steps through the compiled decode stack (kernels/cpu/decode_stack.cpp:
+    the whole decoder stack in one call) and through the layers one call each (the stack
+    switched off) give identical logits, cache states, verify records and tap-layer outputs:
+    the same kernels in the same order. K3 covers Block AttnRes and MXFP4 experts, Kimi-Linear
+    the dense first layer."""
+    taps = {1: None, model.cfg.num_layers - 2: None}
+
     def run(stack: bool):
         model.use_kernels("cpp")
         if not stack:
@@ -142,21 +145,29 @@ def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
         cache = CacheTensors.allocate(model.cfg, 4, 32, BS, kv_dtype=model.dtype)
         tables = [list(range(8 * s, 8 * s + 8)) for s in range(3)]
         a, b, c = (torch.randint(0, 500, (n,), generator=g) for n in (20, 37, 9))
-        steps = [([a, b, c], [0, 0, 0])] + [([a[t:t + 1], b[t:t + 1], c[t:t + 1]], [20 + t, 37 + t, 9 + t])
-                                             for t in range(4)]
-        out = []
+        steps = [([a, b, c], [0, 0, 0], [], None)]
+        steps += [([a[t:t + 1], b[t:t + 1], c[t:t + 1]], [20 + t, 37 + t, 9 + t], [], None) for t in range(3)]
+        steps += [([a[:4], b[:1], c[:3]], [23, 40, 12], [0, 2], dict(taps)),  # verify passes beside a decode
+                  ([a[:1], b[:1], c[:1]], [27, 41, 15], [], dict(taps))]
+        out, records = [], []
         with torch.inference_mode():
-            for ids, ctx in steps:
-                fb = ForwardBatch(torch.cat(ids), [len(i) for i in ids], ctx, [0, 1, 2], tables, BS)
-                out.append(model.compute_logits(model(fb, cache)))
+            for ids, ctx, verify, capture in steps:
+                fb = ForwardBatch(torch.cat(ids), [len(i) for i in ids], ctx, [0, 1, 2], tables, BS, verify=verify)
+                out.append(model.compute_logits(model(fb, cache, capture)))
+                out += list(capture.values()) if capture else []
+                # per verify sequence its rows' records (a buffer's tail past them is scratch)
+                records += [t[j, :len(ids[s])] for i in sorted(cache.spec_states) for t in cache.spec_states[i]
+                            for j, s in enumerate(verify)]
+                cache.spec_states.clear()
         ran = model.model._decode_stack
         model.use_kernels("torch")
-        return out, cache, ran
+        return out, records, cache, ran
 
-    fast, fast_cache, ran = run(True)
-    slow, slow_cache, _ = run(False)
+    fast, fast_records, fast_cache, ran = run(True)
+    slow, slow_records, slow_cache, _ = run(False)
     assert type(ran).__name__ == "DecodeStack"  # the decode steps did take it
-    for f, r in zip(fast, slow):
+    assert len(fast) == len(slow) == 6 + 2 * len(taps) and len(fast_records) == len(slow_records) > 0
+    for f, r in zip(fast + fast_records, slow + slow_records):
         assert torch.equal(f, r)
     for name in ("recurrent", "conv", "latent"):
         for f, r in zip(getattr(fast_cache, name), getattr(slow_cache, name)):

@@ -49,34 +49,48 @@ class DecodeStack {
                        std::move(ffn_i), std::move(attn_f), std::move(ffn_f), std::move(ffn)});
   }
 
-  // h [N, d]: the embedded decode rows, in step order (StepRows.identity). states: each layer's
-  // cache tensors in layer order (KDA: conv, recurrent; MLA: latent). The step's KDA state slots /
-  // row starts and MLA cache rows / block table / sequences / positions, as ForwardBatch carries
-  // them. Returns the last hidden state before the final norm.
-  at::Tensor run(at::Tensor h, std::vector<at::Tensor> states, at::Tensor slots, at::Tensor starts,
-                 at::Tensor cache_rows, at::Tensor table, at::Tensor seq, at::Tensor pos, int64_t block) const {
-    std::vector<const at::Tensor*> state(layers_.size());
-    size_t next = 0;
+  // h [N, d]: the embedded decode / verify rows, in step order (StepRows.identity). states: each
+  // layer's cache tensors in layer order (KDA: conv, recurrent; MLA: latent); records: per KDA
+  // layer its verify pass's per-position state buffers (recurrent, conv) or two undefined
+  // tensors. The step's KDA state slots / row starts and MLA cache rows / block table /
+  // sequences / positions, as ForwardBatch carries them. capture: layers whose output hidden
+  // states to return too (a DSpark drafter's taps). Returns [last hidden state before the final
+  // norm, the captured layers' outputs in `capture` order].
+  std::vector<at::Tensor> run(at::Tensor h, std::vector<at::Tensor> states, std::vector<at::Tensor> records,
+                              at::Tensor slots, at::Tensor starts, at::Tensor cache_rows, at::Tensor table,
+                              at::Tensor seq, at::Tensor pos, int64_t block, std::vector<int64_t> capture) const {
+    std::vector<const at::Tensor*> state(layers_.size()), record(layers_.size(), nullptr);
+    size_t next = 0, kda = 0;
     for (size_t i = 0; i < layers_.size(); ++i) {
       state[i] = &states.at(next);
       next += layers_[i].attn_kind == 0 ? 2 : 1;
+      if (layers_[i].attn_kind == 0 && !records.empty()) record[i] = &records.at(2 * kda++);
     }
     TORCH_CHECK(next == states.size(), "decode stack: ", states.size(), " cache tensors for ", next, " expected");
+    TORCH_CHECK(records.empty() || records.size() == 2 * kda, "decode stack: two record buffers per KDA layer");
+    const auto opt = [](const at::Tensor* t) { return t && t->defined() ? c10::optional<at::Tensor>(*t) : c10::nullopt; };
     const auto attn = [&](size_t i, const at::Tensor& x) {
       const Layer& l = layers_[i];
       const at::Tensor a = rms_norm(x.contiguous(), l.in_norm, eps_);
       if (l.attn_kind == 0)
-        return kda_block(a, l.attn, state[i][0], state[i][1], slots, starts, l.attn_f[0], l.attn_f[1], c10::nullopt,
-                         c10::nullopt);
+        return kda_block(a, l.attn, state[i][0], state[i][1], slots, starts, l.attn_f[0], l.attn_f[1],
+                         opt(record[i]), opt(record[i] ? record[i] + 1 : nullptr));
       return mla_block(a, l.attn, state[i][0], cache_rows, table, seq, pos, block, l.attn_f[0], l.attn_i[0],
                        l.attn_i[1], l.attn_i[2], l.attn_f[1]);
+    };
+    std::vector<at::Tensor> out(1 + capture.size());
+    const auto tap = [&](int64_t i, const at::Tensor& t) {
+      for (size_t j = 0; j < capture.size(); ++j)
+        if (capture[j] == i) out[1 + j] = t;
     };
     if (vectors_.empty()) {
       for (size_t i = 0; i < layers_.size(); ++i) {
         h = h + attn(i, h);
         h = h + ffn(layers_[i], h);
+        tap(int64_t(i), h);
       }
-      return h;
+      out[0] = h;
+      return out;
     }
     TORCH_CHECK(vectors_.size() == 2 * layers_.size() + 1, "decode stack: one AttnRes vector per sublayer and the output");
     std::vector<at::Tensor> bank;
@@ -95,8 +109,10 @@ class DecodeStack {
         partial = h + attn(i, a_in);
       }
       h = partial + ffn(layers_[i], attnres_mix(with(partial), vectors_[2 * i + 1], eps_));
+      tap(int64_t(i), h);
     }
-    return attnres_mix(with(h), vectors_.back(), eps_);
+    out[0] = attnres_mix(with(h), vectors_.back(), eps_);
+    return out;
   }
 
  private:
