@@ -158,7 +158,8 @@ def test_moe_route_equals_the_router(groups, keep, act, dtype):
 def test_moe_experts_equals_the_torch_experts(kind, act):
     """mxfp4: FP32 activations (FP32 dots); mxfp4-bf16: a bf16 model's (bf16 dots on rows decoded
     to bf16, rounding where torch's bf16 path rounds); h = 96 leaves a lone 32-group after the
-    64-column steps, inter = 96 too, 9 tokens fill 3 x 4 tiles raggedly."""
+    64-column steps, inter = 96 too; expert 1's six tokens fill 3 x 4 tiles raggedly, the others'
+    one or two take the 1-row tiles (and, packed, the in-register decode)."""
     g = torch.Generator().manual_seed(len(kind) + len(act))
     E, h, inter, out, T, k = 6, 96, 96, 40, 9, 2
     dense = [torch.randn(E, inter, h, generator=g) / 8, torch.randn(E, inter, h, generator=g) / 8,
@@ -166,8 +167,9 @@ def test_moe_experts_equals_the_torch_experts(kind, act):
     fn = (lambda a, b: situ_and_mul(a, b, 4.0, 25.0)) if act == "situ" else silu_and_mul
     x = torch.randn(T, h, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    ids[3] = ids[4]  # two tokens share experts
-    ids[5:9, 0] = 1  # and one expert serves five
+    ids[1] = ids[2]  # two tokens share experts
+    for t in range(3, 9):  # and one expert serves six (3-row tiles from 6 tokens up)
+        ids[t] = torch.tensor([1, 2 + t % 4])
     weights = torch.rand(T, k, generator=g)
     bf16 = kind in ("bf16", "mxfp4-bf16")
     if kind.startswith("mxfp4"):
