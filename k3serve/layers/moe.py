@@ -51,13 +51,17 @@ class GluMLP(nn.Module):
         if k is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
                 and not torch.is_grad_enabled():
             gate, up, down = self.weights()
-            beta, linear_beta = self.situ or (0.0, 0.0)
-            return k.linear(k.glu(k.linear(x, gate), k.linear(x, up), int(self.situ is not None), beta, linear_beta),
-                            down)
+            (act,), (beta, linear_beta) = self.block_scalars()
+            return k.linear(k.glu(k.linear(x, gate), k.linear(x, up), act, beta, linear_beta), down)
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
     def weights(self) -> list[torch.Tensor]:
         return [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+
+    def block_scalars(self) -> tuple[list[int], list[float]]:
+        """ints {situ}, floats {beta, linear_beta}: the kernels' GLU arguments"""
+        beta, linear_beta = self.situ or (0.0, 0.0)
+        return [int(self.situ is not None)], [beta, linear_beta]
 
 
 class Gate(WeightOnly):
@@ -116,8 +120,8 @@ class SparseMoE(nn.Module):
             return self._dp_ep_forward(x)
         if self.tp.size > 1:
             return self._partial_forward(x)
-        if self._fast(x) and (x.shape[0] <= DENSE_KERNEL_ROWS or self.w1.is_packed or not self._big_experts()):
-            return self._block_kernel(x)  # (takes_block_kernel: this test, for the decode stack)
+        if self.takes_block_kernel(x):
+            return self._block_kernel(x)
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
         y = self._routed_torch(x, z).to(x.dtype)
         if self.cfg.latent_size is not None:

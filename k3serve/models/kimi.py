@@ -134,17 +134,13 @@ class KimiModel(nn.Module):
             if mla and not attn.absorbed_decode:
                 return None
             attn_i, attn_f = attn.block_scalars()
-            if hasattr(layer, "block_sparse_moe"):
-                moe = layer.block_sparse_moe
-                if moe.ep is not None or moe.tp.size > 1:
-                    return None
-                ffn, (ffn_i, ffn_f) = moe.block_weights(), moe.block_scalars()
-            else:
-                beta, linear_beta = layer.mlp.situ or (0.0, 0.0)
-                ffn, ffn_i, ffn_f = layer.mlp.weights(), [int(layer.mlp.situ is not None)], [beta, linear_beta]
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None and (moe.ep is not None or moe.tp.size > 1):
+                return None
+            ffn = moe.block_weights() if moe is not None else layer.mlp.weights()
+            ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
             stack.add_layer(int(mla), layer.input_layernorm.weight, attn.block_weights(), attn_i, attn_f,
-                            int(not hasattr(layer, "block_sparse_moe")), layer.post_attention_layernorm.weight, ffn,
-                            ffn_i, ffn_f)
+                            int(moe is None), layer.post_attention_layernorm.weight, ffn, ffn_i, ffn_f)
         return stack
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -62,29 +62,25 @@ struct Matrix {
   void dot_rows(int64_t e, int64_t o, int R, const uint16_t* xs, int64_t T, float* out, int64_t ldo, uint16_t* wb,
                 float* wf, XF xf) const {
     const uint16_t* rows[3];
-    bool folded = true;
-    for (int r = 0; r < R && folded; ++r) {
-      if (!scale) {
-        rows[r] = static_cast<const uint16_t*>(data) + (e * O + o + r) * I;
-      } else if (T <= 4) {
-        folded = in_registers(e, o + r, xs, T, out + r, ldo);
-      } else {
-        rows[r] = wb + r * I;
-        folded = k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb + r * I);
-      }
+    if (!scale) {
+      for (int r = 0; r < R; ++r) rows[r] = static_cast<const uint16_t*>(data) + (e * O + o + r) * I;
+      return k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo, R * I);
     }
-    if (folded) {
-      if (!scale || T > 4) k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo, scale ? 0 : R * I);
-      return;
+    bool folded[3], all = true;
+    for (int r = 0; r < R; ++r) {
+      rows[r] = wb + r * I;
+      folded[r] = T <= 4 ? in_registers(e, o + r, xs, T, out + r, ldo)
+                         : k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb + r * I);
+      all &= folded[r];
     }
-    for (int r = 0; r < R; ++r) {  // row by row, each folded or in FP32
-      if (T <= 4 ? in_registers(e, o + r, xs, T, out + r, ldo)
-                 : k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb)) {
-        if (T > 4) k3k::dot_rows_bf16(xs, I, T, wb, I, out + r, ldo);
-        continue;
+    if (T > 4 && all) return k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo);
+    for (int r = 0; r < R; ++r) {
+      if (T > 4 && folded[r]) {
+        k3k::dot_rows_bf16(xs, I, T, rows[r], I, out + r, ldo);
+      } else if (!folded[r]) {  // FP32, column order
+        k3k::decode_mxfp4_row(codes(e, o + r), scales(e, o + r), I, wf);
+        for (int64_t j = 0; j < T; ++j) out[j * ldo + r] = k3k::row_dot(xf(j), wf, I);
       }
-      k3k::decode_mxfp4_row(codes(e, o + r), scales(e, o + r), I, wf);
-      for (int64_t j = 0; j < T; ++j) out[j * ldo + r] = k3k::row_dot(xf(j), wf, I);
     }
   }
   bool in_registers(int64_t e, int64_t o, const uint16_t* xs, int64_t T, float* out, int64_t ldo) const {
@@ -116,6 +112,18 @@ Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const
 }
 
 #ifdef K3K_DPBF16
+// n rows (row q at src(q), K floats holding bf16 values) as bf16 bits [n, K], in split64 order
+// for packed matrices (split)
+template <typename Src>
+std::vector<uint16_t> bf16_rows(int64_t n, int64_t K, bool split, Src src) {
+  std::vector<uint16_t> out(n * K), tmp(split ? K : 0);
+  for (int64_t q = 0; q < n; ++q) {
+    k3k::to_bf16_bits(src(q), K, split ? tmp.data() : out.data() + q * K);
+    if (split) k3k::split64_bf16(tmp.data(), K, out.data() + q * K);
+  }
+  return out;
+}
+
 // w1 and w3 can take the bf16 route: both packed MXFP4 (K a multiple of 32, one split order) or
 // both bf16, and every value of z [n] representable in bf16 (then the route is exact up to
 // summation order, whatever the batch)
@@ -169,14 +177,8 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   // pairs' z rows gathered in expert order as bf16 bits (split64 order for packed experts, whose
   // rows are decoded to bf16 once per (expert, row): decode_mxfp4_row_bf16).
   if (gate_up_bf16(m1, m3, zp, N * Kin)) {
-    std::vector<uint16_t> zg(pairs * Kin);
-    {
-      std::vector<uint16_t> tb(Kin);
-      for (int64_t q = 0; q < pairs; ++q) {
-        to_bf16_bits(zp + (order[q] / topk) * Kin, Kin, m1.split() ? tb.data() : zg.data() + q * Kin);
-        if (m1.split()) split64_bf16(tb.data(), Kin, zg.data() + q * Kin);
-      }
-    }
+    const std::vector<uint16_t> zg =
+        bf16_rows(pairs, Kin, m1.split(), [&](int64_t q) { return zp + (order[q] / topk) * Kin; });
     at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                      [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> wb(3 * Kin);
@@ -228,14 +230,8 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   const int64_t grain2 = grain_for(2 * inter * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1)));
 #ifdef K3K_DPBF16
   if (rnd && (m2.bf16() || m2.split())) {  // h holds bf16 values: w2 meets it in vdpbf16ps
-    std::vector<uint16_t> hb(pairs * inter);
-    {
-      std::vector<uint16_t> tb(inter);
-      for (int64_t q = 0; q < pairs; ++q) {
-        to_bf16_bits(h.data() + q * inter, inter, m2.split() ? tb.data() : hb.data() + q * inter);
-        if (m2.split()) split64_bf16(tb.data(), inter, hb.data() + q * inter);
-      }
-    }
+    const std::vector<uint16_t> hb =
+        bf16_rows(pairs, inter, m2.split(), [&](int64_t q) { return h.data() + q * inter; });
     at::parallel_for(0, A * out_dim, grain2, [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> wb(3 * inter);
       std::vector<float> wf(inter);
