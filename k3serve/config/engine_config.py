@@ -12,6 +12,11 @@ DTYPES = ("auto", "float32", "bfloat16")
 KV_DTYPES = DTYPES + ("fp8",)  # fp8: float8_e4m3fn latent rows, unit scale (vLLM's default k_scale 1.0)
 QUANTIZATIONS = ("compressed-tensors", "mxfp4")  # what a checkpoint's quantization_config can be
 
+# how DP-attention ranks exchange tokens for their experts, as vLLM's --all2all-backend spells it:
+# alltoall (rows only to the ranks owning a token's experts), allgather_reducescatter / naive
+# (every rank's rows to every rank), auto (layers/moe_dispatch.py gather_form)
+ALL2ALL_BACKENDS = ("auto", "alltoall", "allgather_reducescatter", "naive")
+
 
 @dataclass
 class EngineConfig:
@@ -42,6 +47,7 @@ class EngineConfig:
     kernels: str = "auto"  # auto: the compiled CPU kernels when they build | cpp: require them | torch
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
+    all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
     distributed_executor_backend: str = "mp"  # mp: worker processes started here | ray: Ray actors
     distributed_timeout: float = 120.0  # seconds any collective or worker start-up may take
     nnodes: int = 1  # nodes the TP ranks span (node 0 runs the server; others `--node-rank n`)
@@ -73,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'mp' (worker processes started here) or "
                              f"'ray' (Ray actors on the cluster), got {self.distributed_executor_backend!r}")

@@ -50,8 +50,9 @@ def thread_process_groups(world: int, timeout_s: float = 120.0) -> list:
     return pgs
 
 
-def expert_groups(world: int, timeout_s: float = 120.0) -> list[TPGroup]:
-    """One TPGroup (expert-parallel, size `world`) per replica, rank r for replica r."""
+def expert_groups(world: int, timeout_s: float = 120.0, all2all: str = "auto") -> list[TPGroup]:
+    """One TPGroup (expert-parallel, size `world`) per replica, rank r for replica r; `all2all`:
+    how their MoE layers exchange tokens (layers/moe_dispatch.py)."""
     from k3serve import kernels
     from k3serve.distributed.shm import ShmComm, create_segment
 
@@ -64,4 +65,5 @@ def expert_groups(world: int, timeout_s: float = 120.0) -> list[TPGroup]:
             shms = [ShmComm(path, r, world, module, timeout_s) for r in range(world)]
         finally:
             Path(path).unlink(missing_ok=True)  # the mappings stay
-    return [TPGroup(r, world, True, pgs[r], shms[r], size_flag="--data-parallel-size") for r in range(world)]
+    return [TPGroup(r, world, True, pgs[r], shms[r], size_flag="--data-parallel-size", all2all=all2all)
+            for r in range(world)]

@@ -14,11 +14,13 @@ References: vLLM `distributed/parallel_state.py`, `distributed/communication_op.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class CollectiveError(RuntimeError):
@@ -39,15 +41,15 @@ class CommStats:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
 
 
-def _collective(stats: CommStats, kind: str, x: torch.Tensor, op):
-    """op() over the shared segment or the process group, timed into `stats`; a failure (a peer
-    gone, a timeout) becomes CollectiveError."""
+def _collective(stats: CommStats, kind: str, x: torch.Tensor | int, op):
+    """op() over the shared segment or the process group, timed into `stats` with x's bytes (or
+    x bytes); a failure (a peer gone, a timeout) becomes CollectiveError."""
     began = time.perf_counter()
     try:
         out = op()
     except RuntimeError as e:
         raise CollectiveError(f"tensor-parallel {kind} failed: {str(e).splitlines()[0] if str(e) else e}") from e
-    stats.add(kind, x.numel() * x.element_size(), time.perf_counter() - began)
+    stats.add(kind, x if isinstance(x, int) else x.numel() * x.element_size(), time.perf_counter() - began)
     return out
 
 
@@ -60,6 +62,7 @@ class TPGroup:
     shm: Any = None  # distributed/shm.py ShmComm: ranks on one host meet in shared memory (else gloo)
     stats: CommStats = field(default_factory=CommStats, compare=False)
     size_flag: str = "--tensor-parallel-size"  # what sets `size` (DP-attention's expert group: the DP size)
+    all2all: str = "auto"  # DP-attention's token exchange for the experts (layers/moe_dispatch.py)
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of a dimension of size n; an error naming it when N does not divide it."""
@@ -86,6 +89,43 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         _collective(self.stats, "all_gather", x, lambda: self.pg.allgather([parts], [x]).wait())
         return torch.cat(parts, -1)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N * n, ...] summed over the ranks; this rank's chunk [n, ...] (rank r: rows r*n..)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return _collective(self.stats, "reduce_scatter", x, lambda: self.shm.reduce_scatter(x))
+        out = x.new_empty(x.shape[0] // self.size, *x.shape[1:])
+        _collective(self.stats, "reduce_scatter", x, lambda: self.pg._reduce_scatter_base(out, x).wait())
+        return out
+
+    def row_counts(self, send: list[int]) -> list[int]:
+        """Every rank's send[d] (rows for rank d), gathered: the [src * N + dst] matrix an
+        all_to_all takes (one small all_gather, so every rank knows every offset)."""
+        if self.size == 1:
+            return list(send)
+        return [int(c) for c in self.all_gather(torch.tensor(send, dtype=torch.float32))]
+
+    def all_to_all(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [rows, ...] grouped by destination rank, as counts [src * N + dst] (row_counts) says.
+        Returns the rows every rank sent this one [received, ...], in source order. The transport
+        depends on counts alone (the same choice on every rank); the payload counted is what
+        leaves this rank (its rows for the other ranks)."""
+        if self.size == 1:
+            return x
+        x, n, me = x.contiguous(), self.size, self.rank
+        row = x.element_size() * math.prod(x.shape[1:])  # bytes per row
+        send = counts[me * n:(me + 1) * n]
+        recv = [counts[r * n + me] for r in range(n)]
+        away = (sum(send) - send[me]) * row
+        if self.shm is not None and max(sum(counts[r * n:(r + 1) * n]) for r in range(n)) * row <= self.shm.slot_bytes:
+            return _collective(self.stats, "all_to_all", away, lambda: self.shm.all_to_all(x, counts))
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        _collective(self.stats, "all_to_all", away,
+                    lambda: self.pg.alltoall_base(out, x, recv, send, dist.AllToAllOptions()).wait())
+        return out
 
 
 NO_TP = TPGroup()

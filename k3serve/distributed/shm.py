@@ -43,8 +43,10 @@ class ShmComm:
         self.seg = torch.from_file(path, shared=True, size=segment_bytes(world, slot_bytes), dtype=torch.uint8)
         kernels.shm_attach(self.seg, rank)
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= self.slot_bytes and x.dtype in (torch.float32, torch.bfloat16)
+    def fits(self, x: torch.Tensor, sums: bool = True) -> bool:
+        """Whether x goes through a slot; `sums`: a reduction, which takes fp32 / bf16 only."""
+        return x.numel() * x.element_size() <= self.slot_bytes and (not sums or x.dtype in (torch.float32,
+                                                                                              torch.bfloat16))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x [...] contiguous, summed over the ranks in place (rank order: the same bits everywhere)."""
@@ -58,3 +60,16 @@ class ShmComm:
         parts = self.kernels.shm_all_gather(x, self.seg, self.rank, self.world, self.seq, self.slot_bytes,
                                             self.timeout_s)  # [world, ..., n]
         return torch.cat(parts.unbind(0), -1)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [world * n, ...] -> chunk `rank` [n, ...] of the sum over the ranks (rank order)."""
+        self.seq += 1
+        return self.kernels.shm_reduce_scatter(x, self.seg, self.rank, self.world, self.seq, self.slot_bytes,
+                                               self.timeout_s)
+
+    def all_to_all(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [rows, ...] grouped by destination; counts [world * world] rows src -> dst (row-major):
+        the rows every rank sends this one, in source order."""
+        self.seq += 1
+        return self.kernels.shm_all_to_all(x, self.seg, self.rank, self.world, self.seq, self.slot_bytes,
+                                           self.timeout_s, counts)

@@ -28,7 +28,7 @@ class DataParallelEngine:
         if self.lockstep:
             from k3serve.distributed.expert_group import expert_groups
 
-            groups = expert_groups(dp, kwargs.get("distributed_timeout", 120.0))
+            groups = expert_groups(dp, kwargs.get("distributed_timeout", 120.0), kwargs.get("all2all_backend", "auto"))
         self.replicas: list[LLMEngine] = []
         try:
             for ep in groups:

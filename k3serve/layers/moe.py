@@ -18,6 +18,7 @@ from k3serve.layers.activation import silu_and_mul, situ_and_mul
 from k3serve.layers.common import RMSNorm, WeightOnly, linear
 from k3serve.layers.expert_weights import ExpertWeights
 from k3serve.layers.experts import experts_forward, experts_reference
+from k3serve.layers.moe_dispatch import all_to_all_routed, gather_form, gather_routed
 from k3serve.layers.router import route
 
 
@@ -153,28 +154,16 @@ class SparseMoE(nn.Module):
         return y
 
     def _dp_ep_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """DP-attention + EP: x [n, d] is this data-parallel rank's tokens (each rank has its own
-        batch). All ranks' tokens are gathered over `ep` (padded to the largest n), every rank runs
-        its own experts on all of them, the fp32 sums over ranks are all-reduced and this rank keeps
-        its rows: [n, d], whole (the latent norm, up projection and shared experts are replicated).
-        vLLM's DP+EP does the same with an all-to-all; for small decode batches the gather is cheaper."""
-        m, ep, n = self.cfg, self.ep, x.shape[0]
-        counts = [int(c) for c in ep.all_gather(torch.tensor([float(n)]))]  # [M] rows per rank
-        most = max(counts)
-        padded = x.new_zeros(most, x.shape[1], dtype=torch.float32)
-        padded[:n] = x
-        every = ep.all_gather(padded.reshape(-1)).view(ep.size, most, -1)  # fp32 [M, most, d]
-        if not sum(counts):  # every replica idle: all of them skip the rest alike
+        """DP-attention + EP: x [n, d] is this data-parallel rank's own batch. The routed sums of
+        its rows come back from the ranks owning their experts (layers/moe_dispatch.py: an
+        all-to-all, or an all-gather / reduce-scatter); the latent norm, up projection and
+        shared experts are whole on every rank and run here on its own rows: [n, d]."""
+        m, ep = self.cfg, self.ep
+        gather = gather_form(ep.all2all, m.top_k, ep.size)
+        routed = (gather_routed if gather else all_to_all_routed)(self, x)  # fp32 [n, L]
+        if routed is None or x.shape[0] == 0:  # all idle, or this replica idle: its collectives are done
             return x
-        xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
-        fast = self._fast(xs)
-        ids, weights = self._route(xs, fast)
-        z = self.routed_expert_down_proj(xs) if m.latent_size is not None else xs
-        start = sum(counts[:ep.rank])
-        routed = ep.all_reduce(self._local_experts(z, ids, weights, fast, counted=slice(start, start + n)))
-        if n == 0:  # an idle replica: its part in the collectives is done
-            return x
-        y = routed[start:start + n].to(x.dtype)  # [n, L] fp32 -> this rank's rows
+        y = routed.to(x.dtype)
         if m.latent_size is not None:
             if m.latent_use_norm:
                 y = self.routed_expert_norm(y)

@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from k3serve.config.engine_config import ALL2ALL_BACKENDS
 from k3serve.server.vllm_flags import add_vllm_flags
 
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
@@ -49,6 +50,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind this server, each with its own cache; requests go to the replica "
                         "holding their longest cached prefix, else the least loaded (engine/dp_engine.py)")
+    p.add_argument("--all2all-backend", default="auto", choices=ALL2ALL_BACKENDS,
+                   help="DP-attention + EP: alltoall sends a token's row only to the ranks owning its experts; "
+                        "allgather_reducescatter (or naive) sends every rank's rows to every rank")
     p.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "ray", "uni"),
                    help="mp: worker processes started by this command (or by --node-rank n / torchrun on other "
                         "nodes); ray: ranks as Ray actors on the cluster at RAY_ADDRESS; uni: one process (-tp 1)")
@@ -178,6 +182,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,
                 max_logprobs=args.max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel, distributed_timeout=args.distributed_timeout,
+                all2all_backend=args.all2all_backend,
                 distributed_executor_backend="ray" if args.distributed_executor_backend == "ray" else "mp",
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port)
@@ -201,7 +206,7 @@ def start_engines(args: argparse.Namespace):
     if dp_attention:
         from k3serve.distributed.expert_group import expert_groups
 
-        groups = expert_groups(dp, args.distributed_timeout)
+        groups = expert_groups(dp, args.distributed_timeout, args.all2all_backend)
     replicas = []
     try:
         for ep in groups:

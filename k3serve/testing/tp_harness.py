@@ -15,8 +15,9 @@ from k3serve.distributed.group import TPGroup
 
 
 def run_ranks(world: int, fn: Callable[[TPGroup], Any], expert_parallel: bool = False,
-              timeout_s: float = 120.0) -> list[Any]:
-    """[fn(group of rank r) for r in range(world)], run concurrently; re-raises a rank's error."""
+              timeout_s: float = 120.0, **group: Any) -> list[Any]:
+    """[fn(group of rank r) for r in range(world)], run concurrently; re-raises a rank's error.
+    `group`: further TPGroup fields (all2all=...)."""
     pgs = thread_process_groups(world, timeout_s)
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
@@ -24,7 +25,7 @@ def run_ranks(world: int, fn: Callable[[TPGroup], Any], expert_parallel: bool = 
     def rank_main(rank: int) -> None:
         try:
             with torch.inference_mode():
-                results[rank] = fn(TPGroup(rank, world, expert_parallel, pgs[rank]))
+                results[rank] = fn(TPGroup(rank, world, expert_parallel, pgs[rank], **group))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
 

@@ -2,7 +2,8 @@
 Two replicas, each with its own scheduler, cache and whole attention, hold half the routed
 experts each and step together (engine/lockstep.py): greedy output equals a single-process
 server for one request (the other replica runs idle forwards for it) and for two at once on
-different replicas, on tiny K3 and Kimi-Linear; /metrics shows each rank's expert load."""
+different replicas, on tiny K3 and Kimi-Linear, with either token exchange (--all2all-backend);
+/metrics shows each rank's expert load."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def _complete(base, prompt, max_tokens, out=None):
     return text
 
 
+@pytest.mark.parametrize("all2all", ["auto", "alltoall"])  # auto: the gather form for these (moe_dispatch.py)
 @pytest.mark.parametrize("kind", ["k3", "kl"])
-def test_dp2_attention_with_ep_equals_a_single_process_server(kind, tiny_k3_dir, tiny_kl_dir):
+def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, tiny_k3_dir, tiny_kl_dir):
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
     ref_app, _ = make_app(path)
-    app, state = make_app(path, "--data-parallel-size", "2", "--enable-expert-parallel")
+    app, state = make_app(path, "--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", all2all)
     dp = state.engine
+    assert [r.engine.ep.all2all for r in dp.replicas] == [all2all] * 2
     experts = [r.engine.model.moe_layers()[0].w1.shape[0] for r in dp.replicas]
     assert experts == [dp.replicas[0].engine.model.cfg.moe.num_experts // 2] * 2  # half the experts on each replica
     with serving(ref_app) as ref, serving(app, start_timeout=60) as base:

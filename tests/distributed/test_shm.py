@@ -87,3 +87,33 @@ def test_a_silent_peer_times_out():
     Path(path).unlink()
     with pytest.raises(RuntimeError, match="timed out after 0.5 s waiting for rank 1"):
         comm.all_reduce(torch.ones(4))
+
+
+def test_reduce_scatter_leaves_each_rank_its_chunk_of_the_rank_order_sum():
+    xs = [torch.randn(6, 5, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    got = _pair(lambda comm, r: [comm.reduce_scatter(xs[r].clone()) for _ in range(3)], world=3)
+    want = ((xs[0] + xs[1]) + xs[2]).view(3, 2, 5)
+    for r in range(3):
+        assert all(torch.equal(g, want[r]) for g in got[r])
+
+
+def test_all_to_all_takes_each_ranks_rows_for_this_one_in_source_order():
+    """Three ranks, ragged counts with zeros (rank 1 sends nothing; nobody sends rank 2 rows
+    from rank 0), rows of raw bytes: rank r's rows for d are full of 10 * r + d."""
+    counts = [2, 1, 0,
+              0, 0, 0,
+              3, 1, 2]  # [src * 3 + dst]
+
+    def rows(r):
+        parts = [torch.full((counts[r * 3 + d], 4), 10 * r + d, dtype=torch.uint8) for d in range(3)]
+        return torch.cat(parts)
+
+    got = _pair(lambda comm, r: [comm.all_to_all(rows(r), counts) for _ in range(3)], world=3)
+    for d in range(3):
+        want = torch.cat([torch.full((counts[r * 3 + d], 4), 10 * r + d, dtype=torch.uint8) for r in range(3)])
+        assert all(torch.equal(g, want) for g in got[d])
+
+
+def test_all_to_all_refuses_rows_that_disagree_with_the_counts():
+    with pytest.raises(RuntimeError, match="3 rows, but the counts send 2"):
+        _pair(lambda comm, r: comm.all_to_all(torch.zeros(3, 4), [1, 1, 1, 1]))

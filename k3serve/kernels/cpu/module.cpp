@@ -41,5 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("shm_all_gather", &shm_all_gather, "[world, ...x]: every rank's x, via the shared segment",
         py::call_guard<py::gil_scoped_release>());
+  m.def("shm_reduce_scatter", &shm_reduce_scatter, "chunk `rank` of the sum over the ranks of x [world * n, ...]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("shm_all_to_all", &shm_all_to_all, "the rows every rank sends this one, by a [src][dst] count matrix",
+        py::call_guard<py::gil_scoped_release>());
   m.def("moe_block", &moe_block, "a whole MoE block: router, routed experts, latent norm/up, shared experts");
 }

@@ -57,3 +57,7 @@ at::Tensor shm_all_reduce(at::Tensor x, at::Tensor seg, int64_t rank, int64_t wo
                           int64_t slot_bytes, double timeout_s);
 at::Tensor shm_all_gather(at::Tensor x, at::Tensor seg, int64_t rank, int64_t world, int64_t seq,
                           int64_t slot_bytes, double timeout_s);
+at::Tensor shm_reduce_scatter(at::Tensor x, at::Tensor seg, int64_t rank, int64_t world, int64_t seq,
+                              int64_t slot_bytes, double timeout_s);
+at::Tensor shm_all_to_all(at::Tensor x, at::Tensor seg, int64_t rank, int64_t world, int64_t seq,
+                          int64_t slot_bytes, double timeout_s, std::vector<int64_t> counts);

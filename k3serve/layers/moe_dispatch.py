@@ -1,0 +1,114 @@
+"""DP-attention + expert parallelism: how a MoE block's tokens reach the ranks that own their
+experts (issue 16). Each data-parallel rank brings its own tokens x [n, d]; the routed experts
+are split by id over the expert group `ep`; attention, the router, the latent projections and
+the shared experts are whole on every rank. Two forms, as vLLM's `--all2all-backend` names them:
+
+- **all-to-all** (`all_to_all_routed`; vLLM's pplx / DeepEP, SGLang's DeepEP): each rank routes
+  its own tokens and sends a token's expert input row once to each rank that owns one of its
+  top-k experts, with the k expert ids local to that rank (-1 for the others) and their weights.
+  The owners run their experts and send each row's fp32 partial sum back; the sender adds them.
+  Only rows for other ranks holding a selected expert move, and the router and the latent down
+  projection run once per token instead of once per rank.
+- **all-gather / reduce-scatter** (`gather_routed`; vLLM's AgRsAll2AllManager): every rank
+  gathers all ranks' hidden rows (padded to the largest n), routes and runs its experts on all of
+  them, and a reduce-scatter leaves each rank the sums of its own rows. One exchange whatever the
+  routing: the form for when every token selects experts on every rank anyway.
+
+Both sum a token's per-rank partial sums in rank order from zero (a rank owning none of its
+experts adds an exact 0), and the kernels' router, GEMV and experts are batch invariant, so on
+the kernel path the two forms give the same bits while the down projection's rows (n here, all
+ranks' there) stay within the GEMV loop's 16; past it torch's GEMM may round n rows and
+sum-of-n rows differently, within fp32 noise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.config.engine_config import ALL2ALL_BACKENDS
+
+
+def gather_form(backend: str, top_k: int, world: int) -> bool:
+    """Whether `backend` runs the all-gather / reduce-scatter form. auto: the gather form when a
+    token would reach at least 3/4 of the other ranks anyway (1 - (1 - 1/M)^k >= 0.75 for top-k
+    experts drawn evenly over M ranks: every 2-rank layout of the tiny models and the 400 M
+    Kimi-Linear, K3's top-16 up to 8 ranks), the all-to-all past that (K3 over 16 ranks: 0.64).
+    Measured on the 2-core dev VM at 2 ranks, where both move about the same rows, the gather
+    form's fewer tensor ops win (bench/dp_ep_decode.py)."""
+    if backend not in ALL2ALL_BACKENDS:
+        raise ValueError(f"--all2all-backend {backend!r} is not one of {', '.join(ALL2ALL_BACKENDS)}")
+    if backend == "auto":
+        return 1 - (1 - 1 / world) ** top_k >= 0.75
+    return backend != "alltoall"
+
+
+def _down(moe, x: torch.Tensor, fast: bool) -> torch.Tensor:
+    """The experts' input [n, L]: the latent down projection (as moe_block runs it), or x."""
+    if moe.cfg.latent_size is None:
+        return x
+    if fast:
+        return moe.kernels.linear(x, moe.routed_expert_down_proj.weight)
+    return moe.routed_expert_down_proj(x)
+
+
+def gather_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
+    """fp32 routed sums [n, L] of this rank's rows; None when every rank is idle."""
+    ep, n = moe.ep, x.shape[0]
+    counts = [int(c) for c in ep.all_gather(torch.tensor([float(n)]))]  # [M] rows per rank
+    most = max(counts)
+    padded = x.new_zeros(most, x.shape[1], dtype=torch.float32)
+    padded[:n] = x
+    every = ep.all_gather(padded.reshape(-1)).view(ep.size, most, -1)  # fp32 [M, most, d]
+    if not most:  # every replica idle: all of them skip the rest alike
+        return None
+    xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
+    fast = moe._fast(xs)
+    ids, weights = moe._route(xs, fast)
+    z = _down(moe, xs, fast)
+    start = sum(counts[:ep.rank])
+    routed = moe._local_experts(z, ids, weights, fast, counted=slice(start, start + n))  # [sum n, L]
+    per_rank = torch.zeros(ep.size, most, routed.shape[1], dtype=torch.float32, device=x.device)
+    for r, c in enumerate(counts):
+        per_rank[r, :c] = routed[sum(counts[:r]):sum(counts[:r]) + c]
+    return ep.reduce_scatter(per_rank.view(ep.size * most, -1))[:n]  # [n, L]: this rank's rows
+
+
+def all_to_all_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
+    """fp32 routed sums [n, L] of this rank's rows; None when every rank is idle."""
+    ep, n, k = moe.ep, x.shape[0], moe.cfg.top_k
+    per = moe.w1.shape[0]  # experts per rank: rank r owns global ids [r * per, (r + 1) * per)
+    fast = moe._fast(x)
+    if n:
+        ids, weights = moe._route(x, fast)  # [n, k]
+        moe.expert_load += torch.bincount(ids.reshape(-1).cpu(), minlength=moe.expert_load.numel())
+        z = _down(moe, x, fast)  # [n, L]
+        owner = ids // per  # [n, k]
+        to = torch.zeros(n, ep.size, dtype=torch.bool, device=x.device).scatter_(1, owner, True)
+        rank_of, tok = to.T.nonzero(as_tuple=True)  # [rows]: destination-major, rank 0's rows first
+        send = to.sum(0).tolist()
+        own = owner[tok] == rank_of[:, None]  # [rows, k]: the slots the destination holds
+        local = torch.where(own, ids[tok] - (rank_of * per)[:, None], -1).float()
+        msg = [z[tok], local, torch.where(own, weights[tok].float(), 0.0)]
+    else:
+        tok = torch.zeros(0, dtype=torch.long, device=x.device)
+        msg = [x.new_zeros(0, moe.w1.shape[2]), *torch.zeros(2, 0, k, device=x.device)]
+        send = [0] * ep.size
+    counts = ep.row_counts(send)
+    if not any(counts):  # every replica idle: all of them skip the rest alike
+        return None
+    # one message per row: the expert input's bytes, then k local ids (-1: not here) and k weights
+    widths = [m.shape[1] * m.element_size() for m in msg]
+    got = ep.all_to_all(torch.cat([m.contiguous().view(torch.uint8) for m in msg], 1), counts)
+    z_in, local_in, w_in = (part.contiguous().view(m.dtype) for part, m in
+                            zip(got.split(widths, 1), msg))  # [received, L], [received, k] x 2
+    local_in = local_in.long()
+    r_tok, r_slot = (local_in >= 0).nonzero(as_tuple=True)
+    partial = torch.zeros(z_in.shape[0], moe.w2.shape[1], dtype=torch.float32, device=x.device)
+    if r_tok.numel():
+        run = moe._experts_kernel if moe._fast(z_in) else moe._experts_torch
+        partial.index_add_(0, r_tok, run(z_in[r_tok], local_in[r_tok, r_slot][:, None],
+                                         w_in[r_tok, r_slot][:, None]))
+    back = ep.all_to_all(partial, [counts[d * ep.size + s] for s in range(ep.size) for d in range(ep.size)])
+    # back [rows] lines up with tok, rank 0's partials first: index_add_ adds them in that order,
+    # from zero, as the gather form's reduction does
+    return torch.zeros(n, back.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, back)
