@@ -4,7 +4,8 @@ process, same checkpoint, same run.
     .venv/bin/python bench/dp_ep_decode.py [--streams 2 8] [--tokens 64]
 
 For tiny K3 and tiny Kimi-Linear, alternately one engine and `LLM(data_parallel_size=2,
-enable_expert_parallel=True)`, best of 3: decode tok/s, whether the greedy tokens match, and
+enable_expert_parallel=True)` per setup (`--data-parallel-backend` mp: each replica's model in
+a worker process, or threads: in this process; and the token exchange), best of 3: decode tok/s, whether the greedy tokens match, and
 from the replicas' expert-group CommStats the collectives per step and the payload bytes per
 token, for each token exchange (`--all2all-backend`: alltoall sends a token's expert input only
 to the ranks owning its experts and gets fp32 partial sums back; allgather_reducescatter
@@ -27,21 +28,24 @@ from k3serve import LLM
 
 
 def comm(llm: LLM) -> dict[str, tuple[int, int]]:
-    """(calls, bytes) per collective kind, summed over the replicas."""
+    """(calls, bytes) per collective kind, summed over the replicas (from their workers' stats
+    as of the last forward, for worker-process replicas)."""
     out: dict[str, tuple[int, int]] = {}
     for r in llm.engine.replicas:
-        s = r.ep.stats
-        for k in s.calls:
+        for k, calls, nbytes, _ in r.runner.rank.parallel_stats().get("tp_collectives", ()):
             c, b = out.get(k, (0, 0))
-            out[k] = (c + s.calls[k], b + s.bytes[k])
+            out[k] = (c + calls, b + nbytes)
     return out
 
 
-def measure(name: str, path: Path, streams: list[int], tokens: int, backends: list[str]) -> dict:
+def measure(name: str, path: Path, streams: list[int], tokens: int, setups: list[str]) -> dict:
     kw = dict(cache_memory="256MiB", max_model_len=512, max_num_seqs=max(streams), seed=0)
-    one = LLM(str(path), **kw)  # every core; each replica below takes half (its runner's `threads`)
-    dps = {b: LLM(str(path), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=b, **kw)
-           for b in backends}
+    one = LLM(str(path), **kw)  # every core; each replica below takes half
+    dps = {}
+    for setup in setups:  # "<data-parallel backend>/<all2all backend>"
+        dp_backend, a2a = setup.split("/")
+        dps[setup] = LLM(str(path), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=a2a,
+                         data_parallel_backend=dp_backend, **kw)
     res: dict = {}
     for n in streams:
         run(one, n, 4)
@@ -77,9 +81,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--all2all-backend", nargs="+", default=["alltoall", "allgather_reducescatter"])
+    ap.add_argument("--setups", nargs="+", default=["threads/allgather_reducescatter", "mp/allgather_reducescatter",
+                                                    "mp/alltoall"],
+                    help="<--data-parallel-backend>/<--all2all-backend> pairs to measure")
     args = ap.parse_args()
-    results = {name: measure(name, path, args.streams, args.tokens, args.all2all_backend)
+    results = {name: measure(name, path, args.streams, args.tokens, args.setups)
                for name, (path, _) in checkpoints("tiny").items()}
     out = Path(__file__).parent / "results" / "dp_ep_decode.json"
     out.parent.mkdir(exist_ok=True)

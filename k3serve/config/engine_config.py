@@ -48,6 +48,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
     all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
+    # DP-attention replicas' models: mp = one worker process each (distributed/dp_workers.py),
+    # threads = in this process (engine/lockstep.py threads; no process start-up, the GIL shared)
+    data_parallel_backend: str = "mp"
     distributed_executor_backend: str = "mp"  # mp: worker processes started here | ray: Ray actors
     distributed_timeout: float = 120.0  # seconds any collective or worker start-up may take
     nnodes: int = 1  # nodes the TP ranks span (node 0 runs the server; others `--node-rank n`)
@@ -79,6 +82,9 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_backend not in ("mp", "threads"):
+            raise ValueError(f"data_parallel_backend must be 'mp' (a worker process per DP-attention rank) or "
+                             f"'threads' (in this process), got {self.data_parallel_backend!r}")
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
         if self.distributed_executor_backend not in ("mp", "ray"):

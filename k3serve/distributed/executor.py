@@ -120,6 +120,7 @@ def run_headless(model_path: str, tp_size: int, nodes: NodeLayout, **kw) -> int:
 
 
 class MultiprocExecutor:
+    kind = "tensor-parallel"  # how errors name a worker
     def __init__(self, model_path: str, tp_size: int, *, expert_parallel: bool, dtype: torch.dtype,
                  load_format: str, kernels: str, device: torch.device, timeout_s: float = 120.0,
                  nodes: NodeLayout = NodeLayout()):
@@ -145,6 +146,7 @@ class MultiprocExecutor:
         self._spec = WorkerSpec(rank=0, **base)
         self._channel = None  # multi-node: the control group's channel (made in join_group)
         self._ready: set[str] = set()  # workers that said "ready"
+        self._weights: dict[str, int] = {}  # each ready worker's weight bytes, by process name
 
     def _start_workers(self, base: dict, ranks: list[int], pipes: bool) -> tuple[list, list]:
         return spawn_workers(base, ranks, pipes)
@@ -181,6 +183,7 @@ class MultiprocExecutor:
                     self.shutdown()
                     raise RuntimeError(f"tensor-parallel worker failed to start: {detail}")
                 self._ready.add(p.name)
+                self._weights[p.name] = detail
             elif not p.is_alive():
                 self.shutdown()
                 raise WorkerDied(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while starting")
@@ -188,10 +191,19 @@ class MultiprocExecutor:
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; raise the first worker's error. Every
         rank has mapped the shared segment by then: its file goes (the mappings stay)."""
-        self._unlink_segment()
-        if self._channel is not None:
-            self._wait_ready_control()
-            return
+        try:
+            if self._channel is not None:
+                self._wait_ready_control()
+            else:
+                self._wait_ready_pipes()
+        finally:
+            self._unlink_segment()
+
+    def weight_bytes(self, rank: int) -> int:
+        """What the worker process serving `rank` (one of this host's, after wait_ready) loaded."""
+        return self._weights[f"k3serve-tp{rank}"]
+
+    def _wait_ready_pipes(self) -> None:
         pending = {c: p for c, p in zip(self._conns, self._procs) if p.name not in self._ready}
         while pending:
             ready = wait(list(pending) + [p.sentinel for p in pending.values()], timeout=self.timeout_s)
@@ -202,7 +214,7 @@ class MultiprocExecutor:
                 if kind == "error":
                     self.shutdown()
                     raise RuntimeError(f"tensor-parallel worker failed to start: {detail}")
-                del pending[conn]
+                self._weights[pending.pop(conn).name] = detail
             for conn, p in list(pending.items()):
                 if p.sentinel in ready and not conn.poll():
                     self.shutdown()
@@ -278,7 +290,7 @@ class MultiprocExecutor:
         if self.error is None:
             dead = [p for p in self._procs if not p.is_alive()]
             if dead:
-                self.error = f"tensor-parallel worker {dead[0].name} died (exit code {dead[0].exitcode})"
+                self.error = f"{self.kind} worker {dead[0].name} died (exit code {dead[0].exitcode})"
         return self.error is None
 
     def fail(self, why: str) -> None:

@@ -4,7 +4,9 @@ It joins the group's ProcessGroupGloo (the data plane: all-reduces and all-gathe
 model), loads its shard of the checkpoint, says "ready" on its pipe (or the error that stopped
 it), then runs the commands the driver sends on that pipe, one per step: `allocate` (the
 cache for the driver's plan), `forward` (StepInputs), `rollback`, `read_state` / `write_state`
-(a prefill/decode hand-off's KDA heads, and latent rows, of this rank), `shutdown`. The pipe is the
+(a prefill/decode hand-off's KDA heads, and latent rows, of this rank), `shutdown`. A DP-attention
+rank (`dp_attention`, distributed/dp_workers.py) is a whole replica's model: it answers
+`dp_forward` with its StepResult and stats, and runs `idle` forwards. The pipe is the
 control plane: it blocks without a timeout while the server idles, and reads EOF when the
 driver is gone, so a worker never outlives its engine.
 Reference: vLLM v1 `executor/multiproc_executor.py` (WorkerProc.worker_busy_loop).
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("k3serve.distributed")
 ANSWERS = frozenset({"read_state"})  # commands whose result goes back to the driver (pipes only)
+DP_ANSWERS = ANSWERS | {"dp_forward"}  # a DP-attention rank's forward, whose logits are sampled
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class WorkerSpec:
     shm_path: str | None = None  # the driver's shared segment (distributed/shm.py), or gloo only
     master_addr: str = "127.0.0.1"  # where the TCPStore is (node 0, or torchrun's agent)
     control: bool = False  # commands over the control group (multi-node), not a pipe
+    dp_attention: bool = False  # a DP-attention rank: a replica's model, experts by id over `world`
+    all2all: str = "auto"  # its MoE layers' token exchange (layers/moe_dispatch.py)
 
 
 def make_group(spec: WorkerSpec, store, rank: int):
@@ -54,7 +59,10 @@ def make_group(spec: WorkerSpec, store, rank: int):
     shm = _attach_shm(spec, rank)
     agree = torch.tensor([int(shm is not None)])
     pg.allreduce([agree]).wait()
-    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm if int(agree) == spec.world else None)
+    shm = shm if int(agree) == spec.world else None
+    if spec.dp_attention:
+        return TPGroup(rank, spec.world, True, pg, shm, size_flag="--data-parallel-size", all2all=spec.all2all)
+    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm)
 
 
 def _attach_shm(spec: WorkerSpec, rank: int):
@@ -91,9 +99,11 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         tp = make_group(spec, store, spec.rank)
         if conn is None:
             channel = ControlChannel(control_group(store, spec.prefix, spec.rank, spec.world), spec.rank)
+        groups = {"ep": tp} if spec.dp_attention else {"tp": tp}
         model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format,
-                           progress=False, tp=tp).to(spec.device)
+                           progress=False, **groups).to(spec.device)
         model.use_kernels(spec.kernels)
+        from k3serve.runner.model_runner import weight_bytes
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         why = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         if conn is not None:
@@ -104,7 +114,7 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
                 channel.ready(False)
         return
     if conn is not None:
-        conn.send(("ready", None))
+        conn.send(("ready", weight_bytes(model)))
     else:
         channel.ready(True)
     serve(conn if conn is not None else channel, model, spec)
@@ -119,6 +129,7 @@ def serve(conn, model, spec: WorkerSpec) -> None:
     from k3serve.runner.rank_step import RankRunner
 
     runner = None
+    answers = DP_ANSWERS if spec.dp_attention else ANSWERS
     while True:
         try:
             method, args = conn.recv()
@@ -133,7 +144,7 @@ def serve(conn, model, spec: WorkerSpec) -> None:
                 runner = RankRunner(model, allocate_cache(model, plan, getattr(torch, kv_dtype), device), device)
             else:
                 result = getattr(runner, method)(*args)
-                if method in ANSWERS:
+                if method in answers:
                     conn.send(("ok", result))
         except CollectiveError as e:  # a peer died or timed out: the group is broken for good
             log.error("rank %d: %s: %s", spec.rank, method, e)
@@ -141,5 +152,5 @@ def serve(conn, model, spec: WorkerSpec) -> None:
         except Exception as e:  # noqa: BLE001 - the same inputs fail the same way on the driver, which
             # retries the step's requests apart; the ranks stay in step
             log.warning("rank %d: %s raised %s: %s", spec.rank, method, type(e).__name__, e)
-            if method in ANSWERS:
+            if method in answers:
                 conn.send(("error", f"{type(e).__name__}: {e}"))

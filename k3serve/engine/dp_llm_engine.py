@@ -24,17 +24,19 @@ class DataParallelEngine:
         if self.lockstep and kwargs.get("tensor_parallel_size", 1) != 1:
             raise ValueError("data_parallel_size with enable_expert_parallel (DP-attention) is built for "
                              "tensor_parallel_size 1 per data-parallel rank")
-        groups = [None] * dp
-        if self.lockstep:
-            from k3serve.distributed.expert_group import expert_groups
+        from k3serve.distributed.dp_workers import replica_kwargs
 
-            groups = expert_groups(dp, kwargs.get("distributed_timeout", 120.0), kwargs.get("all2all_backend", "auto"))
+        config = EngineConfig.from_kwargs(model, **kwargs)
         self.replicas: list[LLMEngine] = []
+        links = replica_kwargs(config, dp, self.lockstep)
         try:
-            for ep in groups:
-                self.replicas.append(LLMEngine(EngineConfig.from_kwargs(model, **kwargs), ep=ep))
+            for kw in links:
+                self.replicas.append(LLMEngine(config, **kw))
         except BaseException:
             self.shutdown()
+            for kw in links:  # DP-attention workers no replica took yet
+                if "remote" in kw:
+                    kw["remote"].shutdown()
             raise
         self._pool = ThreadPoolExecutor(dp, thread_name_prefix="k3serve-dp")
         self._owner: dict[str, LLMEngine] = {}

@@ -43,14 +43,17 @@ def _default_model():
 
 
 class LLMEngine(HandoffMixin):
-    def __init__(self, config: EngineConfig, ep=None):
+    def __init__(self, config: EngineConfig, ep=None, remote=None):
         """`ep`: this replica's expert group under DP-attention + EP (engine/lockstep.py): its
         model holds 1/M of the routed experts and meets the other replicas in every MoE layer,
-        so every step runs a forward, an idle one when nothing is scheduled."""
-        self.config, self.ep = config, ep
+        so every step runs a forward, an idle one when nothing is scheduled. `remote`: instead,
+        the replica's model lives in a worker process (distributed/dp_workers.py RemoteRank)."""
+        self.remote = remote
+        self.config, self.ep = config, (remote.model.ep if remote is not None else ep)
         self.model_path = str(config.model or _default_model())
         where = placement(config)
-        self.executor = start_executor(config, self.model_path, where)  # TP ranks 1..N-1, or None
+        # TP ranks 1..N-1, or the replica's worker (its liveness and faults), or None
+        self.executor = remote if remote is not None else start_executor(config, self.model_path, where)
         try:
             self._start(config, where)
         except BaseException:  # no worker outlives an engine that failed to start
@@ -63,11 +66,17 @@ class LLMEngine(HandoffMixin):
         from k3serve.runner.model_runner import ModelRunner
         from k3serve.tokenizer import Tokenizer
 
-        tp = self.executor.join_group() if self.executor is not None else NO_TP
-        self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
-                                progress=config.load_progress, tp=tp, ep=self.ep).to(where.device)
-        if self.executor is not None:
-            self.executor.wait_ready()
+        if self.remote is not None:
+            if config.speculative_config:
+                raise ValueError("speculative decoding with DP-attention worker processes is not built (the "
+                                 "drafters sit beside the model): use --data-parallel-backend threads")
+            self.model = self.remote.model  # its config and weight bytes; the weights are in the worker
+        else:
+            tp = self.executor.join_group() if self.executor is not None else NO_TP
+            self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
+                                    progress=config.load_progress, tp=tp, ep=self.ep).to(where.device)
+            if self.executor is not None:
+                self.executor.wait_ready()
         check_quantization(config, self.model)
         self.kernels = self.model.use_kernels(config.kernels)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
@@ -101,11 +110,15 @@ class LLMEngine(HandoffMixin):
             log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
                      self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
                      self.spec.cfg.rejection_sample_method)
-        if self.executor is not None:  # every rank allocates its share of the same plan
-            self.executor.send("allocate", self.plan, str(where.kv_dtype).removeprefix("torch."))
+        kv_name = str(where.kv_dtype).removeprefix("torch.")
+        if self.remote is not None:  # the worker allocates the cache tensors of the same plan
+            self.remote.allocate(self.plan, kv_name)
+        elif self.executor is not None:  # every rank allocates its share of the same plan
+            self.executor.send("allocate", self.plan, kv_name)
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
-                                  masked_ids=self.unmapped_ids, workers=self.executor)
-        if self.ep is not None:  # the replicas step at once: each takes its share of the cores
+                                  masked_ids=self.unmapped_ids, workers=None if self.remote else self.executor,
+                                  rank=self.remote)
+        if self.ep is not None and self.remote is None:  # the replicas step at once: each takes its share of the cores
             self.runner.threads = max(1, (os.cpu_count() or 1) // self.ep.size)
         self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device,
                                   parse_bytes(config.mm_encoder_cache))

@@ -68,14 +68,6 @@ def snapshot(engine) -> EngineStats:
 
 
 def _parallel(engine) -> dict:
-    """Expert load per rank and rank 0's collective totals, for an engine with TP ranks."""
-    tp = getattr(engine.model, "ep", None) or getattr(engine.model, "tp", None)  # DP-attention: the expert group
-    if tp is None or tp.size == 1:
-        return {}
-    c = tp.stats
-    out = {"tp_collectives": tuple((k, c.calls[k], c.bytes[k], c.seconds[k]) for k in sorted(c.calls))}
-    loads = [m.expert_load for m in engine.model.moe_layers() if m.expert_load is not None]
-    if loads:
-        total = sum(loads)  # [E] over the MoE layers
-        out["expert_tokens_per_rank"] = tuple(int(v) for v in total.view(tp.size, -1).sum(1))
-    return out
+    """Expert load per rank and rank 0's collective totals (DP-attention: this replica's rank
+    of the expert group, asked of its worker process when the model lives there)."""
+    return engine.runner.rank.parallel_stats()

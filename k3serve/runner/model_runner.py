@@ -23,14 +23,17 @@ from k3serve.scheduler.request import Request
 
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, seed: int = 0,
-                 device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = (), workers=None):
+                 device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = (), workers=None,
+                 rank=None):
+        """`rank`: a RankRunner stand-in whose model and cache live elsewhere (a DP-attention
+        worker process, distributed/dp_workers.py RemoteRank); None: this process's own."""
         self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
         self.workers = workers  # distributed/executor.py: the other tensor-parallel ranks, or None
         # vocabulary ids the tokenizer cannot decode: never sampled (their logits become -inf)
         self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
-        self.cache = allocate_cache(model, plan, kv_dtype, self.device)
-        self.rank = RankRunner(model, self.cache, self.device)
+        self.cache = allocate_cache(model, plan, kv_dtype, self.device) if rank is None else None
+        self.rank = rank if rank is not None else RankRunner(model, self.cache, self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: the engine registers a Constraint per constrained request
@@ -131,7 +134,7 @@ class ModelRunner:
         """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
         if self.threads:
             torch.set_num_threads(self.threads)
-        self.model.idle_moe()
+        self.rank.idle()
 
     @staticmethod
     def _prompt_logprob_spans(seqs, bounds) -> list[tuple[int, int, int, int]]:

@@ -75,6 +75,29 @@ class RankRunner:
             if t is not None:
                 t[dst] = t[src]
 
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
+        self.model.idle_moe()
+
+    def dp_forward(self, inp: StepInputs) -> tuple[StepResult, dict]:
+        """A DP-attention worker's forward: the result and, riding along, its parallel_stats (the
+        driver's stats snapshot after every step must not cost a second round trip)."""
+        return self.forward(inp), self.parallel_stats()
+
+    def parallel_stats(self) -> dict:
+        """This rank's collective totals and the expert load it counted, for /metrics (engine/stats.py)."""
+        group = self.model.ep or self.model.tp
+        if group.size == 1:
+            return {}
+        c = group.stats
+        out = {"tp_collectives": tuple((k, c.calls[k], c.bytes[k], c.seconds[k]) for k in sorted(c.calls))}
+        loads = [m.expert_load for m in self.model.moe_layers() if m.expert_load is not None]
+        if loads:
+            total = sum(loads)  # [E] over the MoE layers
+            out["expert_tokens_per_rank"] = tuple(int(v) for v in total.view(group.size, -1).sum(1))
+        return out
+
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify pass: each live slot takes its recorded state at the accepted position."""
         rollback_states(self.cache, slots, accepted)

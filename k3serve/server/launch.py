@@ -50,6 +50,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind this server, each with its own cache; requests go to the replica "
                         "holding their longest cached prefix, else the least loaded (engine/dp_engine.py)")
+    p.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=("mp", "threads"),
+                   help="DP-attention (--data-parallel-size with --enable-expert-parallel): mp runs each rank's "
+                        "model in its own worker process; threads keeps them in this process (the GIL shared)")
     p.add_argument("--all2all-backend", default="auto", choices=ALL2ALL_BACKENDS,
                    help="DP-attention + EP: alltoall sends a token's row only to the ranks owning its experts; "
                         "allgather_reducescatter (or naive) sends every rank's rows to every rank")
@@ -182,7 +185,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,
                 max_logprobs=args.max_logprobs, tensor_parallel_size=args.tensor_parallel_size,
                 enable_expert_parallel=args.enable_expert_parallel, distributed_timeout=args.distributed_timeout,
-                all2all_backend=args.all2all_backend,
+                all2all_backend=args.all2all_backend, data_parallel_backend=args.data_parallel_backend,
                 distributed_executor_backend="ray" if args.distributed_executor_backend == "ray" else "mp",
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port)
@@ -202,19 +205,19 @@ def start_engines(args: argparse.Namespace):
     if dp_attention and args.tensor_parallel_size != 1:
         raise ValueError("--data-parallel-size with --enable-expert-parallel (DP-attention) is built for "
                          "--tensor-parallel-size 1 per data-parallel rank")
-    groups = [None] * dp
-    if dp_attention:
-        from k3serve.distributed.expert_group import expert_groups
+    from k3serve.distributed.dp_workers import replica_kwargs
 
-        groups = expert_groups(dp, args.distributed_timeout, args.all2all_backend)
-    replicas = []
+    config = EngineConfig.from_kwargs(args.model, **kwargs)
+    links, replicas = replica_kwargs(config, dp, dp_attention), []
     try:
-        for ep in groups:
-            engine = LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs), ep=ep)
-            replicas.append(AsyncEngine(engine, max_waiting=args.max_waiting))
+        for kw in links:
+            replicas.append(AsyncEngine(LLMEngine(config, **kw), max_waiting=args.max_waiting))
     except BaseException:
         for r in replicas:
             r.engine.shutdown()
+        for kw in links:  # DP-attention workers no replica took yet
+            if "remote" in kw:
+                kw["remote"].shutdown()
         raise
     return replicas[0] if len(replicas) == 1 else DPEngine(replicas, lockstep=dp_attention)
 

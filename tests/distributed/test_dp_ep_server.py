@@ -7,7 +7,11 @@ different replicas, on tiny K3 and Kimi-Linear, with either token exchange (--al
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -30,16 +34,31 @@ def _complete(base, prompt, max_tokens, out=None):
     return text
 
 
-@pytest.mark.parametrize("all2all", ["auto", "alltoall"])  # auto: the gather form for these (moe_dispatch.py)
-@pytest.mark.parametrize("kind", ["k3", "kl"])
-def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, tiny_k3_dir, tiny_kl_dir):
+def _half_experts_bytes(model) -> int:
+    """A DP-attention rank's weight bytes: the whole model with half its routed experts."""
+    from k3serve.runner.model_runner import weight_bytes
+
+    routed = sum(t.numel() * t.element_size() for m in model.moe_layers() for w in (m.w1, m.w2, m.w3)
+                 for t in w.buffers())
+    return weight_bytes(model) - routed // 2
+
+
+@pytest.mark.parametrize("kind,all2all,backend", [("k3", "auto", "mp"), ("kl", "auto", "mp"),  # auto: gather here
+                                                  ("k3", "alltoall", "mp"), ("kl", "alltoall", "mp"),
+                                                  ("k3", "auto", "threads")])
+def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, backend, tiny_k3_dir, tiny_kl_dir):
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
-    ref_app, _ = make_app(path)
-    app, state = make_app(path, "--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", all2all)
+    ref_app, ref_state = make_app(path)
+    app, state = make_app(path, "--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", all2all,
+                          "--data-parallel-backend", backend)
     dp = state.engine
     assert [r.engine.ep.all2all for r in dp.replicas] == [all2all] * 2
-    experts = [r.engine.model.moe_layers()[0].w1.shape[0] for r in dp.replicas]
-    assert experts == [dp.replicas[0].engine.model.cfg.moe.num_experts // 2] * 2  # half the experts on each replica
+    if backend == "mp":  # each replica's model is in its own worker process, holding half the experts
+        assert [r.engine.remote.workers.weight_bytes(i) for i, r in enumerate(dp.replicas)] == \
+            [_half_experts_bytes(ref_state.engine.engine.model)] * 2
+    else:
+        experts = [r.engine.model.moe_layers()[0].w1.shape[0] for r in dp.replicas]
+        assert experts == [dp.replicas[0].engine.model.cfg.moe.num_experts // 2] * 2  # half on each replica
     with serving(ref_app) as ref, serving(app, start_timeout=60) as base:
         want_long, want_short, want_other = _complete(ref, LONG, 40), _complete(ref, SHORT, 12), _complete(ref, OTHER, 12)
         assert _complete(base, SHORT, 12) == want_short  # replica 1 idles through it in lockstep
@@ -57,7 +76,7 @@ def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, tin
                 if l.startswith("k3serve:expert_parallel_tokens_total{")]
         cfg = dp.replicas[0].engine.model.cfg
         assert len(load) == 2 and all(v > 0 for v in load)
-        assert sum(load) % (cfg.moe.top_k * len(dp.replicas[0].engine.model.moe_layers())) == 0
+        assert sum(load) % (cfg.moe.top_k * len(ref_state.engine.engine.model.moe_layers())) == 0
     for r in dp.replicas:
         assert r.engine.cache.num_requests == 0
 
@@ -80,6 +99,37 @@ def test_the_planners_dp_attention_line_starts(tiny_kl_dir):
     assert "--data-parallel-size" in cmd and "--enable-expert-parallel" in cmd
     _, state = make_app(*cmd[2:])
     assert state.engine.lockstep is not None and [r.engine.ep.rank for r in state.engine.replicas] == [0, 1]
+    asyncio.run(state.engine.shutdown())  # its two worker processes
+
+
+def test_a_dead_dp_attention_worker_fails_the_stream_and_health(tiny_k3_dir):
+    """Worker 1 killed mid-stream: the client's stream ends in an error within a bounded time
+    (replica 0's worker finds its peer's pid gone in the next MoE collective, well before the
+    20 s collective timeout), new requests get 503, /health turns unhealthy, and shutdown
+    returns with no worker left."""
+    app, state = make_app(tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel",
+                          "--distributed-timeout", "20")
+    workers = state.engine.replicas[0].engine.remote.workers
+    with serving(app, start_timeout=60) as base:
+        assert _complete(base, SHORT, 4)
+        began, lines = None, []
+        with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                "prompt": LONG, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 3:
+                    os.kill(workers._procs[1].pid, signal.SIGKILL)
+                    began = time.monotonic()
+        assert began is not None, lines
+        assert time.monotonic() - began < 10
+        assert any('"error"' in line for line in lines[3:]), lines[-3:]
+        r = httpx.post(base + "/v1/completions", json={"prompt": SHORT, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 503 and "DP-attention worker" in r.json()["error"]["message"]
+        h = httpx.get(base + "/health", timeout=10)
+        assert h.status_code == 503 and "DP-attention worker" in h.text
+    procs, began = list(workers._procs), time.monotonic()
+    state.engine.replicas[1].engine.shutdown()  # what the driver runs at exit: it returns, no worker left
+    assert time.monotonic() - began < 15 and not any(p.is_alive() for p in procs)
 
 
 def test_a_client_leaving_a_lockstep_stream_frees_its_replica(tiny_kl_dir):
