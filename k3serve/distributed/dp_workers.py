@@ -69,7 +69,7 @@ class DPAttentionWorkers(MultiprocExecutor):
             except (EOFError, OSError):  # it closed its pipe: it is exiting or gone
                 self._died(rank)
         if kind == "error":
-            raise RuntimeError(f"DP-attention worker {p.name}: {value}")
+            raise RuntimeError(f"{self.kind} worker {p.name}: {value}")
         return value
 
     def send_one(self, rank: int, method: str, *args) -> None:

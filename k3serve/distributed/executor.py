@@ -121,6 +121,7 @@ def run_headless(model_path: str, tp_size: int, nodes: NodeLayout, **kw) -> int:
 
 class MultiprocExecutor:
     kind = "tensor-parallel"  # how errors name a worker
+
     def __init__(self, model_path: str, tp_size: int, *, expert_parallel: bool, dtype: torch.dtype,
                  load_format: str, kernels: str, device: torch.device, timeout_s: float = 120.0,
                  nodes: NodeLayout = NodeLayout()):

@@ -59,10 +59,8 @@ def make_group(spec: WorkerSpec, store, rank: int):
     shm = _attach_shm(spec, rank)
     agree = torch.tensor([int(shm is not None)])
     pg.allreduce([agree]).wait()
-    shm = shm if int(agree) == spec.world else None
-    if spec.dp_attention:
-        return TPGroup(rank, spec.world, True, pg, shm, size_flag="--data-parallel-size", all2all=spec.all2all)
-    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm)
+    dp = dict(size_flag="--data-parallel-size", all2all=spec.all2all) if spec.dp_attention else {}
+    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm if int(agree) == spec.world else None, **dp)
 
 
 def _attach_shm(spec: WorkerSpec, rank: int):
@@ -92,6 +90,7 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
 
         from k3serve.distributed.multinode import ControlChannel, control_group
         from k3serve.models.registry import load_model
+        from k3serve.runner.model_runner import weight_bytes
 
         torch.set_num_threads(spec.threads)
         store = dist.TCPStore(spec.master_addr, spec.port, spec.world, False,
@@ -103,7 +102,6 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format,
                            progress=False, **groups).to(spec.device)
         model.use_kernels(spec.kernels)
-        from k3serve.runner.model_runner import weight_bytes
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         why = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         if conn is not None:

@@ -5,7 +5,7 @@ the shared experts are whole on every rank. Two forms, as vLLM's `--all2all-back
 
 - **all-to-all** (`all_to_all_routed`; vLLM's pplx / DeepEP, SGLang's DeepEP): each rank routes
   its own tokens and sends a token's expert input row once to each rank that owns one of its
-  top-k experts, with the k expert ids local to that rank (-1 for the others) and their weights.
+  top-k experts, with its k expert ids and weights (the owner runs the ones it holds).
   The owners run their experts and send each row's fp32 partial sum back; the sender adds them.
   Only rows for other ranks holding a selected expert move, and the router and the latent down
   projection run once per token instead of once per rank.
@@ -68,8 +68,8 @@ def gather_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
     start = sum(counts[:ep.rank])
     routed = moe._local_experts(z, ids, weights, fast, counted=slice(start, start + n))  # [sum n, L]
     per_rank = torch.zeros(ep.size, most, routed.shape[1], dtype=torch.float32, device=x.device)
-    for r, c in enumerate(counts):
-        per_rank[r, :c] = routed[sum(counts[:r]):sum(counts[:r]) + c]
+    for r, rows in enumerate(routed.split(counts)):
+        per_rank[r, :len(rows)] = rows
     return ep.reduce_scatter(per_rank.view(ep.size * most, -1))[:n]  # [n, L]: this rank's rows
 
 
@@ -82,13 +82,10 @@ def all_to_all_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
         ids, weights = moe._route(x, fast)  # [n, k]
         moe.expert_load += torch.bincount(ids.reshape(-1).cpu(), minlength=moe.expert_load.numel())
         z = _down(moe, x, fast)  # [n, L]
-        owner = ids // per  # [n, k]
-        to = torch.zeros(n, ep.size, dtype=torch.bool, device=x.device).scatter_(1, owner, True)
+        to = torch.zeros(n, ep.size, dtype=torch.bool, device=x.device).scatter_(1, ids // per, True)  # [n, M]
         rank_of, tok = to.T.nonzero(as_tuple=True)  # [rows]: destination-major, rank 0's rows first
         send = to.sum(0).tolist()
-        own = owner[tok] == rank_of[:, None]  # [rows, k]: the slots the destination holds
-        local = torch.where(own, ids[tok] - (rank_of * per)[:, None], -1).float()
-        msg = [z[tok], local, torch.where(own, weights[tok].float(), 0.0)]
+        msg = [z[tok], ids[tok].float(), weights[tok].float()]
     else:
         tok = torch.zeros(0, dtype=torch.long, device=x.device)
         msg = [x.new_zeros(0, moe.w1.shape[2]), *torch.zeros(2, 0, k, device=x.device)]
@@ -96,18 +93,13 @@ def all_to_all_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
     counts = ep.row_counts(send)
     if not any(counts):  # every replica idle: all of them skip the rest alike
         return None
-    # one message per row: the expert input's bytes, then k local ids (-1: not here) and k weights
+    # one message per row: the expert input's bytes, then its k global expert ids and k weights
     widths = [m.shape[1] * m.element_size() for m in msg]
     got = ep.all_to_all(torch.cat([m.contiguous().view(torch.uint8) for m in msg], 1), counts)
-    z_in, local_in, w_in = (part.contiguous().view(m.dtype) for part, m in
-                            zip(got.split(widths, 1), msg))  # [received, L], [received, k] x 2
-    local_in = local_in.long()
-    r_tok, r_slot = (local_in >= 0).nonzero(as_tuple=True)
-    partial = torch.zeros(z_in.shape[0], moe.w2.shape[1], dtype=torch.float32, device=x.device)
-    if r_tok.numel():
-        run = moe._experts_kernel if moe._fast(z_in) else moe._experts_torch
-        partial.index_add_(0, r_tok, run(z_in[r_tok], local_in[r_tok, r_slot][:, None],
-                                         w_in[r_tok, r_slot][:, None]))
+    z_in, ids_in, w_in = (part.contiguous().view(m.dtype) for part, m in
+                          zip(got.split(widths, 1), msg))  # [received, L], [received, k] x 2
+    # the experts this rank holds, as the TP-EP path runs them (its load was counted by the sender)
+    partial = moe._local_experts(z_in, ids_in.long(), w_in, moe._fast(z_in), counted=slice(0, 0))
     back = ep.all_to_all(partial, [counts[d * ep.size + s] for s in range(ep.size) for d in range(ep.size)])
     # back [rows] lines up with tok, rank 0's partials first: index_add_ adds them in that order,
     # from zero, as the gather form's reduction does
