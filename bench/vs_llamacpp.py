@@ -20,7 +20,10 @@ included it, which cost it 10-25% on the 400 M model.
 Prints the ratios k3serve / llama.cpp, the machine's read and copy bandwidth (512 MB, so DRAM)
 and the share of the read bandwidth 1-stream decode reaches (weight bytes read per token x
 tok/s), and writes bench/results/vs_llamacpp.json. The MXFP4 400 M model's llama.cpp side is its
-bf16 twin quantized MXFP4_MOE (llama.cpp's Kimi-Linear converter reads no MXFP4).
+bf16 twin quantized MXFP4_MOE (llama.cpp's Kimi-Linear converter reads no MXFP4). Where a
+llama.cpp tool dies of a signal with its default weight repacking (seen on an Intel Xeon with
+AMX: the tiny K3 MXFP4 gguf segfaults in libggml-cpu), that gguf is rerun without repacking and
+the JSON says `"llama_repack": false`.
 """
 
 from __future__ import annotations
@@ -114,9 +117,30 @@ def convert_mxfp4_moe(ckpt: Path, out: Path) -> Path:
     return out
 
 
+# ggufs on which llama.cpp's default weight repacking crashes (seen on a Xeon with AMX: the
+# MXFP4 checkpoints segfault in libggml-cpu with repacking on): they run with it off, and the
+# JSON says so. The default is tried first on every gguf.
+NO_REPACK: set[str] = set()
+
+
+def llama_run(tool: str, gguf: Path, args: list[str], no_repack: str) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool on `gguf`; if it dies of a signal with repacking on, again without."""
+    def once() -> subprocess.CompletedProcess:
+        extra = no_repack.split() if str(gguf) in NO_REPACK else []
+        return subprocess.run([str(llama_bin(tool)), "-m", str(gguf), *args, *extra], capture_output=True, text=True)
+    r = once()
+    if r.returncode < 0 and str(gguf) not in NO_REPACK:
+        print(f"{tool} died of signal {-r.returncode} on {gguf.name} with weight repacking: rerun without it")
+        NO_REPACK.add(str(gguf))
+        r = once()
+    if r.returncode != 0:
+        raise subprocess.CalledProcessError(r.returncode, r.args, r.stdout, r.stderr)
+    return r
+
+
 def llama_prefill_decode(gguf: Path, threads: int) -> tuple[float, float]:
-    r = subprocess.run([str(llama_bin("llama-bench")), "-m", str(gguf), "-p", "512", "-n", str(NEW),
-                        "-t", str(threads), "-r", "3", "-o", "json"], check=True, capture_output=True, text=True)
+    r = llama_run("llama-bench", gguf, ["-p", "512", "-n", str(NEW), "-t", str(threads), "-r", "3", "-o", "json"],
+                  "--repack 0")
     rows = json.loads(r.stdout)
     pp = next(x["avg_ts"] for x in rows if x["n_prompt"] == 512 and x["n_gen"] == 0)
     tg = next(x["avg_ts"] for x in rows if x["n_gen"] == NEW and x["n_prompt"] == 0)
@@ -137,9 +161,9 @@ def llama_parallel(gguf: Path, threads: int, streams: int, tries: int = 6) -> fl
 
 
 def _batched_once(gguf: Path, threads: int, streams: int) -> float:
-    r = subprocess.run([str(llama_bin("llama-batched-bench")), "-m", str(gguf), "-c", str(streams * (PROMPT + NEW)),
-                        "-b", "2048", "-ub", "512", "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(streams),
-                        "-t", str(threads), "--output-format", "jsonl"], check=True, capture_output=True, text=True)
+    r = llama_run("llama-batched-bench", gguf, ["-c", str(streams * (PROMPT + NEW)), "-b", "2048", "-ub", "512",
+                                                "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(streams),
+                                                "-t", str(threads), "--output-format", "jsonl"], "-nr")
     rows = [json.loads(line[line.index("{"):]) for line in (r.stdout + "\n" + r.stderr).splitlines()
             if '"speed_tg"' in line]
     if not rows:
@@ -275,11 +299,13 @@ def main() -> None:
                         best[who].setdefault(k, 0.0)
         ratios = {k: best["k3serve"][k] / best["llama.cpp"][k] if best["llama.cpp"][k] else None
                   for k in best["k3serve"]}
-        result[name] = {**best, "ratio": ratios, "checkpoint": str(ckpt)}
+        result[name] = {**best, "ratio": ratios, "checkpoint": str(ckpt),
+                        "llama_repack": str(gguf) not in NO_REPACK}
         per_token = bytes_per_token(ckpt)
         share = {who: best[who]["decode_1"] * per_token / 1e9 / result["machine"]["read_GBps"] for who in best}
         result[name].update(bytes_per_token=per_token, decode_bandwidth_share=share)
-        print(f"\n{name} ({ckpt.name}), {args.threads} threads, tok/s (best of {args.repeats})")
+        print(f"\n{name} ({ckpt.name}), {args.threads} threads, tok/s (best of {args.repeats})"
+              + ("" if result[name]["llama_repack"] else "; llama.cpp without weight repacking (it crashed with)"))
         for k in best["k3serve"]:
             print(f"  {k:12s} k3serve {best['k3serve'][k]:9.1f}   llama.cpp {best['llama.cpp'][k]:9.1f}   "
                   + (f"ratio {ratios[k]:.2f}x" if ratios[k] is not None else "ratio n/a"))

@@ -172,7 +172,7 @@ class MultiprocExecutor:
             self._check_start()
         if "error" in box:
             self.shutdown()
-            raise WorkerDied(f"tensor-parallel group did not form: {box['error']}")
+            raise WorkerDied(f"{self.kind} group did not form: {box['error']}")
         return box["tp"]
 
     def _check_start(self) -> None:
@@ -182,12 +182,12 @@ class MultiprocExecutor:
                 kind, detail = conn.recv()
                 if kind == "error":
                     self.shutdown()
-                    raise RuntimeError(f"tensor-parallel worker failed to start: {detail}")
+                    raise RuntimeError(f"{self.kind} worker failed to start: {detail}")
                 self._ready.add(p.name)
                 self._weights[p.name] = detail
             elif not p.is_alive():
                 self.shutdown()
-                raise WorkerDied(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while starting")
+                raise WorkerDied(f"{self.kind} worker {p.name} exited with code {p.exitcode} while starting")
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; raise the first worker's error. Every
@@ -209,17 +209,17 @@ class MultiprocExecutor:
         while pending:
             ready = wait(list(pending) + [p.sentinel for p in pending.values()], timeout=self.timeout_s)
             if not ready:
-                raise WorkerDied(f"tensor-parallel workers not ready after {self.timeout_s:.0f} s")
+                raise WorkerDied(f"{self.kind} workers not ready after {self.timeout_s:.0f} s")
             for conn in [c for c in pending if c in ready]:
                 kind, detail = conn.recv()
                 if kind == "error":
                     self.shutdown()
-                    raise RuntimeError(f"tensor-parallel worker failed to start: {detail}")
+                    raise RuntimeError(f"{self.kind} worker failed to start: {detail}")
                 self._weights[pending.pop(conn).name] = detail
             for conn, p in list(pending.items()):
                 if p.sentinel in ready and not conn.poll():
                     self.shutdown()
-                    raise WorkerDied(f"tensor-parallel worker {p.name} exited with code {p.exitcode} while loading")
+                    raise WorkerDied(f"{self.kind} worker {p.name} exited with code {p.exitcode} while loading")
 
     def _wait_ready_control(self) -> None:
         """Multi-node: a barrier where each rank says whether its shard loaded; the errors of
@@ -229,7 +229,7 @@ class MultiprocExecutor:
         keys = [f"{self._spec.prefix}/error/{r}" for r in range(1, self.size)]
         why = [self._store.get(k).decode() for k in keys if self._store.check([k])]
         self.shutdown()
-        raise RuntimeError(f"tensor-parallel worker failed to start: {why[0] if why else 'no reason given'}")
+        raise RuntimeError(f"{self.kind} worker failed to start: {why[0] if why else 'no reason given'}")
 
     def send(self, method: str, *args) -> None:
         """Run `method(*args)` on every worker's RankRunner (the driver runs its own after)."""
@@ -246,7 +246,7 @@ class MultiprocExecutor:
             try:
                 conn.send((method, args))
             except (BrokenPipeError, OSError):
-                self.error = f"tensor-parallel worker {p.name} died (exit code {p.exitcode})"
+                self.error = f"{self.kind} worker {p.name} died (exit code {p.exitcode})"
                 raise WorkerDied(self.error) from None
 
     def send_each(self, method: str, per_rank: list[tuple]) -> None:
@@ -256,7 +256,7 @@ class MultiprocExecutor:
             try:
                 conn.send((method, args))
             except (BrokenPipeError, OSError):
-                self.error = f"tensor-parallel worker {p.name} died (exit code {p.exitcode})"
+                self.error = f"{self.kind} worker {p.name} died (exit code {p.exitcode})"
                 raise WorkerDied(self.error) from None
 
     def call(self, method: str, *args) -> list:
@@ -266,11 +266,11 @@ class MultiprocExecutor:
         out = []
         for conn, p in zip(self._conns, self._procs):
             if not conn.poll(self.timeout_s):
-                self.error = f"tensor-parallel worker {p.name} did not answer {method} in {self.timeout_s:.0f} s"
+                self.error = f"{self.kind} worker {p.name} did not answer {method} in {self.timeout_s:.0f} s"
                 raise WorkerDied(self.error)
             kind, value = conn.recv()
             if kind == "error":
-                raise RuntimeError(f"tensor-parallel worker {p.name}: {value}")
+                raise RuntimeError(f"{self.kind} worker {p.name}: {value}")
             out.append(value)
         return out
 

@@ -2,9 +2,12 @@
 (threads over gloo, k3serve/testing/tp_harness.py), each with its own prompt, its own cache and
 the whole attention, meet in every MoE layer, where the routed experts are split by id over
 both. Each rank's fp32 logits, through a prefill that crosses latent blocks and greedy decode
-steps, stay within 1e-5 of the logit scale of the single-process model's on the same prompt (the
-bound test_tp_model.py states and explains), its greedy tokens are identical, and each rank
-holds the weight bytes the planner predicts for attention TP1 with experts over 2."""
+steps, are as accurate as the single-process model's on the same prompt: no farther from a
+float64 run than that fp32 run is, plus 1e-5 of the logit scale (the bound test_tp_model.py
+states and explains; a plain |DP - one process| <= 1e-5 of the scale held on an AMD EPYC and
+misses on an Intel Xeon with AMX, 4.6e-5 against 4.1e-5, for tiny K3 on the kernel path), its
+greedy tokens are identical, and each rank holds the weight bytes the planner predicts for
+attention TP1 with experts over 2."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 
 from k3serve.models.registry import load_model
 from k3serve.testing.tp_harness import run_ranks
-from tests.distributed.test_tp_model import PROMPT, greedy_logits
+from tests.distributed.test_tp_model import PROMPT, assert_as_accurate, greedy_logits
 
 PROMPTS = [PROMPT, [(11 * i + 5) % 500 for i in range(21)]]  # unequal lengths
 
@@ -27,8 +30,8 @@ def test_dp2_attention_with_ep2_matches_single_process_per_rank(kind, kernels, a
                      expert_parallel=True, all2all=all2all)
     for prompt, got in zip(PROMPTS, outs):
         ref = greedy_logits(path, kernels=kernels, prompt=prompt)
-        assert got.shape == ref.shape
-        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        exact = greedy_logits(path, kernels="torch", dtype=torch.float64, prompt=prompt)
+        assert_as_accurate(got, ref, exact)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 

@@ -149,3 +149,24 @@ def test_a_client_leaving_a_lockstep_stream_frees_its_replica(tiny_kl_dir):
         assert _complete(base, SHORT, 4)  # the lockstep loop still serves
     for rep in state.engine.replicas:
         assert rep.engine.cache.num_requests == 0
+
+
+def test_a_dp_attention_worker_that_cannot_load_names_itself_and_the_tensor(tmp_path):
+    """A checkpoint missing one of rank 1's routed experts: start-up fails with the worker's
+    kind and the tensor's name, and no worker process outlives it."""
+    import multiprocessing
+
+    from safetensors.torch import load_file, save_file
+
+    from k3serve.testing.builder import build_tiny_checkpoint
+
+    d = build_tiny_checkpoint(tmp_path / "kl", kind="kimi_linear", seed=0, num_shards=1)
+    tensors = load_file(str(d / "model.safetensors"))
+    last = max(int(k.split(".experts.")[1].split(".")[0]) for k in tensors if ".experts." in k)
+    name = f"model.layers.1.block_sparse_moe.experts.{last}.w1.weight"  # rank 1 owns the last half
+    del tensors[name]
+    save_file(tensors, str(d / "model.safetensors"))
+    before = set(multiprocessing.active_children())  # other tests' servers may still hold workers
+    with pytest.raises(RuntimeError, match=rf"DP-attention worker failed to start: .*{name.replace('.', '[.]')}"):
+        make_app(d, "--data-parallel-size", "2", "--enable-expert-parallel")
+    assert not [p for p in set(multiprocessing.active_children()) - before if p.name.startswith("k3serve-")]
