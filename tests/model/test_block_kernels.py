@@ -172,3 +172,53 @@ def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
     for name in ("recurrent", "conv", "latent"):
         for f, r in zip(getattr(fast_cache, name), getattr(slow_cache, name)):
             assert (f is None and r is None) or torch.equal(f, r)
+
+
+def test_a_row_split_decode_stack_equals_the_layers_bit_for_bit(model):
+    """A pure decode step of 11 sequences on 2 threads: the stack runs each thread's share of
+    the rows through every layer on its own (DecodeStack.row_parts > 1; the tiny models' weights
+    fit in cache), and its logits, caches and tap outputs equal the per-layer path's, which
+    splits each block instead. Shares of 5 and 6 rows, sequences at different lengths."""
+    S, taps = 11, {0: None, model.cfg.num_layers - 1: None}
+    threads = torch.get_num_threads()
+
+    def run(stack: bool):
+        model.use_kernels("cpp")
+        if not stack:
+            model.model._decode_stack = False
+        g = torch.Generator().manual_seed(2)
+        cache = CacheTensors.allocate(model.cfg, S, 8 * S, BS, kv_dtype=model.dtype)
+        tables = [list(range(8 * s, 8 * s + 8)) for s in range(S)]
+        prompts = [torch.randint(0, 500, (3 + 2 * s,), generator=g) for s in range(S)]
+        out = []
+        with torch.inference_mode():
+            fb = ForwardBatch(torch.cat(prompts), [len(p) for p in prompts], [0] * S, list(range(S)), tables, BS)
+            model(fb, cache)
+            for t in range(3):
+                ids = torch.randint(0, 500, (S,), generator=g)
+                fb = ForwardBatch(ids, [1] * S, [len(p) + t for p in prompts], list(range(S)), tables, BS)
+                capture = dict(taps)
+                out.append(model.compute_logits(model(fb, cache, capture)))
+                out += list(capture.values())
+        stack_obj = model.model._decode_stack
+        model.use_kernels("torch")
+        return out, cache, stack_obj
+
+    torch.set_num_threads(2)
+    try:
+        fast, fast_cache, stack_obj = run(True)
+        slow, slow_cache, _ = run(False)
+    finally:
+        torch.set_num_threads(threads)
+    assert type(stack_obj).__name__ == "DecodeStack"
+    torch.set_num_threads(2)
+    try:
+        assert stack_obj.row_parts(S) == 2 and stack_obj.row_parts(7) == 1  # 4 rows a share at least
+    finally:
+        torch.set_num_threads(threads)
+    assert len(fast) == len(slow) == 3 * (1 + len(taps))
+    for f, r in zip(fast, slow):
+        assert torch.equal(f, r)
+    for name in ("recurrent", "conv", "latent"):
+        for f, r in zip(getattr(fast_cache, name), getattr(slow_cache, name)):
+            assert (f is None and r is None) or torch.equal(f, r)

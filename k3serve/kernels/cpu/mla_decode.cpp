@@ -17,6 +17,11 @@
 
 namespace {
 
+// One work item is a query row and a group of its heads: each latent row of the context is
+// read (and converted to fp32) once for the whole group instead of once per head, which is what
+// makes absorbed MLA decode cheap (every head attends to the same [c | r] rows). Per head the
+// arithmetic is unchanged (the same dots in the same order), so the grouping, and with it the
+// thread count, never changes a bit of the output.
 template <typename T, typename TW>
 void attend(const float* qs, const T* cache, const TW* wkvb, const int64_t* table,
             const int64_t* seq, const int64_t* pos, float* out, int64_t R, int64_t H, int64_t n, int64_t r,
@@ -24,40 +29,60 @@ void attend(const float* qs, const T* cache, const TW* wkvb, const int64_t* tabl
   const int64_t row_dim = c + r, wh = (n + v) * c;
   int64_t longest = 0;
   for (int64_t i = 0; i < R; ++i) longest = std::max(longest, pos[i] + 1);
-  at::parallel_for(0, R * H, k3k::grain_for(2 * longest * row_dim), [&](int64_t begin, int64_t end) {
-    std::vector<float> q_abs(c), mixed(c), lat(row_dim), scores(longest), wr(c);
+  // enough items to keep every thread busy: split a row's heads when rows are few
+  const int64_t split = std::min<int64_t>(H, std::max<int64_t>(1, (2 * at::get_num_threads() + R - 1) / R));
+  const int64_t hg = (H + split - 1) / split, groups = (H + hg - 1) / hg;
+  at::parallel_for(0, R * groups, k3k::grain_for(2 * longest * row_dim * hg), [&](int64_t begin, int64_t end) {
+    std::vector<float> q_abs(hg * c), mixed(hg * c), lat(row_dim), scores(hg * longest), wr(c), peak(hg), total(hg);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / H, h = item % H, L = pos[i] + 1;
-      const TW* w = wkvb + h * wh;  // [n + v, c]: W_UK rows then W_UV rows
-      const float* q = qs + (i * H + h) * (n + r);  // [nope | rope]
-      std::fill(q_abs.begin(), q_abs.end(), 0.f);
-      for (int64_t a = 0; a < n; ++a) {
-        const float qa = q[a];
-        for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + a * c, j);
+      const int64_t i = item / groups, h0 = item % groups * hg, nh = std::min(hg, H - h0), L = pos[i] + 1;
+      for (int64_t g = 0; g < nh; ++g) {  // q_abs = W_UK^T q_nope per head: [c]
+        const TW* w = wkvb + (h0 + g) * wh;  // [n + v, c]: W_UK rows then W_UV rows
+        const float* q = qs + (i * H + h0 + g) * (n + r);  // [nope | rope]
+        float* qa_row = q_abs.data() + g * c;
+        std::fill(qa_row, qa_row + c, 0.f);
+        for (int64_t a = 0; a < n; ++a) {
+          const float qa = q[a];
+          for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + a * c, j);
 #pragma omp simd
-        for (int64_t j = 0; j < c; ++j) q_abs[j] += qa * wr[j];
+          for (int64_t j = 0; j < c; ++j) qa_row[j] += qa * wr[j];
+        }
       }
-      const float* qr = q + n;
       const int64_t* tab = table + seq[i] * width;
-      float peak = -std::numeric_limits<float>::infinity();
+      std::fill(peak.begin(), peak.end(), -std::numeric_limits<float>::infinity());
       for (int64_t l = 0; l < L; ++l) {
         const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
         for (int64_t j = 0; j < row_dim; ++j) lat[j] = k3k::load(src, j);
-        scores[l] = (k3k::dot(q_abs.data(), lat.data(), c) + k3k::dot(qr, lat.data() + c, r)) * scale;
-        peak = std::max(peak, scores[l]);
+        for (int64_t g = 0; g < nh; ++g) {
+          const float* qr = qs + (i * H + h0 + g) * (n + r) + n;
+          float s = (k3k::dot(q_abs.data() + g * c, lat.data(), c) + k3k::dot(qr, lat.data() + c, r)) * scale;
+          scores[g * longest + l] = s;
+          peak[g] = std::max(peak[g], s);
+        }
       }
-      float total = 0.f;
-      for (int64_t l = 0; l < L; ++l) total += (scores[l] = std::exp(scores[l] - peak));
+      for (int64_t g = 0; g < nh; ++g) {
+        float* sg = scores.data() + g * longest;
+        float t = 0.f;
+        for (int64_t l = 0; l < L; ++l) t += (sg[l] = std::exp(sg[l] - peak[g]));
+        total[g] = t;
+      }
       std::fill(mixed.begin(), mixed.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {
         const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
-        const float p = scores[l] / total;
-        for (int64_t j = 0; j < c; ++j) mixed[j] += p * k3k::load(src, j);
+        for (int64_t j = 0; j < c; ++j) lat[j] = k3k::load(src, j);
+        for (int64_t g = 0; g < nh; ++g) {
+          const float p = scores[g * longest + l] / total[g];
+          float* mg = mixed.data() + g * c;
+          for (int64_t j = 0; j < c; ++j) mg[j] += p * lat[j];
+        }
       }
-      float* o = out + (i * H + h) * v;
-      for (int64_t b = 0; b < v; ++b) {
-        for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + (n + b) * c, j);
-        o[b] = k3k::dot(mixed.data(), wr.data(), c);
+      for (int64_t g = 0; g < nh; ++g) {
+        const TW* w = wkvb + (h0 + g) * wh;
+        float* o = out + (i * H + h0 + g) * v;
+        for (int64_t b = 0; b < v; ++b) {
+          for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + (n + b) * c, j);
+          o[b] = k3k::dot(mixed.data() + g * c, wr.data(), c);
+        }
       }
     }
   });
