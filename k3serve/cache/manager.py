@@ -152,14 +152,16 @@ class HybridCacheManager:
         for key in pinned:
             self.checkpoints.unpin(key)
 
+    def completes_block(self, req_id: str, num_computed: int) -> bool:
+        """Whether register_computed would publish a block (callers skip building token lists)."""
+        return self.prefix_caching and num_computed // self.block_size > self._registered.get(req_id, 0)
+
     def register_computed(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Publish the request's blocks that are now fully computed."""
-        if not self.prefix_caching:
+        if not self.completes_block(req_id, num_computed):
             return
         full = num_computed // self.block_size
         done = self._registered.get(req_id, 0)
-        if full <= done:
-            return
         hashes = self._hashes_upto(req_id, token_ids, full)
         table = self._tables[req_id]
         for i in range(done, full):

@@ -17,19 +17,32 @@ TOP_K_CAP = 2 ** 31  # above every vocabulary
 
 
 def apply_bias_and_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    logits = logits.clone()
+    """The rows with bias / min_tokens / penalties applied; `logits` itself (no copy) when no
+    row asks for any (a copy of [B, V] is ~10 MB a step at a 160k vocabulary and 16 rows)."""
+    out = logits
     for i, req in enumerate(reqs):
         p = req.params
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-        if len(req.output_token_ids) < p.min_tokens:  # suppress ends until min_tokens
-            ends = list(p.stop_token_ids) + ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id])
-            if ends:
-                logits[i, torch.tensor(ends, dtype=torch.long)] = NEG_INF
-        if p.uses_penalties:
-            _penalize_row(logits[i], req)
-    return logits
+        suppress = len(req.output_token_ids) < p.min_tokens
+        if not (p.logit_bias or suppress or p.uses_penalties):
+            continue
+        if out is logits:
+            out = logits.clone()
+        _process_row(out, i, req, suppress)
+    return out
+
+
+def _process_row(logits: torch.Tensor, i: int, req: Request, suppress: bool) -> None:
+    """Row i of `logits` in place: logit_bias, min_tokens' suppressed ends, penalties."""
+    p = req.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    if suppress:  # suppress ends until min_tokens
+        ends = list(p.stop_token_ids) + ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id])
+        if ends:
+            logits[i, torch.tensor(ends, dtype=torch.long)] = NEG_INF
+    if p.uses_penalties:
+        _penalize_row(logits[i], req)
 
 
 def _penalize_row(row: torch.Tensor, req: Request) -> None:

@@ -26,7 +26,7 @@ class ScheduledSeq:
     @property
     def token_ids(self) -> list[int]:
         n = self.num_tokens - len(self.drafts)
-        return self.request.all_token_ids[self.start:self.start + n] + self.drafts
+        return self.request.token_slice(self.start, self.start + n) + self.drafts
 
 
 @dataclass

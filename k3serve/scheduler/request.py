@@ -54,6 +54,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building all_token_ids (a decode step reads one token)."""
+        p, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return p[start:end]
+        return p[start:] + self.output_token_ids[:end - n]
+
     @property
     def cache_token_ids(self) -> list[int]:
         """What the prefix cache keys blocks and checkpoints by (== all_token_ids without media)."""

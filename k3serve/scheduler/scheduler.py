@@ -148,8 +148,9 @@ class Scheduler:
             req.spec_token_ids = []
             done = any(req.append_token(t.token_id) for t in toks)  # stops at the first ending token
             # accepted drafts are inputs now in the cache: publish blocks once their ids are known
-            self.cache.register_computed(req.request_id, req.cache_token_ids,
-                                         min(req.num_computed_tokens, req.num_tokens))
+            computed = min(req.num_computed_tokens, req.num_tokens)
+            if self.cache.completes_block(req.request_id, computed):  # cache_token_ids copies the request
+                self.cache.register_computed(req.request_id, req.cache_token_ids, computed)
             if done:
                 self.finish(req, req.finish_reason)
                 finished.append(req)

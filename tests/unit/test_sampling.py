@@ -157,3 +157,16 @@ def test_special_tokens_skipped_unless_asked():
     keep = IncrementalDetokenizer(ByteTok(), SamplingParams(skip_special_tokens=False))
     keep.add(300)
     assert keep.text == "<|special|>"
+
+
+def test_bias_and_penalties_copy_only_when_a_row_asks_for_them():
+    """Plain rows get the logits back uncopied; a row with penalties gets a copy (the input
+    untouched) equal to the loop reference on that row, the plain rows unchanged."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    plain = [make_req(i, temperature=0.0) for i in range(3)]
+    assert apply_bias_and_penalties(logits, plain) is logits
+    mixed = [plain[0], make_req(1, temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.3), plain[2]]
+    before = logits.clone()
+    got = apply_bias_and_penalties(logits, mixed)
+    assert got is not logits and torch.equal(logits, before)
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2]) and not torch.equal(got[1], logits[1])

@@ -258,3 +258,12 @@ def test_a_step_that_fails_with_one_request_fails_that_request():
     culprits = s.retry_apart(batch)
     assert [r.request_id for r in culprits] == ["x"] and culprits[0].finish_reason == "error"
     assert not s.requests and s.cache.num_free_slots == 4 and s.cache.num_free_blocks == 64
+
+
+def test_token_slice_equals_slicing_all_token_ids():
+    r = req("s", 5, max_tokens=10)
+    r.output_token_ids = [100, 101, 102, 103]
+    every = r.all_token_ids
+    for a in range(len(every) + 1):
+        for b in range(a, len(every) + 2):
+            assert r.token_slice(a, b) == every[a:b], (a, b)
