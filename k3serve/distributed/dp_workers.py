@@ -127,9 +127,10 @@ class RemoteRank:
         self.workers.send_one(self.rank, "allocate", plan, kv_dtype)
 
     def forward(self, inputs, capture: dict | None = None):
+        taps = tuple(capture) if capture else ()
+        result, self._stats, states = self.workers.call_one(self.rank, "dp_forward", inputs, taps)
         if capture is not None:
-            raise ValueError("a DP-attention worker does not return tap-layer states")
-        result, self._stats = self.workers.call_one(self.rank, "dp_forward", inputs)
+            capture.update(states)  # the tap layers' [N, d], as the in-process forward fills them
         return result
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:

@@ -67,9 +67,6 @@ class LLMEngine(HandoffMixin):
         from k3serve.tokenizer import Tokenizer
 
         if self.remote is not None:
-            if config.speculative_config:
-                raise ValueError("speculative decoding with DP-attention worker processes is not built (the "
-                                 "drafters sit beside the model): use --data-parallel-backend threads")
             self.model = self.remote.model  # its config and weight bytes; the weights are in the worker
         else:
             tp = self.executor.join_group() if self.executor is not None else NO_TP

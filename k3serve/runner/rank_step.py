@@ -80,10 +80,13 @@ class RankRunner:
         """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
         self.model.idle_moe()
 
-    def dp_forward(self, inp: StepInputs) -> tuple[StepResult, dict]:
+    def dp_forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> tuple[StepResult, dict, dict]:
         """A DP-attention worker's forward: the result and, riding along, its parallel_stats (the
-        driver's stats snapshot after every step must not cost a second round trip)."""
-        return self.forward(inp), self.parallel_stats()
+        driver's stats snapshot after every step must not cost a second round trip) and the
+        hidden states [N, d] of the `taps` layers (a DSpark drafter in the driver reads them)."""
+        capture = {i: None for i in taps} if taps else None
+        result = self.forward(inp, capture)
+        return result, self.parallel_stats(), capture or {}
 
     def parallel_stats(self) -> dict:
         """This rank's collective totals and the expert load it counted, for /metrics (engine/stats.py)."""

@@ -95,3 +95,31 @@ def test_auto_exchange_gathers_where_tokens_reach_most_ranks_anyway():
     assert gather_form("naive", 16, 64) and not gather_form("alltoall", 2, 2)
     with pytest.raises(ValueError, match="--all2all-backend 'pplx' is not one of auto, alltoall"):
         gather_form("pplx", 2, 2)
+
+
+@pytest.mark.parametrize("method", ["dspark", "ngram"])
+def test_speculation_with_dp_attention_worker_processes_equals_one_engine(method):
+    """DP2-attention + EP with each replica's model in a worker process (the default backend) and
+    a drafter in the driver: the bundled demo's DSpark draft reads the tap-layer states the
+    workers send back with each forward; verify passes keep per-position KDA states in the
+    worker, whose rollback follows. Greedy tokens equal one engine's without speculation."""
+    from k3serve import LLM, SamplingParams
+    from k3serve.demo import default_model
+
+    path = str(default_model())
+    spec = ({"method": "dspark", "model": "dspark", "num_speculative_tokens": 4} if method == "dspark" else
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    prompts = ["<|im_user|>user<|im_middle|>What is 23 + 45?<|im_end|><|im_assistant|>assistant<|im_middle|>",
+               "Repeat after me: the quick brown fox, the quick brown fox, the quick brown",
+               "A long time ago"]
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    kw = dict(cache_memory="32MiB", max_model_len=512)
+    want = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, greedy)]
+    dp = LLM(path, data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec, **kw)
+    try:
+        got = [o.outputs[0].token_ids for o in dp.generate(prompts, greedy)]
+        assert got == want
+        assert all(r.remote is not None for r in dp.engine.replicas)  # the worker-process backend
+        assert sum(r.spec.stats.accepted_tokens for r in dp.engine.replicas) > 0
+    finally:
+        dp.engine.shutdown()
