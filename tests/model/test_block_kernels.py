@@ -213,7 +213,8 @@ def test_a_row_split_decode_stack_equals_the_layers_bit_for_bit(model):
     assert type(stack_obj).__name__ == "DecodeStack"
     torch.set_num_threads(2)
     try:
-        assert stack_obj.row_parts(S) == 2 and stack_obj.row_parts(7) == 1  # 4 rows a share at least
+        # 4 rows a share at least; past 16 rows the blocks' GEMMs are torch's (not batch invariant)
+        assert stack_obj.row_parts(S) == 2 and stack_obj.row_parts(7) == 1 and stack_obj.row_parts(17) == 1
     finally:
         torch.set_num_threads(threads)
     assert len(fast) == len(slow) == 3 * (1 + len(taps))

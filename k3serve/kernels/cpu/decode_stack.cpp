@@ -60,10 +60,12 @@ class DecodeStack {
   // states to return too (a DSpark drafter's taps). Returns [last hidden state before the final
   // norm, the captured layers' outputs in `capture` order].
   //
-  // A pure decode step (one row per sequence, no verify records) of a model whose weights fit
-  // in cache runs row-split: each thread takes a contiguous share of the rows through the whole
-  // stack, with no join between layers. Every kernel here is batch invariant (a row's result
-  // never depends on the other rows of its call), so this changes no bit; at these sizes each
+  // A pure decode step (one row per sequence, no verify records) of at most kMaxSplitRows rows,
+  // of a model whose weights fit in cache, runs row-split: each thread takes a contiguous share
+  // of the rows through the whole stack, with no join between layers. Up to blocks.cpp's kSmallM
+  // rows every kernel here is batch invariant (a row's result never depends on the other rows
+  // of its call; past it the blocks hand their projections to torch's GEMM), so this changes
+  // no bit; at these sizes each
   // block is a few µs, below what a fork/join per block costs, so the per-block path leaves
   // the other cores idle (tiny Kimi-Linear, 16 rows, 2 threads: the same time as 1 thread).
   // Large models keep the per-block split: there each thread would read every weight.
@@ -93,7 +95,7 @@ class DecodeStack {
 
   // How many row shares a pure decode step of n rows runs in (1: the per-block split).
   int64_t row_parts(int64_t n) const {
-    if (weight_bytes_ > kRowSplitBytes || at::in_parallel_region()) return 1;
+    if (weight_bytes_ > kRowSplitBytes || n > kMaxSplitRows || at::in_parallel_region()) return 1;
     return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kMinRowsPerPart));
   }
 
@@ -171,6 +173,7 @@ class DecodeStack {
 
   static constexpr int64_t kMinRowsPerPart = 4;  // fewer rows per thread: not worth a fork/join
   static constexpr int64_t kRowSplitBytes = 8 << 20;  // weights every thread may read from cache
+  static constexpr int64_t kMaxSplitRows = 16;  // = blocks.cpp kSmallM: the GEMV loops' batch invariance
   double eps_;
   int64_t block_;
   int64_t weight_bytes_ = 0;
