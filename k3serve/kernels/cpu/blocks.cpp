@@ -21,7 +21,7 @@
 
 namespace {
 
-constexpr int64_t kSmallM = 16;  // up to this many rows a GEMV loop beats a oneDNN/MKL GEMM call
+using k3k::kSmallM;
 
 using Buf = std::vector<float>;
 

@@ -149,6 +149,10 @@ inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_
 #endif
 }
 
+// Up to this many rows the blocks' projections run in a GEMV loop (it beats a oneDNN/MKL GEMM
+// call there, and a row's result never depends on the other rows); past it, torch's GEMM.
+constexpr int64_t kSmallM = 16;
+
 // Work items per parallel chunk so that a chunk holds about `work` flops: small models stay on
 // one thread (a fork/join costs more than their whole layer), large ones use every core.
 inline int64_t grain_for(int64_t flops_per_item, int64_t work = 1 << 18) {

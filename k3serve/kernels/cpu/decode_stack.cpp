@@ -9,6 +9,7 @@
 // tests/model/test_block_kernels.py.
 #include <torch/extension.h>
 
+#include "common.h"
 #include "ops.h"
 
 #include <vector>
@@ -60,20 +61,19 @@ class DecodeStack {
   // states to return too (a DSpark drafter's taps). Returns [last hidden state before the final
   // norm, the captured layers' outputs in `capture` order].
   //
-  // A pure decode step (one row per sequence, no verify records) of at most kMaxSplitRows rows,
+  // A pure decode step (one row per sequence, no verify records) of at most k3k::kSmallM rows,
   // of a model whose weights fit in cache, runs row-split: each thread takes a contiguous share
-  // of the rows through the whole stack, with no join between layers. Up to blocks.cpp's kSmallM
-  // rows every kernel here is batch invariant (a row's result never depends on the other rows
-  // of its call; past it the blocks hand their projections to torch's GEMM), so this changes
-  // no bit; at these sizes each
-  // block is a few µs, below what a fork/join per block costs, so the per-block path leaves
-  // the other cores idle (tiny Kimi-Linear, 16 rows, 2 threads: the same time as 1 thread).
-  // Large models keep the per-block split: there each thread would read every weight.
+  // of the rows through the whole stack, with no join between layers. Up to kSmallM rows every
+  // kernel here is batch invariant (a row's result never depends on the other rows of its
+  // call), so this changes no bit. At these sizes each block is a few µs, below what a
+  // fork/join per block costs, so the per-block path leaves the other cores idle (tiny
+  // Kimi-Linear, 16 rows, 2 threads: the same time as 1 thread). Large models keep the
+  // per-block split: there each thread would read every weight.
   std::vector<at::Tensor> run(at::Tensor h, std::vector<at::Tensor> states, std::vector<at::Tensor> records,
                               at::Tensor slots, at::Tensor starts, at::Tensor cache_rows, at::Tensor table,
                               at::Tensor seq, at::Tensor pos, int64_t block, std::vector<int64_t> capture) const {
     const int64_t N = h.size(0), parts = row_parts(N);
-    if (parts < 2 || !records.empty() || starts.size(0) != N + 1 || seq.size(0) != N || table.size(0) != N)
+    if (parts < 2 || !records.empty() || starts.size(0) != N + 1)  // N + 1 starts: one row per sequence
       return run_rows(h, states, records, slots, starts, cache_rows, table, seq, pos, block, capture);
     std::vector<std::vector<at::Tensor>> outs(parts);
     at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
@@ -95,7 +95,7 @@ class DecodeStack {
 
   // How many row shares a pure decode step of n rows runs in (1: the per-block split).
   int64_t row_parts(int64_t n) const {
-    if (weight_bytes_ > kRowSplitBytes || n > kMaxSplitRows || at::in_parallel_region()) return 1;
+    if (weight_bytes_ > kRowSplitBytes || n > k3k::kSmallM || at::in_parallel_region()) return 1;
     return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kMinRowsPerPart));
   }
 
@@ -173,7 +173,6 @@ class DecodeStack {
 
   static constexpr int64_t kMinRowsPerPart = 4;  // fewer rows per thread: not worth a fork/join
   static constexpr int64_t kRowSplitBytes = 8 << 20;  // weights every thread may read from cache
-  static constexpr int64_t kMaxSplitRows = 16;  // = blocks.cpp kSmallM: the GEMV loops' batch invariance
   double eps_;
   int64_t block_;
   int64_t weight_bytes_ = 0;
