@@ -280,9 +280,11 @@ def main() -> None:
     import torch
     torch.set_num_threads(args.threads)
     streams = (8, 16)
-    result: dict = {"machine": bandwidth(args.threads)}
+    from k3serve import kernels
+    module = kernels.get("auto")
+    result: dict = {"machine": {**bandwidth(args.threads), "kernels": module.simd() if module else "torch"}}
     print(f"memory bandwidth, {args.threads} threads: read {result['machine']['read_GBps']:.1f} GB/s, "
-          f"copy {result['machine']['copy_GBps']:.1f} GB/s")
+          f"copy {result['machine']['copy_GBps']:.1f} GB/s; k3serve kernels: {result['machine']['kernels']}")
     for name, ckpt in checkpoints(set(args.only.split(","))).items():
         gguf = (convert_mxfp4_moe if name.endswith("-mxfp4") else convert)(ckpt, CACHE / f"{name}.gguf")
         best: dict[str, dict[str, float]] = {"k3serve": {}, "llama.cpp": {}}

@@ -42,8 +42,9 @@ def _build():
     try:
         from torch.utils.cpp_extension import load
 
-        # K3SERVE_KERNEL_ARCH (default native): e.g. x86-64-v2 builds the portable scalar paths,
-        # to test them on a machine that has AVX-512 (cached apart, under its own name)
+        # K3SERVE_KERNEL_ARCH (default native): x86-64-v2 builds the portable scalar paths,
+        # x86-64-v3 the AVX2 ones, to test them on a machine that has AVX-512 (each cached apart,
+        # under its own name); the module's simd() names the route a build took
         arch = os.environ.get("K3SERVE_KERNEL_ARCH", "native")
         name = "k3serve_cpu_kernels" + ("" if arch == "native" else "_" + arch.replace("-", "_").replace(".", "_"))
         module = load(name=name, sources=_SOURCES, verbose=False,

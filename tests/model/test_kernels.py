@@ -79,3 +79,26 @@ def test_torch_mode_means_no_kernels_and_unknown_modes_are_refused():
     assert kernels.get("torch") is None
     with pytest.raises(ValueError, match="kernels must be one of"):
         kernels.get("fast")
+
+
+def test_a_native_build_takes_the_widest_vector_route_the_cpu_has():
+    """A native build on a CPU with AVX2 + FMA must not fall back to the scalar loops (they ran
+    the tiny and 400 M models 2-4x slower on an AVX2-only EPYC); with AVX-512 F/BW/VL it takes
+    the AVX-512 route, with AVX512-BF16 the vdpbf16ps one."""
+    import os
+    from pathlib import Path
+
+    arch = os.environ.get("K3SERVE_KERNEL_ARCH", "native")
+    cpuinfo = Path("/proc/cpuinfo")
+    if arch != "native" or not cpuinfo.exists():
+        pytest.skip("the expectation holds for native builds on Linux")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in cpuinfo.read_text().splitlines()
+                      if ln.startswith("flags")), []))
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        want = "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+    elif {"avx2", "fma"} <= flags:
+        want = "avx2"
+    else:
+        want = "scalar"
+    assert K.simd() == want
+    assert K.has_bf16_dot() == (want == "avx512-bf16")

@@ -52,12 +52,12 @@ void gemv_rows(const float* x, const uint16_t* xb, int64_t M, int64_t K, const W
   }
 #endif
   (void)xb;
+  std::vector<const float*> xr(M);
+  for (int64_t m = 0; m < M; ++m) xr[m] = x + m * K;
   for (int64_t n = begin; n < end; ++n) {
-    const W* wr = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float acc = row_dot(x + m * K, wr, K);
-      y[m * ldy + n] = rnd ? round_bf16(acc) : acc;
-    }
+    k3k::row_dot_rows(xr.data(), M, w + n * K, K, y + n, ldy);
+    if (rnd)
+      for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = round_bf16(y[m * ldy + n]);
   }
 }
 

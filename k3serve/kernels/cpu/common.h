@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #if defined(__x86_64__) || defined(__i386__)
@@ -116,6 +116,23 @@ inline void decode_mxfp4_group(const uint8_t* codes, float mult, __m512& first, 
   first = _mm512_permutex2var_ps(lo, even, hi);
   second = _mm512_permutex2var_ps(lo, odd, hi);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX2 form: one group's 32 values as four 8-lane vectors in split order: evens of code
+// bytes 0-7 (e0) and 8-15 (e1), odds likewise (o0, o1). The table's 8 magnitudes, scaled once
+// per group (exact: a power of two), are looked up by the code's low 3 bits; its bit 3 is the
+// sign. Each value is E2M1 x 2^(s - 127), the bits the scalar form's product gives.
+inline void decode_mxfp4_split(const uint8_t* codes, float mult, __m256& e0, __m256& e1, __m256& o0, __m256& o1) {
+  const __m256 lut = _mm256_mul_ps(_mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), _mm256_set1_ps(mult));
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8)));
+  const __m256i eight = _mm256_set1_epi32(8);
+  auto value = [&](__m256i c) {  // c's low 4 bits: the code (permutevar8x32 reads only bits 0-2)
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, eight), 28);
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, c), _mm256_castsi256_ps(sign));
+  };
+  e0 = value(b0), e1 = value(b1);
+  o0 = value(_mm256_srli_epi32(b0, 4)), o1 = value(_mm256_srli_epi32(b1, 4));
+}
 #endif
 
 // One packed MXFP4 row (K/2 code bytes, low nibble = even column; K/32 E8M0 scales) -> K floats,
@@ -133,6 +150,22 @@ inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_
       decode_mxfp4_group(packed + g * 16, pow2[scale[g]], a, b);
     _mm512_storeu_ps(out + g * 32, a);
     _mm512_storeu_ps(out + g * 32 + 16, b);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m256 e0, e1, o0, o1;
+    decode_mxfp4_split(packed + g * 16, pow2[scale[g]], e0, e1, o0, o1);
+    float* o = out + g * 32;
+    if constexpr (Split) {
+      _mm256_storeu_ps(o, e0), _mm256_storeu_ps(o + 8, e1), _mm256_storeu_ps(o + 16, o0), _mm256_storeu_ps(o + 24, o1);
+    } else {  // interleave: unpack pairs within 128-bit lanes, then join the lanes in order
+      const __m256 l0 = _mm256_unpacklo_ps(e0, o0), h0 = _mm256_unpackhi_ps(e0, o0);
+      const __m256 l1 = _mm256_unpacklo_ps(e1, o1), h1 = _mm256_unpackhi_ps(e1, o1);
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(l0, h0, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(l0, h0, 0x31));
+      _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(l1, h1, 0x20));
+      _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(l1, h1, 0x31));
+    }
   }
 #else
   static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,

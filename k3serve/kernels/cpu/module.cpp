@@ -19,6 +19,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether this build runs bf16 dots in vdpbf16ps (AVX512-BF16)");
+  m.def("simd", []() {
+#if defined(K3K_DPBF16)
+    return "avx512-bf16";
+#elif defined(K3K_AVX512)
+    return "avx512";
+#elif defined(K3K_AVX2)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+  }, "the vector route this build's dot products, MXFP4 decode and GLU take (simd.h)");
   m.def("kda_decode", &kda_decode, "stepwise KDA rows (decode / verify) with in-place states -> y [N, P]",
         py::arg("u"), py::arg("conv_w"), py::arg("z"), py::arg("b"), py::arg("gate"), py::arg("dt_bias"),
         py::arg("a_log"), py::arg("o_norm_w"), py::arg("conv_state"), py::arg("rec_state"), py::arg("slots"),

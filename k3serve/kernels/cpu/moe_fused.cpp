@@ -51,6 +51,14 @@ struct Matrix {
     if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
     return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
   }
+  // out[j * ldo] = dot(e, o, row, x[j]) for T token rows, the weight row read once per three
+  // tokens (simd.h row_dot_rows: the same bits as one dot at a time)
+  void dot_tokens(int64_t e, int64_t o, const float* row, const float* const* x, int64_t T, float* out,
+                  int64_t ldo) const {
+    if (row) return k3k::row_dot_rows(x, T, row, I, out, ldo);
+    if (!scale) return k3k::row_dot_rows(x, T, static_cast<const uint16_t*>(data) + (e * O + o) * I, I, out, ldo);
+    for (int64_t j = 0; j < T; ++j) out[j * ldo] = dot(e, o, row, x[j]);
+  }
 #ifdef K3K_DPBF16
   // The bf16 route: out[j * ldo + r] = row (e, o + r) . xs[j] for R <= 3 rows and T activation
   // rows xs [T, I] of bf16 bits (split64 order when packed), in simd.h's tiles. A packed row meets
@@ -204,20 +212,24 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       zs.resize(N * Kin);
       for (int64_t t = 0; t < N; ++t) split32(zp + t * Kin, Kin, zs.data() + t * Kin);
     }
+    // each pair's z row (in expert order), as each matrix reads it
+    std::vector<const float*> z1(pairs), z3(pairs);
+    for (int64_t q = 0; q < pairs; ++q) {
+      const int64_t t = order[q] / topk;
+      z1[q] = (m1.split() ? zs.data() : zp) + t * Kin, z3[q] = (m3.split() ? zs.data() : zp) + t * Kin;
+    }
     at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                      [&](int64_t begin, int64_t end) {
       std::vector<float> r1(Kin), r3(Kin);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t e = active[item / inter], o = item % inter, tokens = offset[e + 1] - offset[e];
+        const int64_t e = active[item / inter], o = item % inter, q0 = offset[e], tokens = offset[e + 1] - q0;
         const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
-        for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-          const int64_t t = order[q] / topk;
-          // here z is not all bf16 values (else the route above): FP32 dots
-          const float g = m1.dot(e, o, row1, (m1.split() ? zs.data() : zp) + t * Kin);
-          const float v = m3.dot(e, o, row3, (m3.split() ? zs.data() : zp) + t * Kin);
-          h[q * inter + o] = rnd ? round_bf16(g) : g;
-          u[q * inter + o] = rnd ? round_bf16(v) : v;
-        }
+        // here z is not all bf16 values (else the route above): FP32 dots
+        m1.dot_tokens(e, o, row1, z1.data() + q0, tokens, h.data() + q0 * inter + o, inter);
+        m3.dot_tokens(e, o, row3, z3.data() + q0, tokens, u.data() + q0 * inter + o, inter);
+        if (rnd)
+          for (int64_t q = q0; q < q0 + tokens; ++q)
+            h[q * inter + o] = round_bf16(h[q * inter + o]), u[q * inter + o] = round_bf16(u[q * inter + o]);
       }
     });
   }
@@ -254,15 +266,16 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       for (int64_t q = 0; q < pairs; ++q) split32(h.data() + q * inter, inter, hs.data() + q * inter);
     }
     const float* hx = m2.split() ? hs.data() : h.data();
+    std::vector<const float*> hr(pairs);
+    for (int64_t q = 0; q < pairs; ++q) hr[q] = hx + q * inter;
     at::parallel_for(0, A * out_dim, grain2, [&](int64_t begin, int64_t end) {
       std::vector<float> r2(inter);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t e = active[item / out_dim], o = item % out_dim;
-        const float* row2 = m2.prepare(e, o, r2.data(), offset[e + 1] - offset[e]);
-        for (int64_t q = offset[e]; q < offset[e + 1]; ++q) {
-          const float v = m2.dot(e, o, row2, hx + q * inter);
-          y[q * out_dim + o] = rnd ? round_bf16(v) : v;
-        }
+        const int64_t e = active[item / out_dim], o = item % out_dim, q0 = offset[e], tokens = offset[e + 1] - q0;
+        const float* row2 = m2.prepare(e, o, r2.data(), tokens);
+        m2.dot_tokens(e, o, row2, hr.data() + q0, tokens, y.data() + q0 * out_dim + o, out_dim);
+        if (rnd)
+          for (int64_t q = q0; q < q0 + tokens; ++q) y[q * out_dim + o] = round_bf16(y[q * out_dim + o]);
       }
     });
   }

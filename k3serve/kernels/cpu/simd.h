@@ -1,6 +1,6 @@
 // The vector loops the decode kernels spend their time in (issue 15): weight-row dot products
-// and the GLU activation over whole buffers. AVX-512 where compiled for it, a scalar form
-// otherwise. References: the scalar k3k::dot / k3k::activate in common.h (and, through the
+// and the GLU activation over whole buffers. AVX-512 where compiled for it, else AVX2 + FMA
+// (x86-64-v3), else a scalar form. References: the scalar k3k::dot / k3k::activate in common.h (and, through the
 // kernels' tests, the torch layers they replace).
 //
 // Batch invariance: a row's dot product and an element's activation are computed the same way
@@ -10,10 +10,13 @@
 
 #include "common.h"
 
+#include <algorithm>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define K3K_AVX512 1  // the masked 16-bit loads need BW + VL beside F
+#elif defined(__AVX2__) && defined(__FMA__)
+#define K3K_AVX2 1
 #endif
 
 namespace k3k {
@@ -31,6 +34,27 @@ inline __m512 load16(const uint16_t* w, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w)), 16));
 }
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+#endif
+
+#ifdef K3K_AVX2
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {  // bf16 bits -> fp32: the top half of each lane
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
+}
+// the first min(left, 8) elements, zeros after them (AVX2 has no 16-bit masked load: staged)
+template <typename W>
+inline __m256 load8(const W* w, int64_t left) {
+  if (left >= 8) return load8(w);
+  alignas(32) float v[8] = {};
+  for (int64_t i = 0; i < left; ++i) v[i] = as_float(w[i]);
+  return _mm256_load_ps(v);
+}
+// lanes summed in one fixed order (halves, then pairs, then the last two)
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 #endif
 
 // sum_k x[k] w[k], w float or bf16 bits. Four accumulators over 64 columns (one FMA chain would
@@ -53,11 +77,58 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
     v0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), load16(w + k, m), v0);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+#elif defined(K3K_AVX2)
+  // the same shape at 8 lanes: four accumulators over 32 columns, then 8 at a time into v0
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps(), v2 = _mm256_setzero_ps(), v3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    v0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), v0);
+    v1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + k + 8), v1);
+    v2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + k + 16), v2);
+    v3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + k + 24), v3);
+  }
+  for (; k < K; k += 8) v0 = _mm256_fmadd_ps(load8(x + k, K - k), load8(w + k, K - k), v0);
+  return reduce_add8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
 #else
   float acc = 0.f;
   for (int64_t k = 0; k < K; ++k) acc += x[k] * as_float(w[k]);
   return acc;
 #endif
+}
+
+// out[t * ldo] = row_dot(x[t], w, K) for T <= 3 token rows x[t]: each 8 weight columns loaded
+// (and widened, for bf16) once for all T tokens, each token's sum in row_dot's own four chains
+// and order, so the results are row_dot's bits whatever tile a token sits in.
+template <int T, typename W>
+inline void row_dot_tile(const float* const* x, const W* w, int64_t K, float* out, int64_t ldo) {
+#ifdef K3K_AVX2
+  __m256 a[T][4];
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < 4; ++c) a[t][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    for (int c = 0; c < 4; ++c) {
+      const __m256 wv = load8(w + k + 8 * c);
+      for (int t = 0; t < T; ++t) a[t][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x[t] + k + 8 * c), wv, a[t][c]);
+    }
+  for (; k < K; k += 8) {
+    const __m256 wv = load8(w + k, K - k);
+    for (int t = 0; t < T; ++t) a[t][0] = _mm256_fmadd_ps(load8(x[t] + k, K - k), wv, a[t][0]);
+  }
+  for (int t = 0; t < T; ++t)
+    out[t * ldo] = reduce_add8(_mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3])));
+#else
+  for (int t = 0; t < T; ++t) out[t * ldo] = row_dot(x[t], w, K);
+#endif
+}
+
+// out[m * ldo] = row_dot(x[m], w, K) for all M token rows, three at a time
+template <typename W>
+inline void row_dot_rows(const float* const* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) row_dot_tile<3>(x + m, w, K, out + m * ldo, ldo);
+  if (M - m == 2) row_dot_tile<2>(x + m, w, K, out + m * ldo, ldo);
+  if (M - m == 1) row_dot_tile<1>(x + m, w, K, out + m * ldo, ldo);
 }
 
 #if defined(K3K_AVX512) && defined(__AVX512BF16__)
@@ -193,6 +264,20 @@ inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t
     v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xs + g * 32 + 16), b, v0);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+#elif defined(K3K_AVX2)
+  // row_dot's 32-column step is one group: its four split vectors into v0..v3
+  const float* pow2 = e8m0().v;
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps(), v2 = _mm256_setzero_ps(), v3 = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m256 e0, e1, o0, o1;
+    decode_mxfp4_split(packed + g * 16, pow2[scale[g]], e0, e1, o0, o1);
+    const float* x = xs + g * 32;
+    v0 = _mm256_fmadd_ps(_mm256_loadu_ps(x), e0, v0);
+    v1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), e1, v1);
+    v2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), o0, v2);
+    v3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), o1, v3);
+  }
+  return reduce_add8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
 #else
   std::vector<float> row(K);
   decode_mxfp4_row<true>(packed, scale, K, row.data());
@@ -359,6 +444,54 @@ inline __m512 round_bf16_16(__m512 v) {
 }
 #endif
 
+#ifdef K3K_AVX2
+// exp16 .. round_bf16_16 at 8 lanes, the same arithmetic: 2^n as two exact power-of-two
+// products (AVX2 has no scalef; n in [-126, 128] splits into halves that are normal floats)
+inline __m256 pow2i8(__m256i n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3365447504f), _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);  // NaN lanes: p is NaN
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2i8(half)), pow2i8(_mm256_sub_epi32(ni, half)));
+}
+inline __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+inline __m256 tanh8(__m256 x) {
+  const __m256 y = _mm256_add_ps(x, x);
+  __m256 t = _mm256_set1_ps(1.f / 40320.f);
+  for (float c : {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f})
+    t = _mm256_fmadd_ps(t, y, _mm256_set1_ps(c));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(t, y), y, y);
+  const __m256 e = _mm256_blendv_ps(_mm256_sub_ps(exp8(y), _mm256_set1_ps(1.f)), small,
+                                    _mm256_cmp_ps(abs8(y), _mm256_set1_ps(0.5f), _CMP_LT_OQ));
+  const __m256 th = _mm256_div_ps(e, _mm256_add_ps(e, _mm256_set1_ps(2.f)));
+  const __m256 one = _mm256_blendv_ps(_mm256_set1_ps(-1.f), _mm256_set1_ps(1.f),
+                                      _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+  return _mm256_blendv_ps(th, one, _mm256_cmp_ps(abs8(x), _mm256_set1_ps(9.f), _CMP_GT_OQ));
+}
+inline __m256 sigmoid8(__m256 x) {
+  const __m256 s = _mm256_div_ps(_mm256_set1_ps(1.f),
+                                 _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+  return _mm256_blendv_ps(s, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-88.3762626647949f), _CMP_LT_OQ));
+}
+inline __m256 round_bf16_8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                                     _mm256_set1_epi32(int(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_set1_ps(NAN), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+#endif
+
 // out[i] = act(g[i], u[i]) (common.h `activate`), rounded to bf16 when `rnd`; out may alias g.
 inline void activate_n(int64_t act, const float* g, const float* u, float* out, int64_t n, float beta, float lb,
                        bool rnd) {
@@ -375,6 +508,27 @@ inline void activate_n(int64_t act, const float* g, const float* u, float* out, 
       a = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(vb, tanh16(_mm512_div_ps(G, vb))), sigmoid16(G)), lin);
     }
     _mm512_mask_storeu_ps(out + i, m, rnd ? round_bf16_16(a) : a);
+  }
+#elif defined(K3K_AVX2)
+  const __m256 vb = _mm256_set1_ps(beta), vl = _mm256_set1_ps(lb);
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t left = std::min<int64_t>(8, n - i);  // a tail is staged through a full vector
+    const __m256 G = load8(g + i, left), U = load8(u + i, left);
+    __m256 a;
+    if (act == 0) {
+      a = _mm256_mul_ps(_mm256_mul_ps(G, sigmoid8(G)), U);
+    } else {
+      const __m256 lin = lb > 0.f ? _mm256_mul_ps(vl, tanh8(_mm256_div_ps(U, vl))) : U;
+      a = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(vb, tanh8(_mm256_div_ps(G, vb))), sigmoid8(G)), lin);
+    }
+    if (rnd) a = round_bf16_8(a);
+    if (left == 8) {
+      _mm256_storeu_ps(out + i, a);
+    } else {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, a);
+      std::copy(v, v + left, out + i);
+    }
   }
 #else
   for (int64_t i = 0; i < n; ++i) {
