@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3serve.layers.gemm import Linear
 from k3serve.layers.norm import rms_norm
 
 
 def linear(out_features: int, in_features: int) -> nn.Linear:
-    """Bias-free linear; weight [out, in] as in the checkpoint."""
-    return nn.Linear(in_features, out_features, bias=False)
+    """Bias-free linear; weight [out, in] as in the checkpoint (gemm.Linear: bf16 prefill GEMMs
+    in FP32 where the CPU has no bf16 dot instructions)."""
+    return Linear(in_features, out_features, bias=False)
 
 
 class WeightOnly(nn.Module):

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from k3serve.layers.gemm import dense
 from k3serve.weights.mxfp4 import PackedMXFP4, decode_mxfp4
 from k3serve.weights.mxfp8 import fake_quantize_mxfp8
 
@@ -21,7 +22,7 @@ Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def mxfp4_linear(x: torch.Tensor, w: PackedMXFP4) -> torch.Tensor:
     """x [T, in] @ W^T for one packed matrix [out, in]: LUT-decode codes straight into x's dtype."""
-    return x @ decode_mxfp4(w.packed, w.scale, x.dtype).t()
+    return dense(x, decode_mxfp4(w.packed, w.scale, x.dtype))
 
 
 def expert_weights(w: ExpertWeight, experts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -38,10 +39,10 @@ def _one_expert(x, w1, w2, w3, act: Act, a8: bool) -> torch.Tensor:
     """x [T, in]; w1/w3 [inter, in], w2 [out, inter] already decoded."""
     if a8:
         x = fake_quantize_mxfp8(x)
-    h = act(x @ w1.t(), x @ w3.t())
+    h = act(dense(x, w1), dense(x, w3))
     if a8:
         h = fake_quantize_mxfp8(h)
-    return h @ w2.t()
+    return dense(h, w2)
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

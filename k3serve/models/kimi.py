@@ -15,6 +15,7 @@ from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup, vocab_shard
 from k3serve.layers.attnres import attnres_mix, attnres_vector
 from k3serve.layers.common import RMSNorm, WeightOnly
+from k3serve.layers.gemm import dense
 from k3serve.layers.kda import KimiDeltaAttention
 from k3serve.layers.mla import GatedMLA
 from k3serve.layers.moe import GluMLP, SparseMoE
@@ -218,7 +219,7 @@ class KimiForCausalLM(nn.Module):
         if (k is not None and hidden.device.type == "cpu" and hidden.dim() == 2 and hidden.dtype == head.dtype
                 and not torch.is_grad_enabled()):
             return k.linear(hidden, head).float()  # a GEMV for decode rows: torch's bf16 GEMM costs ~90 us here
-        return (hidden @ head.t()).float()
+        return dense(hidden, head).float()
 
     @property
     def dtype(self) -> torch.dtype:

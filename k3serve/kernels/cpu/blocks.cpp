@@ -178,7 +178,7 @@ at::Tensor fast_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [M, K] and W [N, K] disagree");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and W dtypes differ");
   if (x.size(0) > kSmallM || !(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16))
-    return at::linear(x, w);
+    return k3k::gemm(x, w);
   const int64_t M = x.size(0), N = w.size(0);
   Buf xf = floats(x), y(M * N);
   Proj{x.scalar_type() == at::kBFloat16}(xf.data(), M, w.contiguous(), y.data(), N);
@@ -315,12 +315,12 @@ at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto [ids, weights] = moe_route(x, *w[0], *w[1], topk, use_sigmoid, renorm, scaling, groups, keep);
   if (R > kSmallM) {  // prefill-sized: torch's GEMMs for the dense projections
-    at::Tensor z = w[2].has_value() ? at::linear(x, *w[2]) : x;
+    at::Tensor z = w[2].has_value() ? k3k::gemm(x, *w[2]) : x;
     at::Tensor y = moe_experts(z.to(at::kFloat).contiguous(), ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10],
                                act, beta, linear_beta, bf16).to(x.scalar_type());
-    if (w[2].has_value()) y = at::linear(w[3].has_value() ? rms_norm(y, *w[3], eps) : y, *w[4]);
+    if (w[2].has_value()) y = k3k::gemm(w[3].has_value() ? rms_norm(y, *w[3], eps) : y, *w[4]);
     if (w[11].has_value())
-      y = y + at::linear(glu_act(at::linear(x, *w[11]), at::linear(x, *w[12]), act, beta, linear_beta), *w[13]);
+      y = y + k3k::gemm(glu_act(k3k::gemm(x, *w[11]), k3k::gemm(x, *w[12]), act, beta, linear_beta), *w[13]);
     return y;
   }
   const Proj proj{bf16};

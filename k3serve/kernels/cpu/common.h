@@ -3,10 +3,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -185,6 +188,30 @@ inline void decode_mxfp4_row(const uint8_t* packed, const uint8_t* scale, int64_
 // Up to this many rows the blocks' projections run in a GEMV loop (it beats a oneDNN/MKL GEMM
 // call there, and a row's result never depends on the other rows); past it, torch's GEMM.
 constexpr int64_t kSmallM = 16;
+
+// Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), as torch detects it
+inline bool native_bf16() {
+  static const bool native = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    auto has = [&](const char* k) { auto it = caps.find(k); return it != caps.end() && it->second.toBool(); };
+    return has("avx512_bf16") || has("amx_bf16");
+  }();
+  return native;
+}
+
+// x [M, K] @ w [N, K]^T past the GEMV sizes, by k3serve/layers/gemm.py's rule: a bf16 product of
+// more than kSmallM rows runs in FP32 (both widened, the output rounded to bf16 once) where the
+// CPU has no bf16 dot instructions, ~5x faster than torch's bf16 GEMM there. K3SERVE_BF16_GEMM
+// = native | fp32 forces one form, as in Python.
+inline at::Tensor gemm(const at::Tensor& x, const at::Tensor& w) {
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    const char* env = std::getenv("K3SERVE_BF16_GEMM");
+    const std::string mode = env ? env : "auto";
+    const bool widen = mode == "fp32" || (mode != "native" && x.numel() > kSmallM * x.size(-1) && !native_bf16());
+    if (widen) return at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(at::kBFloat16);
+  }
+  return at::linear(x, w);
+}
 
 // Work items per parallel chunk so that a chunk holds about `work` flops: small models stay on
 // one thread (a fork/join costs more than their whole layer), large ones use every core.
