@@ -61,6 +61,7 @@ class KimiModel(nn.Module):
         self.kernels = None  # k3serve.kernels module: the AttnRes mix in one call (set by use_kernels)
         self._kernel_weights: list[torch.Tensor] | None = None  # AttnRes vectors, reset by use_kernels
         self._decode_stack = None  # kernels.DecodeStack (False: this model has none), reset by use_kernels
+        self._stack_moes: list = []  # its MoE layers (set with it)
         if cfg.use_attnres:
             self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
             self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
@@ -119,8 +120,9 @@ class KimiModel(nn.Module):
             return None
         if self._decode_stack is None:
             self._decode_stack = self._build_stack() or False
-        ok = self._decode_stack and all(l.block_sparse_moe.takes_block_kernel(h) for l in self.layers
-                                        if hasattr(l, "block_sparse_moe"))
+            # the MoE layers, listed once: nn.Module attribute lookups cost ~5 us each per step
+            self._stack_moes = [l.block_sparse_moe for l in self.layers if hasattr(l, "block_sparse_moe")]
+        ok = self._decode_stack and all(m.takes_block_kernel(h) for m in self._stack_moes)
         return self._decode_stack if ok else None
 
     def _build_stack(self):

@@ -57,14 +57,14 @@ class StepRows:
                 cache_rows.append(table[p // batch.block_size] * batch.block_size + p % batch.block_size)
             starts.append(len(rows))
         width = max((len(batch.block_tables[i]) for i in seqs), default=0)
-        dev = batch.input_ids.device
-
-        def t(values):
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        table = t([batch.block_tables[i] + [-1] * (width - len(batch.block_tables[i])) for i in seqs])
-        return cls(seqs, decodes, t(rows), t(starts), t([batch.state_slots[i] for i in seqs]), t(seq), t(pos),
-                   table.view(len(seqs), width), t(cache_rows),
+        # every index list in one tensor (one host-to-device copy, ~5 us a torch.tensor call
+        # saved per list), each field a contiguous view of it
+        table = [b for i in seqs for b in batch.block_tables[i] + [-1] * (width - len(batch.block_tables[i]))]
+        parts = (rows, starts, [batch.state_slots[i] for i in seqs], seq, pos, cache_rows, table)
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.long, device=batch.input_ids.device)
+        rows_t, starts_t, slots_t, seq_t, pos_t, cache_t, table_t = flat.split([len(part) for part in parts])
+        return cls(seqs, decodes, rows_t, starts_t, slots_t, seq_t, pos_t,
+                   table_t.view(len(seqs), width), cache_t,
                    max((starts[j + 1] - starts[j] for j in range(len(seqs))), default=0),
                    covers_all=len(rows) == len(batch.input_ids), identity=rows == list(range(len(batch.input_ids))))
 
