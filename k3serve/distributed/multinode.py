@@ -9,15 +9,23 @@ has no pipe to the driver, so commands travel as pickled bytes broadcast over a 
 ProcessGroupGloo, the control group, whose timeout is long: an idle server sends nothing, and
 a worker blocked in that broadcast must not give up; a driver that dies closes the sockets,
 which ends the broadcast with an error, and the worker exits.
+DP-attention ranks on several nodes (distributed/dp_workers.py) take commands addressed to one
+replica at a time, so they are not broadcast: each worker dials the driver's CommandListener
+(its address and an auth key are in the rendezvous store) and the connection then carries the
+same messages a local pipe does.
 Reference: vLLM `executor/multiproc_executor.py` (multi-node, `--headless`), torchrun docs.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
+import secrets
+import threading
 from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
 
 import torch
 
@@ -97,3 +105,82 @@ def control_group(store, prefix: str, rank: int, world: int):
     import torch.distributed as dist
 
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/control", store), rank, world, CONTROL_TIMEOUT)
+
+
+class SocketChannel:
+    """A command connection between nodes with a pipe's send / recv / poll: objects go as plain
+    pickles, tensors by value (a Connection's own pickler hands tensors over as file
+    descriptors of this host's shared memory, which a peer on another host, or with another
+    auth key, cannot open)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def send(self, obj) -> None:
+        self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self):
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class CommandListener:
+    """The driver's end of the DP-attention workers' command connections across nodes: a socket
+    on node 0's address whose address and auth key go into the rendezvous store under `prefix`;
+    a thread accepts each worker's connection and its first message, ("hello", rank). A peer
+    without the key is refused by the handshake and forgotten."""
+
+    def __init__(self, store, prefix: str, host: str, world: int):
+        key = secrets.token_bytes(32)
+        self._listener = Listener((host, 0), authkey=key)
+        self.conns: dict[int, SocketChannel] = {}  # rank -> its connection, as they arrive
+        self._lock = threading.Lock()
+        store.set(f"{prefix}/dp-driver", f"{host}:{self._listener.address[1]}")
+        store.set(f"{prefix}/dp-authkey", key)
+        self._thread = threading.Thread(target=self._accept, args=(world,), daemon=True,
+                                        name="k3serve-dp-listener")
+        self._thread.start()
+
+    def _accept(self, world: int) -> None:
+        seen: set[int] = set()
+        while len(seen) < world:
+            try:
+                conn = SocketChannel(self._listener.accept())
+                kind, rank = conn.recv()
+            except (OSError, EOFError):  # closed at shutdown
+                return
+            except Exception as e:  # noqa: BLE001 - a failed handshake: not one of ours
+                logging.getLogger("k3serve.distributed").warning("refused a command connection: %s", e)
+                continue
+            if kind == "hello" and isinstance(rank, int) and 0 <= rank < world and rank not in seen:
+                seen.add(rank)
+                with self._lock:
+                    self.conns[rank] = conn
+            else:
+                conn.close()
+
+    def take(self) -> dict[int, SocketChannel]:
+        """The connections that arrived since the last call."""
+        with self._lock:
+            got, self.conns = self.conns, {}
+        return got
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def dial_driver(store, prefix: str, rank: int) -> SocketChannel:
+    """A DP-attention worker's command connection to the driver (blocks, up to the store's
+    timeout, until the driver has published its listener)."""
+    host, port = store.get(f"{prefix}/dp-driver").decode().rsplit(":", 1)
+    conn = SocketChannel(Client((host, int(port)), authkey=store.get(f"{prefix}/dp-authkey")))
+    conn.send(("hello", rank))
+    return conn

@@ -5,8 +5,9 @@ model), loads its shard of the checkpoint, says "ready" on its pipe (or the erro
 it), then runs the commands the driver sends on that pipe, one per step: `allocate` (the
 cache for the driver's plan), `forward` (StepInputs), `rollback`, `read_state` / `write_state`
 (a prefill/decode hand-off's KDA heads, and latent rows, of this rank), `shutdown`. A DP-attention
-rank (`dp_attention`, distributed/dp_workers.py) is a whole replica's model: it answers
-`dp_forward` with its StepResult and stats, and runs `idle` forwards. The pipe is the
+rank (`dp_attention`, distributed/dp_workers.py) is a whole replica's model, or its TP share:
+it answers `dp_forward` with its StepResult (the replica's TP rank 0; the others with none) and
+stats, and runs `idle` forwards. The pipe is the
 control plane: it blocks without a timeout while the server idles, and reads EOF when the
 driver is gone, so a worker never outlives its engine.
 Reference: vLLM v1 `executor/multiproc_executor.py` (WorkerProc.worker_busy_loop).
@@ -44,27 +45,49 @@ class WorkerSpec:
     control: bool = False  # commands over the control group (multi-node), not a pipe
     dp_attention: bool = False  # a DP-attention rank: a replica's model, experts by id over `world`
     all2all: str = "auto"  # its MoE layers' token exchange (layers/moe_dispatch.py)
+    tp_size: int = 1  # DP-attention: TP ranks per DP rank (rank = dp rank * tp_size + tp rank)
+    tp_shm_paths: tuple[str, ...] = ()  # DP-attention with TP: each DP rank's TP segment by DP rank ("": none here)
 
 
 def make_group(spec: WorkerSpec, store, rank: int):
     """This rank's TPGroup over a ProcessGroupGloo on the shared store (a rendezvous), with the
-    shared-memory transport when every rank could map the segment (agreed over gloo)."""
+    shared-memory transport when every rank could map the segment (agreed over gloo). For a
+    DP-attention rank: the expert group of all `world` ranks."""
+    from k3serve.distributed.group import TPGroup
+
+    pg, shm = _gloo_group(spec, store, spec.prefix, rank, spec.world, spec.shm_path)
+    dp = dict(size_flag="--data-parallel-size", all2all=spec.all2all) if spec.dp_attention else {}
+    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm, **dp)
+
+
+def make_dp_tp_group(spec: WorkerSpec, store):
+    """A DP-attention rank's TP group: the tp_size ranks of its DP rank (NO_TP for TP 1)."""
+    from k3serve.distributed.group import NO_TP, TPGroup
+
+    if spec.tp_size == 1:
+        return NO_TP
+    replica, t = divmod(spec.rank, spec.tp_size)
+    paths = spec.tp_shm_paths
+    pg, shm = _gloo_group(spec, store, f"{spec.prefix}/tp{replica}", t, spec.tp_size,
+                          paths[replica] or None if paths else None)
+    return TPGroup(t, spec.tp_size, False, pg, shm)
+
+
+def _gloo_group(spec: WorkerSpec, store, prefix: str, rank: int, world: int, shm_path: str | None):
+    """(ProcessGroupGloo of `world` ranks under `prefix`, the shared segment's ShmComm or None)."""
     import torch
     import torch.distributed as dist
 
-    from k3serve.distributed.group import TPGroup
-
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.prefix, store), rank, spec.world, timeout)
-    shm = _attach_shm(spec, rank)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timeout)
+    shm = _attach_shm(shm_path, rank, world, spec.timeout_s)
     agree = torch.tensor([int(shm is not None)])
     pg.allreduce([agree]).wait()
-    dp = dict(size_flag="--data-parallel-size", all2all=spec.all2all) if spec.dp_attention else {}
-    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm if int(agree) == spec.world else None, **dp)
+    return pg, shm if int(agree) == world else None
 
 
-def _attach_shm(spec: WorkerSpec, rank: int):
-    if spec.shm_path is None:
+def _attach_shm(path: str | None, rank: int, world: int, timeout_s: float):
+    if path is None:
         return None
     from k3serve import kernels
     from k3serve.distributed.shm import ShmComm
@@ -73,7 +96,7 @@ def _attach_shm(spec: WorkerSpec, rank: int):
     if module is None:
         return None
     try:
-        return ShmComm(spec.shm_path, rank, spec.world, module, spec.timeout_s)
+        return ShmComm(path, rank, world, module, timeout_s)
     except (OSError, RuntimeError) as e:
         log.warning("rank %d: shared-memory collectives unavailable (%s); using gloo", rank, e)
         return None
@@ -81,24 +104,27 @@ def _attach_shm(spec: WorkerSpec, rank: int):
 
 def worker_main(spec: WorkerSpec, conn=None) -> None:
     """One rank: join the groups, load the shard, report, serve commands. `conn`: the pipe to a
-    driver on this machine; None: commands come over the control group (multi-node)."""
+    driver on this machine; None: commands come over the control group (TP across nodes), or a
+    connection this rank dials to the driver (DP-attention across nodes)."""
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     channel, store = None, None
     try:
         import torch
         import torch.distributed as dist
 
-        from k3serve.distributed.multinode import ControlChannel, control_group
+        from k3serve.distributed.multinode import ControlChannel, control_group, dial_driver
         from k3serve.models.registry import load_model
         from k3serve.runner.model_runner import weight_bytes
 
         torch.set_num_threads(spec.threads)
         store = dist.TCPStore(spec.master_addr, spec.port, spec.world, False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
+        if conn is None and spec.dp_attention:  # DP-attention across nodes: a connection to the driver
+            conn = dial_driver(store, spec.prefix, spec.rank)
         tp = make_group(spec, store, spec.rank)
         if conn is None:
             channel = ControlChannel(control_group(store, spec.prefix, spec.rank, spec.world), spec.rank)
-        groups = {"ep": tp} if spec.dp_attention else {"tp": tp}
+        groups = {"ep": tp, "tp": make_dp_tp_group(spec, store)} if spec.dp_attention else {"tp": tp}
         model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format,
                            progress=False, **groups).to(spec.device)
         model.use_kernels(spec.kernels)

@@ -21,10 +21,7 @@ class DataParallelEngine:
     def __init__(self, model: str | None, data_parallel_size: int, **kwargs):
         dp = data_parallel_size
         self.lockstep = dp > 1 and bool(kwargs.get("enable_expert_parallel"))
-        if self.lockstep and kwargs.get("tensor_parallel_size", 1) != 1:
-            raise ValueError("data_parallel_size with enable_expert_parallel (DP-attention) is built for "
-                             "tensor_parallel_size 1 per data-parallel rank")
-        from k3serve.distributed.dp_workers import replica_kwargs
+        from k3serve.distributed.dp_replicas import replica_kwargs
 
         config = EngineConfig.from_kwargs(model, **kwargs)
         self.replicas: list[LLMEngine] = []

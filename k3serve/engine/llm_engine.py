@@ -47,7 +47,7 @@ class LLMEngine(HandoffMixin):
         """`ep`: this replica's expert group under DP-attention + EP (engine/lockstep.py): its
         model holds 1/M of the routed experts and meets the other replicas in every MoE layer,
         so every step runs a forward, an idle one when nothing is scheduled. `remote`: instead,
-        the replica's model lives in a worker process (distributed/dp_workers.py RemoteRank)."""
+        the replica's model lives in a worker process (distributed/dp_replicas.py RemoteRank)."""
         self.remote = remote
         self.config, self.ep = config, (remote.model.ep if remote is not None else ep)
         self.model_path = str(config.model or _default_model())

@@ -71,18 +71,34 @@ class Gate(WeightOnly):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
 
 
+def tp_rows(n: int, tp: TPGroup) -> slice:
+    """The rows of a DP-attention rank's n that TP rank `tp.rank` dispatches to the experts:
+    ceil(n / N) each in rank order (the last ones may hold fewer, or none)."""
+    per = -(-n // tp.size)
+    return slice(min(n, tp.rank * per), min(n, (tp.rank + 1) * per))
+
+
+def gather_tp_rows(tp: TPGroup, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """Every TP rank's `tp_rows` share [rows, L] -> all n rows [n, L] in order, on every rank."""
+    per = -(-n // tp.size)
+    padded = rows.new_zeros(per, rows.shape[1])
+    padded[:rows.shape[0]] = rows
+    return tp.all_gather(padded.reshape(-1)).view(tp.size * per, -1)[:n]
+
+
 class SparseMoE(nn.Module):
     """`tp`: the group the block's dense parts (latent up projection, shared experts) split over;
     routed experts split over it too, by channel or by id (expert parallelism), unless `ep` is
     given: DP-attention + EP, where each data-parallel rank brings its own tokens, the experts
-    are split by id over `ep` and the block's output is whole (`_dp_ep_forward`)."""
+    are split by id over `ep` (every rank of every DP rank) and the block's output is whole, or
+    with TP inside the DP rank a partial sum over `tp` (`_dp_ep_forward`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
         super().__init__()
         m, d = cfg.moe, cfg.hidden_size
-        if ep is not None and (tp.size > 1 or not ep.expert_parallel):
-            raise ValueError("DP-attention with expert parallelism is built for --tensor-parallel-size 1 per "
-                             "data-parallel rank, experts split by id over the data-parallel ranks")
+        if ep is not None and not ep.expert_parallel:
+            raise ValueError("DP-attention splits the routed experts by id over every rank: it needs "
+                             "--enable-expert-parallel")
         self.cfg, self.act, self.tp, self.ep = m, glu_activation(cfg), tp, ep
         xg = self.xg = ep if ep is not None else tp  # the group the routed experts are split over
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
@@ -157,17 +173,28 @@ class SparseMoE(nn.Module):
         """DP-attention + EP: x [n, d] is this data-parallel rank's own batch. The routed sums of
         its rows come back from the ranks owning their experts (layers/moe_dispatch.py: an
         all-to-all, or an all-gather / reduce-scatter); the latent norm, up projection and
-        shared experts are whole on every rank and run here on its own rows: [n, d]."""
-        m, ep = self.cfg, self.ep
+        shared experts run here on its own rows: [n, d]. With TP inside the DP rank (x whole on
+        each of its TP ranks) each TP rank sends only its share of the rows (`tp_rows`), and the
+        result is a partial sum the decoder layer's TP all-reduce completes, as under plain TP."""
+        m, ep, tp, n = self.cfg, self.ep, self.tp, x.shape[0]
         gather = gather_form(ep.all2all, m.top_k, ep.size)
-        routed = (gather_routed if gather else all_to_all_routed)(self, x)  # fp32 [n, L]
-        if routed is None or x.shape[0] == 0:  # all idle, or this replica idle: its collectives are done
+        mine = tp_rows(n, tp)
+        routed = (gather_routed if gather else all_to_all_routed)(self, x[mine])  # fp32 [rows, L]
+        if routed is None or n == 0:  # all idle, or this replica idle: its collectives are done
             return x
-        y = routed.to(x.dtype)
-        if m.latent_size is not None:
-            if m.latent_use_norm:
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
+        if tp.size == 1:
+            y = routed.to(x.dtype)
+            if m.latent_size is not None:
+                y = self.routed_expert_norm(y) if m.latent_use_norm else y
+                y = self.routed_expert_up_proj(y)
+        elif m.latent_size is None:  # this rank's rows, zeros elsewhere: the all-reduce adds exact zeros
+            y = x.new_zeros(n, routed.shape[1])
+            y[mine] = routed.to(x.dtype)
+        else:  # the latent norm needs whole rows, the up projection this rank's columns of every row
+            y = gather_tp_rows(tp, routed, n).to(x.dtype)  # [n, L]
+            y = self.routed_expert_norm(y) if m.latent_use_norm else y
+            cols = self.routed_expert_up_proj.weight.shape[1]
+            y = self.routed_expert_up_proj(y[:, tp.rank * cols:(tp.rank + 1) * cols].contiguous())
         if m.num_shared_experts:
             y = y + self.shared_experts(x)
         return y

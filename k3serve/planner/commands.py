@@ -44,9 +44,10 @@ def launch_commands(model: str, layout: Layout, context: int, max_num_seqs: int,
         k3 += " --enable-expert-parallel"
     if nodes > 1:
         k3 += f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $HEAD_IP --master-port 29500"
-    if layout.pp > 1 or (layout.dp > 1 and (layout.tp > 1 or nodes > 1)):
-        k3 += ("  # built: TP/EP, and DP-attention with TP 1 on one node; TP inside DP-attention ranks, "
-               "DP-attention across nodes and pipeline ranks are not yet")
+    if layout.pp > 1:
+        k3 += "  # built: TP, EP, DP-attention (TP inside, across nodes); pipeline ranks are not yet"
+    elif nodes > 1 and layout.dp > 1 and layout.ep == 1:
+        k3 += "  # plain replicas span one node each: start one server per node behind a load balancer"
     elif layout.num_gpus > 1:
         k3 += "  # TP/EP ranks run over gloo (CPU) in this build; the NCCL group for GPUs is not built yet"
     return {"k3serve": k3, "vllm": vllm, "sglang": sgl}

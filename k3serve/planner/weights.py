@@ -8,7 +8,8 @@ Sharding rules (the ones distributed/shard.py applies):
   replicated                -> norms, router, MLA latent down-projections (one latent head,
                                never split by TP), the latent MoE down projection (every rank's
                                experts read the whole latent), KDA f_a, AttnRes params, vision tower
-With DP-attention (attention DP > 1, TP 1) everything but the experts is on every rank.
+With DP-attention (attention DP > 1) the attention TP is the TP inside each DP rank (1: everything
+but the experts on every rank), and the experts split over all DP x TP ranks.
 Sources: bundled configs via the tensor schema, or a checkpoint dir via safetensors headers.
 """
 

@@ -26,7 +26,7 @@ class ModelRunner:
                  device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = (), workers=None,
                  rank=None):
         """`rank`: a RankRunner stand-in whose model and cache live elsewhere (a DP-attention
-        worker process, distributed/dp_workers.py RemoteRank); None: this process's own."""
+        worker process, distributed/dp_replicas.py RemoteRank); None: this process's own."""
         self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
         self.workers = workers  # distributed/executor.py: the other tensor-parallel ranks, or None
         # vocabulary ids the tokenizer cannot decode: never sampled (their logits become -inf)

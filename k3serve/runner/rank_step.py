@@ -80,13 +80,16 @@ class RankRunner:
         """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
         self.model.idle_moe()
 
-    def dp_forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> tuple[StepResult, dict, dict]:
+    def dp_forward(self, inp: StepInputs, taps: tuple[int, ...] = (),
+                   leader: bool = True) -> tuple[StepResult | None, dict, dict]:
         """A DP-attention worker's forward: the result and, riding along, its parallel_stats (the
         driver's stats snapshot after every step must not cost a second round trip) and the
-        hidden states [N, d] of the `taps` layers (a DSpark drafter in the driver reads them)."""
+        hidden states [N, d] of the `taps` layers (a DSpark drafter in the driver reads them).
+        With TP inside the DP rank, its other TP ranks (not `leader`) send back their stats alone:
+        each routed its own share of the rows, so the expert load is theirs summed."""
         capture = {i: None for i in taps} if taps else None
         result = self.forward(inp, capture)
-        return result, self.parallel_stats(), capture or {}
+        return (result, self.parallel_stats(), capture or {}) if leader else (None, self.parallel_stats(), {})
 
     def parallel_stats(self) -> dict:
         """This rank's collective totals and the expert load it counted, for /metrics (engine/stats.py)."""

@@ -202,10 +202,7 @@ def start_engines(args: argparse.Namespace):
     kwargs = engine_kwargs(args)
     dp = args.data_parallel_size
     dp_attention = dp > 1 and args.enable_expert_parallel  # experts over the DP ranks (engine/lockstep.py)
-    if dp_attention and args.tensor_parallel_size != 1:
-        raise ValueError("--data-parallel-size with --enable-expert-parallel (DP-attention) is built for "
-                         "--tensor-parallel-size 1 per data-parallel rank")
-    from k3serve.distributed.dp_workers import replica_kwargs
+    from k3serve.distributed.dp_replicas import replica_kwargs
 
     config = EngineConfig.from_kwargs(args.model, **kwargs)
     links, replicas = replica_kwargs(config, dp, dp_attention), []
@@ -326,10 +323,19 @@ def headless(args: argparse.Namespace) -> int | None:
                                                           **kw)))
         return 0
     nodes = NodeLayout(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size
+    if dp > 1 and args.enable_expert_parallel:  # DP-attention ranks: commands over their own connections
+        from k3serve.distributed.dp_workers import run_headless_dp
+
+        logging.getLogger("k3serve.server").info("node %d of %d: DP-attention ranks %s, driver at %s:%d",
+                                                 args.node_rank, args.nnodes, nodes.ranks(dp * tp),
+                                                 args.master_addr, args.master_port)
+        kw.pop("expert_parallel")
+        return run_headless_dp(path, dp, tp, nodes, all2all=config.all2all_backend, **kw)
     logging.getLogger("k3serve.server").info("node %d of %d: tensor-parallel ranks %s, driver at %s:%d",
-                                             args.node_rank, args.nnodes, nodes.ranks(args.tensor_parallel_size),
+                                             args.node_rank, args.nnodes, nodes.ranks(tp),
                                              args.master_addr, args.master_port)
-    return run_headless(path, args.tensor_parallel_size, nodes, **kw)
+    return run_headless(path, tp, nodes, **kw)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -81,25 +81,50 @@ def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, bac
         assert r.engine.cache.num_requests == 0
 
 
-def test_dp_attention_refuses_tensor_parallel_ranks_inside(tiny_kl_dir):
-    with pytest.raises(ValueError, match="--tensor-parallel-size 1 per data-parallel rank"):
-        make_app(tiny_kl_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--tensor-parallel-size", "2")
+def test_dp2_attention_with_tp2_inside_equals_a_single_process_server(tiny_k3_dir):
+    """`-dp 2 -tp 2 --enable-expert-parallel`: four worker processes, each replica's model split
+    over two of them; one request alone and two at once serve the single-process text."""
+    ref_app, _ = make_app(tiny_k3_dir)
+    app, state = make_app(tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel",
+                          "--tensor-parallel-size", "2")
+    workers = state.engine.replicas[0].engine.remote.workers
+    assert (workers.size, workers.tp_size) == (4, 2)
+    with serving(ref_app) as ref, serving(app, start_timeout=60) as base:
+        want_short, want_other = _complete(ref, SHORT, 12), _complete(ref, OTHER, 12)
+        assert _complete(base, SHORT, 12) == want_short
+        got: list[str] = []
+        threads = [threading.Thread(target=_complete, args=(base, p, 12, got)) for p in (SHORT, OTHER)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(got) == sorted([want_short, want_other])
+    asyncio.run(state.engine.shutdown())
 
 
-def test_the_planners_dp_attention_line_starts(tiny_kl_dir):
-    """The planner's k3serve line for DP2/EP2 parses and starts two lockstep replicas."""
+def test_tp_inside_dp_attention_needs_the_worker_process_backend(tiny_kl_dir):
+    with pytest.raises(ValueError, match="TP inside the DP ranks and several nodes need --data-parallel-backend mp"):
+        make_app(tiny_kl_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--tensor-parallel-size", "2",
+                 "--data-parallel-backend", "threads")
+
+
+@pytest.mark.parametrize("gpus,tp", [(2, 1), (4, 2)])
+def test_the_planners_dp_attention_line_starts(gpus, tp, tiny_kl_dir):
+    """The planner's k3serve line for DP2/EP2 (and DP2 x TP2 / EP4, TP inside the DP ranks)
+    parses and starts two lockstep replicas over `gpus` worker processes."""
     import shlex
 
     from k3serve.planner.commands import launch_commands
     from k3serve.planner.layout import Layout
 
-    line = launch_commands(str(tiny_kl_dir), Layout(2, tp=1, dp=2, ep=2), 512, 4, 32 * 2**20, 0.9, 0.8, "auto")
-    assert "DP-attention" not in line["k3serve"]  # no "not built" remark: only the GPU (NCCL) one
+    line = launch_commands(str(tiny_kl_dir), Layout(gpus, tp=tp, dp=2, ep=gpus), 512, 4, 32 * 2**20, 0.9, 0.8, "auto")
+    assert "not yet" not in line["k3serve"].replace("the NCCL group for GPUs is not built yet", "")
     cmd = shlex.split(line["k3serve"].split("#")[0])
     assert "--data-parallel-size" in cmd and "--enable-expert-parallel" in cmd
     _, state = make_app(*cmd[2:])
     assert state.engine.lockstep is not None and [r.engine.ep.rank for r in state.engine.replicas] == [0, 1]
-    asyncio.run(state.engine.shutdown())  # its two worker processes
+    assert state.engine.replicas[0].engine.remote.workers.size == gpus
+    asyncio.run(state.engine.shutdown())  # its worker processes
 
 
 def test_a_dead_dp_attention_worker_fails_the_stream_and_health(tiny_k3_dir):
