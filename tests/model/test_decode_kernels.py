@@ -212,17 +212,41 @@ def test_moe_experts_rows_do_not_depend_on_batch_mates(kind):
 needs_bf16_dot = pytest.mark.skipif(not K.has_bf16_dot(), reason="this CPU build has no AVX512-BF16 route")
 
 
-def split64(cols: int) -> torch.Tensor:
-    """The column order of the bf16 MXFP4 route (simd.h): per 64 columns the evens of its first
-    32-group, the evens of its second, the odds of the first, the odds of the second; a lone
-    last group its evens then odds."""
+@needs_bf16_dot
+def test_mxfp4_tiles_of_every_width_give_the_same_bits():
+    """Tokens sharing an expert 1 to 4 at a time meet its packed rows in in-register tiles (4 rows
+    side by side for 1-2 tokens, 2 for 3-4, the rows left over in smaller tiles), 8 at a time in
+    staged 3-row tiles: every token's output has the same bits each way. K = 160 leaves a lone
+    32-group after two 64-column blocks; w2's 38 rows are a multiple of no tile."""
+    g = torch.Generator().manual_seed(11)
+    dense = [torch.randn(2, 64, 160, generator=g), torch.randn(2, 64, 160, generator=g),
+             torch.randn(2, 38, 64, generator=g)]
+    args = [t for d in dense for t in (lambda p: (p.packed, p.scale))(PackedMXFP4.quantize(d))] + [1, 4.0, 25.0, True]
+    x = torch.randn(8, 160, generator=g).bfloat16().float()
+    ids, wt = torch.zeros(8, 1, dtype=torch.long), torch.rand(8, 1, generator=g)
+    full = K.moe_experts(x, ids, wt, *args)  # 8 tokens on expert 0: staged tiles
+    for n in (1, 2, 3, 4):
+        part = K.moe_experts(x[:n].clone(), ids[:n].clone(), wt[:n].clone(), *args)
+        assert torch.equal(part, full[:n]), n
+
+
+def nib64(cols: int) -> torch.Tensor:
+    """The column order of the bf16 MXFP4 route (simd.h mxfp4_order_bf16), written out again: per
+    64 columns two halves of 32, half h taking from each 128-bit lane k = 0..3 its columns
+    8h .. 8h + 7 of: the first 32-group's evens (lane 0), the second's evens (1), the first's
+    odds (2), the second's odds (3); a lone last group its evens 0-14, odds 1-15, evens 16-30,
+    odds 17-31."""
     order = []
     for b in range(0, cols - cols % 64, 64):
-        order += [b + 2 * i for i in range(16)] + [b + 32 + 2 * i for i in range(16)]
-        order += [b + 2 * i + 1 for i in range(16)] + [b + 33 + 2 * i for i in range(16)]
+        lanes = [[b + 2 * i for i in range(16)], [b + 32 + 2 * i for i in range(16)],
+                 [b + 2 * i + 1 for i in range(16)], [b + 33 + 2 * i for i in range(16)]]
+        for h in range(2):
+            for lane in lanes:
+                order += lane[8 * h:8 * h + 8]
     if cols % 64:
         b = cols - 32
-        order += [b + 2 * i for i in range(16)] + [b + 2 * i + 1 for i in range(16)]
+        order += [b + 2 * i for i in range(8)] + [b + 2 * i + 1 for i in range(8)]
+        order += [b + 16 + 2 * i for i in range(8)] + [b + 17 + 2 * i for i in range(8)]
     return torch.tensor(order)
 
 
@@ -244,7 +268,7 @@ def test_mxfp4_rows_decode_to_bf16_exactly(cols):
         scale[r, -1] = v
     got, folded = K.mxfp4_rows_bf16(packed, scale)
     assert folded.tolist() == [r not in bad for r in range(rows)]
-    want = decode_mxfp4(packed, scale, torch.bfloat16)[:, split64(cols)]
+    want = decode_mxfp4(packed, scale, torch.bfloat16)[:, nib64(cols)]
     ok = folded.nonzero().squeeze(1)
     assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
 

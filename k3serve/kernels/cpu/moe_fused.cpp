@@ -21,6 +21,9 @@
 namespace {
 
 constexpr int kGroup = 32;
+// In-register MXFP4 tiles prefetch the rows this many rows further on (the next two 4-row tiles):
+// 400 M Kimi-Linear's experts, one token, two cores: 22 GB/s of codes without, 30-31 with 4-16.
+constexpr int64_t kPrefetchRows = 8;
 using k3k::round_bf16;
 
 // One expert matrix [E, O, I]: dense (fp32 / bf16) or packed MXFP4 (codes [E, O, I/2], E8M0 [E, O, I/32]).
@@ -60,12 +63,17 @@ struct Matrix {
     for (int64_t j = 0; j < T; ++j) out[j * ldo] = dot(e, o, row, x[j]);
   }
 #ifdef K3K_DPBF16
-  // The bf16 route: out[j * ldo + r] = row (e, o + r) . xs[j] for R <= 3 rows and T activation
-  // rows xs [T, I] of bf16 bits (split64 order when packed), in simd.h's tiles. A packed row meets
-  // up to 4 tokens as it decodes (mxfp4_dot_rows_bf16), more from a bf16 copy in wb [3 * I]. A
-  // row whose scales do not fold into bf16 goes to FP32 in column order (wf scratch, xf(j): row j
-  // as floats). Every choice is made by the row and T alone, and the staged and in-register forms
-  // give the same bits, so no result depends on the batch.
+  // Weight rows per tile of the bf16 route for T activation rows: packed rows meeting up to 4
+  // tokens decode in registers several at a time (simd.h mxfp4_tile_rows), the rest as simd.h's
+  // bf16 tiles take them (tile_rows_bf16, at most 3).
+  int tile_rows(int64_t T) const { return scale && T <= 4 ? k3k::mxfp4_tile_rows(T) : k3k::tile_rows_bf16(T); }
+
+  // The bf16 route: out[j * ldo + r] = row (e, o + r) . xs[j] for R <= tile_rows(T) rows and T
+  // activation rows xs [T, I] of bf16 bits (nib64 order when packed), in simd.h's tiles. Packed
+  // rows meet up to 4 tokens as they decode (mxfp4_dot_tile_bf16), more from a bf16 copy in
+  // wb [3 * I]. A row whose scales do not fold into bf16 goes to FP32 in column order (wf
+  // scratch, xf(j): row j as floats). Every choice is made by the row and T alone, and the
+  // staged and in-register forms give the same bits whatever R, so no result depends on the batch.
   template <typename XF>
   void dot_rows(int64_t e, int64_t o, int R, const uint16_t* xs, int64_t T, float* out, int64_t ldo, uint16_t* wb,
                 float* wf, XF xf) const {
@@ -74,10 +82,11 @@ struct Matrix {
       for (int r = 0; r < R; ++r) rows[r] = static_cast<const uint16_t*>(data) + (e * O + o + r) * I;
       return k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo, R * I);
     }
-    bool folded[3], all = true;
-    for (int r = 0; r < R; ++r) {
+    if (T <= 4 && in_registers(e, o, R, xs, T, out, ldo)) return;
+    bool folded[4], all = true;
+    for (int r = 0; r < R; ++r) {  // one row at a time: a row of the tile did not fold
       rows[r] = wb + r * I;
-      folded[r] = T <= 4 ? in_registers(e, o + r, xs, T, out + r, ldo)
+      folded[r] = T <= 4 ? in_registers(e, o + r, 1, xs, T, out + r, ldo)
                          : k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb + r * I);
       all &= folded[r];
     }
@@ -91,12 +100,25 @@ struct Matrix {
       }
     }
   }
+  // rows o .. o + R - 1 against T <= 4 tokens, decoded in registers; false if one did not fold
+  bool in_registers(int64_t e, int64_t o, int R, const uint16_t* xs, int64_t T, float* out, int64_t ldo) const {
+    switch (R) {
+      case 1: return in_registers<1>(e, o, xs, T, out, ldo);
+      case 2: return in_registers<2>(e, o, xs, T, out, ldo);
+      case 3: return in_registers<3>(e, o, xs, T, out, ldo);
+      default: return in_registers<4>(e, o, xs, T, out, ldo);
+    }
+  }
+  template <int R>
   bool in_registers(int64_t e, int64_t o, const uint16_t* xs, int64_t T, float* out, int64_t ldo) const {
+    const uint8_t *c[R], *s[R];
+    for (int r = 0; r < R; ++r) c[r] = codes(e, o + r), s[r] = scales(e, o + r);
+    const int64_t pf = kPrefetchRows * I / 2;  // code bytes on (rows of an expert are contiguous)
     switch (T) {
-      case 1: return k3k::mxfp4_dot_rows_bf16<1>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
-      case 2: return k3k::mxfp4_dot_rows_bf16<2>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
-      case 3: return k3k::mxfp4_dot_rows_bf16<3>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
-      default: return k3k::mxfp4_dot_rows_bf16<4>(xs, I, codes(e, o), scales(e, o), I, out, ldo);
+      case 1: return k3k::mxfp4_dot_tile_bf16<R, 1>(xs, I, c, s, I, out, ldo, pf);
+      case 2: return k3k::mxfp4_dot_tile_bf16<R, 2>(xs, I, c, s, I, out, ldo, pf);
+      case 3: return k3k::mxfp4_dot_tile_bf16<R, 3>(xs, I, c, s, I, out, ldo, pf);
+      default: return k3k::mxfp4_dot_tile_bf16<R, 4>(xs, I, c, s, I, out, ldo, pf);
     }
   }
 #endif
@@ -120,14 +142,14 @@ Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const
 }
 
 #ifdef K3K_DPBF16
-// n rows (row q at src(q), K floats holding bf16 values) as bf16 bits [n, K], in split64 order
+// n rows (row q at src(q), K floats holding bf16 values) as bf16 bits [n, K], in nib64 order
 // for packed matrices (split)
 template <typename Src>
 std::vector<uint16_t> bf16_rows(int64_t n, int64_t K, bool split, Src src) {
   std::vector<uint16_t> out(n * K), tmp(split ? K : 0);
   for (int64_t q = 0; q < n; ++q) {
     k3k::to_bf16_bits(src(q), K, split ? tmp.data() : out.data() + q * K);
-    if (split) k3k::split64_bf16(tmp.data(), K, out.data() + q * K);
+    if (split) k3k::mxfp4_order_bf16(tmp.data(), K, out.data() + q * K);
   }
   return out;
 }
@@ -182,7 +204,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
 #ifdef K3K_DPBF16
   // Where z holds bf16 values (a bf16 model: z is x or a bf16 projection of it), w1 and w3 meet it
   // in vdpbf16ps, each (expert, row) against all its tokens at once, eight per weight load: the
-  // pairs' z rows gathered in expert order as bf16 bits (split64 order for packed experts, whose
+  // pairs' z rows gathered in expert order as bf16 bits (nib64 order for packed experts, whose
   // rows are decoded to bf16 once per (expert, row): decode_mxfp4_row_bf16).
   if (gate_up_bf16(m1, m3, zp, N * Kin)) {
     const std::vector<uint16_t> zg =
@@ -193,7 +215,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       std::vector<float> wf(Kin);
       for (int64_t item = begin; item < end;) {
         const int64_t e = active[item / inter], o = item % inter, q0 = offset[e], T = offset[e + 1] - q0;
-        const int R = int(std::min<int64_t>({tile_rows_bf16(T), end - item, inter - o}));
+        const int R = int(std::min<int64_t>({m1.tile_rows(T), end - item, inter - o}));
         const auto zrow = [&](int64_t j) { return zp + (order[q0 + j] / topk) * Kin; };
         for (const auto& [mat, dst] : {std::pair{&m1, &h}, std::pair{&m3, &u}}) {
           float* out = dst->data() + q0 * inter + o;
@@ -249,7 +271,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       std::vector<float> wf(inter);
       for (int64_t item = begin; item < end;) {
         const int64_t e = active[item / out_dim], o = item % out_dim, q0 = offset[e], T = offset[e + 1] - q0;
-        const int R = int(std::min<int64_t>({tile_rows_bf16(T), end - item, out_dim - o}));
+        const int R = int(std::min<int64_t>({m2.tile_rows(T), end - item, out_dim - o}));
         float* out = y.data() + q0 * out_dim + o;
         m2.dot_rows(e, o, R, hb.data() + q0 * inter, T, out, out_dim, wb.data(), wf.data(),
                     [&](int64_t j) { return h.data() + (q0 + j) * inter; });

@@ -65,7 +65,7 @@ at::Tensor mxfp4_grouped_matmul(at::Tensor x, at::Tensor offsets, at::Tensor pac
 }
 
 // The bf16 decode of simd.h (decode_mxfp4_row_bf16) row by row, for its test against
-// decode_mxfp4: packed [O, K/2], scale [O, K/32] -> (bf16 [O, K] in split64 order, folded [O]:
+// decode_mxfp4: packed [O, K/2], scale [O, K/32] -> (bf16 [O, K] in nib64 order, folded [O]:
 // false where a row's scales do not fold into bf16 and its values are left zero).
 std::tuple<at::Tensor, at::Tensor> mxfp4_rows_bf16(at::Tensor packed, at::Tensor scale) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),

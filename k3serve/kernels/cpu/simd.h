@@ -290,103 +290,153 @@ inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t
 // of that expert's tokens in dot_rows_bf16, so its decode is paid once per row, not per token,
 // and the dot runs at the bf16 rate (one vdpbf16ps per 32 products, no per-group scaling).
 //
-// "split64" order, the order two groups decode in without interleaving permutes: per 64-column
-// block its first group's 16 even columns, the second's 16 evens, the first's 16 odds, the
-// second's 16 odds; a last lone 32-column group its evens then its odds. Activations are put in
-// the same order once per token (split64_bf16).
-inline void split64_bf16(const uint16_t* x, int64_t K, uint16_t* out) {
+// "nib64" order, the order for_mxfp4_rows_bf16 decodes in: a 64-column block (code byte i holds
+// columns 2i and 2i + 1) comes out as two 32-word halves, half h holding, for each 128-bit lane
+// k = 0..3, 8 columns mxfp4_col(k, 8h + j), j = 0..7, where lane 0 holds the first group's even
+// columns, lane 1 the second group's evens, 2 the first's odds, 3 the second's odds; a lone last
+// 32-column group its evens 0-14, odds 1-15, evens 16-30, odds 17-31. Activations are put in the
+// same order once per token (mxfp4_order_bf16).
+inline int64_t mxfp4_col(int64_t lane, int64_t i) { return (lane & 1) * 32 + 2 * i + (lane >> 1); }
+
+inline void mxfp4_order_bf16(const uint16_t* x, int64_t K, uint16_t* out) {
   int64_t g = 0;
   for (; g + 64 <= K; g += 64)
-    for (int64_t i = 0; i < 16; ++i) {
-      out[g + i] = x[g + 2 * i], out[g + 16 + i] = x[g + 32 + 2 * i];
-      out[g + 32 + i] = x[g + 2 * i + 1], out[g + 48 + i] = x[g + 33 + 2 * i];
-    }
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t k = 0; k < 4; ++k)
+        for (int64_t j = 0; j < 8; ++j) out[g + 32 * h + 8 * k + j] = x[g + mxfp4_col(k, 8 * h + j)];
   for (; g < K; g += 32)
-    for (int64_t i = 0; i < 16; ++i) out[g + i] = x[g + 2 * i], out[g + 16 + i] = x[g + 2 * i + 1];
+    for (int64_t q = 0; q < 4; ++q)  // evens 0-14, odds 1-15, evens 16-30, odds 17-31
+      for (int64_t j = 0; j < 8; ++j) out[g + 8 * q + j] = x[g + 16 * (q >> 1) + 2 * j + (q & 1)];
 }
 
 // The scales a row can fold into bf16 exponents: E2M1 magnitudes 0.5 .. 6 times 2^(s - 127) stay
 // bf16 normals for s in [2, 252] (vdpbf16ps reads denormals as zero; 0xFF is NaN).
 constexpr int kFoldLo = 2, kFoldHi = 252;
 
-// One packed row (K/2 code bytes, K/32 E8M0 scales; K a multiple of 32) as bf16 bits in split64
-// order, each value E2M1 x 2^(s - 127) exactly: the group's scale is added to the exponent field
-// of the E2M1 table's nonzero entries (bf16 bits + (s - 127) << 7), then the codes look the table
-// up, two groups per 16-bit permute. Hands each 64-column block to pair(col, first32, second32)
-// and a lone last group to lone(col, v). Returns false, having stopped early, when a scale lies
-// outside [kFoldLo, kFoldHi]: the caller takes an FP32 path for that row.
-template <typename Pair, typename Lone>
-inline bool for_mxfp4_row_bf16(const uint8_t* packed, const uint8_t* scale, int64_t K, Pair&& pair, Lone&& lone) {
-  // E2M1 as bf16 bits, twice: lanes 0-15 serve the block's first group, 16-31 its second
-  alignas(64) static constexpr uint16_t kE2M1[32] = {
-      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
-      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-  const __m512i lut = _mm512_load_si512(kE2M1);
-  const __mmask32 nonzero = 0xFEFEFEFEu;  // +-0 (codes 0 and 8) keep their bits
-  const __m512i low4 = _mm512_set1_epi16(15), upper = _mm512_set_epi64(0x0010001000100010, 0x0010001000100010,
-      0x0010001000100010, 0x0010001000100010, 0, 0, 0, 0);  // +16: the second group's table half
+// R packed rows (row r: K/2 code bytes at packed[r], K/32 E8M0 scales at scale[r]; K a multiple
+// of 32) as bf16 bits in "nib64" order (mxfp4_order: the order in-lane shuffles produce), each
+// value E2M1 x 2^(s - 127) exactly. Per 64 columns (two groups, 32 code bytes): the bytes go to
+// all four 128-bit lanes, lanes 0-1 keep low nibbles (even columns), 2-3 high ones (odd); two
+// vpshufb look up each code's bf16 low and high byte, two byte unpacks make 64 bf16 words, and
+// the group's scale is added to the exponent of the nonzero ones (bits + (s - 127) << 7) - no
+// lane-crossing permute, where a 16-bit permute per 32 values set the speed before (one token:
+// ~15 GB/s of codes on two cores). Hands each 64-column block to pair(col, w0[R], w1[R]) (its
+// first and second 32 words) and a lone last group to lone(col, v[R]). Returns false, having
+// stopped early, when a row's scale lies outside [kFoldLo, kFoldHi]: the caller takes an FP32
+// path (or its rows one at a time). `pf` (bytes, 0 for none): each row's codes (and scales)
+// that far on are prefetched as the row is read, so rows streaming from memory arrive in time
+// where several decode side by side (the hardware prefetcher lost them: 4 rows at once without
+// it ran slower than one).
+template <int R, typename Pair, typename Lone>
+inline bool for_mxfp4_rows_bf16(const uint8_t* const* packed, const uint8_t* const* scale, int64_t K, Pair&& pair,
+                                Lone&& lone, int64_t pf = 0) {
+  // E2M1 as bf16 bits (0, .5, 1, 1.5, 2, 3, 4, 6, then negated): low bytes, high bytes, per lane
+  const __m512i lo_tab = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0),
+                                                              0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0)));
+  const __m512i hi_tab = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80),
+                                                              char(0xBF), char(0xBF), char(0xBF), char(0xC0), char(0xC0),
+                                                              char(0xC0), char(0xC0)));
+  // a pair's two 16-bit shifts (one dword) to the lanes of its groups: 0 and 2 the first, 1 and 3 the second
+  const __m512i spread = _mm512_set_epi64(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
+                                          0x0100010001000100, 0x0302030203020302, 0x0302030203020302,
+                                          0x0100010001000100, 0x0100010001000100);
+  const __m512i low4 = _mm512_set1_epi8(15), magnitude = _mm512_set1_epi16(0x7FFF);
   const int64_t groups = K / 32;
-  for (int64_t c = 0; c < groups; c += 32) {  // 32 groups' shifts per register
+  alignas(64) int16_t sh[R][32];
+  if (pf)
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(scale[r] + pf / 16), _MM_HINT_T0);
+  for (int64_t c = 0; c < groups; c += 32) {  // 32 groups' shifts at a time
     const int64_t n = std::min<int64_t>(32, groups - c);
     const __mmask32 live = n == 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << n) - 1);
-    const __m512i s = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, scale + c));
-    if (_mm512_mask_cmplt_epi16_mask(live, s, _mm512_set1_epi16(kFoldLo)) |
-        _mm512_mask_cmpgt_epi16_mask(live, s, _mm512_set1_epi16(kFoldHi)))
-      return false;
-    const __m512i shifts = _mm512_slli_epi16(_mm512_sub_epi16(s, _mm512_set1_epi16(127)), 7);
-    // lanes 0-15 pick group c + 2j's shift, 16-31 group c + 2j + 1's
-    __m512i pick = _mm512_set_epi64(0x0001000100010001, 0x0001000100010001, 0x0001000100010001, 0x0001000100010001,
-                                    0, 0, 0, 0);
-    int64_t g = c;
-    for (; g + 2 <= c + n; g += 2, pick = _mm512_add_epi16(pick, _mm512_set1_epi16(2))) {
-      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + g * 16)));
-      const __m512i table = _mm512_mask_add_epi16(lut, nonzero, lut, _mm512_permutexvar_epi16(pick, shifts));
-      const __m512i lo = _mm512_ternarylogic_epi32(b, low4, upper, 0xEA);  // (b & 15) | upper
-      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(b, 4), upper);
-      pair(g * 32, _mm512_permutexvar_epi16(lo, table), _mm512_permutexvar_epi16(hi, table));  // evens, odds
+    for (int r = 0; r < R; ++r) {
+      const __m512i s = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(live, scale[r] + c));
+      if (_mm512_mask_cmplt_epi16_mask(live, s, _mm512_set1_epi16(kFoldLo)) |
+          _mm512_mask_cmpgt_epi16_mask(live, s, _mm512_set1_epi16(kFoldHi)))
+        return false;
+      _mm512_store_si512(sh[r], _mm512_slli_epi16(_mm512_sub_epi16(s, _mm512_set1_epi16(127)), 7));
     }
-    if (g < c + n) {  // the row's last, lone group: its evens then its odds, its shift in lanes 0-15
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + g * 16)));
-      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
-                                             _mm256_srli_epi16(b, 4), 1);
-      const __m512i table = _mm512_mask_add_epi16(lut, nonzero, lut, _mm512_permutexvar_epi16(
-          _mm512_set1_epi16(int16_t(g - c)), shifts));
-      lone(g * 32, _mm512_permutexvar_epi16(idx, table));
+    int64_t g = c;
+    for (; g + 2 <= c + n; g += 2) {
+      __m512i w0[R], w1[R];
+      if (pf && !(g & 3))  // the 64-byte line pf bytes on in each row
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(packed[r] + pf + g * 16), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) {
+        const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[r] + g * 16)));
+        const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFFFF0000u, b, 4), low4);
+        const __m512i lo = _mm512_shuffle_epi8(lo_tab, idx), hi = _mm512_shuffle_epi8(hi_tab, idx);
+        int32_t both;
+        std::memcpy(&both, &sh[r][g - c], sizeof both);
+        const __m512i shift = _mm512_shuffle_epi8(_mm512_set1_epi32(both), spread);
+        const __m512i a = _mm512_unpacklo_epi8(lo, hi), d = _mm512_unpackhi_epi8(lo, hi);
+        w0[r] = _mm512_mask_add_epi16(a, _mm512_test_epi16_mask(a, magnitude), a, shift);  // +-0 keep their bits
+        w1[r] = _mm512_mask_add_epi16(d, _mm512_test_epi16_mask(d, magnitude), d, shift);
+      }
+      pair(g * 32, w0, w1);
+    }
+    if (g < c + n) {  // the rows' last, lone group: lanes 0 and 2 low nibbles, 1 and 3 high ones
+      __m512i v[R];
+      for (int r = 0; r < R; ++r) {
+        const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed[r] + g * 16)));
+        const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFF00FF00u, b, 4), low4);
+        const __m512i lo = _mm512_shuffle_epi8(lo_tab, idx), hi = _mm512_shuffle_epi8(hi_tab, idx);
+        // bytes 0-7 of each lane (unpacklo) then 8-15 (unpackhi), lanes 0-1 of each
+        const __m512i w = _mm512_shuffle_i64x2(_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi), 0x44);
+        v[r] = _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, magnitude), w, _mm512_set1_epi16(sh[r][g - c]));
+      }
+      lone(g * 32, v);
     }
   }
   return true;
 }
 
-// the row's bf16 bits into out [K] (split64 order)
+// the row's bf16 bits into out [K] (nib64 order)
 inline bool decode_mxfp4_row_bf16(const uint8_t* packed, const uint8_t* scale, int64_t K, uint16_t* out) {
-  return for_mxfp4_row_bf16(
-      packed, scale, K,
-      [&](int64_t k, __m512i a, __m512i b) { _mm512_storeu_si512(out + k, a), _mm512_storeu_si512(out + k + 32, b); },
-      [&](int64_t k, __m512i v) { _mm512_storeu_si512(out + k, v); });
+  return for_mxfp4_rows_bf16<1>(
+      &packed, &scale, K,
+      [&](int64_t k, const __m512i* a, const __m512i* b) {
+        _mm512_storeu_si512(out + k, a[0]), _mm512_storeu_si512(out + k + 32, b[0]);
+      },
+      [&](int64_t k, const __m512i* v) { _mm512_storeu_si512(out + k, v[0]); });
 }
 
-// dot_tile_bf16<1, T> of the decoded row, decoding in registers (no staging: the form for a
-// few tokens, where the row's store and reload would cost as much as its dots). The same
-// instructions on the same values in the same chains, so the same bits as the staged form.
-template <int T>
-inline bool mxfp4_dot_rows_bf16(const uint16_t* xs, int64_t ldx, const uint8_t* packed, const uint8_t* scale,
-                                int64_t K, float* out, int64_t ldo) {
-  __m512 a0[T], a1[T];
-  for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-  const bool ok = for_mxfp4_row_bf16(
+// dot_tile_bf16<1, T> of each of R decoded rows, decoding in registers (no staging: the form for
+// a few tokens, where a row's store and reload would cost as much as its dots): out[t * ldo + r].
+// Each (row, token) sum takes dot_tile_bf16's instructions on the same values in the same two
+// chains, so the same bits as the staged form and whatever R; R rows side by side give R x 2 x T
+// independent vdpbf16ps chains where one row's two would wait on their latency, and each
+// activation load serves R rows (one token, prefetching: 22 -> 31 GB/s of codes on two cores).
+template <int R, int T>
+inline bool mxfp4_dot_tile_bf16(const uint16_t* xs, int64_t ldx, const uint8_t* const* packed,
+                                const uint8_t* const* scale, int64_t K, float* out, int64_t ldo, int64_t pf = 0) {
+  __m512 a0[R][T], a1[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) a0[r][t] = a1[r][t] = _mm512_setzero_ps();
+  const bool ok = for_mxfp4_rows_bf16<R>(
       packed, scale, K,
-      [&](int64_t k, __m512i a, __m512i b) {
-        for (int t = 0; t < T; ++t) a0[t] = _mm512_dpbf16_ps(a0[t], as_bh(_mm512_loadu_si512(xs + t * ldx + k)), as_bh(a));
-        for (int t = 0; t < T; ++t)
-          a1[t] = _mm512_dpbf16_ps(a1[t], as_bh(_mm512_loadu_si512(xs + t * ldx + k + 32)), as_bh(b));
+      [&](int64_t k, const __m512i* w0, const __m512i* w1) {
+        for (int t = 0; t < T; ++t) {
+          const __m512bh x0 = as_bh(_mm512_loadu_si512(xs + t * ldx + k)), x1 = as_bh(_mm512_loadu_si512(xs + t * ldx + k + 32));
+          for (int r = 0; r < R; ++r) {
+            a0[r][t] = _mm512_dpbf16_ps(a0[r][t], x0, as_bh(w0[r]));
+            a1[r][t] = _mm512_dpbf16_ps(a1[r][t], x1, as_bh(w1[r]));
+          }
+        }
       },
-      [&](int64_t k, __m512i v) {
-        for (int t = 0; t < T; ++t) a0[t] = _mm512_dpbf16_ps(a0[t], as_bh(_mm512_loadu_si512(xs + t * ldx + k)), as_bh(v));
-      });
+      [&](int64_t k, const __m512i* v) {
+        for (int t = 0; t < T; ++t) {
+          const __m512bh x = as_bh(_mm512_loadu_si512(xs + t * ldx + k));
+          for (int r = 0; r < R; ++r) a0[r][t] = _mm512_dpbf16_ps(a0[r][t], x, as_bh(v[r]));
+        }
+      }, pf);
   if (ok)
-    for (int t = 0; t < T; ++t) out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][t], a1[r][t]));
   return ok;
 }
+
+// Rows per in-register MXFP4 tile for T <= 4 tokens: as many as keep R x T x 2 accumulators
+// (and the decoded pair) within the 32 vector registers.
+constexpr int mxfp4_tile_rows(int64_t T) { return T <= 2 ? 4 : 2; }
 #endif
 
 #ifdef K3K_AVX512
