@@ -11,14 +11,9 @@
 // and KimiDeltaAttention._output (k3serve/layers), k3-model-spec.md §3.
 #include "common.h"
 #include "ops.h"
+#include "simd.h"
 
 #include <vector>
-
-namespace {
-
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold
-
-}  // namespace
 
 void kda_rows(const KdaRows& a) {
   using namespace k3k;
@@ -50,17 +45,14 @@ void kda_rows(const KdaRows& a) {
             acc += cur * a.conv_w[part][(h * D + i) * K + K - 1];
             for (int64_t j = 0; j + 1 < K - 1; ++j) cst[j * C3 + c] = cst[(j + 1) * C3 + c];
             if (K > 1) cst[(K - 2) * C3 + c] = cur;
-            outs[part][i] = acc * sigmoid(acc);  // SiLU
+            outs[part][i] = acc;
           }
+          silu_n(outs[part], outs[part], D);
         }
         const float rq = qscale / std::sqrt(dot(q.data(), q.data(), D) + 1e-6f);
         const float rk = 1.f / std::sqrt(dot(k.data(), k.data(), D) + 1e-6f);
-        for (int64_t i = 0; i < D; ++i) {
-          q[i] *= rq;
-          k[i] *= rk;
-          const float zz = zp[r * a.ldz + h * D + i] + dp[h * D + i];
-          g[i] = std::exp(k3_gate ? lb * sigmoid(decay_rate * zz) : -decay_rate * softplus(zz));
-        }
+        for (int64_t i = 0; i < D; ++i) q[i] *= rq, k[i] *= rk;
+        kda_decay_n(zp + r * a.ldz + h * D, dp + h * D, D, k3_gate, lb, decay_rate, g.data());
         const float beta = sigmoid(bp[r * a.ldb + h]);
         // decay the key rows and form S^T k in one pass, then the rank-1 write and S^T q
         std::fill(pred.begin(), pred.end(), 0.f);
@@ -85,8 +77,8 @@ void kda_rows(const KdaRows& a) {
           }
         }
         const float rms = 1.f / std::sqrt(dot(o.data(), o.data(), D) / float(D) + eps);
-        for (int64_t j = 0; j < D; ++j)
-          yp[r * P + h * D + j] = np[j] * (o[j] * rms) * sigmoid(gp[r * a.ldg + h * D + j]);
+        sigmoid_n(gp + r * a.ldg + h * D, pred.data(), D);  // pred is free again: the output gate
+        for (int64_t j = 0; j < D; ++j) yp[r * P + h * D + j] = np[j] * (o[j] * rms) * pred[j];
         if (rb) {  // per-position state for rollback: [S, TB, H, D, D] and [S, TB, K-1, 3P]
           const int64_t t = r - st[s];
           std::memcpy(rb + (((s * TB + t) * H + h) * D) * D, state, sizeof(float) * D * D);

@@ -542,6 +542,150 @@ inline __m256 round_bf16_8(__m256 v) {
 }
 #endif
 
+// Natural log of x > 0 (normal floats), Cephes' logf: the mantissa taken to [sqrt(1/2), sqrt(2)),
+// a degree-8 polynomial in m - 1, the exponent's ln 2 in two parts; within ~2 ulp of logf.
+constexpr float kLogPoly[9] = {7.0376836292E-2f, -1.1514610310E-1f, 1.1676998740E-1f, -1.2420140846E-1f,
+                               1.4249322787E-1f, -1.6668057665E-1f, 2.0000714765E-1f, -2.4999993993E-1f,
+                               3.3333331174E-1f};
+#ifdef K3K_AVX512
+inline __m512 log16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127)));
+  __m512 m = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFF)),
+                                                 _mm512_set1_epi32(0x3F800000)));  // [1, 2)
+  const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.f));
+  const __m512 t = _mm512_sub_ps(m, _mm512_set1_ps(1.f)), z = _mm512_mul_ps(t, t);
+  __m512 y = _mm512_set1_ps(kLogPoly[0]);
+  for (int i = 1; i < 9; ++i) y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(kLogPoly[i]));
+  y = _mm512_mul_ps(_mm512_mul_ps(y, t), z);
+  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+  y = _mm512_fmadd_ps(z, _mm512_set1_ps(-0.5f), y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(t, y));
+}
+// softplus with torch's threshold (x past 20 is x): log1p(e^x) as log(u) * e^x / (u - 1), u = 1 + e^x
+// (the correction keeps log1p's accuracy where u rounds), e^x itself where u rounds to 1
+inline __m512 softplus16(__m512 x) {
+  const __m512 y = exp16(x), u = _mm512_add_ps(_mm512_set1_ps(1.f), y), d = _mm512_sub_ps(u, _mm512_set1_ps(1.f));
+  const __mmask16 exact = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  const __m512 l = _mm512_mask_blend_ps(exact, _mm512_mul_ps(log16(u), _mm512_div_ps(y, d)), y);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(20.f), _CMP_GT_OQ), l, x);
+}
+#endif
+#ifdef K3K_AVX2
+inline __m256 log8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)),
+                                                 _mm256_set1_epi32(0x3F800000)));
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  e = _mm256_blendv_ps(e, _mm256_add_ps(e, _mm256_set1_ps(1.f)), big);
+  const __m256 t = _mm256_sub_ps(m, _mm256_set1_ps(1.f)), z = _mm256_mul_ps(t, t);
+  __m256 y = _mm256_set1_ps(kLogPoly[0]);
+  for (int i = 1; i < 9; ++i) y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(kLogPoly[i]));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, t), z);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fmadd_ps(z, _mm256_set1_ps(-0.5f), y);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(t, y));
+}
+inline __m256 softplus8(__m256 x) {
+  const __m256 y = exp8(x), u = _mm256_add_ps(_mm256_set1_ps(1.f), y), d = _mm256_sub_ps(u, _mm256_set1_ps(1.f));
+  const __m256 l = _mm256_blendv_ps(_mm256_mul_ps(log8(u), _mm256_div_ps(y, d)), y,
+                                    _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  return _mm256_blendv_ps(l, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.f), _CMP_GT_OQ));
+}
+#endif
+
+// out[i] = f(x[i]) for n floats, 16 (AVX-512, masked tail) or 8 (AVX2, staged tail) lanes at a
+// time, else one at a time; an element's result never depends on where it sits. out may alias x.
+template <typename F16, typename F8, typename F1>
+inline void map_n(const float* x, float* out, int64_t n, F16&& f16, F8&& f8, F1&& f1) {
+#ifdef K3K_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(out + i, m, f16(_mm512_maskz_loadu_ps(m, x + i), i));
+  }
+#elif defined(K3K_AVX2)
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t left = std::min<int64_t>(8, n - i);
+    const __m256 r = f8(load8(x + i, left), i);
+    if (left == 8) {
+      _mm256_storeu_ps(out + i, r);
+    } else {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, r);
+      std::copy(v, v + left, out + i);
+    }
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = f1(x[i], i);
+#endif
+}
+
+// KDA's per-channel decay g = e^gate for n channels from z (f_b(f_a x)) and dt_bias: K3
+// lb * sigmoid(rate (z + dt)), Kimi-Linear -rate softplus(z + dt) (common.h / kda_decode.cpp's
+// scalar forms, in vector transcendentals: ~3 libm calls per channel were a tenth of a decode step)
+inline void kda_decay_n(const float* z, const float* dt, int64_t n, bool k3, float lb, float rate, float* g) {
+  map_n(z, g, n,
+#ifdef K3K_AVX512
+        [&](__m512 v, int64_t i) {
+          const __m512 zz = _mm512_add_ps(v, _mm512_maskz_loadu_ps(tail_mask(n - i), dt + i));
+          return exp16(k3 ? _mm512_mul_ps(_mm512_set1_ps(lb), sigmoid16(_mm512_mul_ps(_mm512_set1_ps(rate), zz)))
+                          : _mm512_mul_ps(_mm512_set1_ps(-rate), softplus16(zz)));
+        },
+#else
+        [](auto v, int64_t) { return v; },
+#endif
+#ifdef K3K_AVX2
+        [&](__m256 v, int64_t i) {
+          const __m256 zz = _mm256_add_ps(v, load8(dt + i, n - i));
+          return exp8(k3 ? _mm256_mul_ps(_mm256_set1_ps(lb), sigmoid8(_mm256_mul_ps(_mm256_set1_ps(rate), zz)))
+                         : _mm256_mul_ps(_mm256_set1_ps(-rate), softplus8(zz)));
+        },
+#else
+        [](auto v, int64_t) { return v; },
+#endif
+        [&](float v, int64_t i) {
+          const float zz = v + dt[i];
+          const float sp = zz > 20.f ? zz : std::log1p(std::exp(zz));
+          return std::exp(k3 ? lb * sigmoid(rate * zz) : -rate * sp);
+        });
+}
+
+// out[i] = x[i] * sigmoid(x[i]) (SiLU); out may alias x
+inline void silu_n(const float* x, float* out, int64_t n) {
+  map_n(x, out, n,
+#ifdef K3K_AVX512
+        [](__m512 v, int64_t) { return _mm512_mul_ps(v, sigmoid16(v)); },
+#else
+        [](auto v, int64_t) { return v; },
+#endif
+#ifdef K3K_AVX2
+        [](__m256 v, int64_t) { return _mm256_mul_ps(v, sigmoid8(v)); },
+#else
+        [](auto v, int64_t) { return v; },
+#endif
+        [](float v, int64_t) { return v * sigmoid(v); });
+}
+
+// out[i] = sigmoid(x[i]); out may alias x
+inline void sigmoid_n(const float* x, float* out, int64_t n) {
+  map_n(x, out, n,
+#ifdef K3K_AVX512
+        [](__m512 v, int64_t) { return sigmoid16(v); },
+#else
+        [](auto v, int64_t) { return v; },
+#endif
+#ifdef K3K_AVX2
+        [](__m256 v, int64_t) { return sigmoid8(v); },
+#else
+        [](auto v, int64_t) { return v; },
+#endif
+        [](float v, int64_t) { return sigmoid(v); });
+}
+
 // out[i] = act(g[i], u[i]) (common.h `activate`), rounded to bf16 when `rnd`; out may alias g.
 inline void activate_n(int64_t act, const float* g, const float* u, float* out, int64_t n, float beta, float lb,
                        bool rnd) {
