@@ -1,0 +1,109 @@
+// The DSpark drafter's forward in one call (issue 15): a speculative step's proposal went
+// through ~40 small torch ops (~0.26 ms on the bundled demo's 64-wide draft, half of what a
+// decode step costs), here a few tens of microseconds. Plain fp32 loops, parallel over the
+// vocabulary for the LM head (a K3-sized draft's largest matrix).
+//   ctx = RMSNorm(fc(taps)) [B, h];  x_j = embed(tok_j) + ctx + pos_j, tok = [last, mask x k]
+//   per layer: x += o(SDPA(qkv(RMSNorm(x))))  (bidirectional over the k + 1 positions)
+//              x += down(SiLU(g) u), [g | u] = gate_up(RMSNorm(x))
+//   logits = lm_head(RMSNorm(x))[:, 1:]  -> [B, k, V]
+// Reference: DSparkModel.forward (k3serve/spec/dspark.py), compared in tests/spec/test_dspark_kernel.py.
+#include "common.h"
+
+#include <vector>
+
+namespace {
+
+// y [M, N] = x [M, K] @ w [N, K]^T, rows of w split over the threads when the matrix is large
+void matmul(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y) {
+  const int64_t N = w.size(0);
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, k3k::grain_for(2 * K * M), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n] = k3k::dot(x + m * K, wp + n * K, K);
+  });
+}
+
+// torch.nn.RMSNorm in fp32: x / sqrt(mean(x^2) + eps) * w, each of M rows of n
+void rms(const float* x, int64_t M, int64_t n, const float* w, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * n;
+    const float inv = 1.f / std::sqrt(k3k::dot(r, r, n) / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[m * n + i] = r[i] * inv * w[i];
+  }
+}
+
+const float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
+
+}  // namespace
+
+// taps [B, n_taps * d_t], last [B] int64; w = fc, ctx_norm, embed, pos, then per layer attn_norm,
+// qkv, o, mlp_norm, gate_up, down, then norm, lm_head (DSparkModel's parameters)
+at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tensor> w, int64_t heads,
+                          int64_t mask_id, double eps_) {
+  TORCH_CHECK(w.size() >= 6 && (w.size() - 6) % 6 == 0, "dspark_forward: 6 + 6 per layer weights, got ", w.size());
+  TORCH_CHECK(taps.dim() == 2 && last.dim() == 1 && last.scalar_type() == at::kLong && last.size(0) == taps.size(0),
+              "dspark_forward: taps [B, n], last [B] int64");
+  for (size_t i = 0; i < w.size(); ++i)
+    TORCH_CHECK(w[i].scalar_type() == at::kFloat && w[i].is_contiguous() && w[i].device().is_cpu(),
+                "dspark_forward: weight ", i, " must be a contiguous float32 CPU tensor");
+  const int64_t B = taps.size(0), h = w[0].size(0), V = w[2].size(0), T = w[3].size(0), L = (w.size() - 6) / 6;
+  const int64_t inter = L ? w[4 + 4].size(0) / 2 : 0, hd = h / heads;
+  TORCH_CHECK(w[0].size(1) == taps.size(1) && h % heads == 0 && mask_id >= 0 && mask_id < V && T >= 2,
+              "dspark_forward: shapes disagree");
+  const float eps = float(eps_), scale = 1.f / std::sqrt(float(hd));
+  const int64_t R = B * T;  // every block position of every request
+  std::vector<float> ctx(B * h), ctxn(B * h), x(R * h), xn(R * h), qkv(R * 3 * h), att(R * h), proj(R * h),
+      gu(R * 2 * inter), act(R * inter), s(T);
+  const at::Tensor t = taps.to(at::kFloat).contiguous();
+  matmul(f32(t), B, taps.size(1), w[0], ctx.data());
+  rms(ctx.data(), B, h, f32(w[1]), eps, ctxn.data());
+  const float *emb = f32(w[2]), *pos = f32(w[3]);
+  const int64_t* lp = last.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] < V, "dspark_forward: token ", lp[b], " outside the vocabulary");
+    for (int64_t j = 0; j < T; ++j) {
+      const float* e = emb + (j == 0 ? lp[b] : mask_id) * h;
+      for (int64_t i = 0; i < h; ++i) x[(b * T + j) * h + i] = e[i] + ctxn[b * h + i] + pos[j * h + i];
+    }
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* lw = w.data() + 4 + 6 * l;
+    rms(x.data(), R, h, f32(lw[0]), eps, xn.data());
+    matmul(xn.data(), R, h, lw[1], qkv.data());  // [R, 3h]: q | k | v, each heads x hd
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t i = 0; i < T; ++i) {
+          const float* q = qkv.data() + (b * T + i) * 3 * h + hh * hd;
+          float peak = -INFINITY, total = 0.f;
+          for (int64_t j = 0; j < T; ++j) {
+            s[j] = k3k::dot(q, qkv.data() + (b * T + j) * 3 * h + h + hh * hd, hd) * scale;
+            peak = std::max(peak, s[j]);
+          }
+          for (int64_t j = 0; j < T; ++j) total += (s[j] = std::exp(s[j] - peak));
+          float* o = att.data() + (b * T + i) * h + hh * hd;
+          std::fill(o, o + hd, 0.f);
+          for (int64_t j = 0; j < T; ++j) {
+            const float* v = qkv.data() + (b * T + j) * 3 * h + 2 * h + hh * hd;
+            for (int64_t d = 0; d < hd; ++d) o[d] += s[j] / total * v[d];
+          }
+        }
+    matmul(att.data(), R, h, lw[2], proj.data());
+    for (int64_t i = 0; i < R * h; ++i) x[i] += proj[i];
+    rms(x.data(), R, h, f32(lw[3]), eps, xn.data());
+    matmul(xn.data(), R, h, lw[4], gu.data());  // [R, 2 inter]: gate | up
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = gu[r * 2 * inter + i];
+        act[r * inter + i] = g * k3k::sigmoid(g) * gu[r * 2 * inter + inter + i];
+      }
+    matmul(act.data(), R, inter, lw[5], proj.data());
+    for (int64_t i = 0; i < R * h; ++i) x[i] += proj[i];
+  }
+  rms(x.data(), R, h, f32(w[4 + 6 * L]), eps, xn.data());
+  std::vector<float> rows((R - B) * h);  // positions 1..k of each request
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(xn.begin() + (b * T + 1) * h, xn.begin() + (b + 1) * T * h, rows.begin() + b * (T - 1) * h);
+  auto out = at::empty({B, T - 1, V}, taps.options().dtype(at::kFloat));
+  matmul(rows.data(), R - B, h, w[5 + 6 * L], out.data_ptr<float>());
+  return out;
+}
