@@ -115,7 +115,8 @@ class ModelRunner:
                     continue
                 out.sampled[s.request_id] = emitted
                 slots.append(s.state_slot)
-                taus.append(tau)
+                # every draft accepted: the live state already is the last position's (-1: no copy)
+                taus.append(tau if tau < len(s.drafts) else -1)
                 row = bounds[i][0] + tau  # the last committed input
             committed[s.request_id] = row
         self._advance(out)

@@ -18,13 +18,15 @@ from k3serve.runner.forward_batch import CacheTensors
 
 
 def rollback_states(cache: CacheTensors, slots: list[int], accepted: list[int]) -> None:
-    """For the j-th speculating sequence: live slot slots[j] <- recorded state at accepted[j]."""
-    if not slots:
-        return
-    dst = torch.tensor(slots)
-    pos = torch.tensor(accepted)
-    rows = torch.arange(len(slots))
-    for layer, (rec_buf, conv_buf) in cache.spec_states.items():
-        cache.recurrent[layer][dst] = rec_buf[rows, pos]
-        cache.conv[layer][dst] = conv_buf[rows, pos]
+    """For the j-th speculating sequence: live slot slots[j] <- recorded state at accepted[j];
+    accepted[j] = -1 leaves the slot as the pass left it (every draft accepted: its live state is
+    the last position's already). The records go either way."""
+    keep = [j for j, a in enumerate(accepted) if a >= 0]
+    if keep:
+        dst = torch.tensor([slots[j] for j in keep])
+        pos = torch.tensor([accepted[j] for j in keep])
+        rows = torch.tensor(keep)
+        for layer, (rec_buf, conv_buf) in cache.spec_states.items():
+            cache.recurrent[layer][dst] = rec_buf[rows, pos]
+            cache.conv[layer][dst] = conv_buf[rows, pos]
     cache.spec_states.clear()

@@ -23,8 +23,10 @@ def prefill(model, cache, slot, prompt, table):
     model(fb, cache)
 
 
-@pytest.mark.parametrize("tau", [0, 2, 4])
+@pytest.mark.parametrize("tau", [0, 2, 4, -1])
 def test_state_after_rollback_equals_plain_decoding(model, tau):
+    """tau = -1: every draft accepted, passed as "leave the slot" (no copy): the state the pass
+    left is that of the 4 + 1 tokens."""
     g = torch.Generator().manual_seed(tau)
     prompt = torch.randint(1, 500, (21,), generator=g).tolist()
     newest, drafts = 77, torch.randint(1, 500, (4,), generator=g).tolist()
@@ -36,6 +38,7 @@ def test_state_after_rollback_equals_plain_decoding(model, tau):
         model(fb, spec)
         assert spec.spec_states  # every KDA layer recorded per-position states
         rollback_states(spec, [1], [tau])
+        tau = len(drafts) if tau < 0 else tau
         plain = CacheTensors.allocate(model.cfg, 2, 8, BS)
         prefill(model, plain, 1, prompt, table)
         for j, t in enumerate([newest] + drafts[:tau]):  # tau + 1 ordinary decode steps
