@@ -129,6 +129,33 @@ def test_mla_decode_equals_absorbed_attention(seed, cache_dtype):
         torch.testing.assert_close(got[i], ref[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_over_long_contexts_equals_absorbed_attention(cache_dtype):
+    """Contexts of many 16-position steps and a ragged last one (the online softmax rescales its
+    running sums as the peak moves), latent rows of a width off the 16-lane step (c + r = 40),
+    queries whose scores rise late in the context; and a row's output has the same bits alone."""
+    g = torch.Generator().manual_seed(5)
+    H, n, r, c, v, block = 4, 8, 8, 32, 16, 16
+    blocks = 24
+    cache = (torch.randn(blocks * block, c + r, generator=g) / 2).to(cache_dtype)
+    cache[-5:] *= 6  # the last rows of the table dominate: the peak moves late
+    w_kv_b = torch.randn(H, n + v, c, generator=g) / 4
+    table = torch.randperm(blocks, generator=g)[None]
+    pos = torch.tensor([17, 100, 255, 383])  # 18, 101, 256 and 384 positions
+    q = torch.randn(4, H, n + r, generator=g)
+    seq = torch.zeros(4, dtype=torch.long)
+    got = K.mla_decode(q, n, cache, w_kv_b, table, seq, pos, block, 0.25)
+    t = table[0].tolist()
+    for i in range(4):
+        p = int(pos[i])
+        rows = torch.tensor([t[j // block] * block + j % block for j in range(p + 1)])
+        lat = cache[rows].float()
+        ref = attend_absorbed(q[i:i + 1, :, :n], q[i:i + 1, :, n:], lat[:, :c], lat[:, c:], w_kv_b, v, p, 0.25)
+        torch.testing.assert_close(got[i], ref[0], rtol=1e-5, atol=1e-5)
+        alone = K.mla_decode(q[i:i + 1].clone(), n, cache, w_kv_b, table, seq[:1], pos[i:i + 1], block, 0.25)
+        assert torch.equal(alone[0], got[i])
+
+
 def test_mla_decode_refuses_rows_outside_their_table():
     cache, w = torch.zeros(16, 20), torch.zeros(2, 16, 16)
     q = torch.zeros(1, 2, 12)

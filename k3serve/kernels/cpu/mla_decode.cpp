@@ -9,6 +9,7 @@
 // verify pass of 1 + k rows sees its own drafts causally. The cache may be fp32, bf16 or fp8
 // e4m3 (read as float). Reference: attend_absorbed / attend_absorbed_batched (k3serve/layers/mla.py).
 #include "common.h"
+#include "simd.h"
 
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -16,6 +17,107 @@
 #include <vector>
 
 namespace {
+
+#ifndef K3K_AVX512
+// attend_row, the portable form (the AVX-512 one below): scores for every position, then the softmax, then
+// the mix, one latent row at a time (each read twice).
+template <typename T>
+void attend_row(const float* q_abs, const float* q_pe, int64_t ld, int64_t nh, const T* cache, const int64_t* tab,
+                int64_t block, int64_t L, int64_t c, int64_t r, float scale, float* mixed) {
+  const int64_t row_dim = c + r;
+  std::vector<float> lat(row_dim), scores(nh * L), peak(nh, -INFINITY), total(nh, 0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
+    for (int64_t j = 0; j < row_dim; ++j) lat[j] = k3k::load(src, j);
+    for (int64_t g = 0; g < nh; ++g) {
+      const float s = (k3k::dot(q_abs + g * c, lat.data(), c) + k3k::dot(q_pe + g * ld, lat.data() + c, r)) * scale;
+      scores[g * L + l] = s;
+      peak[g] = std::max(peak[g], s);
+    }
+  }
+  for (int64_t g = 0; g < nh; ++g)
+    for (int64_t l = 0; l < L; ++l) total[g] += (scores[g * L + l] = std::exp(scores[g * L + l] - peak[g]));
+  std::fill(mixed, mixed + nh * c, 0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
+    for (int64_t j = 0; j < c; ++j) lat[j] = k3k::load(src, j);
+    for (int64_t g = 0; g < nh; ++g) {
+      const float w = scores[g * L + l] / total[g];
+      for (int64_t j = 0; j < c; ++j) mixed[g * c + j] += w * lat[j];
+    }
+  }
+}
+#else
+// sum(v[m]) for 16 vectors, as one vector: lane 4k + j holds sum(v[k + 4j]) (three levels of
+// 128-bit-lane shuffles and adds: ~3 instructions a sum, where a reduction apiece takes ~8)
+inline __m512 sums16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int k = 0; k < 8; ++k)  // 256-bit halves: v[2k]'s in the low one, v[2k + 1]'s in the high
+    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit lanes: v[4k], v[4k + 1], v[4k + 2], v[4k + 3]
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
+  // within lanes: b[0] holds v0..v3 (lane k: v[k]), b[1] v4..v7, b[2] v8..v11, b[3] v12..v15
+  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
+}
+
+// attend_row: one query row's nh heads over its L positions, in one pass over the latent rows with an online
+// softmax (a running peak per head; the mix and the total rescaled when it rises): each latent
+// row is read and widened once for all heads while it is in cache, and every 16 positions'
+// scores come out of one vector pass (sums16) and one vector exp. mixed [nh, c] <- sum_l p_l c_l
+// (normalised). q_abs [nh, c]; q_pe: the rope part of head 0's query, heads ld apart.
+template <typename T>
+void attend_row(const float* q_abs, const float* q_pe, int64_t ld, int64_t nh, const T* cache, const int64_t* tab,
+                int64_t block, int64_t L, int64_t c, int64_t r, float scale, float* mixed) {
+  const int64_t row_dim = c + r, W = (row_dim + 15) / 16;  // vectors per (padded) latent row
+  std::vector<float> qcat(nh * W * 16, 0.f), lat(16 * W * 16, 0.f), peak(nh, -INFINITY), total(nh, 0.f);
+  for (int64_t g = 0; g < nh; ++g) {  // [q_abs | q_pe | 0] * scale: the scores' scale taken into the query
+    for (int64_t j = 0; j < c; ++j) qcat[g * W * 16 + j] = q_abs[g * c + j] * scale;
+    for (int64_t j = 0; j < r; ++j) qcat[g * W * 16 + c + j] = q_pe[g * ld + j] * scale;
+  }
+  std::fill(mixed, mixed + nh * c, 0.f);
+  alignas(64) float e[16];
+  for (int64_t l0 = 0; l0 < L; l0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, L - l0);
+    for (int64_t p = 0; p < nb; ++p) {
+      const int64_t l = l0 + p;
+      const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
+      for (int64_t j = 0; j < row_dim; ++j) lat[p * W * 16 + j] = k3k::load(src, j);
+    }
+    const __mmask16 live = k3k::tail_mask(nb);
+    for (int64_t g = 0; g < nh; ++g) {
+      __m512 acc[16];
+      for (int m = 0; m < 16; ++m) {  // sums16 puts v[k + 4j] in lane 4k + j: position 4k + j goes to m = k + 4j
+        const int64_t p = 4 * (m % 4) + m / 4;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t w = 0; w < W; ++w)
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(qcat.data() + (g * W + w) * 16), _mm512_loadu_ps(lat.data() + (p * W + w) * 16), a);
+        acc[m] = a;
+      }
+      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), sums16(acc));
+      const float top = std::max(peak[g], _mm512_reduce_max_ps(s)), rescale = std::exp(peak[g] - top);
+      _mm512_store_ps(e, k3k::exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+      total[g] = total[g] * rescale + _mm512_mask_reduce_add_ps(live, _mm512_load_ps(e));
+      peak[g] = top;
+      float* mg = mixed + g * c;
+      if (rescale != 1.f)
+        for (int64_t j = 0; j < c; ++j) mg[j] *= rescale;
+      for (int64_t p = 0; p < nb; ++p) {
+        const float w = e[p];
+        const float* lp = lat.data() + p * W * 16;
+#pragma omp simd
+        for (int64_t j = 0; j < c; ++j) mg[j] += w * lp[j];
+      }
+    }
+  }
+  for (int64_t g = 0; g < nh; ++g)
+    for (int64_t j = 0; j < c; ++j) mixed[g * c + j] /= total[g];
+}
+#endif
 
 // One work item is a query row and a group of its heads: each latent row of the context is
 // read (and converted to fp32) once for the whole group instead of once per head, which is what
@@ -33,7 +135,7 @@ void attend(const float* qs, const T* cache, const TW* wkvb, const int64_t* tabl
   const int64_t split = std::min<int64_t>(H, std::max<int64_t>(1, (2 * at::get_num_threads() + R - 1) / R));
   const int64_t hg = (H + split - 1) / split, groups = (H + hg - 1) / hg;
   at::parallel_for(0, R * groups, k3k::grain_for(2 * longest * row_dim * hg), [&](int64_t begin, int64_t end) {
-    std::vector<float> q_abs(hg * c), mixed(hg * c), lat(row_dim), scores(hg * longest), wr(c), peak(hg), total(hg);
+    std::vector<float> q_abs(hg * c), mixed(hg * c), wr(c);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / groups, h0 = item % groups * hg, nh = std::min(hg, H - h0), L = pos[i] + 1;
       for (int64_t g = 0; g < nh; ++g) {  // q_abs = W_UK^T q_nope per head: [c]
@@ -48,34 +150,9 @@ void attend(const float* qs, const T* cache, const TW* wkvb, const int64_t* tabl
           for (int64_t j = 0; j < c; ++j) qa_row[j] += qa * wr[j];
         }
       }
-      const int64_t* tab = table + seq[i] * width;
-      std::fill(peak.begin(), peak.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t l = 0; l < L; ++l) {
-        const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
-        for (int64_t j = 0; j < row_dim; ++j) lat[j] = k3k::load(src, j);
-        for (int64_t g = 0; g < nh; ++g) {
-          const float* qr = qs + (i * H + h0 + g) * (n + r) + n;
-          float s = (k3k::dot(q_abs.data() + g * c, lat.data(), c) + k3k::dot(qr, lat.data() + c, r)) * scale;
-          scores[g * longest + l] = s;
-          peak[g] = std::max(peak[g], s);
-        }
-      }
-      for (int64_t g = 0; g < nh; ++g) {
-        float* sg = scores.data() + g * longest;
-        float t = 0.f;
-        for (int64_t l = 0; l < L; ++l) t += (sg[l] = std::exp(sg[l] - peak[g]));
-        total[g] = t;
-      }
-      std::fill(mixed.begin(), mixed.end(), 0.f);
-      for (int64_t l = 0; l < L; ++l) {
-        const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
-        for (int64_t j = 0; j < c; ++j) lat[j] = k3k::load(src, j);
-        for (int64_t g = 0; g < nh; ++g) {
-          const float p = scores[g * longest + l] / total[g];
-          float* mg = mixed.data() + g * c;
-          for (int64_t j = 0; j < c; ++j) mg[j] += p * lat[j];
-        }
-      }
+      // mixed [nh, c] = sum_l softmax(s)_l c_l per head
+      attend_row(q_abs.data(), qs + (i * H + h0) * (n + r) + n, n + r, nh, cache, table + seq[i] * width, block, L, c,
+                 r, scale, mixed.data());
       for (int64_t g = 0; g < nh; ++g) {
         const TW* w = wkvb + (h0 + g) * wh;
         float* o = out + (i * H + h0 + g) * v;
