@@ -91,6 +91,7 @@ class DSparkModel(nn.Module):
         if c.markov_rank:
             self.markov_u = nn.Embedding(c.vocab_size, c.markov_rank)
             self.markov_w = nn.Linear(c.markov_rank, c.vocab_size, bias=False)
+        self._kernel_weights: list[torch.Tensor] | None = None  # block_logits' compiled call
 
     def forward(self, taps: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
         """taps [B, n_taps, d_t], last_token [B] -> block logits [B, k, V] (Markov bias excluded)."""
@@ -110,13 +111,14 @@ class DSparkModel(nn.Module):
                 or torch.is_grad_enabled():
             return self(taps, last_token)
         c = self.cfg
-        weights = [self.fc.weight, self.ctx_norm.weight, self.embed.weight, self.pos]
-        for layer in self.layers:
-            weights += [layer.attn_norm.weight, layer.qkv.weight, layer.o.weight, layer.mlp_norm.weight,
-                        layer.gate_up.weight, layer.down.weight]
-        weights += [self.norm.weight, self.lm_head.weight]
-        return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, weights, c.num_attention_heads,
-                                      c.mask_token_id, c.rms_norm_eps)
+        if self._kernel_weights is None:  # the kernel's argument list, built once (a served draft is frozen)
+            weights = [self.fc.weight, self.ctx_norm.weight, self.embed.weight, self.pos]
+            for layer in self.layers:
+                weights += [layer.attn_norm.weight, layer.qkv.weight, layer.o.weight, layer.mlp_norm.weight,
+                            layer.gate_up.weight, layer.down.weight]
+            self._kernel_weights = weights + [self.norm.weight, self.lm_head.weight]
+        return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self._kernel_weights,
+                                      c.num_attention_heads, c.mask_token_id, c.rms_norm_eps)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """prev [B] -> [B, V] (zeros without a Markov head)."""
@@ -182,15 +184,14 @@ class DSparkProposer:
         if not ready:
             return out
         taps = torch.stack([self._taps[reqs[i].request_id] for i in ready])
-        last = torch.tensor([reqs[i].all_token_ids[-1] for i in ready])
+        last = torch.tensor([reqs[i].token_slice(reqs[i].num_tokens - 1, reqs[i].num_tokens)[0] for i in ready])
         block = self.model.block_logits(taps, last, self.kernels).float()  # [B, k, V]: the whole block at once
+        greedy = self._greedy_drafts(block, last, [b for b, i in enumerate(ready) if self._plain_greedy(reqs[i])],
+                                     [ks[i] for i in ready])
         for b, i in enumerate(ready):
             req, prev, toks, qs = reqs[i], last[b:b + 1], [], []
-            if self._plain_greedy(req):  # draft_token's argmax with nothing to process: no row copies
-                for j in range(min(ks[i], block.shape[1])):
-                    prev = (block[b, j] + self.model.markov_bias(prev)[0]).argmax()[None]
-                    toks.append(int(prev))
-                out[i] = Draft(toks)
+            if b in greedy:  # draft_token's argmax with nothing to process: no row copies
+                out[i] = Draft(greedy[b])
                 continue
             gen = request_generator(self._gens, req, salt=17)
             for j in range(min(ks[i], block.shape[1])):
@@ -200,6 +201,28 @@ class DSparkProposer:
                 qs.append(q)
                 prev = torch.tensor([t])
             out[i] = Draft(toks, stack_q(qs, toks, block.shape[-1]))
+        return out
+
+    def _greedy_drafts(self, block: torch.Tensor, last: torch.Tensor, rows: list[int], ks: list[int]
+                       ) -> dict[int, list[int]]:
+        """{row b: its greedy drafts} for the block rows `rows` (plain greedy requests): argmax of
+        each row plus the Markov head's bias for the token before it, in one compiled call where
+        the kernels are on, else in torch."""
+        if not rows:
+            return {}
+        m, k = self.model, block.shape[1]
+        if self.kernels is not None:
+            u, w = (m.markov_u.weight, m.markov_w.weight) if m.cfg.markov_rank else (torch.empty(0), torch.empty(0))
+            toks = self.kernels.dspark_greedy(block[rows].contiguous(), last[rows], u.float(), w.float(),
+                                              [ks[b] for b in rows]).tolist()
+            return {b: [t for t in row if t >= 0] for b, row in zip(rows, toks)}
+        out = {}
+        for b in rows:
+            prev, toks = last[b:b + 1], []
+            for j in range(min(ks[b], k)):
+                prev = (block[b, j] + m.markov_bias(prev)[0]).argmax()[None]
+                toks.append(int(prev))
+            out[b] = toks
         return out
 
     def _plain_greedy(self, req: Request) -> bool:

@@ -8,19 +8,25 @@
 //   logits = lm_head(RMSNorm(x))[:, 1:]  -> [B, k, V]
 // Reference: DSparkModel.forward (k3serve/spec/dspark.py), compared in tests/spec/test_dspark_kernel.py.
 #include "common.h"
+#include "simd.h"
 
 #include <vector>
 
 namespace {
 
-// y [M, N] = x [M, K] @ w [N, K]^T, rows of w split over the threads when the matrix is large
+// y [M, N] = x [M, K] @ w [N, K]^T: small matrices in one thread's loop of row dots (the demo's
+// whole draft ~35 us so, ~45 with its larger products through torch's GEMM, ~90 split over two
+// threads), from 2^20 products (a K3-sized draft's LM head) torch's multithreaded GEMM
 void matmul(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y) {
   const int64_t N = w.size(0);
+  if (M * N * K >= (1 << 20)) {
+    at::Tensor out = at::from_blob(y, {M, N}, w.options());
+    at::linear_out(out, at::from_blob(const_cast<float*>(x), {M, K}, w.options()), w);
+    return;
+  }
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, N, k3k::grain_for(2 * K * M), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m) y[m * N + n] = k3k::dot(x + m * K, wp + n * K, K);
-  });
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = k3k::row_dot(x + m * K, wp + n * K, K);
 }
 
 // torch.nn.RMSNorm in fp32: x / sqrt(mean(x^2) + eps) * w, each of M rows of n
@@ -105,5 +111,40 @@ at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tens
     std::copy(xn.begin() + (b * T + 1) * h, xn.begin() + (b + 1) * T * h, rows.begin() + b * (T - 1) * h);
   auto out = at::empty({B, T - 1, V}, taps.options().dtype(at::kFloat));
   matmul(rows.data(), R - B, h, w[5 + 6 * L], out.data_ptr<float>());
+  return out;
+}
+
+// Greedy drafts with the Markov head, for requests whose rows need no processing: token j is
+// argmax(block[b, j] + W U[prev]) (first maximum), prev the token before it; block [B, k, V]
+// fp32, U [V, r], W [V, r] (r = 0: no head), last [B], k[b] drafts of request b -> [B, max k]
+// (-1 past k[b]); the bias in fp32, as markov_bias computes it up to summation order.
+at::Tensor dspark_greedy(at::Tensor block, at::Tensor last, at::Tensor u, at::Tensor w, std::vector<int64_t> k) {
+  TORCH_CHECK(block.dim() == 3 && block.scalar_type() == at::kFloat && block.is_contiguous(),
+              "dspark_greedy: block must be contiguous float32 [B, k, V]");
+  const int64_t B = block.size(0), K = block.size(1), V = block.size(2), r = u.numel() ? u.size(1) : 0;
+  TORCH_CHECK(int64_t(k.size()) == B && last.numel() == B, "dspark_greedy: one draft count and token per request");
+  TORCH_CHECK(!r || (u.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && u.is_contiguous() &&
+                     w.is_contiguous() && u.size(0) == V && w.size(0) == V && w.size(1) == r),
+              "dspark_greedy: Markov U and W must be contiguous float32 [V, r]");
+  auto out = at::full({B, K}, -1, last.options().dtype(at::kLong));
+  const float* bp = block.data_ptr<float>();
+  const int64_t* lp = last.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  std::vector<float> row(V);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t prev = lp[b];
+    for (int64_t j = 0; j < std::min(k[b], K); ++j) {
+      const float* x = bp + (b * K + j) * V;
+      for (int64_t t = 0; t < V; ++t) row[t] = x[t];
+      if (r) {
+        TORCH_CHECK(prev >= 0 && prev < V, "dspark_greedy: token ", prev, " outside the vocabulary");
+        const float* up = u.data_ptr<float>() + prev * r;
+        const float* wp = w.data_ptr<float>();
+        for (int64_t t = 0; t < V; ++t) row[t] += k3k::dot(up, wp + t * r, r);
+      }
+      prev = std::max_element(row.begin(), row.end()) - row.begin();
+      op[b * K + j] = prev;
+    }
+  }
   return out;
 }
