@@ -34,12 +34,13 @@ using k3k::row_dot;
 // splits over both cores (at 2^20 it ran on one, 30 vs 37-45 GB/s cold on 2 cores).
 // With vdpbf16ps (K3K_DPBF16), bf16 weights take the activations as bf16 bits `xb` [M, K]
 // (converted once per call, before the parallel region); otherwise xb is unused.
+// `bytes`: the weights the whole call reads (the tile's choice: simd.h tile_rows_bf16).
 template <typename W>
 void gemv_rows(const float* x, const uint16_t* xb, int64_t M, int64_t K, const W* w, int64_t begin, int64_t end,
-               float* y, int64_t ldy, bool rnd) {
+               float* y, int64_t ldy, bool rnd, int64_t bytes) {
 #ifdef K3K_DPBF16
   if constexpr (std::is_same_v<W, uint16_t>) {
-    const int tile = k3k::tile_rows_bf16(M);
+    const int tile = k3k::tile_rows_bf16(M, bytes);
     for (int64_t n = begin; n < end; n += tile) {
       const int R = int(std::min<int64_t>(tile, end - n));
       const uint16_t* rows[3] = {w + n * K, w + std::min(n + 1, end - 1) * K, w + std::min(n + 2, end - 1) * K};
@@ -51,7 +52,7 @@ void gemv_rows(const float* x, const uint16_t* xb, int64_t M, int64_t K, const W
     return;
   }
 #endif
-  (void)xb;
+  (void)xb, (void)bytes;
   std::vector<const float*> xr(M);
   for (int64_t m = 0; m < M; ++m) xr[m] = x + m * K;
   for (int64_t n = begin; n < end; ++n) {
@@ -94,11 +95,13 @@ void check_weight(const at::Tensor& w) {
 void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets, bool rnd) {
   std::vector<int64_t> first{0};
   bool any_bf16 = false;
+  int64_t bytes = 0;
   for (const Target& t : targets) {
     check_weight(*t.w);
     TORCH_CHECK(t.w->size(1) == K, "block weight has ", t.w->size(1), " columns, the input ", K);
     first.push_back(first.back() + t.w->size(0));
     any_bf16 |= t.w->scalar_type() == at::kBFloat16;
+    bytes += t.w->numel() * t.w->element_size();
   }
   const std::vector<uint16_t> xb = bf16_input(x, M, K, any_bf16);
   at::parallel_for(0, first.back(), k3k::grain_for(2 * K * M, 1 << 18), [&](int64_t begin, int64_t end) {
@@ -107,10 +110,10 @@ void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& 
       if (lo >= hi) continue;
       const Target& t = targets[j];
       if (t.w->scalar_type() == at::kFloat)
-        gemv_rows(x, xb.data(), M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy, rnd);
+        gemv_rows(x, xb.data(), M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy, rnd, bytes);
       else
         gemv_rows(x, xb.data(), M, K, reinterpret_cast<const uint16_t*>(t.w->data_ptr<at::BFloat16>()), lo, hi, t.y,
-                  t.ldy, rnd);
+                  t.ldy, rnd, bytes);
     }
   });
 }

@@ -66,7 +66,9 @@ struct Matrix {
   // Weight rows per tile of the bf16 route for T activation rows: packed rows meeting up to 4
   // tokens decode in registers several at a time (simd.h mxfp4_tile_rows), the rest as simd.h's
   // bf16 tiles take them (tile_rows_bf16, at most 3).
-  int tile_rows(int64_t T) const { return scale && T <= 4 ? k3k::mxfp4_tile_rows(T) : k3k::tile_rows_bf16(T); }
+  int tile_rows(int64_t T) const {
+    return scale && T <= 4 ? k3k::mxfp4_tile_rows(T) : k3k::tile_rows_bf16(T, scale ? O * I / 2 : O * I * 2);
+  }
 
   // The bf16 route: out[j * ldo + r] = row (e, o + r) . xs[j] for R <= tile_rows(T) rows and T
   // activation rows xs [T, I] of bf16 bits (nib64 order when packed), in simd.h's tiles. Packed

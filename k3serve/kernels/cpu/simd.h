@@ -204,10 +204,13 @@ inline void dot_rows_tiled_bf16(const uint16_t* xb, int64_t ldx, int64_t M, cons
   }
 }
 
-// Weight rows per tile for M activation rows: 3 from 6 rows up, where the tile's reuse of each
-// activation load pays (cold 1024 x 2048 bf16 matrices, 16 rows: 10 -> 15 GB/s); 1 below, where
-// a matrix streams from memory and one row at a time reads it faster (1-4 rows: ~42 vs ~33 GB/s).
-inline int tile_rows_bf16(int64_t M) { return M < 6 ? 1 : 3; }
+// Weight rows per tile for M activation rows of a matrix (or the matrices one call reads) of
+// `bytes`: 3 from 6 rows up, where the tile's reuse of each activation load pays (cold 1024 x 2048
+// bf16 matrices, 16 rows: 10 -> 15 GB/s); below, 3 still where the weights sit in cache (up to
+// 1 MB: a tiny model's, whose 2-chain dots one row at a time waited on their latency: 128 x 384,
+// one row 3.4 -> 2.4 us), 1 for larger ones, which stream from memory and read faster one row at
+// a time (4096 x 1024 cold, 1-2 rows: ~150 vs ~160-195 us). The tile never changes a bit.
+inline int tile_rows_bf16(int64_t M, int64_t bytes = INT64_MAX) { return M >= 6 || bytes <= (1 << 20) ? 3 : 1; }
 
 // R (1 to 3) weight rows w[r] against the M rows of xb: out[m * ldo + r]. pf (elements, 0 for
 // none): while the first activation tile runs, each w[r] + pf is prefetched into L2 along with
