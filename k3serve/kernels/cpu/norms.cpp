@@ -13,6 +13,7 @@ void rms_rows(const T* x, const T* w, T* y, int64_t N, int64_t n, float eps) {
   at::parallel_for(0, N, k3k::grain_for(4 * n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < n; ++i) {
         const float v = static_cast<float>(x[t * n + i]);
         ss += v * v;
@@ -28,11 +29,12 @@ template <typename T>
 void mix_rows(const std::vector<const T*>& c, const float* w, T* y, int64_t N, int64_t d, float eps) {
   const int64_t n = int64_t(c.size());
   at::parallel_for(0, N, k3k::grain_for(4 * n * d), [&](int64_t begin, int64_t end) {
-    std::vector<float> score(n);
+    std::vector<float> score(n), acc(d);
     for (int64_t t = begin; t < end; ++t) {
       float peak = -INFINITY;
       for (int64_t i = 0; i < n; ++i) {
         float ss = 0.f, dw = 0.f;
+#pragma omp simd reduction(+ : ss, dw)
         for (int64_t k = 0; k < d; ++k) {
           const float v = static_cast<float>(c[i][t * d + k]);
           ss += v * v;
@@ -43,11 +45,15 @@ void mix_rows(const std::vector<const T*>& c, const float* w, T* y, int64_t N, i
       }
       float total = 0.f;
       for (auto& s : score) total += (s = std::exp(s - peak));
-      for (int64_t k = 0; k < d; ++k) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < n; ++i) acc += score[i] / total * static_cast<float>(c[i][t * d + k]);
-        y[t * d + k] = T(acc);
+      // each output a sum over the candidates in order, the candidates' rows read contiguously
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = score[i] / total;
+        const T* ci = c[i] + t * d;
+#pragma omp simd
+        for (int64_t k = 0; k < d; ++k) acc[k] += p * static_cast<float>(ci[k]);
       }
+      for (int64_t k = 0; k < d; ++k) y[t * d + k] = T(acc[k]);
     }
   });
 }
