@@ -45,8 +45,7 @@ def to_html(rep: PlanReport, top: int = 10) -> str:
         cells = "".join(f"<td>{escape(c)}</td>" for c in row(rep, r))
         rows.append(f'<tr class="{"fits" if r.fits else "no"}">{cells}<td>{_bar(r)}</td></tr>')
     legend = " ".join(f'<span style="background:{c};padding:0 8px">&nbsp;</span> {n}' for n, c in PARTS)
-    best = rep.best()
-    launch = "".join(f"<h3>{escape(k)}</h3><pre>{escape(v)}</pre>" for k, v in (best.commands if best else {}).items())
+    launch = "".join(f"<h3>{escape(k)}</h3><pre>{escape(v)}</pre>" for k, v in rep.launch().items())
     head = "".join(f"<th>{escape(h)}</th>" for h in headers(rep) + ["memory per rank"])
     return f"""<!DOCTYPE html>
 <html lang="en">

@@ -129,9 +129,9 @@ def to_markdown(rep: PlanReport, top: int = 10) -> str:
     out += ["| " + " | ".join(hs) + " |", "|" + "---|" * len(hs)]
     out += ["| " + " | ".join(row(rep, r)) + " |" for r in rows]
     out += [f"- {line}" for line in not_fit_lines(rep, rows)]
-    best = rep.best()
-    if best:
-        out += ["", "## Launch (best layout)", ""] + [f"```\n{c}\n```" for c in best.commands.values()]
+    launch = rep.launch()
+    if launch:
+        out += ["", "## Launch (best layout)", ""] + [f"```\n{c}\n```" for c in launch.values()]
     out += ["", "## Assumptions", ""] + [f"- {line}" for line in assumption_lines(rep)]
     return "\n".join(out)
 
@@ -152,10 +152,10 @@ def print_table(rep: PlanReport, top: int = 10) -> None:
     console.print(table)
     for line in not_fit_lines(rep, rows):
         console.print(f"  {line}", style="dim")
-    best = rep.best()
-    if best:
+    launch = rep.launch()
+    if launch:
         console.print("[bold]launch (best layout):[/bold]")
-        for name, cmd in best.commands.items():
+        for name, cmd in launch.items():
             console.print(f"  {name}: {cmd}", soft_wrap=True)
     console.print("[bold]assumptions:[/bold]")
     for line in assumption_lines(rep):

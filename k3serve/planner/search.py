@@ -80,6 +80,21 @@ class PlanReport:
     def best(self) -> LayoutResult | None:
         return next((r for r in self.results if r.fits), None)
 
+    def launch(self) -> dict[str, str]:
+        """The best layout's launch lines; where it has pipeline stages, which k3serve does not
+        run yet, k3serve's line is that of the best-ranked fitting layout without them."""
+        best = self.best()
+        if best is None:
+            return {}
+        out = dict(best.commands)
+        if best.layout.pp > 1:
+            flat = next((r for r in self.results if r.fits and r.layout.pp == 1), None)
+            if flat is not None:
+                out["k3serve"] = (f"{flat.commands['k3serve'].split('  #')[0]}  # {flat.gpu.name} "
+                                  f"{flat.layout.label}: the best layout here without pipeline stages, which "
+                                  f"k3serve does not run yet")
+        return out
+
     def best_per_gpu(self) -> list[LayoutResult]:
         """The top-ranked row of every GPU type asked for (serving or not)."""
         seen, out = set(), []

@@ -339,3 +339,19 @@ def test_plan_cli_reports_the_pd_layout(capsys):
     assert main(["plan", "--gpu", "B300", "--context", "8192", "--pd", "1:1"]) == 0
     assert "P/D 1:1" in capsys.readouterr().out
     assert main(["plan", "--gpu", "B300", "--pd", "x"]) == 2
+
+
+def test_k3serves_launch_line_is_a_layout_it_runs(capsys):
+    """16 x B200 ranks pipeline layouts first; k3serve runs no pipeline stages yet, so its launch
+    line is the best fitting layout without them (TP inside DP-attention ranks over two nodes),
+    and vLLM's and SGLang's lines stay the best layout's."""
+    cfg = load_model_config(K3)
+    rep = plan(cfg, K3, "bundled", [get_gpu("B200")], weight_split(cfg), Workload(context=32768), num_gpus=16)
+    best = rep.best()
+    assert best.layout.pp == 2
+    line = rep.launch()["k3serve"]
+    assert "--pipeline-parallel-size" not in line and "pipeline stages" in line
+    flat = next(r for r in rep.results if r.fits and r.layout.pp == 1)
+    assert line.split("  #")[0] == flat.commands["k3serve"].split("  #")[0]
+    assert "--enable-expert-parallel" in line and "--nnodes 2" in line
+    assert rep.launch()["vllm"] == best.commands["vllm"]
