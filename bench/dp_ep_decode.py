@@ -5,7 +5,8 @@ process, same checkpoint, same run.
 
 For tiny K3 and tiny Kimi-Linear, alternately one engine and `LLM(data_parallel_size=2,
 enable_expert_parallel=True)` per setup (`--data-parallel-backend` mp: each replica's model in
-a worker process, or threads: in this process; and the token exchange), best of 3: decode tok/s, whether the greedy tokens match, and
+a worker process, or threads: in this process; and the token exchange; `/tp2` adds TP inside each
+DP-attention rank), best of 3: decode tok/s, whether the greedy tokens match, and
 from the replicas' expert-group CommStats the collectives per step and the payload bytes per
 token, for each token exchange (`--all2all-backend`: alltoall sends a token's expert input only
 to the ranks owning its experts and gets fp32 partial sums back; allgather_reducescatter
@@ -20,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-from bench.tp_decode import checkpoints, planner_bytes_per_token, run
+from tp_decode import checkpoints, planner_bytes_per_token, run  # bench/ is this script's directory
 from k3serve import LLM
 
 
@@ -42,10 +42,10 @@ def measure(name: str, path: Path, streams: list[int], tokens: int, setups: list
     kw = dict(cache_memory="256MiB", max_model_len=512, max_num_seqs=max(streams), seed=0)
     one = LLM(str(path), **kw)  # every core; each replica below takes half
     dps = {}
-    for setup in setups:  # "<data-parallel backend>/<all2all backend>"
-        dp_backend, a2a = setup.split("/")
+    for setup in setups:  # "<data-parallel backend>/<all2all backend>[/tp<N>]"
+        dp_backend, a2a, *tp = setup.split("/")
         dps[setup] = LLM(str(path), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=a2a,
-                         data_parallel_backend=dp_backend, **kw)
+                         data_parallel_backend=dp_backend, tensor_parallel_size=int(tp[0][2:]) if tp else 1, **kw)
     res: dict = {}
     for n in streams:
         run(one, n, 4)
@@ -83,7 +83,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--setups", nargs="+", default=["threads/allgather_reducescatter", "mp/allgather_reducescatter",
                                                     "mp/alltoall"],
-                    help="<--data-parallel-backend>/<--all2all-backend> pairs to measure")
+                    help="<--data-parallel-backend>/<--all2all-backend>[/tp<N>] setups to measure (tp2: TP inside "
+                         "each DP-attention rank, 2 x N worker processes)")
     args = ap.parse_args()
     results = {name: measure(name, path, args.streams, args.tokens, args.setups)
                for name, (path, _) in checkpoints("tiny").items()}
