@@ -113,10 +113,6 @@ class DPAttentionWorkers(MultiprocExecutor):
         """The worker ranks of DP rank `replica`; the first is its TP rank 0."""
         return range(replica * self.tp_size, (replica + 1) * self.tp_size)
 
-    def call_one(self, rank: int, method: str, *args):
-        """Run `method(*args)` on worker `rank` and return its answer (an answering command)."""
-        return self.call_ranks([rank], method, [args])[0]
-
     def call_ranks(self, ranks: list[int], method: str, per_rank: list[tuple]) -> list:
         """Run `method(*per_rank[i])` on worker ranks[i], all at once; their answers in that order."""
         for rank in ranks:
@@ -146,14 +142,11 @@ class DPAttentionWorkers(MultiprocExecutor):
         except (EOFError, OSError):  # it closed its connection: it is exiting or gone
             self._died(rank)
 
-    def send_one(self, rank: int, method: str, *args) -> None:
-        with self._locks[rank]:
-            self._send(rank, method, args)
-
     def send_replica(self, replica: int, method: str, *args) -> None:
         """A command every TP rank of DP rank `replica` runs, unanswered."""
         for rank in self.ranks_of(replica):
-            self.send_one(rank, method, *args)
+            with self._locks[rank]:
+                self._send(rank, method, args)
 
     @property
     def alive(self) -> bool:
