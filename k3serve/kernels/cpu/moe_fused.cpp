@@ -67,7 +67,8 @@ struct Matrix {
   // tokens decode in registers several at a time (simd.h mxfp4_tile_rows), the rest as simd.h's
   // bf16 tiles take them (tile_rows_bf16, at most 3).
   int tile_rows(int64_t T) const {
-    return scale && T <= 4 ? k3k::mxfp4_tile_rows(T) : k3k::tile_rows_bf16(T, scale ? O * I / 2 : O * I * 2);
+    // the whole [E, O, I] tensor's bytes: a step reads many experts (400 M: 1 MB each, 32 MB all)
+    return scale && T <= 4 ? k3k::mxfp4_tile_rows(T) : k3k::tile_rows_bf16(T, E * O * I * (scale ? 1 : 4) / 2);
   }
 
   // The bf16 route: out[j * ldo + r] = row (e, o + r) . xs[j] for R <= tile_rows(T) rows and T
