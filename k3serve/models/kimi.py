@@ -71,6 +71,10 @@ class KimiModel(nn.Module):
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
         [N, d] (the tap layers a DSpark drafter reads)."""
         h = self.embed(batch.input_ids)  # [N, d]
+        if batch.step.fresh.numel():  # short prefills of new sequences run row-wise from zero state
+            for t in cache.recurrent + cache.conv:
+                if t is not None:
+                    t[batch.step.fresh] = 0.0
         if batch.media_rows is not None:  # media pads take the vision tower's rows
             h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
         stack = self._stack_for(batch, h)

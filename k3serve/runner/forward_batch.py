@@ -16,17 +16,27 @@ import torch
 
 from k3serve.config.model_config import LayerKind, ModelConfig
 
+# A prefill chunk of at most this many tokens runs one position at a time too (a verify pass
+# without records): on CPU the row-wise kernels beat the prefill path's per-layer torch calls at
+# this size (demo model, a 10-token chunk after a prefix hit: ~0.4 ms vs ~3.8 ms). It matches
+# kernels/cpu/common.h kSmallM, the most rows the GEMV-shaped kernels take.
+SHORT_PREFILL = 16
+
 
 @dataclass
 class StepRows:
-    """Device tensors of the rows that run one position at a time (decodes and verify passes),
-    built once per batch so that no layer rebuilds index lists from the Python metadata.
+    """Device tensors of the rows that run one position at a time (decodes, verify passes and
+    prefill chunks of at most SHORT_PREFILL tokens), built once per batch so that no layer
+    rebuilds index lists from the Python metadata.
 
-    Sequences are ordered verifying first (batch order), then decoding; R rows in all.
+    Sequences are ordered verifying first (batch order), then the others in batch order; R rows
+    in all. A short prefill of a new sequence starts from zero KDA state (`fresh`, zeroed by
+    the model before its layers run).
     """
 
     seqs: list[int]  # batch indices of these sequences, in that order
     decodes: list[int]  # the single-token decodes among them (seqs without the verify head)
+    fresh: torch.Tensor  # [F] KDA state slots of short prefills of new sequences (context 0)
     rows: torch.Tensor  # [R] flat-batch rows, grouped by sequence
     starts: torch.Tensor  # [S + 1] rows of sequence j are starts[j]..starts[j+1] of `rows`
     slots: torch.Tensor  # [S] KDA state slots
@@ -43,7 +53,9 @@ class StepRows:
         verify = set(batch.verify)
         decodes = [i for i, n in enumerate(batch.seq_lens)
                    if n == 1 and batch.context_lens[i] > 0 and i not in verify]
-        seqs = list(batch.verify) + decodes
+        rest = [i for i, n in enumerate(batch.seq_lens) if 1 <= n <= SHORT_PREFILL and i not in verify]
+        seqs = list(batch.verify) + rest
+        fresh = [batch.state_slots[i] for i in rest if batch.context_lens[i] == 0]
         bounds = batch.seq_bounds()
         rows, seq, pos, cache_rows, starts = [], [], [], [], [0]
         for j, i in enumerate(seqs):
@@ -60,10 +72,10 @@ class StepRows:
         # every index list in one tensor (one host-to-device copy, ~5 us a torch.tensor call
         # saved per list), each field a contiguous view of it
         table = [b for i in seqs for b in batch.block_tables[i] + [-1] * (width - len(batch.block_tables[i]))]
-        parts = (rows, starts, [batch.state_slots[i] for i in seqs], seq, pos, cache_rows, table)
+        parts = (rows, starts, [batch.state_slots[i] for i in seqs], seq, pos, cache_rows, table, fresh)
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.long, device=batch.input_ids.device)
-        rows_t, starts_t, slots_t, seq_t, pos_t, cache_t, table_t = flat.split([len(part) for part in parts])
-        return cls(seqs, decodes, rows_t, starts_t, slots_t, seq_t, pos_t,
+        rows_t, starts_t, slots_t, seq_t, pos_t, cache_t, table_t, fresh_t = flat.split([len(part) for part in parts])
+        return cls(seqs, decodes, fresh_t, rows_t, starts_t, slots_t, seq_t, pos_t,
                    table_t.view(len(seqs), width), cache_t,
                    max((starts[j + 1] - starts[j] for j in range(len(seqs))), default=0),
                    covers_all=len(rows) == len(batch.input_ids), identity=rows == list(range(len(batch.input_ids))))
