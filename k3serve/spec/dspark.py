@@ -92,6 +92,7 @@ class DSparkModel(nn.Module):
             self.markov_u = nn.Embedding(c.vocab_size, c.markov_rank)
             self.markov_w = nn.Linear(c.markov_rank, c.vocab_size, bias=False)
         self._kernel_weights: list[torch.Tensor] | None = None  # block_logits' compiled call
+        self._markov_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # dspark_greedy's
 
     def forward(self, taps: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
         """taps [B, n_taps, d_t], last_token [B] -> block logits [B, k, V] (Markov bias excluded)."""
@@ -119,6 +120,17 @@ class DSparkModel(nn.Module):
             self._kernel_weights = weights + [self.norm.weight, self.lm_head.weight]
         return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self._kernel_weights,
                                       c.num_attention_heads, c.mask_token_id, c.rms_norm_eps)
+
+    def markov_kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """dspark_greedy's Markov arguments: U [V, r] and W^T [r, V] fp32, built once (a served
+        draft is frozen); empty without a Markov head."""
+        if self._markov_weights is None:
+            if not self.cfg.markov_rank:
+                self._markov_weights = (torch.empty(0), torch.empty(0))
+            else:
+                self._markov_weights = (self.markov_u.weight.float().contiguous(),
+                                        self.markov_w.weight.float().t().contiguous())
+        return self._markov_weights
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """prev [B] -> [B, V] (zeros without a Markov head)."""
@@ -212,8 +224,8 @@ class DSparkProposer:
             return {}
         m, k = self.model, block.shape[1]
         if self.kernels is not None:
-            u, w = (m.markov_u.weight, m.markov_w.weight) if m.cfg.markov_rank else (torch.empty(0), torch.empty(0))
-            toks = self.kernels.dspark_greedy(block[rows].contiguous(), last[rows], u.float(), w.float(),
+            u, wt = m.markov_kernel_weights()
+            toks = self.kernels.dspark_greedy(block[rows].contiguous(), last[rows], u, wt,
                                               [ks[b] for b in rows]).tolist()
             return {b: [t for t in row if t >= 0] for b, row in zip(rows, toks)}
         out = {}

@@ -53,6 +53,9 @@ class SpecStats:
 
 def processed_logits(logits: torch.Tensor, req: Request, drafts: list[int]) -> torch.Tensor:
     """[T, V] logits after bias / min_tokens / penalties, position by position."""
+    p = req.params
+    if not (p.logit_bias or p.uses_penalties or len(req.output_token_ids) < p.min_tokens):
+        return logits.float()  # no position changes (min_tokens met before the first draft)
     return torch.cat([processed_row(logits[i], req, drafts[:i]) for i in range(logits.shape[0])], 0)
 
 

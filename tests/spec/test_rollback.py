@@ -54,3 +54,27 @@ def test_state_after_rollback_equals_plain_decoding(model, tau):
         wrong = [x[1] for x in spec.recurrent if x is not None]
         assert max((w - b).abs().max() for w, b in zip(wrong, before)) > 1e-3
     assert not spec.spec_states  # buffers live for one step
+
+
+def test_few_and_many_sequences_roll_back_alike(monkeypatch):
+    """rollback_states copies one sequence at a time up to FEW sequences and gathers past it;
+    both forms move each sequence's recorded state at its accepted position into its slot."""
+    from k3serve.spec import rollback
+
+    g = torch.Generator().manual_seed(3)
+    rec_buf, conv_buf = torch.randn(4, 5, 2, 3, 3, generator=g), torch.randn(4, 5, 3, 6, generator=g)
+    slots, accepted = [6, 1, 4, 2], [3, -1, 0, 4]
+
+    def run(few):
+        monkeypatch.setattr(rollback, "FEW", few)
+        cache = CacheTensors([None, torch.zeros(8, 2, 3, 3)], [None, torch.zeros(8, 3, 6)], [None, None], BS)
+        cache.spec_states[1] = (rec_buf, conv_buf)
+        rollback_states(cache, slots, accepted)
+        assert not cache.spec_states
+        return cache.recurrent[1], cache.conv[1]
+
+    one, many = run(8), run(0)
+    for got in (one, many):
+        for j, (slot, a) in enumerate(zip(slots, accepted)):
+            want = (torch.zeros(2, 3, 3), torch.zeros(3, 6)) if a < 0 else (rec_buf[j, a], conv_buf[j, a])
+            assert torch.equal(got[0][slot], want[0]) and torch.equal(got[1][slot], want[1])

@@ -116,34 +116,46 @@ at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tens
 
 // Greedy drafts with the Markov head, for requests whose rows need no processing: token j is
 // argmax(block[b, j] + W U[prev]) (first maximum), prev the token before it; block [B, k, V]
-// fp32, U [V, r], W [V, r] (r = 0: no head), last [B], k[b] drafts of request b -> [B, max k]
-// (-1 past k[b]); the bias in fp32, as markov_bias computes it up to summation order.
-at::Tensor dspark_greedy(at::Tensor block, at::Tensor last, at::Tensor u, at::Tensor w, std::vector<int64_t> k) {
+// fp32, U [V, r], W^T [r, V] (the head's weight transposed, so the bias is r axpy passes over
+// the vocabulary rows instead of V short dots; r = 0: no head), last [B], k[b] drafts of
+// request b -> [B, max k] (-1 past k[b]); the bias in fp32, as markov_bias computes it up to
+// summation order.
+at::Tensor dspark_greedy(at::Tensor block, at::Tensor last, at::Tensor u, at::Tensor wt, std::vector<int64_t> k) {
   TORCH_CHECK(block.dim() == 3 && block.scalar_type() == at::kFloat && block.is_contiguous(),
               "dspark_greedy: block must be contiguous float32 [B, k, V]");
   const int64_t B = block.size(0), K = block.size(1), V = block.size(2), r = u.numel() ? u.size(1) : 0;
   TORCH_CHECK(int64_t(k.size()) == B && last.numel() == B, "dspark_greedy: one draft count and token per request");
-  TORCH_CHECK(!r || (u.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && u.is_contiguous() &&
-                     w.is_contiguous() && u.size(0) == V && w.size(0) == V && w.size(1) == r),
-              "dspark_greedy: Markov U and W must be contiguous float32 [V, r]");
+  TORCH_CHECK(!r || (u.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat && u.is_contiguous() &&
+                     wt.is_contiguous() && u.size(0) == V && wt.size(0) == r && wt.size(1) == V),
+              "dspark_greedy: Markov U must be contiguous float32 [V, r] and W^T [r, V]");
   auto out = at::full({B, K}, -1, last.options().dtype(at::kLong));
   const float* bp = block.data_ptr<float>();
   const int64_t* lp = last.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
-  std::vector<float> row(V);
+  std::vector<float> bias(V);
   for (int64_t b = 0; b < B; ++b) {
     int64_t prev = lp[b];
     for (int64_t j = 0; j < std::min(k[b], K); ++j) {
       const float* x = bp + (b * K + j) * V;
-      for (int64_t t = 0; t < V; ++t) row[t] = x[t];
+      std::fill(bias.begin(), bias.end(), 0.f);
       if (r) {
         TORCH_CHECK(prev >= 0 && prev < V, "dspark_greedy: token ", prev, " outside the vocabulary");
         const float* up = u.data_ptr<float>() + prev * r;
-        const float* wp = w.data_ptr<float>();
-        for (int64_t t = 0; t < V; ++t) row[t] += k3k::dot(up, wp + t * r, r);
+        const float* wp = wt.data_ptr<float>();
+        for (int64_t i = 0; i < r; ++i) {
+          const float ui = up[i];
+          const float* wi = wp + i * V;
+#pragma omp simd
+          for (int64_t t = 0; t < V; ++t) bias[t] += ui * wi[t];
+        }
       }
-      prev = std::max_element(row.begin(), row.end()) - row.begin();
-      op[b * K + j] = prev;
+      int64_t best = 0;
+      float top = x[0] + bias[0];
+      for (int64_t t = 1; t < V; ++t) {
+        const float v = x[t] + bias[t];
+        if (v > top) top = v, best = t;
+      }
+      op[b * K + j] = prev = best;
     }
   }
   return out;

@@ -19,7 +19,7 @@
 namespace {
 
 #ifndef K3K_AVX512
-// attend_row, the portable form (the AVX-512 one below): scores for every position, then the softmax, then
+// attend_row, the portable form (AVX-512 builds run attend_rows below): scores for every position, then the softmax, then
 // the mix, one latent row at a time (each read twice).
 template <typename T>
 void attend_row(const float* q_abs, const float* q_pe, int64_t ld, int64_t nh, const T* cache, const int64_t* tab,
@@ -47,6 +47,17 @@ void attend_row(const float* q_abs, const float* q_pe, int64_t ld, int64_t nh, c
     }
   }
 }
+
+// attend_rows: `rows` query rows of one sequence, row k over its first Ls[k] positions; each
+// row's nh heads as attend_row (q_pe of row k at q_pe + k * row_stride; mixed [rows * nh, c]).
+template <typename T>
+void attend_rows(const float* q_abs, const float* q_pe, int64_t row_stride, int64_t ld, int64_t nh, int64_t rows,
+                 const int64_t* Ls, const T* cache, const int64_t* tab, int64_t block, int64_t c, int64_t r,
+                 float scale, float* mixed) {
+  for (int64_t k = 0; k < rows; ++k)
+    attend_row(q_abs + k * nh * c, q_pe + k * row_stride, ld, nh, cache, tab, block, Ls[k], c, r, scale,
+               mixed + k * nh * c);
+}
 #else
 // sum(v[m]) for 16 vectors, as one vector: lane 4k + j holds sum(v[k + 4j]) (three levels of
 // 128-bit-lane shuffles and adds: ~3 instructions a sum, where a reduction apiece takes ~8)
@@ -65,100 +76,137 @@ inline __m512 sums16(const __m512* v) {
                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
 }
 
-// attend_row: one query row's nh heads over its L positions, in one pass over the latent rows with an online
-// softmax (a running peak per head; the mix and the total rescaled when it rises): each latent
-// row is read and widened once for all heads while it is in cache, and every 16 positions'
-// scores come out of one vector pass (sums16) and one vector exp. mixed [nh, c] <- sum_l p_l c_l
-// (normalised). q_abs [nh, c]; q_pe: the rope part of head 0's query, heads ld apart.
+// attend_rows: `rows` query rows of one sequence (a verify pass, a short prefill: row k over
+// its first Ls[k] positions), nh heads each, in one pass over the latent rows with an online
+// softmax per (row, head) query (a running peak; the mix and the total rescaled when it rises):
+// each latent row is read and widened once for every query while it is in cache, and every 16
+// positions' scores of a query come out of one vector pass (sums16) and one vector exp.
+// mixed [rows * nh, c] <- sum_l p_l c_l (normalised). q_abs [rows * nh, c]; q_pe: the rope part
+// of row 0 head 0's query, heads ld and rows row_stride apart. A query's arithmetic never
+// depends on the others (positions past its own are masked), so grouping changes no bit.
 template <typename T>
-void attend_row(const float* q_abs, const float* q_pe, int64_t ld, int64_t nh, const T* cache, const int64_t* tab,
-                int64_t block, int64_t L, int64_t c, int64_t r, float scale, float* mixed) {
-  const int64_t row_dim = c + r, W = (row_dim + 15) / 16;  // vectors per (padded) latent row
-  std::vector<float> qcat(nh * W * 16, 0.f), lat(16 * W * 16, 0.f), peak(nh, -INFINITY), total(nh, 0.f);
-  for (int64_t g = 0; g < nh; ++g) {  // [q_abs | q_pe | 0] * scale: the scores' scale taken into the query
-    for (int64_t j = 0; j < c; ++j) qcat[g * W * 16 + j] = q_abs[g * c + j] * scale;
-    for (int64_t j = 0; j < r; ++j) qcat[g * W * 16 + c + j] = q_pe[g * ld + j] * scale;
+void attend_rows(const float* q_abs, const float* q_pe, int64_t row_stride, int64_t ld, int64_t nh, int64_t rows,
+                 const int64_t* Ls, const T* cache, const int64_t* tab, int64_t block, int64_t c, int64_t r,
+                 float scale, float* mixed) {
+  const int64_t row_dim = c + r, W = (row_dim + 15) / 16, nq = rows * nh;  // W: vectors per (padded) latent row
+  int64_t longest = 0;
+  for (int64_t k = 0; k < rows; ++k) longest = std::max(longest, Ls[k]);
+  std::vector<float> qcat(nq * W * 16, 0.f), lat(16 * W * 16, 0.f), peak(nq, -INFINITY), total(nq, 0.f);
+  for (int64_t q = 0; q < nq; ++q) {  // [q_abs | q_pe | 0] * scale: the scores' scale taken into the query
+    const float* pe = q_pe + q / nh * row_stride + q % nh * ld;
+    for (int64_t j = 0; j < c; ++j) qcat[q * W * 16 + j] = q_abs[q * c + j] * scale;
+    for (int64_t j = 0; j < r; ++j) qcat[q * W * 16 + c + j] = pe[j] * scale;
   }
-  std::fill(mixed, mixed + nh * c, 0.f);
+  std::fill(mixed, mixed + nq * c, 0.f);
   alignas(64) float e[16];
-  for (int64_t l0 = 0; l0 < L; l0 += 16) {
-    const int64_t nb = std::min<int64_t>(16, L - l0);
+  for (int64_t l0 = 0; l0 < longest; l0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, longest - l0);
     for (int64_t p = 0; p < nb; ++p) {
       const int64_t l = l0 + p;
       const T* src = cache + (tab[l / block] * block + l % block) * row_dim;
       for (int64_t j = 0; j < row_dim; ++j) lat[p * W * 16 + j] = k3k::load(src, j);
     }
-    const __mmask16 live = k3k::tail_mask(nb);
-    for (int64_t g = 0; g < nh; ++g) {
+    for (int64_t q = 0; q < nq; ++q) {
+      const int64_t nbq = std::min<int64_t>(16, Ls[q / nh] - l0);  // this query's positions in the tile
+      if (nbq <= 0) continue;
+      const __mmask16 live = k3k::tail_mask(nbq);
       __m512 acc[16];
       for (int m = 0; m < 16; ++m) {  // sums16 puts v[k + 4j] in lane 4k + j: position 4k + j goes to m = k + 4j
         const int64_t p = 4 * (m % 4) + m / 4;
         __m512 a = _mm512_setzero_ps();
         for (int64_t w = 0; w < W; ++w)
-          a = _mm512_fmadd_ps(_mm512_loadu_ps(qcat.data() + (g * W + w) * 16), _mm512_loadu_ps(lat.data() + (p * W + w) * 16), a);
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(qcat.data() + (q * W + w) * 16), _mm512_loadu_ps(lat.data() + (p * W + w) * 16), a);
         acc[m] = a;
       }
       const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), sums16(acc));
-      const float top = std::max(peak[g], _mm512_reduce_max_ps(s)), rescale = std::exp(peak[g] - top);
+      const float top = std::max(peak[q], _mm512_reduce_max_ps(s)), rescale = std::exp(peak[q] - top);
       _mm512_store_ps(e, k3k::exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-      total[g] = total[g] * rescale + _mm512_mask_reduce_add_ps(live, _mm512_load_ps(e));
-      peak[g] = top;
-      float* mg = mixed + g * c;
+      total[q] = total[q] * rescale + _mm512_mask_reduce_add_ps(live, _mm512_load_ps(e));
+      peak[q] = top;
+      float* mq = mixed + q * c;
+      if (c % 64 == 0) {  // 64 mix values at a time held in registers over the tile's positions
+        const __m512 rs = _mm512_set1_ps(rescale);
+        for (int64_t j0 = 0; j0 < c; j0 += 64) {
+          __m512 acc[4];
+          for (int t = 0; t < 4; ++t) acc[t] = _mm512_mul_ps(_mm512_loadu_ps(mq + j0 + 16 * t), rs);
+          for (int64_t p = 0; p < nbq; ++p) {
+            const __m512 w = _mm512_set1_ps(e[p]);
+            const float* lp = lat.data() + p * W * 16 + j0;
+            for (int t = 0; t < 4; ++t) acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(lp + 16 * t), acc[t]);
+          }
+          for (int t = 0; t < 4; ++t) _mm512_storeu_ps(mq + j0 + 16 * t, acc[t]);
+        }
+        continue;
+      }
       if (rescale != 1.f)
-        for (int64_t j = 0; j < c; ++j) mg[j] *= rescale;
-      for (int64_t p = 0; p < nb; ++p) {
+        for (int64_t j = 0; j < c; ++j) mq[j] *= rescale;
+      for (int64_t p = 0; p < nbq; ++p) {
         const float w = e[p];
         const float* lp = lat.data() + p * W * 16;
 #pragma omp simd
-        for (int64_t j = 0; j < c; ++j) mg[j] += w * lp[j];
+        for (int64_t j = 0; j < c; ++j) mq[j] += w * lp[j];
       }
     }
   }
-  for (int64_t g = 0; g < nh; ++g)
-    for (int64_t j = 0; j < c; ++j) mixed[g * c + j] /= total[g];
+  for (int64_t q = 0; q < nq; ++q)
+    for (int64_t j = 0; j < c; ++j) mixed[q * c + j] /= total[q];
 }
 #endif
 
-// One work item is a query row and a group of its heads: each latent row of the context is
-// read (and converted to fp32) once for the whole group instead of once per head, which is what
-// makes absorbed MLA decode cheap (every head attends to the same [c | r] rows). Per head the
-// arithmetic is unchanged (the same dots in the same order), so the grouping, and with it the
-// thread count, never changes a bit of the output.
+// One work item is a run of query rows of one sequence (a verify pass's 1 + k rows, a short
+// prefill; a decode row alone) and a group of their heads: each latent row of the context is
+// read (and converted to fp32) once for the whole item instead of once per row and head, which
+// is what makes absorbed MLA decode cheap (every head attends to the same [c | r] rows). Per
+// head the arithmetic is unchanged (the same dots in the same order), so the grouping, and with
+// it the thread count, never changes a bit of the output.
 template <typename T, typename TW>
 void attend(const float* qs, const T* cache, const TW* wkvb, const int64_t* table,
             const int64_t* seq, const int64_t* pos, float* out, int64_t R, int64_t H, int64_t n, int64_t r,
             int64_t c, int64_t v, int64_t width, int64_t block, float scale) {
   const int64_t row_dim = c + r, wh = (n + v) * c;
   int64_t longest = 0;
-  for (int64_t i = 0; i < R; ++i) longest = std::max(longest, pos[i] + 1);
-  // enough items to keep every thread busy: split a row's heads when rows are few
-  const int64_t split = std::min<int64_t>(H, std::max<int64_t>(1, (2 * at::get_num_threads() + R - 1) / R));
+  std::vector<int64_t> first{0};  // runs: rows first[u]..first[u + 1] share one sequence
+  for (int64_t i = 0; i < R; ++i) {
+    longest = std::max(longest, pos[i] + 1);
+    if (i > 0 && seq[i] != seq[i - 1]) first.push_back(i);
+  }
+  first.push_back(R);
+  const int64_t runs = int64_t(first.size()) - 1;
+  // enough items for every thread: split the heads when runs are fewer than threads
+  const int64_t split = std::min<int64_t>(H, std::max<int64_t>(1, (at::get_num_threads() + runs - 1) / runs));
   const int64_t hg = (H + split - 1) / split, groups = (H + hg - 1) / hg;
-  at::parallel_for(0, R * groups, k3k::grain_for(2 * longest * row_dim * hg), [&](int64_t begin, int64_t end) {
-    std::vector<float> q_abs(hg * c), mixed(hg * c), wr(c);
+  at::parallel_for(0, runs * groups, k3k::grain_for(2 * longest * row_dim * hg * R / runs), [&](int64_t begin, int64_t end) {
+    std::vector<float> q_abs, mixed, wr(c);
+    std::vector<int64_t> Ls;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / groups, h0 = item % groups * hg, nh = std::min(hg, H - h0), L = pos[i] + 1;
-      for (int64_t g = 0; g < nh; ++g) {  // q_abs = W_UK^T q_nope per head: [c]
+      const int64_t u = item / groups, h0 = item % groups * hg, nh = std::min(hg, H - h0);
+      const int64_t i0 = first[u], nr = first[u + 1] - i0;
+      q_abs.assign(nr * nh * c, 0.f);
+      mixed.resize(nr * nh * c);
+      Ls.resize(nr);
+      for (int64_t k = 0; k < nr; ++k) Ls[k] = pos[i0 + k] + 1;
+      // each weight row is widened once for the run's rows (their sums keep their own order)
+      for (int64_t g = 0; g < nh; ++g) {  // q_abs = W_UK^T q_nope per row and head: [c]
         const TW* w = wkvb + (h0 + g) * wh;  // [n + v, c]: W_UK rows then W_UV rows
-        const float* q = qs + (i * H + h0 + g) * (n + r);  // [nope | rope]
-        float* qa_row = q_abs.data() + g * c;
-        std::fill(qa_row, qa_row + c, 0.f);
         for (int64_t a = 0; a < n; ++a) {
-          const float qa = q[a];
           for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + a * c, j);
+          for (int64_t k = 0; k < nr; ++k) {
+            const float qa = qs[((i0 + k) * H + h0 + g) * (n + r) + a];  // q rows: [nope | rope]
+            float* qa_row = q_abs.data() + (k * nh + g) * c;
 #pragma omp simd
-          for (int64_t j = 0; j < c; ++j) qa_row[j] += qa * wr[j];
+            for (int64_t j = 0; j < c; ++j) qa_row[j] += qa * wr[j];
+          }
         }
       }
-      // mixed [nh, c] = sum_l softmax(s)_l c_l per head
-      attend_row(q_abs.data(), qs + (i * H + h0) * (n + r) + n, n + r, nh, cache, table + seq[i] * width, block, L, c,
-                 r, scale, mixed.data());
-      for (int64_t g = 0; g < nh; ++g) {
+      // mixed [nr * nh, c] = sum_l softmax(s)_l c_l per row and head
+      attend_rows(q_abs.data(), qs + (i0 * H + h0) * (n + r) + n, H * (n + r), n + r, nh, nr, Ls.data(), cache,
+                  table + seq[i0] * width, block, c, r, scale, mixed.data());
+      for (int64_t g = 0; g < nh; ++g) {  // out = W_UV mixed per row and head: [v]
         const TW* w = wkvb + (h0 + g) * wh;
-        float* o = out + (i * H + h0 + g) * v;
         for (int64_t b = 0; b < v; ++b) {
           for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + (n + b) * c, j);
-          o[b] = k3k::dot(mixed.data() + g * c, wr.data(), c);
+          for (int64_t k = 0; k < nr; ++k)
+            out[((i0 + k) * H + h0 + g) * v + b] = k3k::dot(mixed.data() + (k * nh + g) * c, wr.data(), c);
         }
       }
     }
