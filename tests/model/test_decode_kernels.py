@@ -305,8 +305,7 @@ def test_linear_equals_a_float64_matmul_on_ragged_shapes(dtype):
     """The small-M linear (GEMV / 3 x 4 bf16 tiles): every M up to the GEMV limit, widths off the
     64-column step and row counts off the 3-row tile, against float64; bf16 outputs within one
     bf16 rounding of the exact sum (the products are exact, FP32 sums), FP32 within 1e-5. A row's
-    result does not depend on the other rows, nor an output's on where its weight row sits in a
-    tile (bitwise; FP32 reduces 16 weight rows at once)."""
+    result does not depend on the other rows (bitwise)."""
     g = torch.Generator().manual_seed(3)
     for K_, N in [(1, 1), (31, 2), (64, 7), (95, 50), (130, 3), (1024, 8)]:
         w = torch.randn(N, K_, generator=g).to(dtype)
@@ -318,9 +317,6 @@ def test_linear_equals_a_float64_matmul_on_ragged_shapes(dtype):
             bound = exact[:M].abs() * (2 ** -8 if dtype == torch.bfloat16 else 1e-5) + 1e-5 * (K_ ** 0.5)
             assert ((got.double() - exact[:M]).abs() <= bound).all(), (K_, N, M)
             assert torch.equal(got[M - 1], K.linear(x[M - 1:M].contiguous(), w)[0])
-            for o in (1, 5, 17):
-                if o < N:
-                    assert torch.equal(K.linear(x[:M].contiguous(), w[o:].contiguous()), got[:, o:]), (K_, N, M, o)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -53,18 +53,6 @@ void gemv_rows(const float* x, const uint16_t* xb, int64_t M, int64_t K, const W
   }
 #endif
   (void)xb, (void)bytes;
-#ifdef K3K_AVX512
-  if constexpr (std::is_same_v<W, float>) {  // 16 rows a tile, their sums reduced together
-    for (int64_t n = begin; n < end; n += 16)
-      for (int64_t m = 0; m < M; ++m) {
-        float* ym = y + m * ldy + n;
-        k3k::dot16_f32(x + m * K, w + n * K, K, std::min<int64_t>(16, end - n), ym);
-        if (rnd)
-          for (int64_t r = 0; r < std::min<int64_t>(16, end - n); ++r) ym[r] = round_bf16(ym[r]);
-      }
-    return;
-  }
-#endif
   std::vector<const float*> xr(M);
   for (int64_t m = 0; m < M; ++m) xr[m] = x + m * K;
   for (int64_t n = begin; n < end; ++n) {

@@ -57,48 +57,6 @@ inline float reduce_add8(__m256 v) {
 }
 #endif
 
-#ifdef K3K_AVX512
-// sum(v[m]) for 16 vectors, as one vector: lane 4k + j holds sum(v[k + 4j]) (three levels of
-// 128-bit-lane shuffles and adds: ~3 instructions a sum, where a reduction apiece takes ~8)
-inline __m512 sums16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int k = 0; k < 8; ++k)  // 256-bit halves: v[2k]'s in the low one, v[2k + 1]'s in the high
-    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; ++k)  // 128-bit lanes: v[4k], v[4k + 1], v[4k + 2], v[4k + 3]
-    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
-  // within lanes: b[0] holds v0..v3 (lane k: v[k]), b[1] v4..v7, b[2] v8..v11, b[3] v12..v15
-  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
-  const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
-}
-
-// out[p] = sum_k x[k] w[p * K + k] for `rows` (<= 16) fp32 weight rows at once: one FMA chain
-// per row, the 16 sums reduced together by sums16 (~3 instructions a sum, where row_dot's
-// reduction takes ~11; at a tiny model's K of 128 that was half of every dot). A row's sum takes
-// the same steps whatever its place in the tile or the batch (batch invariant).
-inline void dot16_f32(const float* x, const float* w, int64_t K, int64_t rows, float* out) {
-  __m512 acc[16];
-  for (int m = 0; m < 16; ++m) {  // sums16 puts v[k + 4j] in lane 4k + j: row 4k + j goes to m = k + 4j
-    const int64_t p = 4 * (m % 4) + m / 4;
-    __m512 a = _mm512_setzero_ps();
-    if (p < rows) {
-      const float* wp = w + p * K;
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wp + k), a);
-      if (k < K) {
-        const __mmask16 t = tail_mask(K - k);
-        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, x + k), _mm512_maskz_loadu_ps(t, wp + k), a);
-      }
-    }
-    acc[m] = a;
-  }
-  _mm512_mask_storeu_ps(out, tail_mask(rows), sums16(acc));
-}
-#endif
-
 // sum_k x[k] w[k], w float or bf16 bits. Four accumulators over 64 columns (one FMA chain would
 // wait on its own latency: about a core's memory bandwidth, so the dot would set the speed),
 // then 16 at a time, then a masked tail. Float and bf16 rows of equal values give equal sums, so
