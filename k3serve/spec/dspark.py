@@ -108,18 +108,35 @@ class DSparkModel(nn.Module):
     def block_logits(self, taps: torch.Tensor, last_token: torch.Tensor, kernels=None) -> torch.Tensor:
         """forward(), through the compiled kernel (kernels/cpu/dspark.cpp) where `kernels` is
         given and the draft is fp32 on the CPU: one call instead of ~40 small torch ops."""
-        if kernels is None or self.fc.weight.dtype != torch.float32 or taps.device.type != "cpu" \
-                or torch.is_grad_enabled():
+        if not self.compiled(taps, kernels):
             return self(taps, last_token)
         c = self.cfg
-        if self._kernel_weights is None:  # the kernel's argument list, built once (a served draft is frozen)
+        return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(),
+                                      c.num_attention_heads, c.mask_token_id, c.rms_norm_eps)
+
+    def greedy_block(self, taps: torch.Tensor, last_token: torch.Tensor, ks: list[int], kernels) -> list[list[int]]:
+        """Plain greedy drafts (argmax of each block row plus the Markov head's bias for the token
+        before it), block_logits and the chain in one compiled call; `compiled` must hold."""
+        c = self.cfg
+        toks = kernels.dspark_draft(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(),
+                                    c.num_attention_heads, c.mask_token_id, c.rms_norm_eps,
+                                    *self.markov_kernel_weights(), ks).tolist()
+        return [[t for t in row if t >= 0] for row in toks]
+
+    def compiled(self, taps: torch.Tensor, kernels) -> bool:
+        """Whether the compiled draft kernels take this call: fp32 on the CPU, no gradients."""
+        return (kernels is not None and self.fc.weight.dtype == torch.float32 and taps.device.type == "cpu"
+                and not torch.is_grad_enabled())
+
+    def kernel_weights(self) -> list[torch.Tensor]:
+        """dspark_forward's argument list, built once (a served draft is frozen)."""
+        if self._kernel_weights is None:
             weights = [self.fc.weight, self.ctx_norm.weight, self.embed.weight, self.pos]
             for layer in self.layers:
                 weights += [layer.attn_norm.weight, layer.qkv.weight, layer.o.weight, layer.mlp_norm.weight,
                             layer.gate_up.weight, layer.down.weight]
             self._kernel_weights = weights + [self.norm.weight, self.lm_head.weight]
-        return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self._kernel_weights,
-                                      c.num_attention_heads, c.mask_token_id, c.rms_norm_eps)
+        return self._kernel_weights
 
     def markov_kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """dspark_greedy's Markov arguments: U [V, r] and W^T [r, V] fp32, built once (a served
@@ -197,6 +214,10 @@ class DSparkProposer:
             return out
         taps = torch.stack([self._taps[reqs[i].request_id] for i in ready])
         last = torch.tensor([reqs[i].token_slice(reqs[i].num_tokens - 1, reqs[i].num_tokens)[0] for i in ready])
+        if self.model.compiled(taps, self.kernels) and all(self._plain_greedy(reqs[i]) for i in ready):
+            for i, toks in zip(ready, self.model.greedy_block(taps, last, [ks[i] for i in ready], self.kernels)):
+                out[i] = Draft(toks)
+            return out
         block = self.model.block_logits(taps, last, self.kernels).float()  # [B, k, V]: the whole block at once
         greedy = self._greedy_drafts(block, last, [b for b, i in enumerate(ready) if self._plain_greedy(reqs[i])],
                                      [ks[i] for i in ready])

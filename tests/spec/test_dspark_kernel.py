@@ -58,8 +58,9 @@ class _Target:
 
 def test_the_greedy_shortcut_drafts_what_the_general_path_drafts():
     """A plain greedy request takes the shortcut (no processed rows: the compiled greedy chain, or
-    its torch form without kernels); with a logit bias it takes draft_token's general path. With
-    an empty bias every path drafts the same tokens, fewer where fewer are asked."""
+    its torch form without kernels; a step of plain requests alone: forward and chain in one
+    compiled call); with a logit bias it takes draft_token's general path. With an empty bias
+    every path drafts the same tokens, fewer where fewer are asked."""
     from k3serve.sampling.params import SamplingParams
     from k3serve.scheduler.request import Request
 
@@ -73,6 +74,8 @@ def test_the_greedy_shortcut_drafts_what_the_general_path_drafts():
         prop.observe(r.request_id, taps)
     a, b = prop.propose([plain, biased], [4, 3])
     assert len(a.token_ids) == 4 and a.token_ids[:3] == b.token_ids and len(b.token_ids) == 3
+    fused, short = prop.propose([plain, plain], [4, 2])  # all plain greedy: dspark_draft, one call
+    assert fused.token_ids == a.token_ids and short.token_ids == a.token_ids[:2]
     prop.kernels = None  # the shortcut in torch (and the draft's forward through the module)
     c, = prop.propose([plain], [4])
     assert c.token_ids == a.token_ids

@@ -160,3 +160,10 @@ at::Tensor dspark_greedy(at::Tensor block, at::Tensor last, at::Tensor u, at::Te
   }
   return out;
 }
+
+// A plain greedy proposal in one call: dspark_forward's block logits, then dspark_greedy's
+// chain (the proposer's Python between the two cost as much as the greedy kernel itself).
+at::Tensor dspark_draft(at::Tensor taps, at::Tensor last, std::vector<at::Tensor> w, int64_t heads, int64_t mask_id,
+                        double eps, at::Tensor u, at::Tensor wt, std::vector<int64_t> k) {
+  return dspark_greedy(dspark_forward(taps, last, std::move(w), heads, mask_id, eps), last, u, wt, std::move(k));
+}

@@ -41,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with HF's rounding points");
   m.def("dspark_forward", &dspark_forward, "the DSpark drafter's block logits [B, k, V] (no Markov bias)");
   m.def("dspark_greedy", &dspark_greedy, "greedy drafts [B, k] from block logits with the Markov head");
+  m.def("dspark_draft", &dspark_draft, "greedy drafts [B, k] from tap states: dspark_forward then dspark_greedy");
   m.def("attnres_mix", &attnres_mix, "Block AttnRes depth mix of candidates [N, d]");
   m.def("linear", &fast_linear, "x [M, K] @ W [N, K]^T; a GEMV loop for small M, torch's GEMM beyond");
   m.def("glu", &glu_act, "act(gate, up) in fp32, rounded to the inputs' dtype");
