@@ -1,6 +1,6 @@
 """Matched ablation on the bundled demo model (issue 10): speculative decoding on vs off with
 identical chat prompts, sampling parameters (greedy) and output limits, single user, run
-alternately in one process, best of --repeats (default 5: this machine's speed moves by 10-40%
+alternately in one process, best of --repeats (default 15: this machine's speed moves by 10-40%
 between seconds, and the best of alternating runs is the figure least moved by it). Prompt sets: tool-call turns and templated answers
 (arithmetic with its think channel). Drafters: the demo's distilled DSpark draft and ngram.
 Writes bench/results/demo_spec.json. Target: >= 2x tokens/s.
@@ -42,7 +42,7 @@ def run(llm: LLM, prompts) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=5, help="alternating runs per engine and prompt set (best kept)")
+    ap.add_argument("--repeats", type=int, default=15, help="alternating runs per engine and prompt set (best kept)")
     args = ap.parse_args()
     path = bundled_demo()
     if path is None:
