@@ -16,18 +16,23 @@ NEG_INF = float("-inf")
 TOP_K_CAP = 2 ** 31  # above every vocabulary
 
 
+def needs_processing(req: Request) -> bool:
+    """Whether logit_bias, min_tokens (ends suppressed until it is reached) or penalties change
+    this request's next row; once False it stays so for the rows after it (drafts included)."""
+    p = req.params
+    return bool(p.logit_bias) or len(req.output_token_ids) < p.min_tokens or p.uses_penalties
+
+
 def apply_bias_and_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """The rows with bias / min_tokens / penalties applied; `logits` itself (no copy) when no
     row asks for any (a copy of [B, V] is ~10 MB a step at a 160k vocabulary and 16 rows)."""
     out = logits
     for i, req in enumerate(reqs):
-        p = req.params
-        suppress = len(req.output_token_ids) < p.min_tokens
-        if not (p.logit_bias or suppress or p.uses_penalties):
+        if not needs_processing(req):
             continue
         if out is logits:
             out = logits.clone()
-        _process_row(out, i, req, suppress)
+        _process_row(out, i, req, len(req.output_token_ids) < req.params.min_tokens)
     return out
 
 

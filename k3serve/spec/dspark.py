@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3serve.sampling.logits_process import needs_processing
 from k3serve.scheduler.request import Request
 from k3serve.spec.drafting import draft_token, request_generator, stack_q
 from k3serve.spec.proposer import Draft
@@ -261,6 +262,4 @@ class DSparkProposer:
     def _plain_greedy(self, req: Request) -> bool:
         """Greedy drafting of a request whose draft rows need no processing: no logit bias, no
         penalties, min_tokens already reached (processed_row would return each row unchanged)."""
-        p = req.params
-        return ((self.method == "greedy" or p.greedy) and not p.logit_bias and not p.uses_penalties
-                and len(req.output_token_ids) >= p.min_tokens)
+        return (self.method == "greedy" or req.params.greedy) and not needs_processing(req)

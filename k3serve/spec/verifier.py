@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3serve.sampling.logits_process import apply_bias_and_penalties, row_params, truncate
+from k3serve.sampling.logits_process import apply_bias_and_penalties, needs_processing, row_params, truncate
 from k3serve.scheduler.request import Request
 from k3serve.spec.rejection import verify_block, verify_greedy, verify_standard
 
@@ -53,8 +53,7 @@ class SpecStats:
 
 def processed_logits(logits: torch.Tensor, req: Request, drafts: list[int]) -> torch.Tensor:
     """[T, V] logits after bias / min_tokens / penalties, position by position."""
-    p = req.params
-    if not (p.logit_bias or p.uses_penalties or len(req.output_token_ids) < p.min_tokens):
+    if not needs_processing(req):
         return logits.float()  # no position changes (min_tokens met before the first draft)
     return torch.cat([processed_row(logits[i], req, drafts[:i]) for i in range(logits.shape[0])], 0)
 
