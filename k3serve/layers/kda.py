@@ -122,16 +122,13 @@ class KimiDeltaAttention(nn.Module):
 
     def _prefill_kernel(self, seqs, u, conv_w, z, b, gate, batch: ForwardBatch, cache: CacheTensors):
         """Prefill chunks with the compiled kernels: kda_decode's stepwise recurrence, row after
-        row from each sequence's slot (zeroed first for a new sequence). On 2 cores it beats the
-        chunked torch form (kda_chunked, the reference): a 512-token layer of tiny K3 0.7 vs
-        4.5 ms, of the 400 M Kimi-Linear 18.5 vs 24.9 ms, within 4e-6 of it. -> (rows, y [rows, P])."""
+        row from each sequence's slot (a new sequence's the model zeroed: StepRows.fresh). On 2
+        cores it beats the chunked torch form (kda_chunked, the reference): a 512-token layer of
+        tiny K3 0.7 vs 4.5 ms, of the 400 M Kimi-Linear 18.5 vs 24.9 ms, within 4e-6 of it.
+        -> (rows, y [rows, P])."""
         i = self.layer_idx
         rec, conv = cache.recurrent[i], cache.conv[i]
         bounds = batch.seq_bounds()
-        fresh = [batch.state_slots[j] for j in seqs if batch.context_lens[j] == 0]
-        if fresh:
-            rec[fresh] = 0.0
-            conv[fresh] = 0.0
         rows = torch.cat([torch.arange(*bounds[j]) for j in seqs])
         starts = torch.tensor([0, *itertools.accumulate(batch.seq_lens[j] for j in seqs)])
         slots = torch.tensor([batch.state_slots[j] for j in seqs])

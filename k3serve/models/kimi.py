@@ -71,7 +71,7 @@ class KimiModel(nn.Module):
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
         [N, d] (the tap layers a DSpark drafter reads)."""
         h = self.embed(batch.input_ids)  # [N, d]
-        if batch.step.fresh.numel():  # short prefills of new sequences run row-wise from zero state
+        if batch.step.fresh.numel():  # new sequences start from zero KDA state, on every path
             for t in cache.recurrent + cache.conv:
                 if t is not None:
                     t[batch.step.fresh] = 0.0

@@ -30,13 +30,13 @@ class StepRows:
     rebuilds index lists from the Python metadata.
 
     Sequences are ordered verifying first (batch order), then the others in batch order; R rows
-    in all. A short prefill of a new sequence starts from zero KDA state (`fresh`, zeroed by
-    the model before its layers run).
+    in all. `fresh` rides along for the whole batch: the KDA state slots of its new sequences,
+    which the model zeroes before its layers run, whichever path then prefills them.
     """
 
     seqs: list[int]  # batch indices of these sequences, in that order
     decodes: list[int]  # the single-token decodes among them (seqs without the verify head)
-    fresh: torch.Tensor  # [F] KDA state slots of short prefills of new sequences (context 0)
+    fresh: torch.Tensor  # [F] KDA state slots of the batch's new sequences (context 0), every length
     rows: torch.Tensor  # [R] flat-batch rows, grouped by sequence
     starts: torch.Tensor  # [S + 1] rows of sequence j are starts[j]..starts[j+1] of `rows`
     slots: torch.Tensor  # [S] KDA state slots
@@ -55,7 +55,7 @@ class StepRows:
                    if n == 1 and batch.context_lens[i] > 0 and i not in verify]
         rest = [i for i, n in enumerate(batch.seq_lens) if 1 <= n <= SHORT_PREFILL and i not in verify]
         seqs = list(batch.verify) + rest
-        fresh = [batch.state_slots[i] for i in rest if batch.context_lens[i] == 0]
+        fresh = [batch.state_slots[i] for i, n in enumerate(batch.seq_lens) if n and batch.context_lens[i] == 0]
         bounds = batch.seq_bounds()
         rows, seq, pos, cache_rows, starts = [], [], [], [], [0]
         for j, i in enumerate(seqs):
