@@ -66,6 +66,20 @@ def test_kda_decode_equals_the_torch_steps(seed, lower_bound):
     H, D, Kc = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(3, 20, (1,), generator=g)), 4
     S = int(torch.randint(1, 5, (1,), generator=g))
     lens = torch.randint(1, 5, (S,), generator=g).tolist()  # verify-like runs of several rows
+    check_kda_decode(g, H, D, Kc, lens, lower_bound)
+
+
+@pytest.mark.parametrize("D,Kc,lower_bound", [(16, 4, -5.0), (32, 4, None), (64, 4, -5.0), (128, 4, None),
+                                              (32, 3, -5.0), (48, 4, None)])
+def test_kda_decode_vector_paths_equal_the_torch_steps(D, Kc, lower_bound):
+    """Head sizes of 16 n take the register forms (the 4-tap conv 16 channels at a time, the
+    delta rule's sums in registers; 48 only the conv), a 3-tap conv the scalar loop beside them."""
+    g = torch.Generator().manual_seed(D + Kc)
+    check_kda_decode(g, 2, D, Kc, [5, 1, 3], lower_bound)
+
+
+def check_kda_decode(g, H, D, Kc, lens, lower_bound):
+    S = len(lens)
     slots = torch.randperm(8, generator=g)[:S].tolist()
     a = kda_inputs(g, S, lens, H, D, Kc, 8)
     y_ref, conv_ref, rec_ref, recs, convs = kda_reference(a, slots, lens, lower_bound, 1e-5, H, D)

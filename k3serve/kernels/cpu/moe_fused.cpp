@@ -326,11 +326,12 @@ void route_rows(const T* x, const at::Tensor& wt, const float* bias, int64_t N, 
   at::parallel_for(0, N, k3k::grain_for(2 * d * E), [&](int64_t begin, int64_t end) {
     std::vector<float> xr(d), wr(d), scores(E), choice(E);
     std::vector<int64_t> idx(E);
+    const T *__restrict xv = x, *__restrict wv = w;  // locals: through the lambda's references GCC gathers
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < d; ++i) xr[i] = static_cast<float>(x[t * d + i]);
+      for (int64_t i = 0; i < d; ++i) xr[i] = static_cast<float>(xv[t * d + i]);
       float peak = -std::numeric_limits<float>::infinity();
       for (int64_t e = 0; e < E; ++e) {
-        for (int64_t i = 0; i < d; ++i) wr[i] = static_cast<float>(w[e * d + i]);
+        for (int64_t i = 0; i < d; ++i) wr[i] = static_cast<float>(wv[e * d + i]);
         scores[e] = k3k::dot(xr.data(), wr.data(), d);
         peak = std::max(peak, scores[e]);
       }

@@ -11,16 +11,19 @@ template <typename T>
 void rms_rows(const T* x, const T* w, T* y, int64_t N, int64_t n, float eps) {
   // as HF computes it: variance in fp32, normalised value cast to x's dtype, then weight * it in x's dtype
   at::parallel_for(0, N, k3k::grain_for(4 * n), [&](int64_t begin, int64_t end) {
+    const T* __restrict wv = w;  // locals: read through the lambda's references, GCC gathers
     for (int64_t t = begin; t < end; ++t) {
+      const T* __restrict xt = x + t * n;
+      T* __restrict yt = y + t * n;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < n; ++i) {
-        const float v = static_cast<float>(x[t * n + i]);
+        const float v = static_cast<float>(xt[i]);
         ss += v * v;
       }
       const float r = 1.f / std::sqrt(ss / float(n) + eps);
       for (int64_t i = 0; i < n; ++i)
-        y[t * n + i] = T(static_cast<float>(w[i]) * static_cast<float>(T(static_cast<float>(x[t * n + i]) * r)));
+        yt[i] = T(static_cast<float>(wv[i]) * static_cast<float>(T(static_cast<float>(xt[i]) * r)));
     }
   });
 }
@@ -31,18 +34,19 @@ void mix_rows(const std::vector<const T*>& c, const float* w, T* y, int64_t N, i
   at::parallel_for(0, N, k3k::grain_for(4 * n * d), [&](int64_t begin, int64_t end) {
     std::vector<float> score(n), acc(d);
     float* __restrict a = acc.data();
+    const float* __restrict wv = w;  // w read through the lambda's reference vectorised as gathers too
     for (int64_t t = begin; t < end; ++t) {
       float peak = -INFINITY;
       for (int64_t i = 0; i < n; ++i) {
         // the row pointer held in a local: read through c[i] inside the loop, GCC vectorised
-        // it as a gather (4.5 us per 5-row mix on the demo model, 0.3 us now)
+        // it as a gather (5 rows x 4 candidates: 6.8 us a call, 2.9 after)
         const T* __restrict ci = c[i] + t * d;
         float ss = 0.f, dw = 0.f;
 #pragma omp simd reduction(+ : ss, dw)
         for (int64_t k = 0; k < d; ++k) {
           const float v = static_cast<float>(ci[k]);
           ss += v * v;
-          dw += v * w[k];
+          dw += v * wv[k];
         }
         score[i] = dw / std::sqrt(ss / float(d) + eps);  // RMSnorm(v) . w
         peak = std::max(peak, score[i]);
