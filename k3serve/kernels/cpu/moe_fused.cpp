@@ -21,8 +21,9 @@
 namespace {
 
 constexpr int kGroup = 32;
-// In-register MXFP4 tiles prefetch the rows this many rows further on (the next two 4-row tiles):
-// 400 M Kimi-Linear's experts, one token, two cores: 22 GB/s of codes without, 30-31 with 4-16.
+// MXFP4 rows decode prefetching the rows this many rows further on (in registers: the next two
+// 4-row tiles; staged for more than 4 tokens: 8 rows on): 400 M Kimi-Linear's experts, one
+// token, two cores: 22 GB/s of codes without, 30-31 with 4-16.
 constexpr int64_t kPrefetchRows = 8;
 using k3k::round_bf16;
 
@@ -90,7 +91,7 @@ struct Matrix {
     for (int r = 0; r < R; ++r) {  // one row at a time: a row of the tile did not fold
       rows[r] = wb + r * I;
       folded[r] = T <= 4 ? in_registers(e, o + r, 1, xs, T, out + r, ldo)
-                         : k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb + r * I);
+                         : k3k::decode_mxfp4_row_bf16(codes(e, o + r), scales(e, o + r), I, wb + r * I, kPrefetchRows * I / 2);
       all &= folded[r];
     }
     if (T > 4 && all) return k3k::dot_rows_bf16(xs, I, T, rows, R, I, out, ldo);
