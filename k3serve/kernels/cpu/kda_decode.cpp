@@ -57,37 +57,44 @@ void delta_rule_512(float* state, const float* g, const float* k, float* v, cons
 #endif
 
 // The short conv step of D channels (c0 .. c0 + D - 1 of the [K - 1, C3] window `cst`, their
-// weights w [D, K], the new inputs cur [D]) 16 at a time, for K = 4 and D a multiple of 16:
-// out[i] = sum_j window[j][i] w[i][j] + cur[i] w[i][3] in tap order, one FMA per tap (the
-// scalar loop below lets the compiler order its sums, so the two differ in the last bits), then
-// the window shifts by one. Returns false where it does not apply.
-bool conv_step_16(float* cst, int64_t C3, int64_t c0, const float* w, const float* cur, int64_t D, int64_t K,
-                  float* out) {
+// weights w [D, K], the new inputs cur [D]): out[i] = sum_j window[j][i] w[i][j] + cur[i]
+// w[i][K - 1], then the window shifts by one. For K = 4 and D a multiple of 16 (AVX-512), 16
+// channels at a time in tap order, one FMA per tap; the scalar loop lets the compiler order its
+// sums, so the two differ in the last bits.
+void conv_step(float* cst, int64_t C3, int64_t c0, const float* w, const float* cur, int64_t D, int64_t K,
+               float* out) {
 #ifdef K3K_AVX512
-  if (K != 4 || D % 16 != 0) return false;
-  for (int64_t i = 0; i < D; i += 16) {
-    // w rows of 16 channels: 64 floats, channel c's taps at 4c .. 4c + 3; tap j of channels
-    // 0-7 from the first two registers, of 8-15 from the last two
-    const float* wi = w + i * 4;
-    const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16), w2 = _mm512_loadu_ps(wi + 32),
-                 w3 = _mm512_loadu_ps(wi + 48);
-    __m512 x[4] = {_mm512_loadu_ps(cst + c0 + i), _mm512_loadu_ps(cst + C3 + c0 + i),
-                   _mm512_loadu_ps(cst + 2 * C3 + c0 + i), _mm512_loadu_ps(cur + i)};
-    __m512 acc = _mm512_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                              _mm512_set1_epi32(4)), _mm512_set1_epi32(j));
-      const __m512 lo = _mm512_permutex2var_ps(w0, idx, w1), hi = _mm512_permutex2var_ps(w2, idx, w3);
-      acc = _mm512_fmadd_ps(x[j], _mm512_shuffle_f32x4(lo, hi, 0x44), acc);
+  if (K == 4 && D % 16 == 0) {
+    // tap j of 16 channels' [channel, 4] weight rows (64 floats, 4 registers): lanes 0-7 from
+    // the first two registers, 8-15 from the last two
+    const __m512i tap0 = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+    for (int64_t i = 0; i < D; i += 16) {
+      const float* wi = w + i * 4;
+      const __m512 w0 = _mm512_loadu_ps(wi), w1 = _mm512_loadu_ps(wi + 16), w2 = _mm512_loadu_ps(wi + 32),
+                   w3 = _mm512_loadu_ps(wi + 48);
+      const __m512 x[4] = {_mm512_loadu_ps(cst + c0 + i), _mm512_loadu_ps(cst + C3 + c0 + i),
+                           _mm512_loadu_ps(cst + 2 * C3 + c0 + i), _mm512_loadu_ps(cur + i)};
+      __m512 acc = _mm512_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i idx = _mm512_add_epi32(tap0, _mm512_set1_epi32(j));
+        const __m512 lo = _mm512_permutex2var_ps(w0, idx, w1), hi = _mm512_permutex2var_ps(w2, idx, w3);
+        acc = _mm512_fmadd_ps(x[j], _mm512_shuffle_f32x4(lo, hi, 0x44), acc);
+      }
+      _mm512_storeu_ps(out + i, acc);
+      for (int j = 0; j < 3; ++j) _mm512_storeu_ps(cst + j * C3 + c0 + i, x[j + 1]);
     }
-    _mm512_storeu_ps(out + i, acc);
-    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(cst + j * C3 + c0 + i, x[j + 1]);
+    return;
   }
-  return true;
-#else
-  (void)cst, (void)C3, (void)c0, (void)w, (void)cur, (void)D, (void)K, (void)out;
-  return false;
 #endif
+  for (int64_t i = 0; i < D; ++i) {
+    const int64_t c = c0 + i;
+    float acc = 0.f;
+    for (int64_t j = 0; j < K - 1; ++j) acc += cst[j * C3 + c] * w[i * K + j];
+    acc += cur[i] * w[i * K + K - 1];
+    for (int64_t j = 0; j + 1 < K - 1; ++j) cst[j * C3 + c] = cst[(j + 1) * C3 + c];
+    if (K > 1) cst[(K - 2) * C3 + c] = cur[i];
+    out[i] = acc;
+  }
 }
 
 void delta_rule(float* state, const float* g, const float* k, float* v, const float* q, float beta, int64_t D,
@@ -148,21 +155,8 @@ void kda_rows(const KdaRows& a) {
         // short conv over the window [state rows..., u_r] for this head's q, k, v channels
         float* outs[3] = {q.data(), k.data(), v.data()};
         for (int part = 0; part < 3; ++part) {
-          if (conv_step_16(cst, C3, part * P + h * D, a.conv_w[part] + h * D * K, a.u + r * a.ldu + part * P + h * D,
-                           D, K, outs[part])) {
-            silu_n(outs[part], outs[part], D);
-            continue;
-          }
-          for (int64_t i = 0; i < D; ++i) {
-            const int64_t c = part * P + h * D + i;
-            float acc = 0.f;
-            for (int64_t j = 0; j < K - 1; ++j) acc += cst[j * C3 + c] * a.conv_w[part][(h * D + i) * K + j];
-            const float cur = a.u[r * a.ldu + c];
-            acc += cur * a.conv_w[part][(h * D + i) * K + K - 1];
-            for (int64_t j = 0; j + 1 < K - 1; ++j) cst[j * C3 + c] = cst[(j + 1) * C3 + c];
-            if (K > 1) cst[(K - 2) * C3 + c] = cur;
-            outs[part][i] = acc;
-          }
+          conv_step(cst, C3, part * P + h * D, a.conv_w[part] + h * D * K, a.u + r * a.ldu + part * P + h * D, D, K,
+                    outs[part]);
           silu_n(outs[part], outs[part], D);
         }
         const float rq = qscale / std::sqrt(dot(q.data(), q.data(), D) + 1e-6f);
