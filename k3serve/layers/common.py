@@ -15,6 +15,14 @@ def linear(out_features: int, in_features: int) -> nn.Linear:
     return Linear(in_features, out_features, bias=False)
 
 
+def kernel_matrix(w: torch.Tensor | None, kernels) -> torch.Tensor | None:
+    """A projection weight [N, K] in the form the compiled blocks read fastest: fp32 panels
+    [N/16, K, 16] where the build takes them (kernels/cpu/panels.h: 2.5-6x a row-major GEMV at a
+    decode's few rows), else w itself. A copy: the modules build it once, in their cached block
+    arguments (reset by use_kernels, after the last load or move)."""
+    return w if kernels is None or w is None or w.numel() == 0 else kernels.panel_form(w)
+
+
 class WeightOnly(nn.Module):
     """A module whose only parameter is `weight` (norms, conv taps, AttnRes vectors)."""
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup
-from k3serve.layers.common import WeightOnly, linear
+from k3serve.layers.common import WeightOnly, kernel_matrix, linear
 from k3serve.layers.kda_ops import flush_denormals, kda_chunked, kda_step
 from k3serve.layers.norm import l2_normalize, rms_norm
 from k3serve.layers.short_conv import short_conv, short_conv_step
@@ -100,9 +100,9 @@ class KimiDeltaAttention(nn.Module):
         the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
         if self._kernel_weights is None:
             g = [self.g_proj.weight, _NONE] if hasattr(self, "g_proj") else [self.g_a_proj.weight, self.g_b_proj.weight]
-            self._kernel_weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
-                                    self.f_b_proj.weight, self.b_proj.weight, *g, self.o_proj.weight,
-                                    self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias,
+            proj = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
+                    self.f_b_proj.weight, self.b_proj.weight, *g, self.o_proj.weight]
+            self._kernel_weights = [*(kernel_matrix(w, self.kernels) for w in proj), self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias,
                                     self.A_log, self.o_norm.weight]
         return self._kernel_weights
 

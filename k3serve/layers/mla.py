@@ -13,6 +13,7 @@ against the latent, W_UV applied after mixing; used for decode) and `attend_naiv
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from torch import nn
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup
-from k3serve.layers.common import RMSNorm, linear
+from k3serve.layers.common import RMSNorm, kernel_matrix, linear
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 
 MLA_NORM_EPS = 1e-6  # HF-REF KimiRMSNorm default for q_a/kv_a layernorms
@@ -184,11 +185,12 @@ class GatedMLA(nn.Module):
         the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
         m = self.cfg
         if self._kernel_weights is None:
-            q = ([self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight] if m.q_lora_rank is not None
-                 else [self.q_proj.weight, _NONE, _NONE])
-            self._kernel_weights = [*q, self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight,
-                                    self.kv_b_proj.weight, self.g_proj.weight if m.use_output_gate else _NONE,
-                                    self.o_proj.weight]
+            mat = partial(kernel_matrix, kernels=self.kernels)  # the projections; norms and kv_b as they are
+            q = ([mat(self.q_a_proj.weight), self.q_a_layernorm.weight, mat(self.q_b_proj.weight)]
+                 if m.q_lora_rank is not None else [mat(self.q_proj.weight), _NONE, _NONE])
+            self._kernel_weights = [*q, mat(self.kv_a_proj_with_mqa.weight), self.kv_a_layernorm.weight,
+                                    self.kv_b_proj.weight, mat(self.g_proj.weight) if m.use_output_gate else _NONE,
+                                    mat(self.o_proj.weight)]
         return self._kernel_weights
 
     def block_scalars(self) -> tuple[list[int], list[float]]:

@@ -15,7 +15,7 @@ from torch import nn
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
-from k3serve.layers.common import RMSNorm, WeightOnly, linear
+from k3serve.layers.common import RMSNorm, WeightOnly, kernel_matrix, linear
 from k3serve.layers.expert_weights import ExpertWeights
 from k3serve.layers.experts import experts_forward, experts_reference
 from k3serve.layers.moe_dispatch import all_to_all_routed, gather_form, gather_routed
@@ -46,6 +46,7 @@ class GluMLP(nn.Module):
         self.act = glu_activation(cfg)
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
         self.kernels = None  # k3serve.kernels module (set by use_kernels): three GEMVs and the GLU in C++
+        self._kernel_weights: list | None = None  # weights() for the kernels, reset by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernels
@@ -57,7 +58,11 @@ class GluMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
     def weights(self) -> list[torch.Tensor]:
-        return [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+        """gate, up, down as the kernels take them (layers/common.py kernel_matrix), built once"""
+        if self._kernel_weights is None:
+            self._kernel_weights = [kernel_matrix(w, self.kernels)
+                                    for w in (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)]
+        return self._kernel_weights
 
     def block_scalars(self) -> tuple[list[int], list[float]]:
         """ints {situ}, floats {beta, linear_beta}: the kernels' GLU arguments"""
@@ -267,10 +272,11 @@ class SparseMoE(nn.Module):
             for w in (self.w1, self.w3, self.w2):
                 experts += [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
             shared = self.shared_experts.weights() if m.num_shared_experts else [None] * 3
+            mat = partial(kernel_matrix, kernels=self.kernels)
             self._kernel_weights = [self.gate.weight, self.gate.e_score_correction_bias,
-                                    self.routed_expert_down_proj.weight if latent else None,
+                                    mat(self.routed_expert_down_proj.weight) if latent else None,
                                     self.routed_expert_norm.weight if latent and m.latent_use_norm else None,
-                                    self.routed_expert_up_proj.weight if latent else None, *experts, *shared]
+                                    mat(self.routed_expert_up_proj.weight) if latent else None, *experts, *shared]
         return self._kernel_weights
 
     def block_scalars(self) -> tuple[list[int], list[float]]:

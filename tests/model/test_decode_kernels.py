@@ -333,6 +333,36 @@ def test_linear_equals_a_float64_matmul_on_ragged_shapes(dtype):
             assert torch.equal(got[M - 1], K.linear(x[M - 1:M].contiguous(), w)[0])
 
 
+def test_fp32_panels_equal_a_float64_matmul_on_ragged_shapes():
+    """The fp32 panel form (kernels/cpu/panels.h) through the linear: panel counts leaving 4-,
+    2- and 1-panel tails after the 8- and 4-panel tiles, every M up to the GEMV limit (6-token
+    tiles and each remainder), K off any step, against float64 within 1e-5 relative (one FMA
+    chain per output). A row's result does not depend on the other rows (bitwise); past the
+    GEMV sizes the linear is torch's on the unpacked matrix, equal to the matrix's own."""
+    g = torch.Generator().manual_seed(4)
+    for K_, N in [(1, 16), (37, 48), (64, 112), (130, 208), (256, 16 * 15)]:
+        w = torch.randn(N, K_, generator=g)
+        panels = w.reshape(N // 16, 16, K_).transpose(1, 2).contiguous()
+        form = K.panel_form(w)
+        if K.simd().startswith("avx512"):  # the builds that take the form
+            assert torch.equal(form, panels)
+        else:
+            assert form is w
+        x = torch.randn(17, K_, generator=g)
+        exact = x.double() @ w.double().t()
+        for M in range(1, 17):
+            got = K.linear(x[:M].contiguous(), panels)
+            assert got.shape == (M, N)
+            bound = exact[:M].abs() * 1e-5 + 1e-5 * (K_ ** 0.5)
+            assert ((got.double() - exact[:M]).abs() <= bound).all(), (K_, N, M)
+            assert torch.equal(got[M - 1], K.linear(x[M - 1:M].contiguous(), panels)[0])
+        assert torch.equal(K.linear(x, panels), K.linear(x, w))  # 17 rows: torch's GEMM
+    with pytest.raises(RuntimeError, match="panels"):
+        K.linear(torch.randn(2, 8), torch.randn(1, 8, 8))
+    with pytest.raises(RuntimeError, match="dtype"):
+        K.linear(torch.randn(2, 8).bfloat16(), torch.randn(1, 8, 16).bfloat16())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_attnres_mix_equal_their_torch_forms(dtype):
     g = torch.Generator().manual_seed(2)

@@ -8,6 +8,7 @@
 // compared in tests/model/test_block_kernels.py.
 #include "common.h"
 #include "ops.h"
+#include "panels.h"
 #include "simd.h"
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -83,37 +84,47 @@ struct Target {
 };
 
 void check_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "block weight must be a contiguous 2-D tensor");
-  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "block weight dtype ",
-              w.scalar_type(), " is not supported");
+  TORCH_CHECK(w.is_contiguous() && (w.dim() == 2 || (w.dim() == 3 && w.size(2) == k3k::kPanel)),
+              "block weight must be a contiguous 2-D tensor or fp32 panels [N/16, K, 16], got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kFloat || (w.dim() == 2 && w.scalar_type() == at::kBFloat16),
+              "block weight dtype ", w.scalar_type(), " is not supported");
 }
 
 // Several projections of the same x [M, K] (q, k, v, f_a, b, g of a KDA block, ...) in one
 // parallel region over all their output rows: one fork/join instead of one per matrix, and the
 // small ones no longer leave a core idle; one projection alone (Proj) is the same call with one
-// target (chunking: gemv_rows).
+// target (chunking: gemv_rows, or panel_rows for a weight in panel form). The region counts
+// blocks of 16 output rows, a panel each, so no chunk splits a panel.
 void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets, bool rnd) {
+  using k3k::kPanel;
   std::vector<int64_t> first{0};
   bool any_bf16 = false;
   int64_t bytes = 0;
   for (const Target& t : targets) {
     check_weight(*t.w);
-    TORCH_CHECK(t.w->size(1) == K, "block weight has ", t.w->size(1), " columns, the input ", K);
-    first.push_back(first.back() + t.w->size(0));
+    TORCH_CHECK(k3k::in_features(*t.w) == K, "block weight has ", k3k::in_features(*t.w), " columns, the input ", K);
+    first.push_back(first.back() + (k3k::out_features(*t.w) + kPanel - 1) / kPanel);
     any_bf16 |= t.w->scalar_type() == at::kBFloat16;
     bytes += t.w->numel() * t.w->element_size();
   }
   const std::vector<uint16_t> xb = bf16_input(x, M, K, any_bf16);
-  at::parallel_for(0, first.back(), k3k::grain_for(2 * K * M, 1 << 18), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first.back(), k3k::grain_for(2 * K * M * kPanel, 1 << 18), [&](int64_t begin, int64_t end) {
     for (size_t j = 0; j < targets.size(); ++j) {
       const int64_t lo = std::max(begin, first[j]) - first[j], hi = std::min(end, first[j + 1]) - first[j];
       if (lo >= hi) continue;
       const Target& t = targets[j];
-      if (t.w->scalar_type() == at::kFloat)
-        gemv_rows(x, xb.data(), M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy, rnd, bytes);
-      else
-        gemv_rows(x, xb.data(), M, K, reinterpret_cast<const uint16_t*>(t.w->data_ptr<at::BFloat16>()), lo, hi, t.y,
+      const int64_t N = k3k::out_features(*t.w), n0 = lo * kPanel, n1 = std::min(hi * kPanel, N);
+      if (k3k::is_panels(*t.w)) {
+        k3k::panel_rows(x, M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy);
+        if (rnd)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = n0; n < n1; ++n) t.y[m * t.ldy + n] = round_bf16(t.y[m * t.ldy + n]);
+      } else if (t.w->scalar_type() == at::kFloat) {
+        gemv_rows(x, xb.data(), M, K, t.w->data_ptr<float>(), n0, n1, t.y, t.ldy, rnd, bytes);
+      } else {
+        gemv_rows(x, xb.data(), M, K, reinterpret_cast<const uint16_t*>(t.w->data_ptr<at::BFloat16>()), n0, n1, t.y,
                   t.ldy, rnd, bytes);
+      }
     }
   });
 }
@@ -136,7 +147,7 @@ Buf floats(const at::Tensor& x) {
 struct Proj {
   bool rnd;
   void operator()(const float* x, int64_t M, const at::Tensor& w, float* y, int64_t ldy) const {
-    gemv_many(x, M, w.size(1), {{&w, y, ldy}}, rnd);
+    gemv_many(x, M, k3k::in_features(w), {{&w, y, ldy}}, rnd);
   }
   void many(const float* x, int64_t M, int64_t K, const std::vector<Target>& targets) const {
     gemv_many(x, M, K, targets, rnd);
@@ -178,11 +189,12 @@ void write_rows(const Buf& lat, int64_t R, int64_t width, const int64_t* rows, T
 }  // namespace
 
 at::Tensor fast_linear(at::Tensor x, at::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [M, K] and W [N, K] disagree");
+  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || k3k::is_panels(w)) && x.size(1) == k3k::in_features(w),
+              "linear: x [M, K] and W [N, K] (or its panels [N/16, K, 16]) disagree");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and W dtypes differ");
   if (x.size(0) > kSmallM || !(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16))
     return k3k::gemm(x, w);
-  const int64_t M = x.size(0), N = w.size(0);
+  const int64_t M = x.size(0), N = k3k::out_features(w);
   Buf xf = floats(x), y(M * N);
   Proj{x.scalar_type() == at::kBFloat16}(xf.data(), M, w.contiguous(), y.data(), N);
   return as_tensor(y, M, N, x);
@@ -210,8 +222,8 @@ at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_st
   check_i64(slots, "slots");
   check_i64(starts, "starts");
   const int64_t R = x.size(0), d = x.size(1), H = rec_state.size(1), D = rec_state.size(2), P = H * D;
-  const int64_t K = conv_state.size(1) + 1, S = slots.size(0), Da = w[3].size(0);
-  TORCH_CHECK(w[0].size(0) == P && w[8].size(1) == P && starts.size(0) == S + 1, "kda_block shapes disagree");
+  const int64_t K = conv_state.size(1) + 1, S = slots.size(0), Da = out_features(w[3]);
+  TORCH_CHECK(out_features(w[0]) == P && in_features(w[8]) == P && starts.size(0) == S + 1, "kda_block shapes disagree");
   const int64_t* st = starts.data_ptr<int64_t>();
   TORCH_CHECK(st[0] == 0 && st[S] == R, "starts must run from 0 to the rows given");
   int64_t longest = 0;
@@ -226,10 +238,10 @@ at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_st
   Buf xf = floats(x), u(R * 3 * P), fa(R * Da), z(R * P), b(R * H), gate(R * P), y(R * P), out(R * d);
   // every projection of x in one region, then the low-rank second halves
   const bool low_rank_gate = has(w[7]);
-  Buf ga(low_rank_gate ? R * w[6].size(0) : 0);
+  Buf ga(low_rank_gate ? R * out_features(w[6]) : 0);
   proj.many(xf.data(), R, d, {{&w[0], u.data(), 3 * P}, {&w[1], u.data() + P, 3 * P}, {&w[2], u.data() + 2 * P, 3 * P},
                              {&w[3], fa.data(), Da}, {&w[5], b.data(), H},
-                             low_rank_gate ? Target{&w[6], ga.data(), w[6].size(0)} : Target{&w[6], gate.data(), P}});
+                             low_rank_gate ? Target{&w[6], ga.data(), out_features(w[6])} : Target{&w[6], gate.data(), P}});
   proj(fa.data(), R, w[4], z.data(), P);
   if (low_rank_gate) proj(ga.data(), R, w[7], gate.data(), P);
   at::Tensor taps[3], fp32[3];
@@ -268,10 +280,11 @@ at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, 
   TORCH_CHECK(w.size() == 8, "mla_block takes 8 weights, got ", w.size());
   check_i64(cache_rows, "cache_rows");
   TORCH_CHECK(cache.dim() == 2 && cache.is_contiguous(), "cache must be [rows, c + r]");
-  const int64_t R = x.size(0), d = x.size(1), width = w[3].size(0), qdim = has(w[1]) ? w[2].size(0) : w[0].size(0);
+  const int64_t R = x.size(0), d = x.size(1), width = out_features(w[3]);
+  const int64_t qdim = out_features(has(w[1]) ? w[2] : w[0]);
   TORCH_CHECK(cache.size(1) == width && cache_rows.size(0) == R, "latent rows and cache disagree");
   const Proj proj{x.scalar_type() == at::kBFloat16};
-  const int64_t ql = w[0].size(0), gdim = has(w[6]) ? w[6].size(0) : 0;
+  const int64_t ql = out_features(w[0]), gdim = has(w[6]) ? out_features(w[6]) : 0;
   Buf xf = floats(x), q(R * qdim), lat(R * width), qa(has(w[1]) ? R * ql : 0), g(R * gdim);
   // q (or q_a), the latent and the output gate are projections of x: one region
   std::vector<Target> of_x{{&w[0], has(w[1]) ? qa.data() : q.data(), ql}, {&w[3], lat.data(), width}};
@@ -329,7 +342,7 @@ at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int
   const Proj proj{bf16};
   Buf xf = floats(x);
   Buf z;
-  const int64_t L = w[2].has_value() ? w[2]->size(0) : d, I = w[11].has_value() ? w[11]->size(0) : 0;
+  const int64_t L = w[2].has_value() ? k3k::out_features(*w[2]) : d, I = w[11].has_value() ? k3k::out_features(*w[11]) : 0;
   Buf g(R * I), u(R * I);
   // the latent down projection and the shared experts' gate and up are projections of x: one region
   std::vector<Target> of_x;

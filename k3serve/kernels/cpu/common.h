@@ -199,11 +199,24 @@ inline bool native_bf16() {
   return native;
 }
 
+// A projection weight in either form the blocks take: a matrix [N, K] (float or bf16) or the
+// fp32 panel form [N/16, K, 16] (panels.h).
+constexpr int64_t kPanel = 16;
+inline bool is_panels(const at::Tensor& w) { return w.dim() == 3; }
+inline int64_t out_features(const at::Tensor& w) { return is_panels(w) ? w.size(0) * kPanel : w.size(0); }
+inline int64_t in_features(const at::Tensor& w) { return w.size(1); }
+// [N, K] of either form (a copy for panels: torch's GEMM for prefill-sized calls, where it costs
+// 1/M of the product)
+inline at::Tensor as_matrix(const at::Tensor& w) {
+  return is_panels(w) ? w.transpose(1, 2).reshape({out_features(w), in_features(w)}) : w;
+}
+
 // x [M, K] @ w [N, K]^T past the GEMV sizes, by k3serve/layers/gemm.py's rule: a bf16 product of
 // more than kSmallM rows runs in FP32 (both widened, the output rounded to bf16 once) where the
 // CPU has no bf16 dot instructions, ~5x faster than torch's bf16 GEMM there. K3SERVE_BF16_GEMM
 // = native | fp32 forces one form, as in Python.
-inline at::Tensor gemm(const at::Tensor& x, const at::Tensor& w) {
+inline at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight) {
+  const at::Tensor w = as_matrix(weight);
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     const char* env = std::getenv("K3SERVE_BF16_GEMM");
     const std::string mode = env ? env : "auto";

@@ -1,6 +1,7 @@
 // Python bindings of the CPU kernels (k3serve/kernels/__init__.py builds this directory).
 #include <torch/extension.h>
 
+#include "common.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -19,6 +20,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether this build runs bf16 dots in vdpbf16ps (AVX512-BF16)");
+  m.def("panel_form", [](at::Tensor w) {
+#ifdef __AVX512F__
+    if (w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu() && w.size(0) % k3k::kPanel == 0)
+      return w.detach().reshape({w.size(0) / k3k::kPanel, k3k::kPanel, w.size(1)}).transpose(1, 2).contiguous();
+#endif
+    return w;
+  }, "an fp32 projection [N, K] (N a multiple of 16) as panels [N/16, K, 16] where this build reads them "
+     "faster (AVX-512: panels.h), else w itself");
   m.def("simd", []() {
 #if defined(K3K_DPBF16)
     return "avx512-bf16";
