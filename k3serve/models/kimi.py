@@ -14,8 +14,8 @@ from torch import nn
 from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup, vocab_shard
 from k3serve.layers.attnres import attnres_mix, attnres_vector
-from k3serve.layers.common import RMSNorm, WeightOnly
-from k3serve.layers.gemm import dense
+from k3serve.layers.common import RMSNorm, WeightOnly, kernel_matrix
+from k3serve.layers.gemm import SMALL_M, dense
 from k3serve.layers.kda import KimiDeltaAttention
 from k3serve.layers.mla import GatedMLA
 from k3serve.layers.moe import GluMLP, SparseMoE
@@ -207,6 +207,7 @@ class KimiForCausalLM(nn.Module):
         self.model = KimiModel(cfg, tp, ep)
         if not cfg.tie_word_embeddings:
             self.lm_head = WeightOnly(vocab_shard(cfg.vocab_size, tp)[1], cfg.hidden_size)
+        self._kernel_weights: list | None = None  # [the head in kernel form], reset by use_kernels
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors,
                 capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -224,7 +225,11 @@ class KimiForCausalLM(nn.Module):
         k = self.model.kernels
         if (k is not None and hidden.device.type == "cpu" and hidden.dim() == 2 and hidden.dtype == head.dtype
                 and not torch.is_grad_enabled()):
-            return k.linear(hidden, head).float()  # a GEMV for decode rows: torch's bf16 GEMM costs ~90 us here
+            if hidden.shape[0] <= SMALL_M:  # decode / verify rows: the GEMV, on fp32 panels where they pay
+                if self._kernel_weights is None:
+                    self._kernel_weights = [kernel_matrix(head, k)]
+                head = self._kernel_weights[0]
+            return k.linear(hidden, head).float()  # torch's bf16 GEMM cost ~90 us for a decode row here
         return dense(hidden, head).float()
 
     @property

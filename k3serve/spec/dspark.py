@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3serve.layers.common import kernel_matrix
 from k3serve.sampling.logits_process import needs_processing
 from k3serve.scheduler.request import Request
 from k3serve.spec.drafting import draft_token, request_generator, stack_q
@@ -112,14 +114,14 @@ class DSparkModel(nn.Module):
         if not self.compiled(taps, kernels):
             return self(taps, last_token)
         c = self.cfg
-        return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(),
+        return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(kernels),
                                       c.num_attention_heads, c.mask_token_id, c.rms_norm_eps)
 
     def greedy_block(self, taps: torch.Tensor, last_token: torch.Tensor, ks: list[int], kernels) -> list[list[int]]:
         """Plain greedy drafts (argmax of each block row plus the Markov head's bias for the token
         before it), block_logits and the chain in one compiled call; `compiled` must hold."""
         c = self.cfg
-        toks = kernels.dspark_draft(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(),
+        toks = kernels.dspark_draft(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(kernels),
                                     c.num_attention_heads, c.mask_token_id, c.rms_norm_eps,
                                     *self.markov_kernel_weights(), ks).tolist()
         return [[t for t in row if t >= 0] for row in toks]
@@ -129,14 +131,16 @@ class DSparkModel(nn.Module):
         return (kernels is not None and self.fc.weight.dtype == torch.float32 and taps.device.type == "cpu"
                 and not torch.is_grad_enabled())
 
-    def kernel_weights(self) -> list[torch.Tensor]:
-        """dspark_forward's argument list, built once (a served draft is frozen)."""
+    def kernel_weights(self, kernels) -> list[torch.Tensor]:
+        """dspark_forward's argument list, its projections in the kernels' form (fp32 panels:
+        layers/common.py kernel_matrix), built once (a served draft is frozen)."""
         if self._kernel_weights is None:
-            weights = [self.fc.weight, self.ctx_norm.weight, self.embed.weight, self.pos]
+            mat = partial(kernel_matrix, kernels=kernels)
+            weights = [mat(self.fc.weight), self.ctx_norm.weight, self.embed.weight, self.pos]
             for layer in self.layers:
-                weights += [layer.attn_norm.weight, layer.qkv.weight, layer.o.weight, layer.mlp_norm.weight,
-                            layer.gate_up.weight, layer.down.weight]
-            self._kernel_weights = weights + [self.norm.weight, self.lm_head.weight]
+                weights += [layer.attn_norm.weight, mat(layer.qkv.weight), mat(layer.o.weight),
+                            layer.mlp_norm.weight, mat(layer.gate_up.weight), mat(layer.down.weight)]
+            self._kernel_weights = weights + [self.norm.weight, mat(self.lm_head.weight)]
         return self._kernel_weights
 
     def markov_kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

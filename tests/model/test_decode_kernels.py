@@ -359,8 +359,33 @@ def test_fp32_panels_equal_a_float64_matmul_on_ragged_shapes():
         assert torch.equal(K.linear(x, panels), K.linear(x, w))  # 17 rows: torch's GEMM
     with pytest.raises(RuntimeError, match="panels"):
         K.linear(torch.randn(2, 8), torch.randn(1, 8, 8))
-    with pytest.raises(RuntimeError, match="dtype"):
+    with pytest.raises(RuntimeError, match="panels"):
         K.linear(torch.randn(2, 8).bfloat16(), torch.randn(1, 8, 16).bfloat16())
+
+
+@pytest.mark.skipif(not K.has_bf16_dot(), reason="bf16 panels are the vdpbf16ps builds' form")
+def test_bf16_panels_equal_a_float64_matmul_on_ragged_shapes():
+    """The bf16 panel form (column pairs for vdpbf16ps): every M up to the GEMV limit (8-token
+    tiles and each remainder, their 8/6/4/3-panel tiles and 4/2/1 tails), against float64 within
+    one bf16 rounding of the output (exact products, FP32 sums); bitwise batch invariance; past
+    the GEMV sizes, torch's GEMM on the unpacked matrix. Odd K, or past 1 MB, stays a matrix."""
+    g = torch.Generator().manual_seed(5)
+    for K_, N in [(2, 16), (38, 48), (64, 112), (130, 208), (512, 16 * 15)]:
+        w = torch.randn(N, K_, generator=g).bfloat16()
+        panels = K.panel_form(w)
+        assert panels.shape == (N // 16, K_ // 2, 16, 2)
+        assert torch.equal(panels.permute(0, 2, 1, 3).reshape(N, K_), w)
+        x = torch.randn(17, K_, generator=g).bfloat16()
+        exact = x.double() @ w.double().t()
+        for M in range(1, 17):
+            got = K.linear(x[:M].contiguous(), panels)
+            assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+            bound = exact[:M].abs() * 2 ** -8 + 1e-5 * (K_ ** 0.5)
+            assert ((got.double() - exact[:M]).abs() <= bound).all(), (K_, N, M)
+            assert torch.equal(got[M - 1], K.linear(x[M - 1:M].contiguous(), panels)[0])
+        assert torch.equal(K.linear(x, panels), K.linear(x, w))
+    odd, big = torch.randn(32, 7).bfloat16(), torch.randn(1024, 528).bfloat16()  # big: past 1 MB
+    assert K.panel_form(odd) is odd and K.panel_form(big) is big
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -84,10 +84,15 @@ struct Target {
 };
 
 void check_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.is_contiguous() && (w.dim() == 2 || (w.dim() == 3 && w.size(2) == k3k::kPanel)),
-              "block weight must be a contiguous 2-D tensor or fp32 panels [N/16, K, 16], got ", w.sizes());
-  TORCH_CHECK(w.scalar_type() == at::kFloat || (w.dim() == 2 && w.scalar_type() == at::kBFloat16),
-              "block weight dtype ", w.scalar_type(), " is not supported");
+  const bool f32 = w.scalar_type() == at::kFloat, bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(f32 || bf16, "block weight dtype ", w.scalar_type(), " is not supported");
+  TORCH_CHECK(w.is_contiguous() && (w.dim() == 2 || (f32 && w.dim() == 3 && w.size(2) == k3k::kPanel) ||
+                                    (bf16 && w.dim() == 4 && w.size(2) == k3k::kPanel && w.size(3) == 2)),
+              "block weight must be a contiguous 2-D tensor, fp32 panels [N/16, K, 16] or bf16 panels "
+              "[N/16, K/2, 16, 2], got ", w.sizes(), " ", w.scalar_type());
+#ifndef K3K_DPBF16
+  TORCH_CHECK(!(bf16 && w.dim() == 4), "bf16 panels need a build with AVX512-BF16 (kernels.panel_form makes none here)");
+#endif
 }
 
 // Several projections of the same x [M, K] (q, k, v, f_a, b, g of a KDA block, ...) in one
@@ -104,7 +109,7 @@ void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& 
     check_weight(*t.w);
     TORCH_CHECK(k3k::in_features(*t.w) == K, "block weight has ", k3k::in_features(*t.w), " columns, the input ", K);
     first.push_back(first.back() + (k3k::out_features(*t.w) + kPanel - 1) / kPanel);
-    any_bf16 |= t.w->scalar_type() == at::kBFloat16;
+    any_bf16 |= t.w->scalar_type() == at::kBFloat16;  // rows or panels: both read x as bf16 bits
     bytes += t.w->numel() * t.w->element_size();
   }
   const std::vector<uint16_t> xb = bf16_input(x, M, K, any_bf16);
@@ -115,7 +120,13 @@ void gemv_many(const float* x, int64_t M, int64_t K, const std::vector<Target>& 
       const Target& t = targets[j];
       const int64_t N = k3k::out_features(*t.w), n0 = lo * kPanel, n1 = std::min(hi * kPanel, N);
       if (k3k::is_panels(*t.w)) {
-        k3k::panel_rows(x, M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy);
+#ifdef K3K_DPBF16
+        if (t.w->dim() == 4)
+          k3k::panel_rows_bf16(xb.data(), M, K, reinterpret_cast<const uint16_t*>(t.w->data_ptr<at::BFloat16>()), lo,
+                               hi, t.y, t.ldy);
+        else
+#endif
+          k3k::panel_rows(x, M, K, t.w->data_ptr<float>(), lo, hi, t.y, t.ldy);
         if (rnd)
           for (int64_t m = 0; m < M; ++m)
             for (int64_t n = n0; n < n1; ++n) t.y[m * t.ldy + n] = round_bf16(t.y[m * t.ldy + n]);

@@ -199,16 +199,17 @@ inline bool native_bf16() {
   return native;
 }
 
-// A projection weight in either form the blocks take: a matrix [N, K] (float or bf16) or the
-// fp32 panel form [N/16, K, 16] (panels.h).
+// A projection weight in any form the blocks take: a matrix [N, K] (float or bf16), the fp32
+// panel form [N/16, K, 16] or the bf16 one [N/16, K/2, 16, 2] (panels.h).
 constexpr int64_t kPanel = 16;
-inline bool is_panels(const at::Tensor& w) { return w.dim() == 3; }
+inline bool is_panels(const at::Tensor& w) { return w.dim() >= 3; }
 inline int64_t out_features(const at::Tensor& w) { return is_panels(w) ? w.size(0) * kPanel : w.size(0); }
-inline int64_t in_features(const at::Tensor& w) { return w.size(1); }
-// [N, K] of either form (a copy for panels: torch's GEMM for prefill-sized calls, where it costs
+inline int64_t in_features(const at::Tensor& w) { return w.dim() == 4 ? w.size(1) * 2 : w.size(1); }
+// [N, K] of any form (a copy for panels: torch's GEMM for prefill-sized calls, where it costs
 // 1/M of the product)
 inline at::Tensor as_matrix(const at::Tensor& w) {
-  return is_panels(w) ? w.transpose(1, 2).reshape({out_features(w), in_features(w)}) : w;
+  if (!is_panels(w)) return w;
+  return (w.dim() == 4 ? w.permute({0, 2, 1, 3}) : w.transpose(1, 2)).reshape({out_features(w), in_features(w)});
 }
 
 // x [M, K] @ w [N, K]^T past the GEMV sizes, by k3serve/layers/gemm.py's rule: a bf16 product of

@@ -8,6 +8,7 @@
 //   logits = lm_head(RMSNorm(x))[:, 1:]  -> [B, k, V]
 // Reference: DSparkModel.forward (k3serve/spec/dspark.py), compared in tests/spec/test_dspark_kernel.py.
 #include "common.h"
+#include "panels.h"
 #include "simd.h"
 
 #include <vector>
@@ -16,9 +17,17 @@ namespace {
 
 // y [M, N] = x [M, K] @ w [N, K]^T: small matrices in one thread's loop of row dots (the demo's
 // whole draft ~35 us so, ~45 with its larger products through torch's GEMM, ~90 split over two
-// threads), from 2^20 products (a K3-sized draft's LM head) torch's multithreaded GEMM
+// threads), from 2^20 products (a K3-sized draft's LM head) torch's multithreaded GEMM. A
+// weight in panel form (panels.h) runs panel_rows, over every thread from 2^20 products.
 void matmul(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y) {
-  const int64_t N = w.size(0);
+  const int64_t N = k3k::out_features(w);
+  if (k3k::is_panels(w)) {
+    const int64_t grain = M * N * K >= (1 << 20) ? k3k::grain_for(2 * M * K * k3k::kPanel) : w.size(0);
+    at::parallel_for(0, w.size(0), grain, [&](int64_t q0, int64_t q1) {
+      k3k::panel_rows(x, M, K, w.data_ptr<float>(), q0, q1, y, N);
+    });
+    return;
+  }
   if (M * N * K >= (1 << 20)) {
     at::Tensor out = at::from_blob(y, {M, N}, w.options());
     at::linear_out(out, at::from_blob(const_cast<float*>(x), {M, K}, w.options()), w);
@@ -52,9 +61,10 @@ at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tens
   for (size_t i = 0; i < w.size(); ++i)
     TORCH_CHECK(w[i].scalar_type() == at::kFloat && w[i].is_contiguous() && w[i].device().is_cpu(),
                 "dspark_forward: weight ", i, " must be a contiguous float32 CPU tensor");
-  const int64_t B = taps.size(0), h = w[0].size(0), V = w[2].size(0), T = w[3].size(0), L = (w.size() - 6) / 6;
-  const int64_t inter = L ? w[4 + 4].size(0) / 2 : 0, hd = h / heads;
-  TORCH_CHECK(w[0].size(1) == taps.size(1) && h % heads == 0 && mask_id >= 0 && mask_id < V && T >= 2,
+  using k3k::out_features;
+  const int64_t B = taps.size(0), h = out_features(w[0]), V = w[2].size(0), T = w[3].size(0), L = (w.size() - 6) / 6;
+  const int64_t inter = L ? out_features(w[4 + 4]) / 2 : 0, hd = h / heads;
+  TORCH_CHECK(k3k::in_features(w[0]) == taps.size(1) && h % heads == 0 && mask_id >= 0 && mask_id < V && T >= 2,
               "dspark_forward: shapes disagree");
   const float eps = float(eps_), scale = 1.f / std::sqrt(float(hd));
   const int64_t R = B * T;  // every block position of every request
