@@ -48,7 +48,7 @@ def _build():
         arch = os.environ.get("K3SERVE_KERNEL_ARCH", "native")
         name = "k3serve_cpu_kernels" + ("" if arch == "native" else "_" + arch.replace("-", "_").replace(".", "_"))
         module = load(name=name, sources=_SOURCES, verbose=False,
-                      extra_cflags=["-O3", f"-march={arch}", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                      extra_cflags=["-O3", f"-march={arch}", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden"], extra_ldflags=["-fopenmp"])
         return module, None
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, an unknown ISA: use torch
         log.warning("CPU kernels unavailable (%s: %s); using the torch reference paths", type(e).__name__,

@@ -59,23 +59,6 @@ void attend_rows(const float* q_abs, const float* q_pe, int64_t row_stride, int6
                mixed + k * nh * c);
 }
 #else
-// sum(v[m]) for 16 vectors, as one vector: lane 4k + j holds sum(v[k + 4j]) (three levels of
-// 128-bit-lane shuffles and adds: ~3 instructions a sum, where a reduction apiece takes ~8)
-inline __m512 sums16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int k = 0; k < 8; ++k)  // 256-bit halves: v[2k]'s in the low one, v[2k + 1]'s in the high
-    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; ++k)  // 128-bit lanes: v[4k], v[4k + 1], v[4k + 2], v[4k + 3]
-    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
-  // within lanes: b[0] holds v0..v3 (lane k: v[k]), b[1] v4..v7, b[2] v8..v11, b[3] v12..v15
-  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
-  const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
-}
-
 // attend_rows: `rows` query rows of one sequence (a verify pass, a short prefill: row k over
 // its first Ls[k] positions), nh heads each, in one pass over the latent rows with an online
 // softmax per (row, head) query (a running peak; the mix and the total rescaled when it rises):
@@ -118,7 +101,7 @@ void attend_rows(const float* q_abs, const float* q_pe, int64_t row_stride, int6
           a = _mm512_fmadd_ps(_mm512_loadu_ps(qcat.data() + (q * W + w) * 16), _mm512_loadu_ps(lat.data() + (p * W + w) * 16), a);
         acc[m] = a;
       }
-      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), sums16(acc));
+      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), k3k::sums16(acc));
       const float top = std::max(peak[q], _mm512_reduce_max_ps(s)), rescale = std::exp(peak[q] - top);
       _mm512_store_ps(e, k3k::exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
       total[q] = total[q] * rescale + _mm512_mask_reduce_add_ps(live, _mm512_load_ps(e));

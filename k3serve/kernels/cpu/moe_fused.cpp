@@ -55,6 +55,14 @@ struct Matrix {
     if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
     return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
   }
+#ifdef K3K_AVX512
+  // dot()'s vector before its horizontal sum (the same for a staged or an in-dot decoded row)
+  __m512 dot_vec(int64_t e, int64_t o, const float* row, const float* x) const {
+    if (row) return k3k::row_dot_vec(x, row, I);
+    if (scale) return k3k::mxfp4_row_dot_vec(x, codes(e, o), scales(e, o), I);
+    return k3k::row_dot_vec(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
+  }
+#else
   // out[j * ldo] = dot(e, o, row, x[j]) for T token rows, the weight row read once per three
   // tokens (simd.h row_dot_rows: the same bits as one dot at a time)
   void dot_tokens(int64_t e, int64_t o, const float* row, const float* const* x, int64_t T, float* out,
@@ -63,6 +71,7 @@ struct Matrix {
     if (!scale) return k3k::row_dot_rows(x, T, static_cast<const uint16_t*>(data) + (e * O + o) * I, I, out, ldo);
     for (int64_t j = 0; j < T; ++j) out[j * ldo] = dot(e, o, row, x[j]);
   }
+#endif
 #ifdef K3K_DPBF16
   // Weight rows per tile of the bf16 route for T activation rows: packed rows meeting up to 4
   // tokens decode in registers several at a time (simd.h mxfp4_tile_rows), the rest as simd.h's
@@ -143,6 +152,42 @@ Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, name,
               " must be float32, bfloat16 or packed MXFP4, got ", w.scalar_type());
   return {w.scalar_type(), w.data_ptr(), nullptr, w.size(0), w.size(1), w.size(2)};
+}
+
+// The FP32 route over (expert, row) items [begin, end) of m, `width` rows an expert: out[q *
+// width + o] = row (e, o) . x[q] for every pair q of expert e = active[item / width], rounded to
+// bf16 with `rnd`. AVX-512: up to 16 rows of one expert at a time, each (row, token) dot kept as
+// its vector and the 16 summed across at once (simd.h sums_rows: a third of the instructions of
+// a horizontal sum apiece, which cost more than a small expert's dot itself); a row's sum never
+// depends on its group. Else one dot at a time.
+void fp32_rows(const Matrix& m, int64_t width, const std::vector<int64_t>& active, const std::vector<int64_t>& offset,
+               const float* const* x, int64_t begin, int64_t end, float* out, bool rnd) {
+#ifdef K3K_AVX512
+  std::vector<float> staged(16 * m.I);
+  __m512 part[16];
+  for (int64_t item = begin; item < end;) {
+    const int64_t e = active[item / width], o0 = item % width, q0 = offset[e], T = offset[e + 1] - q0;
+    const int n = int(std::min<int64_t>({16, end - item, width - o0}));
+    const float* rows[16];
+    for (int r = 0; r < n; ++r) rows[r] = m.prepare(e, o0 + r, staged.data() + r * m.I, T);
+    for (int64_t j = 0; j < T; ++j) {
+      for (int r = 0; r < n; ++r) part[r] = m.dot_vec(e, o0 + r, rows[r], x[q0 + j]);
+      _mm512_mask_storeu_ps(out + (q0 + j) * width + o0, k3k::tail_mask(n), k3k::sums_rows(part, n));
+    }
+    if (rnd)
+      for (int64_t q = q0; q < q0 + T; ++q)
+        for (int r = 0; r < n; ++r) out[q * width + o0 + r] = round_bf16(out[q * width + o0 + r]);
+    item += n;
+  }
+#else
+  std::vector<float> buf(m.I);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t e = active[item / width], o = item % width, q0 = offset[e], T = offset[e + 1] - q0;
+    m.dot_tokens(e, o, m.prepare(e, o, buf.data(), T), x + q0, T, out + q0 * width + o, width);
+    if (rnd)
+      for (int64_t q = q0; q < q0 + T; ++q) out[q * width + o] = round_bf16(out[q * width + o]);
+  }
+#endif
 }
 
 #ifdef K3K_DPBF16
@@ -244,19 +289,11 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       const int64_t t = order[q] / topk;
       z1[q] = (m1.split() ? zs.data() : zp) + t * Kin, z3[q] = (m3.split() ? zs.data() : zp) + t * Kin;
     }
+    // here z is not all bf16 values (else the route above): FP32 dots
     at::parallel_for(0, A * inter, grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
                      [&](int64_t begin, int64_t end) {
-      std::vector<float> r1(Kin), r3(Kin);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t e = active[item / inter], o = item % inter, q0 = offset[e], tokens = offset[e + 1] - q0;
-        const float *row1 = m1.prepare(e, o, r1.data(), tokens), *row3 = m3.prepare(e, o, r3.data(), tokens);
-        // here z is not all bf16 values (else the route above): FP32 dots
-        m1.dot_tokens(e, o, row1, z1.data() + q0, tokens, h.data() + q0 * inter + o, inter);
-        m3.dot_tokens(e, o, row3, z3.data() + q0, tokens, u.data() + q0 * inter + o, inter);
-        if (rnd)
-          for (int64_t q = q0; q < q0 + tokens; ++q)
-            h[q * inter + o] = round_bf16(h[q * inter + o]), u[q * inter + o] = round_bf16(u[q * inter + o]);
-      }
+      fp32_rows(m1, inter, active, offset, z1.data(), begin, end, h.data(), rnd);
+      fp32_rows(m3, inter, active, offset, z3.data(), begin, end, u.data(), rnd);
     });
   }
   // the GLU over every pair at once: vector transcendentals instead of one call per element
@@ -295,14 +332,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     std::vector<const float*> hr(pairs);
     for (int64_t q = 0; q < pairs; ++q) hr[q] = hx + q * inter;
     at::parallel_for(0, A * out_dim, grain2, [&](int64_t begin, int64_t end) {
-      std::vector<float> r2(inter);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t e = active[item / out_dim], o = item % out_dim, q0 = offset[e], tokens = offset[e + 1] - q0;
-        const float* row2 = m2.prepare(e, o, r2.data(), tokens);
-        m2.dot_tokens(e, o, row2, hr.data() + q0, tokens, y.data() + q0 * out_dim + o, out_dim);
-        if (rnd)
-          for (int64_t q = q0; q < q0 + tokens; ++q) y[q * out_dim + o] = round_bf16(y[q * out_dim + o]);
-      }
+      fp32_rows(m2, out_dim, active, offset, hr.data(), begin, end, y.data(), rnd);
     });
   }
   auto out = at::zeros({N, out_dim}, z.options());

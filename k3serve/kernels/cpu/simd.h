@@ -61,9 +61,10 @@ inline float reduce_add8(__m256 v) {
 // wait on its own latency: about a core's memory bandwidth, so the dot would set the speed),
 // then 16 at a time, then a masked tail. Float and bf16 rows of equal values give equal sums, so
 // a bf16 row may be staged as floats (reused over several tokens) without changing a result.
-template <typename W>
-inline float row_dot(const float* x, const W* w, int64_t K) {
 #ifdef K3K_AVX512
+// row_dot's four chains added into one vector, before its horizontal sum
+template <typename W>
+__attribute__((always_inline)) inline __m512 row_dot_vec(const float* x, const W* w, int64_t K) {
   __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(), v3 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
@@ -76,7 +77,42 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
     const __mmask16 m = tail_mask(K - k);
     v0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), load16(w + k, m), v0);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+  return _mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3));
+}
+
+// sum(v[m]) for 16 vectors, as one vector: lane 4k + j holds sum(v[k + 4j]) (three levels of
+// 128-bit-lane shuffles and adds: ~3 instructions a sum, where a reduction apiece takes ~8).
+// Each sum's tree involves its own vector's lanes alone, so it never depends on the others.
+inline __m512 sums16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int k = 0; k < 8; ++k)  // 256-bit halves: v[2k]'s in the low one, v[2k + 1]'s in the high
+    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit lanes: v[4k], v[4k + 1], v[4k + 2], v[4k + 3]
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
+  // within lanes: b[0] holds v0..v3 (lane k: v[k]), b[1] v4..v7, b[2] v8..v11, b[3] v12..v15
+  const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
+}
+
+// sum(v[r]) in lane r for n <= 16 vectors (sums16 with its lanes in row order; lanes past n 0)
+inline __m512 sums_rows(const __m512* v, int n) {
+  __m512 a[16];
+  for (int m = 0; m < 16; ++m) {  // sums16 puts v[k + 4j] in lane 4k + j: row r = 4k + j goes to m = k + 4j
+    const int r = 4 * (m % 4) + m / 4;
+    a[m] = r < n ? v[r] : _mm512_setzero_ps();
+  }
+  return sums16(a);
+}
+#endif
+
+template <typename W>
+inline float row_dot(const float* x, const W* w, int64_t K) {
+#ifdef K3K_AVX512
+  return _mm512_reduce_add_ps(row_dot_vec(x, w, K));
 #elif defined(K3K_AVX2)
   // the same shape at 8 lanes: four accumulators over 32 columns, then 8 at a time into v0
   __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps(), v2 = _mm256_setzero_ps(), v3 = _mm256_setzero_ps();
@@ -244,8 +280,10 @@ inline void split32(const float* x, int64_t K, float* out) {
 // row_dot(xs, decode_mxfp4_row<true>(...)) for xs in split order, without writing the row out:
 // the same decoded vectors into the same accumulators in the same order (two groups per 64
 // columns, a last odd group into v0), so the sum is bitwise the staged one's.
-inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t* scale, int64_t K) {
 #ifdef K3K_AVX512
+// mxfp4_row_dot's vector before its horizontal sum (row_dot_vec's, bitwise)
+__attribute__((always_inline)) inline __m512 mxfp4_row_dot_vec(const float* xs, const uint8_t* packed,
+                                                               const uint8_t* scale, int64_t K) {
   const float* pow2 = e8m0().v;
   __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(), v3 = _mm512_setzero_ps();
   int64_t g = 0;
@@ -266,7 +304,13 @@ inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t
     v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xs + g * 32), a, v0);
     v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xs + g * 32 + 16), b, v0);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+  return _mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3));
+}
+#endif
+
+inline float mxfp4_row_dot(const float* xs, const uint8_t* packed, const uint8_t* scale, int64_t K) {
+#ifdef K3K_AVX512
+  return _mm512_reduce_add_ps(mxfp4_row_dot_vec(xs, packed, scale, K));
 #elif defined(K3K_AVX2)
   // row_dot's 32-column step is one group: its four split vectors into v0..v3
   const float* pow2 = e8m0().v;
