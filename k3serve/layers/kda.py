@@ -51,6 +51,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = linear(d, P)
         self.kernels = None  # k3serve.kernels module: decode / verify rows in one call (set by use_kernels)
         self._kernel_weights: list[torch.Tensor] | None = None  # the block kernel's arguments, reset by use_kernels
+        self._record_store: tuple[torch.Tensor, torch.Tensor] | None = None  # verify records (_records)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         N = x.shape[0]
@@ -137,14 +138,18 @@ class KimiDeltaAttention(nn.Module):
                                     None, None)
         return rows, y
 
-    @staticmethod
-    def _records(batch: ForwardBatch, rec: torch.Tensor, conv: torch.Tensor):
-        """Per-position state buffers [S, T, ...] for a verify pass, else (None, None)."""
+    def _records(self, batch: ForwardBatch, rec: torch.Tensor, conv: torch.Tensor):
+        """Per-position state buffers [S, T, ...] for a verify pass, else (None, None): views of
+        this layer's record store, grown as needed and reused step after step (the records live
+        until the step's rollback; two allocations per layer cost ~2 us a verify step each)."""
         if not batch.verify:
             return None, None
         S, T = len(batch.step.seqs), batch.step.longest
-        return (torch.empty(S, T, *rec.shape[1:], device=rec.device),
-                torch.empty(S, T, *conv.shape[1:], device=conv.device))
+        n_rec, n_conv = S * T * rec[0].numel(), S * T * conv[0].numel()
+        store = self._record_store
+        if store is None or store[0].numel() < n_rec or store[1].numel() < n_conv or store[0].device != rec.device:
+            store = self._record_store = (torch.empty(n_rec, device=rec.device), torch.empty(n_conv, device=conv.device))
+        return store[0][:n_rec].view(S, T, *rec.shape[1:]), store[1][:n_conv].view(S, T, *conv.shape[1:])
 
     def _keep_records(self, batch: ForwardBatch, cache: CacheTensors, bufs) -> None:
         """Verify sequences come first in `step`, so their records are the buffers' head."""

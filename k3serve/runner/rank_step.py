@@ -106,7 +106,7 @@ class RankRunner:
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify pass: each live slot takes its recorded state at the accepted position."""
-        rollback_states(self.cache, slots, accepted)
+        rollback_states(self.cache, slots, accepted, getattr(getattr(self.model, "model", None), "kernels", None))
 
     def read_state(self, slot: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """This rank's KDA state of one slot (its heads): recurrent [h, D, D], conv [K-1, 3hD] per layer."""

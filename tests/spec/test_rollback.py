@@ -57,24 +57,37 @@ def test_state_after_rollback_equals_plain_decoding(model, tau):
 
 
 def test_few_and_many_sequences_roll_back_alike(monkeypatch):
-    """rollback_states copies one sequence at a time up to FEW sequences and gathers past it;
-    both forms move each sequence's recorded state at its accepted position into its slot."""
+    """rollback_states copies one sequence at a time up to FEW sequences and gathers past it, or
+    hands every layer to the compiled kda_rollback; each form moves each sequence's recorded
+    state at its accepted position into its slot and leaves the other slots alone."""
+    from k3serve import kernels
     from k3serve.spec import rollback
 
     g = torch.Generator().manual_seed(3)
     rec_buf, conv_buf = torch.randn(4, 5, 2, 3, 3, generator=g), torch.randn(4, 5, 3, 6, generator=g)
     slots, accepted = [6, 1, 4, 2], [3, -1, 0, 4]
 
-    def run(few):
+    def run(few, k=None):
         monkeypatch.setattr(rollback, "FEW", few)
         cache = CacheTensors([None, torch.zeros(8, 2, 3, 3)], [None, torch.zeros(8, 3, 6)], [None, None], BS)
         cache.spec_states[1] = (rec_buf, conv_buf)
-        rollback_states(cache, slots, accepted)
+        rollback_states(cache, slots, accepted, k)
         assert not cache.spec_states
         return cache.recurrent[1], cache.conv[1]
 
-    one, many = run(8), run(0)
-    for got in (one, many):
+    one, many, compiled = run(8), run(0), run(0, kernels.get("cpp"))
+    for got in (one, many, compiled):
         for j, (slot, a) in enumerate(zip(slots, accepted)):
             want = (torch.zeros(2, 3, 3), torch.zeros(3, 6)) if a < 0 else (rec_buf[j, a], conv_buf[j, a])
             assert torch.equal(got[0][slot], want[0]) and torch.equal(got[1][slot], want[1])
+
+
+def test_compiled_rollback_names_bad_records():
+    from k3serve import kernels
+
+    k = kernels.get("cpp")
+    live, conv = torch.zeros(4, 2, 3, 3), torch.zeros(4, 3, 6)
+    with pytest.raises(RuntimeError, match="out of range"):
+        k.kda_rollback([live], [conv], [torch.zeros(1, 5, 2, 3, 3)], [torch.zeros(1, 5, 3, 6)], [9], [0])
+    with pytest.raises(RuntimeError, match="do not match"):
+        k.kda_rollback([live], [conv], [torch.zeros(1, 5, 2, 3, 4)], [torch.zeros(1, 5, 3, 6)], [1], [0])

@@ -240,3 +240,33 @@ at::Tensor kda_decode(at::Tensor u, at::Tensor conv_w, at::Tensor z, at::Tensor 
   kda_rows(a);
   return y;
 }
+
+// After a verify pass (k3serve/spec/rollback.py): for every KDA layer l and sequence j with
+// accepted[j] >= 0, live slot slots[j] of live_rec[l] / live_conv[l] takes the state recorded
+// at that position, rec_bufs[l][j, accepted[j]] / conv_bufs[l][j, accepted[j]]. One call for
+// every layer's copies (two dozen torch indexing ops and copies cost ~25 us of a single user's
+// speculative step). Reference: rollback_states' torch copies, compared in tests/spec/test_rollback.py.
+void kda_rollback(std::vector<at::Tensor> live_rec, std::vector<at::Tensor> live_conv, std::vector<at::Tensor> rec_bufs,
+                  std::vector<at::Tensor> conv_bufs, std::vector<int64_t> slots, std::vector<int64_t> accepted) {
+  TORCH_CHECK(live_conv.size() == live_rec.size() && rec_bufs.size() == live_rec.size() &&
+                  conv_bufs.size() == live_rec.size() && accepted.size() == slots.size(),
+              "kda_rollback: one live state and record pair per layer, one position per slot");
+  const auto copy = [&](const at::Tensor& live, const at::Tensor& buf, const char* what) {
+    k3k::check_f32(live, what, live.dim());
+    k3k::check_f32(buf, what, live.dim() + 1);
+    const int64_t n = live[0].numel();
+    TORCH_CHECK(buf.size(0) >= int64_t(slots.size()) && buf[0][0].numel() == n, "kda_rollback: ", what,
+                " records [S, T, ...] do not match the live state's rows");
+    for (size_t j = 0; j < slots.size(); ++j) {
+      if (accepted[j] < 0) continue;
+      TORCH_CHECK(slots[j] >= 0 && slots[j] < live.size(0) && accepted[j] < buf.size(1), "kda_rollback: slot ",
+                  slots[j], " or position ", accepted[j], " out of range");
+      std::memcpy(live.data_ptr<float>() + slots[j] * n, buf.data_ptr<float>() + (j * buf.size(1) + accepted[j]) * n,
+                  n * sizeof(float));
+    }
+  };
+  for (size_t l = 0; l < live_rec.size(); ++l) {
+    copy(live_rec[l], rec_bufs[l], "recurrent state");
+    copy(live_conv[l], conv_bufs[l], "conv state");
+  }
+}

@@ -53,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a_log"), py::arg("o_norm_w"), py::arg("conv_state"), py::arg("rec_state"), py::arg("slots"),
         py::arg("starts"), py::arg("lower_bound"), py::arg("eps"), py::arg("rec_buf") = py::none(),
         py::arg("conv_buf") = py::none());
+  m.def("kda_rollback", &kda_rollback, "after a verify pass: each live KDA slot takes its recorded state at the "
+        "accepted position, every layer in one call");
   m.def("mla_decode", &mla_decode, "absorbed MLA attention of decode / verify rows over the paged latent cache");
   m.def("moe_experts", &moe_experts, "routed experts (MXFP4 or dense) and their weighted sum -> [N, out] fp32");
   m.def("moe_route", &moe_route, "router: (expert ids [N, k], weights [N, k])");
