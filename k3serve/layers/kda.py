@@ -103,8 +103,9 @@ class KimiDeltaAttention(nn.Module):
             g = [self.g_proj.weight, _NONE] if hasattr(self, "g_proj") else [self.g_a_proj.weight, self.g_b_proj.weight]
             proj = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
                     self.f_b_proj.weight, self.b_proj.weight, *g, self.o_proj.weight]
-            self._kernel_weights = [*(kernel_matrix(w, self.kernels) for w in proj), self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias,
-                                    self.A_log, self.o_norm.weight]
+            self._kernel_weights = [*(kernel_matrix(w, self.kernels) for w in proj), self.q_conv1d.weight,
+                                    self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,
+                                    self.o_norm.weight]
         return self._kernel_weights
 
     def block_scalars(self) -> tuple[list[int], list[float]]:

@@ -63,7 +63,7 @@ void attend_rows(const float* q_abs, const float* q_pe, int64_t row_stride, int6
 // its first Ls[k] positions), nh heads each, in one pass over the latent rows with an online
 // softmax per (row, head) query (a running peak; the mix and the total rescaled when it rises):
 // each latent row is read and widened once for every query while it is in cache, and every 16
-// positions' scores of a query come out of one vector pass (sums16) and one vector exp.
+// positions' scores of a query come out of one vector pass (sums_rows) and one vector exp.
 // mixed [rows * nh, c] <- sum_l p_l c_l (normalised). q_abs [rows * nh, c]; q_pe: the rope part
 // of row 0 head 0's query, heads ld and rows row_stride apart. A query's arithmetic never
 // depends on the others (positions past its own are masked), so grouping changes no bit.
@@ -94,14 +94,13 @@ void attend_rows(const float* q_abs, const float* q_pe, int64_t row_stride, int6
       if (nbq <= 0) continue;
       const __mmask16 live = k3k::tail_mask(nbq);
       __m512 acc[16];
-      for (int m = 0; m < 16; ++m) {  // sums16 puts v[k + 4j] in lane 4k + j: position 4k + j goes to m = k + 4j
-        const int64_t p = 4 * (m % 4) + m / 4;
+      for (int64_t p = 0; p < 16; ++p) {
         __m512 a = _mm512_setzero_ps();
         for (int64_t w = 0; w < W; ++w)
           a = _mm512_fmadd_ps(_mm512_loadu_ps(qcat.data() + (q * W + w) * 16), _mm512_loadu_ps(lat.data() + (p * W + w) * 16), a);
-        acc[m] = a;
+        acc[p] = a;
       }
-      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), k3k::sums16(acc));
+      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), k3k::sums_rows(acc, 16));
       const float top = std::max(peak[q], _mm512_reduce_max_ps(s)), rescale = std::exp(peak[q] - top);
       _mm512_store_ps(e, k3k::exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
       total[q] = total[q] * rescale + _mm512_mask_reduce_add_ps(live, _mm512_load_ps(e));

@@ -1,8 +1,8 @@
 // Python bindings of the CPU kernels (k3serve/kernels/__init__.py builds this directory).
 #include <torch/extension.h>
 
-#include "common.h"
 #include "ops.h"
+#include "panels.h"
 #include "simd.h"
 
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
@@ -20,22 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether this build runs bf16 dots in vdpbf16ps (AVX512-BF16)");
-  // a copy, so bounded: a vocabulary-sized head or a large fp32 model's projections past 64 MB
-  // stay single (the copy would double them, for the decode rows' gain alone)
-  m.def("panel_form", [](at::Tensor w) {
-    if (w.dim() != 2 || !w.device().is_cpu() || w.size(0) % k3k::kPanel || w.nbytes() > (int64_t(64) << 20)) return w;
-    const int64_t P = w.size(0) / k3k::kPanel, K = w.size(1);
-#ifdef __AVX512F__
-    if (w.scalar_type() == at::kFloat) return w.detach().reshape({P, k3k::kPanel, K}).transpose(1, 2).contiguous();
-#endif
-#ifdef K3K_DPBF16
-    // bf16 up to 1 MB, a matrix that stays in cache: tiny Kimi-Linear / K3 decode 1.05-1.13x; the
-    // 400 M model's 2-8 MB ones stream from memory, as fast as the row tiles read them (0.98-1.05x)
-    if (w.scalar_type() == at::kBFloat16 && K % 2 == 0 && w.nbytes() <= (int64_t(1) << 20))
-      return w.detach().reshape({P, k3k::kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-#endif
-    return w;
-  }, "a projection [N, K] (N a multiple of 16) as panels where this build reads them faster (panels.h: fp32 "
+  m.def("panel_form", &k3k::panel_form, "a projection [N, K] (N a multiple of 16) as panels where this build reads them faster (panels.h: fp32 "
      "[N/16, K, 16] with AVX-512, up to 64 MB; bf16 [N/16, K/2, 16, 2] with AVX512-BF16, up to 1 MB), else w itself");
   m.def("simd", []() {
 #if defined(K3K_DPBF16)

@@ -49,20 +49,21 @@ struct Matrix {
   }
   // A packed matrix takes its vectors in split order (simd.h split32: no interleaving on decode).
   bool split() const { return scale != nullptr; }
-  // sum_i row(e, o)[i] x[i] in FP32, `row` from prepare(), x in split32 order when split()
-  float dot(int64_t e, int64_t o, const float* row, const float* x) const {
-    if (row) return k3k::row_dot(x, row, I);
-    if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
-    return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
-  }
 #ifdef K3K_AVX512
-  // dot()'s vector before its horizontal sum (the same for a staged or an in-dot decoded row)
+  // sum_i row(e, o)[i] x[i] in FP32 as a vector before its horizontal sum, `row` from prepare()
+  // (the same for a staged or an in-dot decoded row), x in split32 order when split()
   __m512 dot_vec(int64_t e, int64_t o, const float* row, const float* x) const {
     if (row) return k3k::row_dot_vec(x, row, I);
     if (scale) return k3k::mxfp4_row_dot_vec(x, codes(e, o), scales(e, o), I);
     return k3k::row_dot_vec(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
   }
 #else
+  // sum_i row(e, o)[i] x[i] in FP32, `row` from prepare(), x in split32 order when split()
+  float dot(int64_t e, int64_t o, const float* row, const float* x) const {
+    if (row) return k3k::row_dot(x, row, I);
+    if (scale) return k3k::mxfp4_row_dot(x, codes(e, o), scales(e, o), I);
+    return k3k::row_dot(x, static_cast<const uint16_t*>(data) + (e * O + o) * I, I);
+  }
   // out[j * ldo] = dot(e, o, row, x[j]) for T token rows, the weight row read once per three
   // tokens (simd.h row_dot_rows: the same bits as one dot at a time)
   void dot_tokens(int64_t e, int64_t o, const float* row, const float* const* x, int64_t T, float* out,
