@@ -24,6 +24,27 @@ def kernel_matrix(w: torch.Tensor | None, kernels) -> torch.Tensor | None:
     return w if kernels is None or w is None or w.numel() == 0 else kernels.panel_form(w)
 
 
+EXPERT_PANEL_BYTES = 1 << 20  # an expert matrix's fp32 form up to this stays in cache
+
+
+def kernel_experts(w, kernels, fp32_model: bool) -> list:
+    """One routed-expert matrix (layers/expert_weights.py) as moe_experts takes it: [packed codes,
+    E8M0 scales] or [dense, None]; an fp32 model's experts whose fp32 form is at most 1 MB a
+    matrix as fp32 panels [E, O/16, I, 16] and None (kernels/cpu/panels.h expert_panel_form, the
+    MXFP4 values exactly: a 4-bit value times a power of two). Cache-resident experts are
+    compute bound, and there decoding a 4-bit row for each token it meets cost more than the
+    dot (the bundled demo's 5-row verify: ~70 of ~345 us); larger ones stream from memory, where
+    the packed bytes are the point. A copy: built once, in the modules' cached block arguments."""
+    E, O, I = w.shape
+    if kernels is not None and fp32_model and E * O * I * 4 <= EXPERT_PANEL_BYTES:
+        value = w.value
+        dense = value.dequantize(torch.float32) if w.is_packed else value.float()
+        panels = kernels.expert_panel_form(dense.contiguous())
+        if panels.dim() == 4:
+            return [panels, None]
+    return [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
+
+
 class WeightOnly(nn.Module):
     """A module whose only parameter is `weight` (norms, conv taps, AttnRes vectors)."""
 

@@ -15,7 +15,7 @@ from torch import nn
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
-from k3serve.layers.common import RMSNorm, WeightOnly, kernel_matrix, linear
+from k3serve.layers.common import RMSNorm, WeightOnly, kernel_experts, kernel_matrix, linear
 from k3serve.layers.expert_weights import ExpertWeights
 from k3serve.layers.experts import experts_forward, experts_reference
 from k3serve.layers.moe_dispatch import all_to_all_routed, gather_form, gather_routed
@@ -241,9 +241,7 @@ class SparseMoE(nn.Module):
 
     def _experts_kernel(self, z, ids, weights) -> torch.Tensor:
         """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or dense)."""
-        ws = []
-        for w in (self.w1, self.w3, self.w2):
-            ws += [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
+        ws = self.block_weights()[5:11]  # the experts in the form moe_block takes them (the same bits)
         beta, linear_beta = self.situ or (0.0, 0.0)
         return self.kernels.moe_experts(z.float().contiguous(), ids.contiguous(), weights.contiguous(), *ws,
                                         int(self.situ is not None), beta, linear_beta,
@@ -270,7 +268,7 @@ class SparseMoE(nn.Module):
             latent = m.latent_size is not None
             experts = []
             for w in (self.w1, self.w3, self.w2):
-                experts += [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
+                experts += kernel_experts(w, self.kernels, self.gate.weight.dtype == torch.float32)
             shared = self.shared_experts.weights() if m.num_shared_experts else [None] * 3
             mat = partial(kernel_matrix, kernels=self.kernels)
             self._kernel_weights = [self.gate.weight, self.gate.e_score_correction_bias,

@@ -194,11 +194,18 @@ def test_moe_route_equals_the_router(groups, keep, act, dtype):
     torch.testing.assert_close(wts, w_ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-bf16", "fp32", "bf16"])
+def panels(w: PackedMXFP4) -> torch.Tensor:
+    """an fp32 model's cache-resident packed experts as the model hands them over (layers/common.py
+    kernel_experts): decoded, in panel form where this build reads it (else dense fp32)"""
+    return K.expert_panel_form(w.dequantize(torch.float32).contiguous())
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-bf16", "mxfp4-panels", "fp32", "bf16"])
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts_equals_the_torch_experts(kind, act):
     """mxfp4: FP32 activations (FP32 dots); mxfp4-bf16: a bf16 model's (bf16 dots on rows decoded
-    to bf16, rounding where torch's bf16 path rounds); h = 96 leaves a lone 32-group after the
+    to bf16, rounding where torch's bf16 path rounds); mxfp4-panels: w1 and w3 as fp32 panels
+    (inter = 96: six), w2 (40 rows, no whole panel) dense; h = 96 leaves a lone 32-group after the
     64-column steps, inter = 96 too; expert 1's six tokens fill 3 x 4 tiles raggedly, the others'
     one or two take the 1-row tiles (and, packed, the in-register decode)."""
     g = torch.Generator().manual_seed(len(kind) + len(act))
@@ -213,7 +220,11 @@ def test_moe_experts_equals_the_torch_experts(kind, act):
         ids[t] = torch.tensor([1, 2 + t % 4])
     weights = torch.rand(T, k, generator=g)
     bf16 = kind in ("bf16", "mxfp4-bf16")
-    if kind.startswith("mxfp4"):
+    if kind == "mxfp4-panels":
+        w1, w3, w2 = (PackedMXFP4.quantize(d) for d in dense)
+        args, ref_x = [panels(w1), None, panels(w3), None, panels(w2), None], x
+        assert args[4].dim() == 3 and (args[0].dim() == 4) == ("avx512" in K.simd())
+    elif kind.startswith("mxfp4"):
         w1, w3, w2 = (PackedMXFP4.quantize(d) for d in dense)
         args, ref_x = [w1.packed, w1.scale, w3.packed, w3.scale, w2.packed, w2.scale], x.to(torch.bfloat16 if bf16 else torch.float32)
     else:
@@ -226,7 +237,7 @@ def test_moe_experts_equals_the_torch_experts(kind, act):
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-bf16", "bf16"])
+@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-bf16", "mxfp4-panels", "bf16"])
 def test_moe_experts_rows_do_not_depend_on_batch_mates(kind):
     """Alone, a token's expert rows meet it in 1-token tiles (FP32 MXFP4: decoded inside the
     dot); shared, in 4-token tiles of a staged row. Both must give the same bits (K = 96 leaves
@@ -236,7 +247,9 @@ def test_moe_experts_rows_do_not_depend_on_batch_mates(kind):
     dense = [torch.randn(4, 32, 96, generator=g), torch.randn(4, 32, 96, generator=g), torch.randn(4, 96, 32, generator=g)]
     x, ids, wt = torch.randn(9, 96, generator=g), torch.randint(0, 4, (9, 1), generator=g), torch.rand(9, 1)
     ids[0] = ids[2] = ids[5] = ids[7] = ids[8]  # token 2's expert is shared by five in the full batch
-    if kind.startswith("mxfp4"):
+    if kind == "mxfp4-panels":  # fp32 panels: each output one FMA chain, whatever its tile
+        args = [t for d in dense for t in (panels(PackedMXFP4.quantize(d)), None)]
+    elif kind.startswith("mxfp4"):
         packed = [PackedMXFP4.quantize(d) for d in dense]
         if kind == "mxfp4-bf16":
             packed[0].scale[ids[2, 0], 7, 1] = 1  # 2^-126: folding would make bf16 denormals
@@ -248,6 +261,28 @@ def test_moe_experts_rows_do_not_depend_on_batch_mates(kind):
     full = K.moe_experts(x, ids, wt, *args)
     one = K.moe_experts(x[2:3].clone(), ids[2:3].clone(), wt[2:3].clone(), *args)
     assert torch.equal(full[2], one[0])
+
+
+@pytest.mark.skipif("avx512" not in K.simd(), reason="fp32 panels are read with AVX-512 only")
+def test_an_fp32_models_small_experts_become_panels_and_others_stay_packed():
+    """layers/common.py kernel_experts: an fp32 model's experts whose fp32 form fits in 1 MB a
+    matrix as fp32 panels holding the MXFP4 values exactly; a bf16 model's, or larger ones (a
+    4-bit checkpoint's traffic is its packed bytes), stay packed."""
+    from k3serve.layers.common import kernel_experts
+    from k3serve.layers.expert_weights import ExpertWeights
+
+    def experts(E, O, I):
+        w = ExpertWeights(E, O, I)
+        w.load(PackedMXFP4.quantize(torch.randn(E, O, I, generator=torch.Generator().manual_seed(E))))
+        return w
+
+    small, big = experts(8, 64, 64), experts(32, 128, 128)  # 128 KB and 2 MB as fp32
+    p, none = kernel_experts(small, K, fp32_model=True)
+    assert none is None and p.shape == (8, 4, 64, 16)
+    assert torch.equal(p.transpose(2, 3).reshape(8, 64, 64), small.value.dequantize(torch.float32))
+    assert kernel_experts(small, K, fp32_model=False) == [small.packed, small.scale]
+    assert kernel_experts(big, K, fp32_model=True) == [big.packed, big.scale]
+    assert kernel_experts(small, None, fp32_model=True) == [small.packed, small.scale]
 
 
 needs_bf16_dot = pytest.mark.skipif(not K.has_bf16_dot(), reason="this CPU build has no AVX512-BF16 route")

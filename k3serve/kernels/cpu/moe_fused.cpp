@@ -11,11 +11,15 @@
 // References: k3serve/layers/router.py `route`, k3serve/layers/experts.py `experts_forward`
 // (and `experts_reference`), compared in tests/model/test_kernels.py.
 #include "common.h"
+#include "panels.h"
 #include "simd.h"
 
 #include <algorithm>
+#include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -27,12 +31,14 @@ constexpr int kGroup = 32;
 constexpr int64_t kPrefetchRows = 8;
 using k3k::round_bf16;
 
-// One expert matrix [E, O, I]: dense (fp32 / bf16) or packed MXFP4 (codes [E, O, I/2], E8M0 [E, O, I/32]).
+// One expert matrix [E, O, I]: dense (fp32 / bf16), packed MXFP4 (codes [E, O, I/2], E8M0
+// [E, O, I/32]) or fp32 panels ([E, O/16, I, 16], panels.h expert_panel_form: `panels`).
 struct Matrix {
   at::ScalarType dtype;
   const void* data;
   const uint8_t* scale = nullptr;
   int64_t E, O, I;
+  bool panels = false;
 
   // The FP32 route (activations that are not bf16 values): a packed row read by several tokens
   // is decoded into `buf` once per (expert, row) and reused (one token: decoded inside its dot,
@@ -137,11 +143,17 @@ struct Matrix {
   }
 #endif
   bool bf16() const { return !scale && dtype == at::kBFloat16; }
+  const float* panel(int64_t e) const { return static_cast<const float*>(data) + e * O * I; }
   const uint8_t* codes(int64_t e, int64_t o) const { return static_cast<const uint8_t*>(data) + (e * O + o) * (I / 2); }
   const uint8_t* scales(int64_t e, int64_t o) const { return scale + (e * O + o) * (I / kGroup); }
 };
 
 Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const char* name) {
+  if (w.dim() == 4) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(3) == k3k::kPanel && w.is_contiguous() && w.device().is_cpu() &&
+                    !scale.has_value(), name, ": expert panels must be a contiguous fp32 [E, O/16, I, 16] tensor");
+    return {at::kFloat, w.data_ptr(), nullptr, w.size(0), w.size(1) * k3k::kPanel, w.size(2), true};
+  }
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.device().is_cpu(), name, " must be a contiguous [E, O, I] tensor");
   if (scale.has_value()) {
     TORCH_CHECK(w.scalar_type() == at::kByte && scale->scalar_type() == at::kByte && scale->is_contiguous(),
@@ -189,6 +201,31 @@ void fp32_rows(const Matrix& m, int64_t width, const std::vector<int64_t>& activ
       for (int64_t q = q0; q < q0 + T; ++q) out[q * width + o] = round_bf16(out[q * width + o]);
   }
 #endif
+}
+
+// The panel route (experts in fp32 panels): out[q * O + o] = row (e, o) . xs[q] for every pair q
+// of each active expert e, its T pairs' rows contiguous in xs [pairs, I] (expert order), in
+// panels.h tiles; rounded to bf16 with `rnd`. Each matrix of `mats` (same E, O, I) writes its own
+// output. A row's sum is one FMA chain in column order, whatever its tile (batch invariance).
+void panel_experts(std::initializer_list<std::pair<const Matrix*, float*>> mats, const std::vector<int64_t>& active,
+                   const std::vector<int64_t>& offset, const float* xs, int64_t pairs, bool rnd) {
+  const Matrix& m = *mats.begin()->first;
+  const int64_t P = m.O / k3k::kPanel, A = int64_t(active.size()), I = m.I, O = m.O;
+  const int64_t per = std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1));
+  at::parallel_for(0, A * P, k3k::grain_for(2 * I * k3k::kPanel * per * int64_t(mats.size())),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end;) {
+      const int64_t e = active[item / P], p0 = item % P, p1 = std::min(P, p0 + end - item);
+      const int64_t q0 = offset[e], T = offset[e + 1] - q0;
+      for (const auto& [mat, out] : mats) {
+        k3k::panel_rows(xs + q0 * I, T, I, mat->panel(e), p0, p1, out + q0 * O, O);
+        if (rnd)
+          for (int64_t q = q0; q < q0 + T; ++q)
+            for (int64_t o = p0 * k3k::kPanel; o < p1 * k3k::kPanel; ++o) out[q * O + o] = round_bf16(out[q * O + o]);
+      }
+      item += p1 - p0;
+    }
+  });
 }
 
 #ifdef K3K_DPBF16
@@ -279,7 +316,13 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     });
   } else
 #endif
-  {
+  if (m1.panels && m3.panels) {  // each pair's z row, in expert order
+    zs.resize(pairs * Kin);
+    for (int64_t q = 0; q < pairs; ++q)
+      std::memcpy(zs.data() + q * Kin, zp + (order[q] / topk) * Kin, Kin * sizeof(float));
+    panel_experts({{&m1, h.data()}, {&m3, u.data()}}, active, offset, zs.data(), pairs, rnd);
+  } else {
+    TORCH_CHECK(!m1.panels && !m3.panels, "w1 and w3 must both be expert panels or neither");
     if (m1.split() || m3.split()) {  // each token's row in split order, once
       zs.resize(N * Kin);
       for (int64_t t = 0; t < N; ++t) split32(zp + t * Kin, Kin, zs.data() + t * Kin);
@@ -324,7 +367,9 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
     });
   } else
 #endif
-  {
+  if (m2.panels) {
+    panel_experts({{&m2, y.data()}}, active, offset, h.data(), pairs, rnd);
+  } else {
     if (m2.split()) {
       hs.resize(pairs * inter);
       for (int64_t q = 0; q < pairs; ++q) split32(h.data() + q * inter, inter, hs.data() + q * inter);

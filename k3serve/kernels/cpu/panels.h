@@ -148,6 +148,17 @@ inline at::Tensor panel_form(at::Tensor w) {
   return w;
 }
 
+// Routed experts [E, O, I] fp32 as panels [E, O/16, I, 16] (each expert's matrix in panel_form's
+// fp32 order; moe_fused.cpp's panel route) where this build reads fp32 panels and O is a multiple
+// of 16, else w itself. A copy: the caller bounds it (layers/common.py kernel_experts).
+inline at::Tensor expert_panel_form(at::Tensor w) {
+#ifdef __AVX512F__
+  if (w.dim() == 3 && w.device().is_cpu() && w.scalar_type() == at::kFloat && w.size(1) % kPanel == 0)
+    return w.detach().reshape({w.size(0), w.size(1) / kPanel, kPanel, w.size(2)}).transpose(2, 3).contiguous();
+#endif
+  return w;
+}
+
 #ifdef K3K_DPBF16
 // bf16 panels (x as bf16 bits [M, K])
 inline void panel_rows_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64_t q0, int64_t q1,
