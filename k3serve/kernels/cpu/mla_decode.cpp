@@ -14,6 +14,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -135,6 +136,79 @@ void attend_rows(const float* q_abs, const float* q_pe, int64_t row_stride, int6
 }
 #endif
 
+template <typename TW>
+const std::conditional_t<std::is_same_v<TW, float>, float, uint16_t>* bits(const TW* w) {
+  return reinterpret_cast<const std::conditional_t<std::is_same_v<TW, float>, float, uint16_t>*>(w);
+}
+
+// q_abs [nr * nh, c] = W_UK^T q_nope per row and head: row k's head g query at q + k * ldr + g *
+// ldh ([nope | rope]), head g's W_UK [n, c] at w + g * wh. Each value is one chain over a in order.
+// AVX-512: 64 values a row held in registers over a; else the axpy form, each weight row widened
+// once (into wr) for the run's rows.
+template <typename TW>
+void absorb(const float* q, int64_t ldr, int64_t ldh, const TW* w, int64_t wh, int64_t nr, int64_t nh, int64_t n,
+            int64_t c, float* q_abs, std::vector<float>& wr) {
+  for (int64_t g = 0; g < nh; ++g) {
+    const TW* wg = w + g * wh;
+#ifdef K3K_AVX512
+    for (int64_t k = 0; k < nr; ++k) {
+      const float* qk = q + k * ldr + g * ldh;
+      float* qa_row = q_abs + (k * nh + g) * c;
+      for (int64_t j0 = 0; j0 < c; j0 += 64) {
+        __m512 acc[4];
+        const int parts = int(std::min<int64_t>(4, (c - j0 + 15) / 16));
+        for (int t = 0; t < 4; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t a = 0; a < n; ++a) {
+          const __m512 qa = _mm512_set1_ps(qk[a]);
+          const auto* wa = bits(wg + a * c + j0);
+          for (int t = 0; t < parts; ++t)
+            acc[t] = _mm512_fmadd_ps(qa, k3k::load16(wa + 16 * t, k3k::tail_mask(c - j0 - 16 * t)), acc[t]);
+        }
+        for (int t = 0; t < parts; ++t) _mm512_mask_storeu_ps(qa_row + j0 + 16 * t, k3k::tail_mask(c - j0 - 16 * t), acc[t]);
+      }
+    }
+#else
+    for (int64_t a = 0; a < n; ++a) {
+      for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(wg + a * c, j);
+      for (int64_t k = 0; k < nr; ++k) {
+        const float qa = q[k * ldr + g * ldh + a];
+        float* qa_row = q_abs + (k * nh + g) * c;
+#pragma omp simd
+        for (int64_t j = 0; j < c; ++j) qa_row[j] += qa * wr[j];
+      }
+    }
+#endif
+  }
+}
+
+// out[k * ldr + g * v + b] = W_UV mixed per row k and head g ([v]), head g's W_UV [v, c] at w +
+// g * wh. AVX-512: 16 outputs at a time, each dot kept as its vector and the 16 summed across
+// at once (simd.h sums_rows: a horizontal sum apiece cost more than a small head's dot); else
+// one dot at a time on widened rows. A value never depends on the run's other rows.
+template <typename TW>
+void unabsorb(const float* mixed, const TW* w, int64_t wh, int64_t nr, int64_t nh, int64_t v, int64_t c, float* out,
+              int64_t ldr, int64_t ldh, std::vector<float>& wr) {
+  for (int64_t g = 0; g < nh; ++g) {
+    const TW* wg = w + g * wh;
+#ifdef K3K_AVX512
+    __m512 part[16];
+    for (int64_t b0 = 0; b0 < v; b0 += 16) {
+      const int nb = int(std::min<int64_t>(16, v - b0));
+      for (int64_t k = 0; k < nr; ++k) {
+        const float* m = mixed + (k * nh + g) * c;
+        for (int i = 0; i < nb; ++i) part[i] = k3k::row_dot_vec(m, bits(wg + (b0 + i) * c), c);
+        _mm512_mask_storeu_ps(out + k * ldr + g * ldh + b0, k3k::tail_mask(nb), k3k::sums_rows(part, nb));
+      }
+    }
+#else
+    for (int64_t b = 0; b < v; ++b) {
+      for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(wg + b * c, j);
+      for (int64_t k = 0; k < nr; ++k) out[k * ldr + g * ldh + b] = k3k::dot(mixed + (k * nh + g) * c, wr.data(), c);
+    }
+#endif
+  }
+}
+
 // One work item is a run of query rows of one sequence (a verify pass's 1 + k rows, a short
 // prefill; a decode row alone) and a group of their heads: each latent row of the context is
 // read (and converted to fp32) once for the whole item instead of once per row and head, which
@@ -167,30 +241,11 @@ void attend(const float* qs, const T* cache, const TW* wkvb, const int64_t* tabl
       mixed.resize(nr * nh * c);
       Ls.resize(nr);
       for (int64_t k = 0; k < nr; ++k) Ls[k] = pos[i0 + k] + 1;
-      // each weight row is widened once for the run's rows (their sums keep their own order)
-      for (int64_t g = 0; g < nh; ++g) {  // q_abs = W_UK^T q_nope per row and head: [c]
-        const TW* w = wkvb + (h0 + g) * wh;  // [n + v, c]: W_UK rows then W_UV rows
-        for (int64_t a = 0; a < n; ++a) {
-          for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + a * c, j);
-          for (int64_t k = 0; k < nr; ++k) {
-            const float qa = qs[((i0 + k) * H + h0 + g) * (n + r) + a];  // q rows: [nope | rope]
-            float* qa_row = q_abs.data() + (k * nh + g) * c;
-#pragma omp simd
-            for (int64_t j = 0; j < c; ++j) qa_row[j] += qa * wr[j];
-          }
-        }
-      }
+      absorb(qs + (i0 * H + h0) * (n + r), H * (n + r), n + r, wkvb + h0 * wh, wh, nr, nh, n, c, q_abs.data(), wr);
       // mixed [nr * nh, c] = sum_l softmax(s)_l c_l per row and head
       attend_rows(q_abs.data(), qs + (i0 * H + h0) * (n + r) + n, H * (n + r), n + r, nh, nr, Ls.data(), cache,
                   table + seq[i0] * width, block, c, r, scale, mixed.data());
-      for (int64_t g = 0; g < nh; ++g) {  // out = W_UV mixed per row and head: [v]
-        const TW* w = wkvb + (h0 + g) * wh;
-        for (int64_t b = 0; b < v; ++b) {
-          for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(w + (n + b) * c, j);
-          for (int64_t k = 0; k < nr; ++k)
-            out[((i0 + k) * H + h0 + g) * v + b] = k3k::dot(mixed.data() + (k * nh + g) * c, wr.data(), c);
-        }
-      }
+      unabsorb(mixed.data(), wkvb + h0 * wh + n * c, wh, nr, nh, v, c, out + (i0 * H + h0) * v, H * v, v, wr);
     }
   });
 }
