@@ -18,7 +18,7 @@ from k3serve.layers.common import RMSNorm, WeightOnly, kernel_matrix
 from k3serve.layers.gemm import SMALL_M, dense
 from k3serve.layers.kda import KimiDeltaAttention
 from k3serve.layers.mla import GatedMLA
-from k3serve.layers.moe import GluMLP, SparseMoE
+from k3serve.layers.moe import DENSE_KERNEL_ROWS, GluMLP, SparseMoE
 from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
 from k3serve.weights.mxfp4 import PackedMXFP4
 
@@ -61,7 +61,8 @@ class KimiModel(nn.Module):
         self.kernels = None  # k3serve.kernels module: the AttnRes mix in one call (set by use_kernels)
         self._kernel_weights: list[torch.Tensor] | None = None  # AttnRes vectors, reset by use_kernels
         self._decode_stack = None  # kernels.DecodeStack (False: this model has none), reset by use_kernels
-        self._stack_moes: list = []  # its MoE layers (set with it)
+        self._stack_states: tuple | None = None  # (cache, its tensors in stack order, the KDA layers)
+        self._stack_takes: dict = {}  # (dtype, rows <= DENSE_KERNEL_ROWS) -> every MoE layer takes its block kernel
         if cfg.use_attnres:
             self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
             self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
@@ -93,22 +94,19 @@ class KimiModel(nn.Module):
                    capture: dict | None) -> torch.Tensor:
         """One DecodeStack call; a verify pass's KDA records are allocated and kept as each KDA
         layer's _block_kernel does, the tap layers' outputs land in `capture`."""
-        step, states, records, kdas = batch.step, [], [], []
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            if isinstance(attn, KimiDeltaAttention):
-                states += [cache.conv[i], cache.recurrent[i]]
-                if batch.verify:
-                    bufs = attn._records(batch, cache.recurrent[i], cache.conv[i])
-                    records += bufs
-                    kdas.append((attn, bufs))
-            else:
-                states.append(cache.latent[i])
+        step = batch.step
+        if self._stack_states is None or self._stack_states[0] is not cache:  # listed once per cache
+            kdas = [(i, l.self_attn) for i, l in enumerate(self.layers) if isinstance(l.self_attn, KimiDeltaAttention)]
+            states = [t for i in range(len(self.layers))
+                      for t in ((cache.conv[i], cache.recurrent[i]) if cache.latent[i] is None else (cache.latent[i],))]
+            self._stack_states = (cache, states, kdas)
+        _, states, kdas = self._stack_states
+        bufs = [attn._records(batch, cache.recurrent[i], cache.conv[i]) for i, attn in kdas] if batch.verify else []
         taps = list(capture) if capture else []
-        out = stack.run(h, states, records, step.slots, step.starts, step.cache_rows, step.table, step.seq,
-                        step.positions, batch.block_size, taps)
-        for attn, bufs in kdas:
-            attn._keep_records(batch, cache, bufs)
+        out = stack.run(h, states, [t for b in bufs for t in b], step.slots, step.starts, step.cache_rows, step.table,
+                        step.seq, step.positions, batch.block_size, taps)
+        for (_, attn), b in zip(kdas, bufs):
+            attn._keep_records(batch, cache, b)
         for i, t in zip(taps, out[1:]):
             capture[i] = t
         return out[0]
@@ -124,10 +122,14 @@ class KimiModel(nn.Module):
             return None
         if self._decode_stack is None:
             self._decode_stack = self._build_stack() or False
-            # the MoE layers, listed once: nn.Module attribute lookups cost ~5 us each per step
-            self._stack_moes = [l.block_sparse_moe for l in self.layers if hasattr(l, "block_sparse_moe")]
-        ok = self._decode_stack and all(m.takes_block_kernel(h) for m in self._stack_moes)
-        return self._decode_stack if ok else None
+            self._stack_takes = {}
+        # whether every MoE layer runs its block kernel: fixed per dtype and row class once the
+        # kernels are set (moe.takes_block_kernel, ~1.5 us a layer, asked once per kind of step)
+        kind = (h.dtype, h.shape[0] <= DENSE_KERNEL_ROWS)
+        if kind not in self._stack_takes:
+            moes = [l.block_sparse_moe for l in self.layers if hasattr(l, "block_sparse_moe")]
+            self._stack_takes[kind] = all(m.takes_block_kernel(h) for m in moes)
+        return self._decode_stack if self._decode_stack and self._stack_takes[kind] else None
 
     def _build_stack(self):
         """A DecodeStack of every layer's block arguments, or None where a layer has no block

@@ -79,3 +79,24 @@ def test_the_greedy_shortcut_drafts_what_the_general_path_drafts():
     prop.kernels = None  # the shortcut in torch (and the draft's forward through the module)
     c, = prop.propose([plain], [4])
     assert c.token_ids == a.token_ids
+
+
+@pytest.mark.parametrize("vocab,rank", [(301, 0), (301, 8), (1280, 16), (7, 4)])
+def test_the_greedy_chain_takes_the_first_maximum_like_torch(vocab, rank):
+    """dspark_greedy against (block + W U[prev]).argmax() in torch, on small-integer logits and
+    Markov factors (every sum exact, so ties are real and many): the first maximum, whatever
+    lane or tail of the vector search it falls in."""
+    g = torch.Generator().manual_seed(vocab + rank)
+    B, k = 3, 4
+    block = torch.randint(-3, 4, (B, k, vocab), generator=g).float()
+    u = torch.randint(-2, 3, (vocab, rank), generator=g).float()
+    w = torch.randint(-2, 3, (vocab, rank), generator=g).float()  # markov_w.weight [V, r]
+    last = torch.randint(0, vocab, (B,), generator=g)
+    got = K.dspark_greedy(block, last, u if rank else torch.empty(0), w.t().contiguous() if rank else torch.empty(0),
+                          [4, 2, 3])
+    for b in range(B):
+        prev, want = int(last[b]), []
+        for j in range((4, 2, 3)[b]):
+            prev = int((block[b, j] + (w @ u[prev] if rank else 0)).argmax())
+            want.append(prev)
+        assert got[b].tolist() == want + [-1] * (k - len(want))

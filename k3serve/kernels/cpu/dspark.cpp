@@ -49,6 +49,43 @@ void rms(const float* x, int64_t M, int64_t n, const float* w, float eps, float*
 
 const float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
 
+// argmax_t x[t] + sum_i u[i] wt[i, t] (the first maximum; no bias without u), the bias of each
+// vocabulary entry one FMA chain over i in order. AVX-512: 16 entries at a time, the bias never
+// stored, each lane keeping its first maximum; the lowest index among the lanes that hold the
+// overall maximum is the sequential loop's first one.
+int64_t biased_argmax(const float* x, int64_t V, const float* u, const float* wt, int64_t r) {
+  const auto value = [&](int64_t t) {
+    float bias = 0.f;
+    for (int64_t i = 0; i < r && u; ++i) bias = std::fma(u[i], wt[i * V + t], bias);
+    return x[t] + bias;
+  };
+  int64_t best = 0, t = 0;
+  float top = -INFINITY;
+#ifdef K3K_AVX512
+  if (V >= 16) {
+    __m512 vtop = _mm512_set1_ps(-INFINITY);
+    __m512i vbest = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; t + 16 <= V; t += 16) {
+      __m512 bias = _mm512_setzero_ps();
+      for (int64_t i = 0; i < r && u; ++i) bias = _mm512_fmadd_ps(_mm512_set1_ps(u[i]), _mm512_loadu_ps(wt + i * V + t), bias);
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(x + t), bias);
+      const __mmask16 up = _mm512_cmp_ps_mask(v, vtop, _CMP_GT_OQ);
+      vtop = _mm512_mask_mov_ps(vtop, up, v);
+      vbest = _mm512_mask_mov_epi32(vbest, up, idx);
+      idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+    }
+    top = _mm512_reduce_max_ps(vtop);
+    const __mmask16 at_top = _mm512_cmp_ps_mask(vtop, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    best = at_top ? _mm512_mask_reduce_min_epi32(at_top, vbest) : 0;
+  }
+#endif
+  for (; t < V; ++t) {
+    const float v = value(t);
+    if (t == 0 || v > top) top = v, best = t;
+  }
+  return best;
+}
+
 }  // namespace
 
 // taps [B, n_taps * d_t], last [B] int64; w = fc, ctx_norm, embed, pos, then per layer attn_norm,
@@ -107,11 +144,9 @@ at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tens
     for (int64_t i = 0; i < R * h; ++i) x[i] += proj[i];
     rms(x.data(), R, h, f32(lw[3]), eps, xn.data());
     matmul(xn.data(), R, h, lw[4], gu.data());  // [R, 2 inter]: gate | up
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < inter; ++i) {
-        const float g = gu[r * 2 * inter + i];
-        act[r * inter + i] = g * k3k::sigmoid(g) * gu[r * 2 * inter + inter + i];
-      }
+    for (int64_t r = 0; r < R; ++r)  // SiLU(g) u, the vector form (simd.h)
+      k3k::activate_n(0, gu.data() + r * 2 * inter, gu.data() + r * 2 * inter + inter, act.data() + r * inter, inter,
+                      0.f, 0.f, false);
     matmul(act.data(), R, inter, lw[5], proj.data());
     for (int64_t i = 0; i < R * h; ++i) x[i] += proj[i];
   }
@@ -142,30 +177,12 @@ at::Tensor dspark_greedy(at::Tensor block, at::Tensor last, at::Tensor u, at::Te
   const float* bp = block.data_ptr<float>();
   const int64_t* lp = last.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
-  std::vector<float> bias(V);
   for (int64_t b = 0; b < B; ++b) {
     int64_t prev = lp[b];
     for (int64_t j = 0; j < std::min(k[b], K); ++j) {
-      const float* x = bp + (b * K + j) * V;
-      std::fill(bias.begin(), bias.end(), 0.f);
-      if (r) {
-        TORCH_CHECK(prev >= 0 && prev < V, "dspark_greedy: token ", prev, " outside the vocabulary");
-        const float* up = u.data_ptr<float>() + prev * r;
-        const float* wp = wt.data_ptr<float>();
-        for (int64_t i = 0; i < r; ++i) {
-          const float ui = up[i];
-          const float* wi = wp + i * V;
-#pragma omp simd
-          for (int64_t t = 0; t < V; ++t) bias[t] += ui * wi[t];
-        }
-      }
-      int64_t best = 0;
-      float top = x[0] + bias[0];
-      for (int64_t t = 1; t < V; ++t) {
-        const float v = x[t] + bias[t];
-        if (v > top) top = v, best = t;
-      }
-      op[b * K + j] = prev = best;
+      TORCH_CHECK(!r || (prev >= 0 && prev < V), "dspark_greedy: token ", prev, " outside the vocabulary");
+      op[b * K + j] = prev = biased_argmax(bp + (b * K + j) * V, V, r ? u.data_ptr<float>() + prev * r : nullptr,
+                                           r ? wt.data_ptr<float>() : nullptr, r);
     }
   }
   return out;
