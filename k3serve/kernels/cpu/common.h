@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -227,9 +228,22 @@ inline at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight) {
   return at::linear(x, w);
 }
 
+// Set while a small model's decode stack runs its blocks on the calling thread alone
+// (decode_stack.cpp SerialBlocks): grain_for then makes each range one chunk.
+inline bool& serial_blocks() {
+  static thread_local bool on = false;
+  return on;
+}
+struct SerialBlocks {
+  bool prev;
+  explicit SerialBlocks(bool on) : prev(serial_blocks()) { serial_blocks() = prev || on; }
+  ~SerialBlocks() { serial_blocks() = prev; }
+};
+
 // Work items per parallel chunk so that a chunk holds about `work` flops: small models stay on
 // one thread (a fork/join costs more than their whole layer), large ones use every core.
 inline int64_t grain_for(int64_t flops_per_item, int64_t work = 1 << 18) {
+  if (serial_blocks()) return std::numeric_limits<int64_t>::max();
   return std::max<int64_t>(1, work / std::max<int64_t>(1, flops_per_item));
 }
 

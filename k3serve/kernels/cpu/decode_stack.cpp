@@ -67,14 +67,18 @@ class DecodeStack {
   // kernel here is batch invariant (a row's result never depends on the other rows of its
   // call), so this changes no bit. At these sizes each block is a few µs, below what a
   // fork/join per block costs, so the per-block path leaves the other cores idle (tiny
-  // Kimi-Linear, 16 rows, 2 threads: the same time as 1 thread). Large models keep the
-  // per-block split: there each thread would read every weight.
+  // Kimi-Linear, 16 rows, 2 threads: the same time as 1 thread). Fewer rows than a row split
+  // takes (a single user's decode or 5-row verify) run every block on this thread alone
+  // (k3k::SerialBlocks): the bundled demo's 5-row verify stack 236 vs 243 us (min) with forks.
+  // Large models keep the per-block split: there each thread would read every weight.
   std::vector<at::Tensor> run(at::Tensor h, std::vector<at::Tensor> states, std::vector<at::Tensor> records,
                               at::Tensor slots, at::Tensor starts, at::Tensor cache_rows, at::Tensor table,
                               at::Tensor seq, at::Tensor pos, int64_t block, std::vector<int64_t> capture) const {
     const int64_t N = h.size(0), parts = row_parts(N);
-    if (parts < 2 || !records.empty() || starts.size(0) != N + 1)  // N + 1 starts: one row per sequence
+    if (parts < 2 || !records.empty() || starts.size(0) != N + 1) {  // N + 1 starts: one row per sequence
+      k3k::SerialBlocks serial(weight_bytes_ <= kRowSplitBytes && N < 2 * kMinRowsPerPart);
       return run_rows(h, states, records, slots, starts, cache_rows, table, seq, pos, block, capture);
+    }
     std::vector<std::vector<at::Tensor>> outs(parts);
     at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
