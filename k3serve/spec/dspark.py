@@ -117,7 +117,7 @@ class DSparkModel(nn.Module):
         return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(kernels),
                                       c.num_attention_heads, c.mask_token_id, c.rms_norm_eps)
 
-    def greedy_block(self, taps: torch.Tensor, last_token: torch.Tensor, ks: list[int], kernels) -> list[list[int]]:
+    def greedy_block(self, taps: torch.Tensor, last_token: list[int], ks: list[int], kernels) -> list[list[int]]:
         """Plain greedy drafts (argmax of each block row plus the Markov head's bias for the token
         before it), block_logits and the chain in one compiled call; `compiled` must hold."""
         c = self.cfg
@@ -198,6 +198,7 @@ class DSparkProposer:
         self.tap_layers = tuple(c.target_layer_ids)
         self._taps: dict[str, torch.Tensor] = {}
         self._gens: dict[str, torch.Generator] = {}
+        self._compiled: tuple | None = None  # (kernels, whether the compiled draft takes its calls), on first use
 
     @classmethod
     def load(cls, path: str, target, draft_sample_method: str) -> "DSparkProposer":
@@ -217,12 +218,17 @@ class DSparkProposer:
         out = [Draft([]) for _ in reqs]
         if not ready:
             return out
-        taps = torch.stack([self._taps[reqs[i].request_id] for i in ready])
-        last = torch.tensor([reqs[i].token_slice(reqs[i].num_tokens - 1, reqs[i].num_tokens)[0] for i in ready])
-        if self.model.compiled(taps, self.kernels) and all(self._plain_greedy(reqs[i]) for i in ready):
+        # one request (a single user's step): its taps as a view, not a stacked copy
+        taps = (self._taps[reqs[ready[0]].request_id][None] if len(ready) == 1
+                else torch.stack([self._taps[reqs[i].request_id] for i in ready]))
+        last = [reqs[i].token_slice(reqs[i].num_tokens - 1, reqs[i].num_tokens)[0] for i in ready]
+        if self._compiled is None or self._compiled[0] is not self.kernels:  # the draft's dtype and device are fixed
+            self._compiled = (self.kernels, self.model.compiled(taps, self.kernels))
+        if self._compiled[1] and all(self._plain_greedy(reqs[i]) for i in ready):
             for i, toks in zip(ready, self.model.greedy_block(taps, last, [ks[i] for i in ready], self.kernels)):
                 out[i] = Draft(toks)
             return out
+        last = torch.tensor(last)
         block = self.model.block_logits(taps, last, self.kernels).float()  # [B, k, V]: the whole block at once
         greedy = self._greedy_drafts(block, last, [b for b, i in enumerate(ready) if self._plain_greedy(reqs[i])],
                                      [ks[i] for i in ready])

@@ -43,8 +43,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tensor> w, int64_t heads,
                           int64_t mask_id, double eps);
 at::Tensor dspark_greedy(at::Tensor block, at::Tensor last, at::Tensor u, at::Tensor wt, std::vector<int64_t> k);
-at::Tensor dspark_draft(at::Tensor taps, at::Tensor last, std::vector<at::Tensor> w, int64_t heads, int64_t mask_id,
-                        double eps, at::Tensor u, at::Tensor wt, std::vector<int64_t> k);
+at::Tensor dspark_draft(at::Tensor taps, std::vector<int64_t> last, std::vector<at::Tensor> w, int64_t heads,
+                        int64_t mask_id, double eps, at::Tensor u, at::Tensor wt, std::vector<int64_t> k);
 at::Tensor attnres_mix(std::vector<at::Tensor> candidates, at::Tensor w, double eps);
 at::Tensor fast_linear(at::Tensor x, at::Tensor w);
 at::Tensor glu_act(at::Tensor gate, at::Tensor up, int64_t act, double beta, double linear_beta);
