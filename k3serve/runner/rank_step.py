@@ -69,6 +69,12 @@ class RankRunner:
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
+        if len(pairs) == 1:  # a prefill's checkpoint: a view and a copy per tensor (~2 vs ~10 us for index ops)
+            (s, d), = pairs
+            for t in self.cache.recurrent + self.cache.conv:
+                if t is not None:
+                    t[d].copy_(t[s])
+            return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for t in self.cache.recurrent + self.cache.conv:
