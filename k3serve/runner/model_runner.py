@@ -91,7 +91,8 @@ class ModelRunner:
         plain = [(seqs[i], p) for i, p in spans if not seqs[i].drafts]
         if plain:
             reqs = [s.request for s, _ in plain]
-            rows = logits[torch.tensor([p for _, p in plain])]
+            at = [p for _, p in plain]
+            rows = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at)]  # no copy when all
             self._mask(rows, [(j, self.constraints.get(r.request_id), []) for j, r in enumerate(reqs)])
             res = self.sampler(rows, reqs, [self._generator(r) for r in reqs])
             out.sampled.update({reqs[j].request_id: [t] for j, t in res.tokens.items()})

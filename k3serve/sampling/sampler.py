@@ -69,9 +69,9 @@ class Sampler:
         x = (logits if len(rows) == len(reqs) else logits[torch.tensor(rows)]).float()
         raw_logprobs = torch.log_softmax(x, -1) if any(r.params.logprobs is not None for r in sub) else None
         processed = apply_bias_and_penalties(x, sub)
-        has_finite = torch.isfinite(processed.amax(-1)).tolist()
+        top, tokens = processed.max(-1)  # the greedy tokens (first maximum) and whether a row has a finite value
+        has_finite = torch.isfinite(top).tolist()
         ok = list(has_finite)
-        tokens = processed.argmax(-1)
         sampled = [j for j, r in enumerate(sub) if not r.params.greedy and ok[j]]
         if sampled:
             probs = torch.softmax(truncate(processed[torch.tensor(sampled)],
@@ -83,11 +83,12 @@ class Sampler:
                     continue
                 tokens[j] = torch.multinomial(probs[k], 1, generator=generators[rows[j]])[0]
         result = SampleResult()
+        ids = tokens.tolist()
         for j, (i, r) in enumerate(zip(rows, sub)):
             if not ok[j]:
                 result.failed[i] = BAD_PROBS if has_finite[j] else NO_FINITE
             else:
-                result.tokens[i] = sampled_token(int(tokens[j]), raw_logprobs, j, r.params.logprobs)
+                result.tokens[i] = sampled_token(ids[j], raw_logprobs, j, r.params.logprobs)
         return result
 
 
