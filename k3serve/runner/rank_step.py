@@ -62,7 +62,7 @@ class RankRunner:
         prompt = [self.model.compute_logits(hidden[b:b + n]).float().cpu() for b, n in inp.prompt_rows]
         logits = None
         if inp.logit_rows:  # a pure decode step asks every row in order: no gather
-            every = len(inp.logit_rows) == hidden.shape[0] and inp.logit_rows == list(range(hidden.shape[0]))
+            every = inp.logit_rows == list(range(hidden.shape[0]))
             rows = hidden if every else hidden[torch.tensor(inp.logit_rows, device=self.device)]
             logits = self.model.compute_logits(rows).float().cpu()
         return StepResult(logits, prompt)

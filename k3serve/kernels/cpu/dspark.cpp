@@ -49,14 +49,14 @@ void rms(const float* x, int64_t M, int64_t n, const float* w, float eps, float*
 
 const float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
 
-// argmax_t x[t] + sum_i u[i] wt[i, t] (the first maximum; no bias without u), the bias of each
+// argmax_t x[t] + sum_i u[i] wt[i, t] (the first maximum; r = 0: no bias), the bias of each
 // vocabulary entry one FMA chain over i in order. AVX-512: 16 entries at a time, the bias never
 // stored, each lane keeping its first maximum; the lowest index among the lanes that hold the
 // overall maximum is the sequential loop's first one.
 int64_t biased_argmax(const float* x, int64_t V, const float* u, const float* wt, int64_t r) {
   const auto value = [&](int64_t t) {
     float bias = 0.f;
-    for (int64_t i = 0; i < r && u; ++i) bias = std::fma(u[i], wt[i * V + t], bias);
+    for (int64_t i = 0; i < r; ++i) bias = std::fma(u[i], wt[i * V + t], bias);
     return x[t] + bias;
   };
   int64_t best = 0, t = 0;
@@ -67,7 +67,7 @@ int64_t biased_argmax(const float* x, int64_t V, const float* u, const float* wt
     __m512i vbest = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; t + 16 <= V; t += 16) {
       __m512 bias = _mm512_setzero_ps();
-      for (int64_t i = 0; i < r && u; ++i) bias = _mm512_fmadd_ps(_mm512_set1_ps(u[i]), _mm512_loadu_ps(wt + i * V + t), bias);
+      for (int64_t i = 0; i < r; ++i) bias = _mm512_fmadd_ps(_mm512_set1_ps(u[i]), _mm512_loadu_ps(wt + i * V + t), bias);
       const __m512 v = _mm512_add_ps(_mm512_loadu_ps(x + t), bias);
       const __mmask16 up = _mm512_cmp_ps_mask(v, vtop, _CMP_GT_OQ);
       vtop = _mm512_mask_mov_ps(vtop, up, v);

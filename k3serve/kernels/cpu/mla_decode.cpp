@@ -13,6 +13,7 @@
 
 #include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -168,6 +169,7 @@ void absorb(const float* q, int64_t ldr, int64_t ldh, const TW* w, int64_t wh, i
       }
     }
 #else
+    for (int64_t k = 0; k < nr; ++k) std::fill(q_abs + (k * nh + g) * c, q_abs + (k * nh + g + 1) * c, 0.f);
     for (int64_t a = 0; a < n; ++a) {
       for (int64_t j = 0; j < c; ++j) wr[j] = k3k::load(wg + a * c, j);
       for (int64_t k = 0; k < nr; ++k) {
@@ -237,7 +239,7 @@ void attend(const float* qs, const T* cache, const TW* wkvb, const int64_t* tabl
     for (int64_t item = begin; item < end; ++item) {
       const int64_t u = item / groups, h0 = item % groups * hg, nh = std::min(hg, H - h0);
       const int64_t i0 = first[u], nr = first[u + 1] - i0;
-      q_abs.assign(nr * nh * c, 0.f);
+      q_abs.resize(nr * nh * c);  // absorb writes every value
       mixed.resize(nr * nh * c);
       Ls.resize(nr);
       for (int64_t k = 0; k < nr; ++k) Ls[k] = pos[i0 + k] + 1;

@@ -22,6 +22,19 @@
 namespace k3k {
 
 #ifdef __AVX512F__
+// A T tokens x G panels accumulator tile (acc[t][g]: outputs 16g..16g+15 of token t), zeroed and
+// stored to y [T, ldy] the same way for both panel forms
+template <int T, int G>
+inline void zero_tile(__m512 (&acc)[T][G]) {
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) acc[t][g] = _mm512_setzero_ps();
+}
+template <int T, int G>
+inline void store_tile(const __m512 (&acc)[T][G], float* y, int64_t ldy) {
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(y + t * ldy + g * kPanel, acc[t][g]);
+}
+
 // fp32 panels: one column a step, 6-token tiles; 8 panels a tile for 1-2 tokens (8-16 chains
 // hide the FMA latency), 4 for 3-6 (24 accumulators)
 struct PanelF32 {
@@ -32,8 +45,7 @@ struct PanelF32 {
   template <int T, int G>
   static void tile(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy) {
     __m512 acc[T][G];
-    for (int t = 0; t < T; ++t)
-      for (int g = 0; g < G; ++g) acc[t][g] = _mm512_setzero_ps();
+    zero_tile(acc);
     for (int64_t k = 0; k < K; ++k) {
       __m512 w[G];
       for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_ps(p + (g * K + k) * kPanel);
@@ -42,8 +54,7 @@ struct PanelF32 {
         for (int g = 0; g < G; ++g) acc[t][g] = _mm512_fmadd_ps(xv, w[g], acc[t][g]);
       }
     }
-    for (int t = 0; t < T; ++t)
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(y + t * ldy + g * kPanel, acc[t][g]);
+    store_tile(acc, y, ldy);
   }
 };
 #endif
@@ -63,8 +74,7 @@ struct PanelBf16 {
   template <int T, int G>
   static void tile(const uint16_t* x, int64_t ldx, const uint16_t* p, int64_t K2, float* y, int64_t ldy) {
     __m512 acc[T][G];
-    for (int t = 0; t < T; ++t)
-      for (int g = 0; g < G; ++g) acc[t][g] = _mm512_setzero_ps();
+    zero_tile(acc);
     for (int64_t j = 0; j < K2; ++j) {
       __m512bh w[G];
       for (int g = 0; g < G; ++g) w[g] = as_bh(_mm512_loadu_si512(p + (g * K2 + j) * 2 * kPanel));
@@ -75,8 +85,7 @@ struct PanelBf16 {
         for (int g = 0; g < G; ++g) acc[t][g] = _mm512_dpbf16_ps(acc[t][g], xv, w[g]);
       }
     }
-    for (int t = 0; t < T; ++t)
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(y + t * ldy + g * kPanel, acc[t][g]);
+    store_tile(acc, y, ldy);
   }
 };
 #endif
@@ -130,6 +139,11 @@ inline void panel_rows(const float* x, int64_t M, int64_t K, const float* p, int
 #endif
 }
 
+// [..., N, K] fp32 -> [..., N/16, K, 16]: each matrix of the leading dims in the fp32 panel order
+inline at::Tensor f32_panels(const at::Tensor& w) {
+  return w.detach().unflatten(-2, {w.size(-2) / kPanel, kPanel}).transpose(-2, -1).contiguous();
+}
+
 // w [N, K] in the panel form this build reads faster, else w itself. A copy, so bounded: a
 // vocabulary-sized head or a large fp32 model's projections past 64 MB stay single (the copy
 // would double them, for the decode rows' gain alone); bf16 up to 1 MB, a matrix that stays in
@@ -137,11 +151,11 @@ inline void panel_rows(const float* x, int64_t M, int64_t K, const float* p, int
 // memory, as fast as the row tiles read them: 0.98-1.05x).
 inline at::Tensor panel_form(at::Tensor w) {
   if (w.dim() != 2 || !w.device().is_cpu() || w.size(0) % kPanel || w.nbytes() > (int64_t(64) << 20)) return w;
-  const int64_t P = w.size(0) / kPanel, K = w.size(1);
 #ifdef __AVX512F__
-  if (w.scalar_type() == at::kFloat) return w.detach().reshape({P, kPanel, K}).transpose(1, 2).contiguous();
+  if (w.scalar_type() == at::kFloat) return f32_panels(w);
 #endif
 #ifdef K3K_DPBF16
+  const int64_t P = w.size(0) / kPanel, K = w.size(1);
   if (w.scalar_type() == at::kBFloat16 && K % 2 == 0 && w.nbytes() <= (int64_t(1) << 20))
     return w.detach().reshape({P, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 #endif
@@ -154,7 +168,7 @@ inline at::Tensor panel_form(at::Tensor w) {
 inline at::Tensor expert_panel_form(at::Tensor w) {
 #ifdef __AVX512F__
   if (w.dim() == 3 && w.device().is_cpu() && w.scalar_type() == at::kFloat && w.size(1) % kPanel == 0)
-    return w.detach().reshape({w.size(0), w.size(1) / kPanel, kPanel, w.size(2)}).transpose(2, 3).contiguous();
+    return f32_panels(w);
 #endif
   return w;
 }
