@@ -82,7 +82,7 @@ def draft_logits(model: DSparkModel, x_taps, last, tgt) -> torch.Tensor:
 def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps: int = 300, num_seqs: int = 48,
                    seq_len: int = 64, hidden: int = 64, layers: int = 2, markov_rank: int = 16,
                    lr: float = 3e-3, batch: int = 256, seed: int = 0, taps: tuple[int, ...] | None = None,
-                   prompts: list[list[int]] | None = None, temperature: float = 1.0) -> dict:
+                   prompts: list[list[int]] | None = None, temperature: float = 1.0, cosine: bool = False) -> dict:
     from k3serve.config.bundled import load_model_config
 
     torch.manual_seed(seed)
@@ -95,6 +95,8 @@ def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps:
                        max(1, hidden // 16), 2 * hidden, markov_rank)
     model = DSparkModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # cosine: the learning rate decays to 0 over the run (the bundled demo draft's long run)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps) if cosine else None
     g = torch.Generator().manual_seed(seed)
     history = []
     for step in range(steps):
@@ -107,9 +109,12 @@ def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         history.append(float(loss.detach()))
         if step % 50 == 0 or step == steps - 1:
             log.info("dspark distill step %d: loss %.3f (ce %.3f, kl %.3f)", step, history[-1], float(ce.detach()),
                      float(kl.detach()))
     save_dspark(model.eval(), out_dir)
-    return {"first_loss": history[0], "last_loss": sum(history[-10:]) / min(10, len(history)), "out": str(Path(out_dir))}
+    return {"first_loss": history[0], "last_loss": sum(history[-10:]) / min(10, len(history)),
+            "last_lr": opt.param_groups[0]["lr"], "out": str(Path(out_dir))}

@@ -115,3 +115,12 @@ def test_dspark_distillation_learns(tiny_k3_dir, tmp_path):
     assert r["last_loss"] < 0.7 * r["first_loss"]
     m = load_dspark(tmp_path / "d")
     assert m.cfg.block_size == 3 and m.cfg.target_layer_ids == (1, 4, 6) and m.cfg.markov_rank == 16
+    assert r["last_lr"] == 3e-3  # constant by default
+
+
+def test_dspark_distillation_cosine_decays_to_zero(tiny_k3_dir, tmp_path):
+    from k3serve.spec.train_dspark import distill_dspark
+
+    r = distill_dspark(str(tiny_k3_dir), str(tmp_path / "d"), steps=12, num_seqs=4, seq_len=24, block_size=3,
+                       cosine=True)
+    assert r["last_lr"] < 1e-9 and r["last_loss"] < r["first_loss"]
