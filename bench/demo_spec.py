@@ -48,15 +48,17 @@ def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=15, help="alternating runs per engine and prompt set (best kept)")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (both drafters)")
+    ap.add_argument("--model", default=None, help="a demo model directory (default: the bundled one)")
     args = ap.parse_args()
-    path = bundled_demo()
+    path = args.model or bundled_demo()
     if path is None:
         raise SystemExit("no bundled demo model in this install")
     kw = dict(cache_memory="256MiB", max_model_len=2048)
     engines = {"off": LLM(str(path), **kw),
                "dspark": LLM(str(path), speculative_config={"method": "dspark", "model": "dspark",
-                                                            "num_speculative_tokens": 4}, **kw),
-               "ngram": LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                            "num_speculative_tokens": args.k}, **kw),
+               "ngram": LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": args.k,
                                                            "prompt_lookup_min": 2}, **kw)}
     results = {}
     for name, prompts in prompt_sets(engines["off"]).items():
