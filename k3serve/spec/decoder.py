@@ -20,7 +20,12 @@ def make_proposer(cfg: SpeculativeConfig, target, max_model_len: int, max_num_se
         return NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "dspark":
         from k3serve.spec.dspark import DSparkProposer
-        return DSparkProposer.load(cfg.model, target, cfg.draft_sample_method)
+        proposer = DSparkProposer.load(cfg.model, target, cfg.draft_sample_method)
+        block = proposer.model.cfg.block_size
+        if cfg.num_speculative_tokens > block:  # a block draft proposes at most its block: more was silently fewer
+            raise ValueError(f"speculative_config: num_speculative_tokens {cfg.num_speculative_tokens} exceeds the "
+                             f"dspark draft's block_size {block} ({cfg.model})")
+        return proposer
     from k3serve.spec.draft_model import DraftModelProposer
     return DraftModelProposer.load(cfg.model, target, cfg.draft_sample_method, max_model_len, max_num_seqs)
 

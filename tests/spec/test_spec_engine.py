@@ -108,6 +108,12 @@ def test_config_errors_name_the_key(tiny_k3_dir, cfg, match):
         LLM(str(tiny_k3_dir), speculative_config=cfg, **KW)
 
 
+def test_dspark_more_tokens_than_its_block_is_an_error(tiny_k3_dir, random_dspark):
+    with pytest.raises(ValueError, match="num_speculative_tokens 5 exceeds the dspark draft's block_size 4"):
+        LLM(str(tiny_k3_dir), speculative_config={"method": "dspark", "model": random_dspark,
+                                                  "num_speculative_tokens": 5}, **KW)
+
+
 def test_dspark_distillation_learns(tiny_k3_dir, tmp_path):
     from k3serve.spec.train_dspark import distill_dspark
 
