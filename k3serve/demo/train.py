@@ -211,7 +211,7 @@ def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]], device: str = "cp
 def train_demo_draft(model_dir: str | Path, *, steps: int = 8000, num_seqs: int = 4000, seed: int = 0,
                      block_size: int = 4) -> dict:
     """Distil the demo's DSpark draft on the demo model's own greedy chat completions. 4000
-    completions for 8000 steps with a cosine learning rate (~7 min on 2 cores, 13 GB peak: the
+    completions for 8000 steps with a cosine learning rate (~7 min on 2 cores, 7.4 GB peak: the
     target's distributions are kept in memory) against 480 for 800 at a constant rate: mean
     acceptance length 3.80 -> 4.34 on bench/demo_spec.py's arithmetic answers, 4.36 -> 4.50 on its
     tool calls."""

