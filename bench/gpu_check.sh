@@ -4,29 +4,54 @@
 #   PYTHON=/path/to/python-with-cuda-torch bench/gpu_check.sh
 #
 # 1. the device: a CUDA torch build and a visible GPU (the project's pinned CPU wheel has none:
-#    install torch==2.13.0 from a CUDA index into PYTHON's environment first);
+#    install torch==2.13.0 from a CUDA index into PYTHON's environment first, or use the
+#    machine's own CUDA torch with the project's other dependencies installed beside it: the
+#    first run used torch 2.11.0+cu130 with fastapi, pydantic, uvicorn, compressed-tensors,
+#    xgrammar and fla-core carried as wheels, k3serve itself from the checkout on PYTHONPATH);
 # 2. the engine's device suites: EngineConfig.device "auto" picks cuda when it is available, so
 #    these tests run the model, both caches and the sampler there (the C++ decode kernels are
 #    CPU-only; on cuda every layer takes its torch path, the reference the kernels are tested
-#    against), plus the device/dtype placement test;
-# 3. a short decode benchmark (bench/generate_speed.py: tiny K3, fp32 and bf16, batch 1);
+#    against), plus the device/dtype placement test; engines take bf16 there (dtype "auto"),
+#    K3SERVE_TEST_DTYPE=float32 runs the suites' engines in fp32 instead (tests/conftest.py);
+#    and tests/model/test_kda_cuda.py: KDA's torch path on cuda against fla's Triton kernels
+#    (chunk_kda, fused_recurrent_kda; needs fla-core);
+# 3. decode benchmarks: bench/gpu_decode.py (vs_llamacpp's k3serve cells on cuda: 400 M
+#    Kimi-Linear bf16 and MXFP4, tiny K3) and bench/generate_speed.py (tiny K3, fp32 and bf16);
 # 4. with TRAIN_DEMO=DIR (issue 22): the retrieval-first demo recipe on cuda into DIR, resumable
 #    (checkpointed every 500 steps; rerun the same line to continue), stopped after
 #    TRAIN_SECONDS (default 420, so it fits one device call), then the DSpark draft once done.
-# Results: bench/results/*.json; the pytest log and a summary under bench/results/gpu_check/.
-set -euo pipefail
+# K3SERVE_KERNELS=torch (the default here): no process of the check builds the CPU kernels, which
+# no layer on cuda calls. On the H200 image this was first run on (2026-12-04: torch
+# 2.11.0+cu130, g++ 13.3, Python 3.12) any torch.utils.cpp_extension module that formats an
+# integer into a stream segfaults, k3serve's and a three-line load_inline one alike, whatever the
+# flags; k3serve's kernels do that in their argument checks. Set K3SERVE_KERNELS=auto to test them.
+# Every stage runs even when one before it fails (one device call should say all it can);
+# the script exits non-zero if any failed. Results: bench/results/*.json; the pytest logs and
+# each stage's exit status (status.txt) under bench/results/gpu_check/.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
+export K3SERVE_KERNELS="${K3SERVE_KERNELS:-torch}"
 OUT=bench/results/gpu_check
 mkdir -p "$OUT"
-"$PY" - <<'PYCODE' | tee "$OUT/device.txt"
+: >"$OUT/status.txt"
+stage() {  # stage NAME LOG CMD...: run it into $OUT/LOG, note its exit status, carry on
+  local name=$1 log=$2 t0=$SECONDS; shift 2
+  "$@" 2>&1 | tee "$OUT/$log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/status.txt"
+}
+"$PY" - <<'PYCODE' | tee "$OUT/device.txt" || exit 1
 import torch
 assert torch.cuda.is_available(), f"no CUDA device visible to torch {torch.__version__} (a CPU build?)"
 p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {p.name}, {p.total_memory / 2**30:.0f} GiB")
 PYCODE
-"$PY" -m pytest -q -x tests/model/test_device.py tests/engine tests/spec 2>&1 | tee "$OUT/pytest.log"
-"$PY" bench/generate_speed.py 2>&1 | tee "$OUT/generate_speed.txt"
+stage engine-tests pytest.log "$PY" -m pytest -q -p no:cacheprovider --durations=15 \
+    tests/model/test_device.py tests/engine tests/spec
+stage kda-vs-fla kda_cuda.log "$PY" -m pytest -q -s -p no:cacheprovider tests/model/test_kda_cuda.py
+stage gpu-decode gpu_decode.txt "$PY" bench/gpu_decode.py ${GPU_DECODE_ONLY:+--only "$GPU_DECODE_ONLY"}
+stage generate-speed generate_speed.txt "$PY" bench/generate_speed.py
 if [ -n "${TRAIN_DEMO:-}" ]; then
   "$PY" -m k3serve train-demo "$TRAIN_DEMO" --steps 30000 --drill-steps 6000 --device cuda --checkpoint-every 500 \
       --resume --no-draft --time-limit "${TRAIN_SECONDS:-420}" 2>&1 | tail -n 40 | tee "$OUT/train_demo.txt"
@@ -36,3 +61,4 @@ if [ -n "${TRAIN_DEMO:-}" ]; then
   fi
 fi
 echo "gpu_check: done ($OUT)"
+! grep -qv " rc=0 " "$OUT/status.txt"

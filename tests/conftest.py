@@ -15,3 +15,22 @@ def tiny_k3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_kl_dir(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_kl"), kind="kimi_linear", seed=0)
+
+
+def pytest_configure(config):
+    """K3SERVE_TEST_DTYPE=float32 (bench/gpu_check.sh): engines asked for dtype "auto" take it
+    instead of the device's default (bf16 on a GPU), so that the suites' exact-equality
+    assertions mean on a GPU what they mean on a CPU."""
+    import os
+
+    name = os.environ.get("K3SERVE_TEST_DTYPE")
+    if not name:
+        return
+    import dataclasses
+
+    from k3serve.engine import llm_engine, setup
+
+    def placement(cfg, _orig=setup.placement):
+        return _orig(dataclasses.replace(cfg, dtype=name) if cfg.dtype == "auto" else cfg)
+
+    llm_engine.placement = placement

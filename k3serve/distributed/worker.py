@@ -113,6 +113,7 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         import torch.distributed as dist
 
         from k3serve.distributed.multinode import ControlChannel, control_group, dial_driver
+        from k3serve.engine.setup import kernel_mode
         from k3serve.models.registry import load_model
         from k3serve.runner.model_runner import weight_bytes
 
@@ -127,7 +128,7 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         groups = {"ep": tp, "tp": make_dp_tp_group(spec, store)} if spec.dp_attention else {"tp": tp}
         model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format,
                            progress=False, **groups).to(spec.device)
-        model.use_kernels(spec.kernels)
+        model.use_kernels(kernel_mode(spec.kernels, torch.device(spec.device)))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         why = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         if conn is not None:

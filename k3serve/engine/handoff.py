@@ -59,17 +59,18 @@ class KVHandoff:
         return self.latent_bytes + self.state_bytes
 
 
-def rows_of(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """Latent-cache rows of positions [start, end) under a block table."""
+def rows_of(table: list[int], start: int, end: int, block_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Latent-cache rows of positions [start, end) under a block table, on `device` (a CUDA
+    tensor's index_put_ refuses CPU indices)."""
     pos = torch.arange(start, end)
-    return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+    return (torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size).to(device)
 
 
 def capture(cache: CacheTensors, request_id: str, prompt: list[int], first_token: int, table: list[int],
             slot: int, **carried) -> KVHandoff:
     """Copy a finished prefill's rows (every prompt position) and state out of the cache;
     `carried`: the KVHandoff fields beside the cache (cache_ids, rng_state, logprobs)."""
-    rows = rows_of(table, 0, len(prompt), cache.block_size)
+    rows = rows_of(table, 0, len(prompt), cache.block_size, cache.device)
     latent = {i: t[rows].clone() for i, t in enumerate(cache.latent) if t is not None}
     rec = {i: t[slot].clone() for i, t in enumerate(cache.recurrent) if t is not None}
     conv = {i: t[slot].clone() for i, t in enumerate(cache.conv) if t is not None}
@@ -80,10 +81,10 @@ def install(cache: CacheTensors, h: KVHandoff, table: list[int], slot: int) -> N
     """Write a hand-off into an allocation: rows [start, len(prompt)) and the state slot."""
     if h.block_size != cache.block_size:
         raise ValueError(f"hand-off block size {h.block_size} != this engine's {cache.block_size}")
-    rows = rows_of(table, h.start, len(h.prompt_token_ids), cache.block_size)
+    rows = rows_of(table, h.start, len(h.prompt_token_ids), cache.block_size, cache.device)
     for i, t in enumerate(cache.latent):
-        if t is not None:
-            t[rows] = h.latent[i].to(t.dtype)
+        if t is not None:  # a hand-off read from bytes is on the CPU
+            t[rows] = h.latent[i].to(t.device, t.dtype)
     for i, t in enumerate(cache.recurrent):
         if t is not None:
             t[slot] = h.recurrent[i]

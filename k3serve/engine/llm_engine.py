@@ -25,8 +25,8 @@ from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.distributed.executor import WorkerDied, start_executor
 from k3serve.distributed.group import NO_TP, CollectiveError
-from k3serve.engine.setup import (check_quantization, make_plan, placement, resolve_max_model_len, seq_limit_note,
-                                  startup_lines)
+from k3serve.engine.setup import (check_quantization, kernel_mode, make_plan, placement, resolve_max_model_len,
+                                  seq_limit_note, startup_lines)
 from k3serve.sampling.detokenizer import IncrementalDetokenizer
 from k3serve.sampling.params import ParamError, SamplingParams
 from k3serve.scheduler.batch import SampledToken
@@ -75,7 +75,7 @@ class LLMEngine(HandoffMixin):
             if self.executor is not None:
                 self.executor.wait_ready()
         check_quantization(config, self.model)
-        self.kernels = self.model.use_kernels(config.kernels)
+        self.kernels = self.model.use_kernels(kernel_mode(config.kernels, where.device))
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)
         self.plan = make_plan(config, self.model, where, self.max_model_len)

@@ -32,9 +32,23 @@ def placement(config: EngineConfig) -> Placement:
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(dev)
+    if device.type == "cuda" and device.index is None:  # "cuda" != "cuda:0" when tensors are compared
+        device = torch.device("cuda", torch.cuda.current_device())
     name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     kv = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else name
     return Placement(device, TORCH_DTYPES[name], TORCH_DTYPES[kv])
+
+
+def kernel_mode(mode: str, device: torch.device) -> str:
+    """EngineConfig.kernels for an engine on `device`: the compiled kernels read CPU tensors only,
+    so an engine elsewhere builds none ("auto" -> "torch": no minutes of compiling for a module no
+    layer would call) and "cpp" there is refused by name."""
+    if device.type == "cpu" or mode == "torch":
+        return mode
+    if mode == "cpp":
+        raise ValueError(f"kernels='cpp': the compiled kernels are CPU-only and this engine runs on {device}; "
+                         "use 'auto' or 'torch'")
+    return "torch"
 
 
 def _memory(device: torch.device, which: int, meminfo_key: str) -> int:

@@ -4,7 +4,9 @@
 $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) and returns the module, or None
 with one warning when it cannot be built: every caller then takes its plain torch path, which
 stays beside each kernel as its reference. `--kernels torch` (EngineConfig.kernels) asks for
-the torch path outright.
+the torch path outright; so does K3SERVE_KERNELS=torch for every `get("auto")` of the process
+(tests, workers: callers without an engine config). An engine on a GPU builds none (the kernels
+are CPU-only; engine/setup.py kernel_mode).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def get(mode: str = "auto"):
     """The compiled kernel module for `mode` ("auto": if it builds; "cpp": or raise; "torch": None)."""
     if mode not in MODES:
         raise ValueError(f"kernels must be one of {MODES}, got {mode!r}")
-    if mode == "torch":
+    if mode == "torch" or (mode == "auto" and os.environ.get("K3SERVE_KERNELS") == "torch"):
         return None
     with _lock:
         if "module" not in _state:

@@ -141,6 +141,10 @@ class CacheTensors:
     # per-position KDA states of the current verify pass: layer -> (rec [S, T, H, D, D], conv [S, T, K-1, 3P])
     spec_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    @property
+    def device(self) -> torch.device:
+        return next(t for t in (*self.recurrent, *self.latent) if t is not None).device
+
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

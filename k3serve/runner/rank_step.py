@@ -126,5 +126,6 @@ class RankRunner:
         for i, t in recurrent.items():
             self.cache.recurrent[i][slot] = t
             self.cache.conv[i][slot] = conv[i]
-        for i, t in (latent or {}).items():
-            self.cache.latent[i][rows] = t.to(self.cache.latent[i].dtype)
+        for i, t in (latent or {}).items():  # rows and rows' values arrive on the CPU (pickled)
+            dst = self.cache.latent[i]
+            dst[rows.to(dst.device)] = t.to(dst.device, dst.dtype)

@@ -1,4 +1,4 @@
-"""LLMEngine / LLM end to end on tiny K3 and Kimi-Linear checkpoints (CPU, fp32)."""
+"""LLMEngine / LLM end to end on tiny K3 and Kimi-Linear checkpoints (a CPU: fp32; bench/gpu_check.sh runs them on cuda)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ def prompts(n: int, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     lens = [3, 17, 64, 150, 5, 90, 33, 200][:n]  # 150 and 200 need several 96-token chunks
     return [{"prompt_token_ids": torch.randint(1, 500, (L,), generator=g).tolist()} for L in lens]
+
+
+def fresh_cache(llm: LLM, blocks: int) -> CacheTensors:
+    """One state slot and `blocks` latent blocks of 16 on the engine's device, in its cache dtype."""
+    eng = llm.engine
+    kv = next(t for t in eng.runner.cache.latent if t is not None).dtype
+    return CacheTensors.allocate(eng.model.cfg, 1, blocks, 16, kv_dtype=kv, device=eng.runner.device)
 
 
 def ids(outs) -> list[list[int]]:
@@ -40,8 +47,9 @@ def test_greedy_matches_a_plain_full_recompute(k3_llm):
                                                                          ignore_eos=True)))[0]
     model = k3_llm.engine.model
     seq = p + out[:-1]
-    cache = CacheTensors.allocate(model.cfg, 1, -(-len(seq) // 16), 16)
-    fb = ForwardBatch(torch.tensor(seq), [len(seq)], [0], [0], [list(range(-(-len(seq) // 16)))], 16)
+    cache = fresh_cache(k3_llm, -(-len(seq) // 16))
+    fb = ForwardBatch(torch.tensor(seq, device=k3_llm.engine.runner.device), [len(seq)], [0], [0],
+                      [list(range(-(-len(seq) // 16)))], 16)
     with torch.inference_mode():
         logits = model.compute_logits(model(fb, cache))
     assert logits[len(p) - 1:].argmax(-1).tolist() == out
@@ -53,8 +61,9 @@ def test_preemption_gives_the_same_outputs(tiny_k3_dir, k3_llm, caching):
     want = ids(k3_llm.generate(ps, GREEDY))
     # 4 slots but latent rows for only ~2 requests: forces preemption by recompute (with caching,
     # one more slot's bytes buy the single checkpoint slot)
-    tight = LLM(str(tiny_k3_dir), cache_memory=(4 + caching) * 32_000 + 14 * 16 * 480, num_state_slots=4,
-                max_model_len=200, max_num_batched_tokens=96, enable_prefix_caching=caching)
+    plan = k3_llm.engine.plan  # its slot and block bytes: fp32 on a CPU, bf16 latent rows on a GPU
+    tight = LLM(str(tiny_k3_dir), cache_memory=(4 + caching) * plan.slot_bytes + 14 * plan.block_bytes,
+                num_state_slots=4, max_model_len=200, max_num_batched_tokens=96, enable_prefix_caching=caching)
     assert tight.engine.plan.num_blocks == 14
     got = ids(tight.generate(ps, GREEDY))
     assert got == want
@@ -127,8 +136,8 @@ def test_logprobs_match_the_model(k3_llm):
     assert len(o.logprobs) == 4
     model = k3_llm.engine.model
     seq = p["prompt_token_ids"]
-    cache = CacheTensors.allocate(model.cfg, 1, 4, 16)
-    fb = ForwardBatch(torch.tensor(seq), [len(seq)], [0], [0], [[0, 1, 2, 3]], 16)
+    cache = fresh_cache(k3_llm, 4)
+    fb = ForwardBatch(torch.tensor(seq, device=k3_llm.engine.runner.device), [len(seq)], [0], [0], [[0, 1, 2, 3]], 16)
     with torch.inference_mode():
         ref = torch.log_softmax(model.compute_logits(model(fb, cache))[-1].float(), -1)
     first = o.logprobs[0]

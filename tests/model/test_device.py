@@ -64,3 +64,19 @@ def test_dense_experts_are_read_as_views_not_copies():
     packed = PackedMXFP4.quantize(w)
     decoded = expert_weights(packed, [1, 5], torch.float32)
     assert all(torch.equal(d, packed.select(e).dequantize()) for d, e in zip(decoded, (1, 5)))
+
+
+def test_an_engine_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
+    """The compiled kernels read CPU tensors only: on a GPU "auto" takes the torch path without
+    compiling anything and "cpp" is refused by name; K3SERVE_KERNELS=torch does the same for a
+    whole process (what bench/gpu_check.sh sets)."""
+    from k3serve import kernels
+    from k3serve.engine.setup import kernel_mode
+
+    cuda = torch.device("cuda", 0)
+    assert kernel_mode("auto", cuda) == "torch" and kernel_mode("torch", cuda) == "torch"
+    with pytest.raises(ValueError, match="CPU-only.*cuda:0"):
+        kernel_mode("cpp", cuda)
+    assert [kernel_mode(m, torch.device("cpu")) for m in ("auto", "cpp", "torch")] == ["auto", "cpp", "torch"]
+    monkeypatch.setenv("K3SERVE_KERNELS", "torch")
+    assert kernels.get("auto") is None
