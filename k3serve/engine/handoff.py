@@ -59,7 +59,8 @@ class KVHandoff:
         return self.latent_bytes + self.state_bytes
 
 
-def rows_of(table: list[int], start: int, end: int, block_size: int, device: torch.device | None = None) -> torch.Tensor:
+def rows_of(table: list[int], start: int, end: int, block_size: int,
+            device: torch.device | None = None) -> torch.Tensor:
     """Latent-cache rows of positions [start, end) under a block table, on `device` (a CUDA
     tensor's index_put_ refuses CPU indices)."""
     pos = torch.arange(start, end)

@@ -103,7 +103,7 @@ class LLMEngine(HandoffMixin):
             from k3serve.spec.config import SpeculativeConfig
             from k3serve.spec.decoder import SpecDecoder
             spec_cfg = SpeculativeConfig.from_dict(config.speculative_config).resolve_model(self.model_path)
-            self.spec = SpecDecoder(spec_cfg, self.model, self.max_model_len, config.max_num_seqs)
+            self.spec = SpecDecoder(spec_cfg, self.model, self.max_model_len, config.max_num_seqs, where.device)
             log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
                      self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
                      self.spec.cfg.rejection_sample_method)

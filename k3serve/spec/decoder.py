@@ -15,25 +15,28 @@ from k3serve.spec.rollback import rollback_states
 from k3serve.spec.verifier import SpecStats, verify
 
 
-def make_proposer(cfg: SpeculativeConfig, target, max_model_len: int, max_num_seqs: int):
+def make_proposer(cfg: SpeculativeConfig, target, max_model_len: int, max_num_seqs: int,
+                  device: torch.device = torch.device("cpu")):
+    """The drafter, its model (if any) on `device`, the target's."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "dspark":
         from k3serve.spec.dspark import DSparkProposer
-        proposer = DSparkProposer.load(cfg.model, target, cfg.draft_sample_method)
+        proposer = DSparkProposer.load(cfg.model, target, cfg.draft_sample_method, device)
         block = proposer.model.cfg.block_size
         if cfg.num_speculative_tokens > block:  # a block draft proposes at most its block: more was silently fewer
             raise ValueError(f"speculative_config: num_speculative_tokens {cfg.num_speculative_tokens} exceeds the "
                              f"dspark draft's block_size {block} ({cfg.model})")
         return proposer
     from k3serve.spec.draft_model import DraftModelProposer
-    return DraftModelProposer.load(cfg.model, target, cfg.draft_sample_method, max_model_len, max_num_seqs)
+    return DraftModelProposer.load(cfg.model, target, cfg.draft_sample_method, max_model_len, max_num_seqs, device)
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, target, max_model_len: int, max_num_seqs: int):
+    def __init__(self, cfg: SpeculativeConfig, target, max_model_len: int, max_num_seqs: int,
+                 device: torch.device = torch.device("cpu")):
         self.cfg = cfg
-        self.proposer = make_proposer(cfg, target, max_model_len, max_num_seqs)
+        self.proposer = make_proposer(cfg, target, max_model_len, max_num_seqs, device)
         self.stats = SpecStats()
         self._drafts: dict[str, Draft] = {}
 

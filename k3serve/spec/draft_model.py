@@ -21,22 +21,27 @@ BLOCK = 16
 
 
 class DraftModelProposer:
-    def __init__(self, model, target_cfg, draft_sample_method: str, max_model_len: int, max_num_seqs: int):
+    def __init__(self, model, target_cfg, draft_sample_method: str, max_model_len: int, max_num_seqs: int,
+                 device: torch.device | None = None):
+        """`device`: the target's; the draft model and its cache live there."""
         if model.cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"draft vocab {model.cfg.vocab_size} != target vocab {target_cfg.vocab_size}")
-        self.model, self.method = model, draft_sample_method
+        self.device = torch.device(device or "cpu")
+        self.model, self.method = model.to(self.device), draft_sample_method
         per_req = -(-(max_model_len + 16) // BLOCK)
         self.manager = HybridCacheManager(per_req * max_num_seqs, max_num_seqs, BLOCK)
         self.cache = CacheTensors.allocate(model.cfg, max_num_seqs, per_req * max_num_seqs, BLOCK,
-                                           kv_dtype=model.dtype)
+                                           kv_dtype=model.dtype, device=self.device)
         self._done: dict[str, int] = {}  # tokens the draft has computed, per request
         self._last: dict[str, torch.Tensor] = {}  # draft logits after the newest computed token
         self._gens: dict[str, torch.Generator] = {}
 
     @classmethod
-    def load(cls, path: str, target, draft_sample_method: str, max_model_len: int, max_num_seqs: int):
+    def load(cls, path: str, target, draft_sample_method: str, max_model_len: int, max_num_seqs: int,
+             device: torch.device | None = None):
         from k3serve.models.registry import load_model
-        return cls(load_model(path, progress=False), target.cfg, draft_sample_method, max_model_len, max_num_seqs)
+        return cls(load_model(path, progress=False), target.cfg, draft_sample_method, max_model_len, max_num_seqs,
+                   device)
 
     def observe(self, request_id: str, taps) -> None:
         pass
@@ -68,7 +73,7 @@ class DraftModelProposer:
         toks, qs = [[] for _ in reqs], [[] for _ in reqs]
         self._pick(reqs, ks, logits, toks, qs)
         # 2) k - 1 decode steps from a snapshot, then roll the draft's state back to it
-        slots = torch.tensor([self.manager.state_slot(r.request_id) for r in reqs])
+        slots = torch.tensor([self.manager.state_slot(r.request_id) for r in reqs], device=self.device)
         snap = [(t[slots].clone() if t is not None else None) for t in self.cache.recurrent + self.cache.conv]
         for j in range(1, max(ks)):
             live = [i for i, k in enumerate(ks) if k > j and len(toks[i]) == j]
@@ -84,11 +89,13 @@ class DraftModelProposer:
         return [Draft(t, stack_q(q, t, V)) for t, q in zip(toks, qs)]
 
     def _forward(self, reqs: list[Request], pieces: list[list[int]], starts: list[int]) -> torch.Tensor:
-        fb = ForwardBatch(torch.tensor([t for p in pieces for t in p]), [len(p) for p in pieces], starts,
+        fb = ForwardBatch(torch.tensor([t for p in pieces for t in p], device=self.device), [len(p) for p in pieces],
+                          starts,
                           [self.manager.state_slot(r.request_id) for r in reqs],
                           [self.manager.block_table(r.request_id) for r in reqs], BLOCK)
         hidden = self.model(fb, self.cache)
-        return self.model.compute_logits(hidden[fb.last_token_indices()]).float()
+        last = fb.last_token_indices().to(self.device)
+        return self.model.compute_logits(hidden[last]).float().cpu()  # drafts are picked on the CPU
 
     def _pick(self, reqs, ks, logits, toks, qs) -> None:
         for i, r in enumerate(reqs):

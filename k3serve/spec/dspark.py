@@ -184,8 +184,10 @@ def load_dspark(path: str | Path) -> DSparkModel:
 
 
 class DSparkProposer:
-    def __init__(self, model: DSparkModel, target, draft_sample_method: str):
-        """`target`: the target model (its config; its kernels module, if any, runs the draft)."""
+    def __init__(self, model: DSparkModel, target, draft_sample_method: str, device: torch.device | None = None):
+        """`target`: the target model (its config; its kernels module, if any, runs the draft);
+        `device`: the target's, where its tap states are and the draft runs (drafts are picked
+        from the block logits on the CPU, as the sampler picks the target's tokens)."""
         c, target_cfg = model.cfg, target.cfg
         if c.vocab_size != target_cfg.vocab_size or c.target_hidden_size != target_cfg.hidden_size:
             raise ValueError(f"dspark draft (vocab {c.vocab_size}, hidden {c.target_hidden_size}) does not match "
@@ -193,7 +195,8 @@ class DSparkProposer:
         bad = [i for i in c.target_layer_ids if not 0 <= i < target_cfg.num_layers]
         if bad:
             raise ValueError(f"dspark target_layer_ids {bad} are outside the target's {target_cfg.num_layers} layers")
-        self.model, self.method = model, draft_sample_method
+        self.device = torch.device(device or "cpu")
+        self.model, self.method = model.to(self.device), draft_sample_method
         self.kernels = getattr(getattr(target, "model", None), "kernels", None)  # the target's choice
         self.tap_layers = tuple(c.target_layer_ids)
         self._taps: dict[str, torch.Tensor] = {}
@@ -201,12 +204,12 @@ class DSparkProposer:
         self._compiled: tuple | None = None  # (kernels, whether the compiled draft takes its calls), on first use
 
     @classmethod
-    def load(cls, path: str, target, draft_sample_method: str) -> "DSparkProposer":
-        return cls(load_dspark(path), target, draft_sample_method)
+    def load(cls, path: str, target, draft_sample_method: str, device: torch.device | None = None) -> "DSparkProposer":
+        return cls(load_dspark(path), target, draft_sample_method, device)
 
     def observe(self, request_id: str, taps: torch.Tensor | None) -> None:
         if taps is not None:
-            self._taps[request_id] = taps.float()
+            self._taps[request_id] = taps.to(self.device, torch.float32)  # a DP-attention worker's come on the CPU
 
     def release(self, request_id: str) -> None:
         self._taps.pop(request_id, None)
@@ -228,7 +231,7 @@ class DSparkProposer:
             for i, toks in zip(ready, self.model.greedy_block(taps, last, [ks[i] for i in ready], self.kernels)):
                 out[i] = Draft(toks)
             return out
-        last = torch.tensor(last)
+        last = torch.tensor(last, device=self.device)
         block = self.model.block_logits(taps, last, self.kernels).float()  # [B, k, V]: the whole block at once
         greedy = self._greedy_drafts(block, last, [b for b, i in enumerate(ready) if self._plain_greedy(reqs[i])],
                                      [ks[i] for i in ready])
@@ -239,11 +242,11 @@ class DSparkProposer:
                 continue
             gen = request_generator(self._gens, req, salt=17)
             for j in range(min(ks[i], block.shape[1])):
-                logits = block[b, j] + self.model.markov_bias(prev)[0].float()
+                logits = (block[b, j] + self.model.markov_bias(prev)[0].float()).cpu()  # no-op on a CPU
                 t, q = draft_token(logits, req, toks, self.method, gen)
                 toks.append(t)
                 qs.append(q)
-                prev = torch.tensor([t])
+                prev = torch.tensor([t], device=self.device)
             out[i] = Draft(toks, stack_q(qs, toks, block.shape[-1]))
         return out
 

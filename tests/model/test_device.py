@@ -80,3 +80,28 @@ def test_an_engine_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
     assert [kernel_mode(m, torch.device("cpu")) for m in ("auto", "cpp", "torch")] == ["auto", "cpp", "torch"]
     monkeypatch.setenv("K3SERVE_KERNELS", "torch")
     assert kernels.get("auto") is None
+
+
+def test_drafters_live_on_the_targets_device(tiny_k3_dir):
+    """A DSpark draft, its stored tap states and a draft_model drafter with its cache sit on the
+    device the engine hands them (the meta device standing in for a GPU): before, both loaded on
+    the CPU, and a DSpark draft's first proposal beside a GPU target would have multiplied a cuda
+    tap state by CPU weights."""
+    from types import SimpleNamespace
+
+    from k3serve.spec.draft_model import DraftModelProposer
+    from k3serve.spec.dspark import DSparkConfig, DSparkModel, DSparkProposer
+
+    meta = torch.device("meta")
+    target = load_model(tiny_k3_dir, progress=False)
+    c = target.cfg
+    draft = DSparkModel(DSparkConfig(target_layer_ids=(0, 1), block_size=4, mask_token_id=c.vocab_size - 1,
+                                     vocab_size=c.vocab_size, target_hidden_size=c.hidden_size, hidden_size=32,
+                                     num_hidden_layers=1, num_attention_heads=4, intermediate_size=48))
+    prop = DSparkProposer(draft, SimpleNamespace(cfg=c, model=SimpleNamespace(kernels=None)), "greedy", meta)
+    assert all(t.device == meta for _, t in state(prop.model))
+    prop.observe("r", torch.zeros(2, c.hidden_size))  # taps back from a worker process: on the CPU
+    assert prop._taps["r"].device == meta and prop._taps["r"].dtype == torch.float32
+    dm = DraftModelProposer(load_model(tiny_k3_dir, progress=False), c, "greedy", 64, 2, meta)
+    assert all(t.device == meta for _, t in state(dm.model))
+    assert all(t.device == meta for t in [*dm.cache.recurrent, *dm.cache.conv, *dm.cache.latent] if t is not None)
