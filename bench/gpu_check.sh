@@ -17,6 +17,8 @@
 #    (chunk_kda, fused_recurrent_kda; needs fla-core);
 # 3. decode benchmarks: bench/gpu_decode.py (vs_llamacpp's k3serve cells on cuda: 400 M
 #    Kimi-Linear bf16 and MXFP4, tiny K3) and bench/generate_speed.py (tiny K3, fp32 and bf16);
+#    bench/step_profile.py: one decode step's ops by module, top ops by device time, and its
+#    host/device waits (the first run's ~20 ms a step is what that should explain);
 # 4. with TRAIN_DEMO=DIR (issue 22): the retrieval-first demo recipe on cuda into DIR, resumable
 #    (checkpointed every 500 steps; rerun the same line to continue), stopped after
 #    TRAIN_SECONDS (default 420, so it fits one device call), then the DSpark draft once done.
@@ -52,6 +54,7 @@ stage engine-tests pytest.log "$PY" -m pytest -q -p no:cacheprovider --durations
 stage kda-vs-fla kda_cuda.log "$PY" -m pytest -q -s -p no:cacheprovider tests/model/test_kda_cuda.py
 stage gpu-decode gpu_decode.txt "$PY" bench/gpu_decode.py ${GPU_DECODE_ONLY:+--only "$GPU_DECODE_ONLY"}
 stage generate-speed generate_speed.txt "$PY" bench/generate_speed.py
+stage step-profile step_profile.txt "$PY" bench/step_profile.py
 if [ -n "${TRAIN_DEMO:-}" ]; then
   "$PY" -m k3serve train-demo "$TRAIN_DEMO" --steps 30000 --drill-steps 6000 --device cuda --checkpoint-every 500 \
       --resume --no-draft --time-limit "${TRAIN_SECONDS:-420}" 2>&1 | tail -n 40 | tee "$OUT/train_demo.txt"
