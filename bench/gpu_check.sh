@@ -27,6 +27,9 @@
 # 2.11.0+cu130, g++ 13.3, Python 3.12) any torch.utils.cpp_extension module that formats an
 # integer into a stream segfaults, k3serve's and a three-line load_inline one alike, whatever the
 # flags; k3serve's kernels do that in their argument checks. Set K3SERVE_KERNELS=auto to test them.
+# Durations on the first run (one H200, 16 cores): engine-tests 156 s (to the crash then fixed),
+# kda-vs-fla 201 s (fla's Triton kernels compile and autotune), gpu-decode 74 s (builds the two
+# 400 M checkpoints), generate-speed 16 s: one device call of ~8-9 minutes for all of it.
 # Every stage runs even when one before it fails (one device call should say all it can);
 # the script exits non-zero if any failed. Results: bench/results/*.json; the pytest logs and
 # each stage's exit status (status.txt) under bench/results/gpu_check/.
