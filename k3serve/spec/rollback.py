@@ -37,9 +37,10 @@ def rollback_states(cache: CacheTensors, slots: list[int], accepted: list[int], 
                 cache.recurrent[layer][slots[j]].copy_(rec_buf[j, accepted[j]])
                 cache.conv[layer][slots[j]].copy_(conv_buf[j, accepted[j]])
     else:
-        dst = torch.tensor([slots[j] for j in keep])
-        pos = torch.tensor([accepted[j] for j in keep])
-        rows = torch.tensor(keep)
+        device = cache.device  # index tensors beside the states they index (a GPU's, where the cache is)
+        dst = torch.tensor([slots[j] for j in keep], device=device)
+        pos = torch.tensor([accepted[j] for j in keep], device=device)
+        rows = torch.tensor(keep, device=device)
         for layer, (rec_buf, conv_buf) in cache.spec_states.items():
             cache.recurrent[layer][dst] = rec_buf[rows, pos]
             cache.conv[layer][dst] = conv_buf[rows, pos]
