@@ -61,8 +61,8 @@ class KVHandoff:
 
 def rows_of(table: list[int], start: int, end: int, block_size: int,
             device: torch.device | None = None) -> torch.Tensor:
-    """Latent-cache rows of positions [start, end) under a block table, on `device` (a CUDA
-    tensor's index_put_ refuses CPU indices)."""
+    """Latent-cache rows of positions [start, end) under a block table, on `device`: beside the
+    cache they index."""
     pos = torch.arange(start, end)
     return (torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size).to(device)
 

@@ -89,9 +89,8 @@ class DraftModelProposer:
         return [Draft(t, stack_q(q, t, V)) for t, q in zip(toks, qs)]
 
     def _forward(self, reqs: list[Request], pieces: list[list[int]], starts: list[int]) -> torch.Tensor:
-        fb = ForwardBatch(torch.tensor([t for p in pieces for t in p], device=self.device), [len(p) for p in pieces],
-                          starts,
-                          [self.manager.state_slot(r.request_id) for r in reqs],
+        ids = torch.tensor([t for p in pieces for t in p], device=self.device)
+        fb = ForwardBatch(ids, [len(p) for p in pieces], starts, [self.manager.state_slot(r.request_id) for r in reqs],
                           [self.manager.block_table(r.request_id) for r in reqs], BLOCK)
         hidden = self.model(fb, self.cache)
         last = fb.last_token_indices().to(self.device)
