@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/spec_decode.py
 	$(PY) bench/demo_spec.py
 	$(PY) bench/moe_kernels.py
+	$(PY) bench/step_profile.py --kernels torch
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
