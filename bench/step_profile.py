@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -60,8 +61,8 @@ class OpsByModule(TorchDispatchMode):
             h.remove()
 
 
-def decode_steps(llm: LLM, steps: int) -> None:
-    """One request: its prefill and first decode step, then `steps` decode steps."""
+def decode_steps(llm: LLM, steps: int) -> Iterator[None]:
+    """One request: its prefill and first decode step, (a pause), then `steps` decode steps."""
     eng = llm.engine
     eng.add_request("profiled", {"prompt_token_ids": list(range(1, 33))},
                     SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))

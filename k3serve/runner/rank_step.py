@@ -126,6 +126,8 @@ class RankRunner:
         for i, t in recurrent.items():
             self.cache.recurrent[i][slot] = t
             self.cache.conv[i][slot] = conv[i]
-        for i, t in (latent or {}).items():  # rows and rows' values arrive on the CPU (pickled)
+        if latent:  # rows and their values arrive on the CPU (pickled)
+            rows = rows.to(self.cache.device)
+        for i, t in (latent or {}).items():
             dst = self.cache.latent[i]
-            dst[rows.to(dst.device)] = t.to(dst.device, dst.dtype)
+            dst[rows] = t.to(dst.device, dst.dtype)

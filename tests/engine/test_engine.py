@@ -1,4 +1,5 @@
-"""LLMEngine / LLM end to end on tiny K3 and Kimi-Linear checkpoints (a CPU: fp32; bench/gpu_check.sh runs them on cuda)."""
+"""LLMEngine / LLM end to end on tiny K3 and Kimi-Linear checkpoints (fp32 on a CPU;
+bench/gpu_check.sh runs them on cuda)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def test_greedy_matches_a_plain_full_recompute(k3_llm):
     model = k3_llm.engine.model
     seq = p + out[:-1]
     cache = fresh_cache(k3_llm, -(-len(seq) // 16))
-    fb = ForwardBatch(torch.tensor(seq, device=k3_llm.engine.runner.device), [len(seq)], [0], [0],
-                      [list(range(-(-len(seq) // 16)))], 16)
+    fb = ForwardBatch(torch.tensor(seq, device=cache.device), [len(seq)], [0], [0], [list(range(-(-len(seq) // 16)))],
+                      16)
     with torch.inference_mode():
         logits = model.compute_logits(model(fb, cache))
     assert logits[len(p) - 1:].argmax(-1).tolist() == out
@@ -137,7 +138,7 @@ def test_logprobs_match_the_model(k3_llm):
     model = k3_llm.engine.model
     seq = p["prompt_token_ids"]
     cache = fresh_cache(k3_llm, 4)
-    fb = ForwardBatch(torch.tensor(seq, device=k3_llm.engine.runner.device), [len(seq)], [0], [0], [[0, 1, 2, 3]], 16)
+    fb = ForwardBatch(torch.tensor(seq, device=cache.device), [len(seq)], [0], [0], [[0, 1, 2, 3]], 16)
     with torch.inference_mode():
         ref = torch.log_softmax(model.compute_logits(model(fb, cache))[-1].float(), -1)
     first = o.logprobs[0]
