@@ -403,7 +403,8 @@ def test_bf16_panels_equal_a_float64_matmul_on_ragged_shapes():
     """The bf16 panel form (column pairs for vdpbf16ps): every M up to the GEMV limit (8-token
     tiles and each remainder, their 8/6/4/3-panel tiles and 4/2/1 tails), against float64 within
     one bf16 rounding of the output (exact products, FP32 sums); bitwise batch invariance; past
-    the GEMV sizes, torch's GEMM on the unpacked matrix. Odd K, or past 1 MB, stays a matrix."""
+    the GEMV sizes, torch's GEMM on the unpacked matrix. Odd K, or past 64 MB, stays a matrix;
+    a 2 MB one (a 400 M model's projection, which gains at a batch's rows) takes the form."""
     g = torch.Generator().manual_seed(5)
     for K_, N in [(2, 16), (38, 48), (64, 112), (130, 208), (512, 16 * 15)]:
         w = torch.randn(N, K_, generator=g).bfloat16()
@@ -419,8 +420,10 @@ def test_bf16_panels_equal_a_float64_matmul_on_ragged_shapes():
             assert ((got.double() - exact[:M]).abs() <= bound).all(), (K_, N, M)
             assert torch.equal(got[M - 1], K.linear(x[M - 1:M].contiguous(), panels)[0])
         assert torch.equal(K.linear(x, panels), K.linear(x, w))
-    odd, big = torch.randn(32, 7).bfloat16(), torch.randn(1024, 528).bfloat16()  # big: past 1 MB
-    assert K.panel_form(odd) is odd and K.panel_form(big) is big
+    odd, huge = torch.randn(32, 7).bfloat16(), torch.empty(16400, 2048, dtype=torch.bfloat16)  # huge: past 64 MB
+    assert K.panel_form(odd) is odd and K.panel_form(huge) is huge
+    mid = torch.randn(1024, 1024, generator=g).bfloat16()  # 2 MB
+    assert torch.equal(K.panel_form(mid).permute(0, 2, 1, 3).reshape(1024, 1024), mid)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

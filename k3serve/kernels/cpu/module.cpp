@@ -21,7 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "whether this build runs bf16 dots in vdpbf16ps (AVX512-BF16)");
   m.def("panel_form", &k3k::panel_form, "a projection [N, K] (N a multiple of 16) as panels where this build reads them faster (panels.h: fp32 "
-     "[N/16, K, 16] with AVX-512, up to 64 MB; bf16 [N/16, K/2, 16, 2] with AVX512-BF16, up to 1 MB), else w itself");
+     "[N/16, K, 16] with AVX-512, up to 64 MB; bf16 [N/16, K/2, 16, 2] with AVX512-BF16, up to 64 MB), else w itself");
   m.def("expert_panel_form", &k3k::expert_panel_form, "routed experts [E, O, I] fp32 as panels [E, O/16, I, 16] where "
         "this build reads fp32 panels (AVX-512, O a multiple of 16), else w itself");
   m.def("simd", []() {

@@ -65,8 +65,10 @@ struct PanelF32 {
 // serves 16 rows, each token's column pair is broadcast as one 32-bit value. Each output is one
 // vdpbf16ps chain over the pairs in order. 8-token tiles, as many panels as the 32 registers
 // hold beside T x G accumulators. Cache-resident matrices (tiny Kimi-Linear / K3): decode
-// 1.05-1.13x the 3 x 4 row tiles (dot_tile_bf16); the 400 M model's 2-8 MB ones, which stream
-// from memory, 0.98-1.05x (module.cpp panel_form packs bf16 up to 1 MB).
+// 1.05-1.13x the 3 x 4 row tiles (dot_tile_bf16). Matrices streaming from memory (the 400 M
+// model's 2-8 MB ones, cold): one row as fast as the row tiles (0.98-1.05x), but 8-16 rows, a
+// continuous batch's decode, 1.1-1.6x: 16 rows of 1024 x 1024 to 4096 x 1024 read at 17-19 GB/s
+// against the row tiles' 11-13 (no horizontal sums, 11 loads per 24 vdpbf16ps against 14).
 struct PanelBf16 {
   using E = uint16_t;
   static constexpr int kPack = 2, kTokens = 8;
@@ -145,10 +147,11 @@ inline at::Tensor f32_panels(const at::Tensor& w) {
 }
 
 // w [N, K] in the panel form this build reads faster, else w itself. A copy, so bounded: a
-// vocabulary-sized head or a large fp32 model's projections past 64 MB stay single (the copy
-// would double them, for the decode rows' gain alone); bf16 up to 1 MB, a matrix that stays in
-// cache (tiny Kimi-Linear / K3 decode 1.05-1.13x; the 400 M model's 2-8 MB ones stream from
-// memory, as fast as the row tiles read them: 0.98-1.05x).
+// vocabulary-sized head or a large model's projections past 64 MB stay single (the copy would
+// double them, for the decode rows' gain alone). bf16 took panels up to 1 MB before 2026-12-04,
+// where one decode row gains; larger ones gain at a batch's 8-16 rows (PanelBf16 above: the
+// 400 M Kimi-Linear, 16 streams, 1.10-1.15x a step), and the copy costs its dense weights twice
+// in memory (~80 MB of that model's 822).
 inline at::Tensor panel_form(at::Tensor w) {
   if (w.dim() != 2 || !w.device().is_cpu() || w.size(0) % kPanel || w.nbytes() > (int64_t(64) << 20)) return w;
 #ifdef __AVX512F__
@@ -156,7 +159,7 @@ inline at::Tensor panel_form(at::Tensor w) {
 #endif
 #ifdef K3K_DPBF16
   const int64_t P = w.size(0) / kPanel, K = w.size(1);
-  if (w.scalar_type() == at::kBFloat16 && K % 2 == 0 && w.nbytes() <= (int64_t(1) << 20))
+  if (w.scalar_type() == at::kBFloat16 && K % 2 == 0)
     return w.detach().reshape({P, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 #endif
   return w;
