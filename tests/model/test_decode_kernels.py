@@ -263,6 +263,43 @@ def test_moe_experts_rows_do_not_depend_on_batch_mates(kind):
     assert torch.equal(full[2], one[0])
 
 
+@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-bf16", "mxfp4-panels", "bf16"])
+def test_experts_split_over_threads_by_cost_give_one_threads_bits(kind):
+    """moe_fused.cpp for_expert_items: a layer large enough for two chunks splits its (expert,
+    row) items where the estimated cost halves, here inside expert 0, which meets 14 of the 16
+    tokens (skewed routing). Every item runs exactly once and no bit moves: two threads equal
+    one, and the result matches the torch experts."""
+    g = torch.Generator().manual_seed(21)
+    E, h, inter, out, T = 8, 256, 96, 72, 16  # 8 x 96 gate/up items, 8 x 72 down items: two chunks each
+    dense = [torch.randn(E, inter, h, generator=g) / 16, torch.randn(E, inter, h, generator=g) / 16,
+             torch.randn(E, out, inter, generator=g) / 9]
+    ids = torch.stack([torch.tensor([0 if t < 14 else 1 + t % 7, 1 + t % 7 if t < 14 else 0]) for t in range(T)])
+    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 1] + 1) % E, ids[:, 1])
+    wt, x = torch.rand(T, 2, generator=g), torch.randn(T, h, generator=g).bfloat16().float()
+    bf16 = kind != "mxfp4"
+    if kind == "bf16":
+        w = [d.bfloat16() for d in dense]
+        args = [t for d in w for t in (d, None)]
+    else:
+        w = [PackedMXFP4.quantize(d) for d in dense]
+        args = ([t for p in w for t in (panels(p), None)] if kind == "mxfp4-panels"
+                else [t for p in w for t in (p.packed, p.scale)])
+    args += [0, 0.0, 0.0, bf16]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = K.moe_experts(x, ids, wt, *args)
+        torch.set_num_threads(2)
+        two = K.moe_experts(x, ids, wt, *args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    ref_x = x.bfloat16() if bf16 else x
+    ref = experts_forward(ref_x, ids, wt, w[0], w[2], w[1], silu_and_mul)
+    tol = 2e-2 if bf16 else 1e-5
+    torch.testing.assert_close(two, ref.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.skipif("avx512" not in K.simd(), reason="fp32 panels are read with AVX-512 only")
 def test_an_fp32_models_small_experts_become_panels_and_others_stay_packed():
     """layers/common.py kernel_experts: an fp32 model's experts whose fp32 form fits in 1 MB a
