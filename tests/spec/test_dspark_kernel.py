@@ -48,27 +48,6 @@ def test_the_compiled_forward_refuses_what_it_cannot_read():
         K.dspark_forward(torch.randn(1, 48), torch.tensor([1]), w[:7], 4, 49, 1e-6)
 
 
-def test_a_small_draft_on_the_second_thread_gives_this_threads_bits():
-    """kernels/cpu/dspark.cpp on_second_thread: with two threads a small draft (the demo's kind)
-    runs on the pool's second thread; its block logits and greedy drafts equal a one-thread
-    run's bit for bit, and a refused input still raises here, by name."""
-    model = _draft(2, 301, markov=8)
-    taps, last = torch.randn(3, 2, 24), torch.randint(0, 301, (3,))
-    threads = torch.get_num_threads()
-    try:
-        out = {}
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            with torch.inference_mode():
-                out[n] = (model.block_logits(taps, last, K), model.greedy_block(taps, last.tolist(), [4, 3, 4], K))
-        torch.set_num_threads(2)
-        with pytest.raises(RuntimeError, match="outside the vocabulary"):
-            K.dspark_forward(taps.reshape(3, -1), torch.tensor([1, 301, 2]), model.kernel_weights(K), 4, 300, 1e-6)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(out[1][0], out[2][0]) and out[1][1] == out[2][1]
-
-
 class _Target:
     def __init__(self, vocab: int):
         from types import SimpleNamespace

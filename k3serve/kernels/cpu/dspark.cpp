@@ -1,8 +1,7 @@
 // The DSpark drafter's forward in one call (issue 15): a speculative step's proposal went
 // through ~40 small torch ops (~0.26 ms on the bundled demo's 64-wide draft, half of what a
 // decode step costs), here a few tens of microseconds. Plain fp32 loops, parallel over the
-// vocabulary for the LM head (a K3-sized draft's largest matrix); a small draft runs on the
-// thread pool's second thread instead, where its weights stay in cache (on_second_thread).
+// vocabulary for the LM head (a K3-sized draft's largest matrix).
 //   ctx = RMSNorm(fc(taps)) [B, h];  x_j = embed(tok_j) + ctx + pos_j, tok = [last, mask x k]
 //   per layer: x += o(SDPA(qkv(RMSNorm(x))))  (bidirectional over the k + 1 positions)
 //              x += down(SiLU(g) u), [g | u] = gate_up(RMSNorm(x))
@@ -87,33 +86,12 @@ int64_t biased_argmax(const float* x, int64_t V, const float* u, const float* wt
   return best;
 }
 
-// f() run by the thread pool's second thread while this one waits (f's own parallel loops then
-// run inline), or here with one thread or inside a parallel region. Why: in a single user's step
-// the target's decode / verify stack runs on this thread alone (decode_stack.cpp SerialBlocks)
-// and refills this core's L2 with the target's weights every step, while the other core only
-// waits; the draft's ~0.5 MB of weights stay in that core's L2 from one step to the next, and
-// this core's keeps more of the target's. The bundled demo, alternated in one process: a
-// speculative step's median 924 -> 884 us (the proposal 72 -> 64, the verify forward 603 ->
-// 586); demo_spec's speedup over no speculation (9 repeats, twice) 2.03-2.04x -> 2.25-2.27x on
-// templated answers, 2.13-2.14x -> 2.24-2.27x on tool calls, the same tokens. A draft of more
-// than kWarmBytes of weights (a K3-sized one) runs here, its LM head over every thread.
-constexpr int64_t kWarmBytes = 2 << 20;
-template <typename F>
-at::Tensor on_second_thread(const std::vector<at::Tensor>& w, const F& f) {
-  int64_t bytes = 0;
-  for (const auto& t : w) bytes += t.nbytes();
-  if (bytes > kWarmBytes || at::get_num_threads() < 2 || at::in_parallel_region()) return f();
-  at::Tensor out;
-  at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {  // one item a thread: the second takes [1, 2)
-    if (begin <= 1 && 1 < end) out = f();
-  });
-  return out;
-}
+}  // namespace
 
 // taps [B, n_taps * d_t], last [B] int64; w = fc, ctx_norm, embed, pos, then per layer attn_norm,
 // qkv, o, mlp_norm, gate_up, down, then norm, lm_head (DSparkModel's parameters)
-at::Tensor block_logits(const at::Tensor& taps, const at::Tensor& last, const std::vector<at::Tensor>& w,
-                        int64_t heads, int64_t mask_id, double eps_) {
+at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tensor> w, int64_t heads,
+                          int64_t mask_id, double eps_) {
   TORCH_CHECK(w.size() >= 6 && (w.size() - 6) % 6 == 0, "dspark_forward: 6 + 6 per layer weights, got ", w.size());
   TORCH_CHECK(taps.dim() == 2 && last.dim() == 1 && last.scalar_type() == at::kLong && last.size(0) == taps.size(0),
               "dspark_forward: taps [B, n], last [B] int64");
@@ -181,13 +159,6 @@ at::Tensor block_logits(const at::Tensor& taps, const at::Tensor& last, const st
   return out;
 }
 
-}  // namespace
-
-at::Tensor dspark_forward(at::Tensor taps, at::Tensor last, std::vector<at::Tensor> w, int64_t heads,
-                          int64_t mask_id, double eps) {
-  return on_second_thread(w, [&] { return block_logits(taps, last, w, heads, mask_id, eps); });
-}
-
 // Greedy drafts with the Markov head, for requests whose rows need no processing: token j is
 // argmax(block[b, j] + W U[prev]) (first maximum), prev the token before it; block [B, k, V]
 // fp32, U [V, r], W^T [r, V] (the head's weight transposed, so the bias is r axpy passes over
@@ -223,5 +194,5 @@ at::Tensor dspark_greedy(at::Tensor block, at::Tensor last, at::Tensor u, at::Te
 at::Tensor dspark_draft(at::Tensor taps, std::vector<int64_t> last, std::vector<at::Tensor> w, int64_t heads,
                         int64_t mask_id, double eps, at::Tensor u, at::Tensor wt, std::vector<int64_t> k) {
   const at::Tensor lt = at::from_blob(last.data(), {int64_t(last.size())}, at::kLong);  // valid for this call
-  return on_second_thread(w, [&] { return dspark_greedy(block_logits(taps, lt, w, heads, mask_id, eps), lt, u, wt, k); });
+  return dspark_greedy(dspark_forward(taps, lt, std::move(w), heads, mask_id, eps), lt, u, wt, std::move(k));
 }
