@@ -181,7 +181,8 @@ template <typename F>
 void for_expert_items(const std::vector<int64_t>& active, const std::vector<int64_t>& offset, int64_t width,
                       int64_t row_cost, int64_t grain, const F& f) {
   const int64_t A = int64_t(active.size()), n = A * width;
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / std::max<int64_t>(grain, 1));
+  grain = std::max<int64_t>(grain, 1);  // grain_for's serial_blocks() value is INT64_MAX: no n + grain
+  const int64_t parts = n <= grain ? 1 : std::min<int64_t>(at::get_num_threads(), (n - 1) / grain + 1);
   if (parts <= 1 || at::in_parallel_region()) {
     if (n) f(int64_t(0), n);
     return;
