@@ -172,9 +172,10 @@ Matrix matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const
 // item of an expert with T pairs costs row_cost + T (getting its row, then a dot per pair). A
 // split by count leaves one core waiting whenever the experts that meet most of a batch's tokens
 // fall in one half. Measured on 400 M Kimi-Linear's experts (16 tokens, top-4 of 32, routing
-// skewed as p(e) ~ 1/e^s, 7 layers alternated in one process): packed MXFP4 (row_cost 2: a
-// decoded row costs about two dots) 0.77-0.89x the time at s = 1-2, bf16 (16: a row streamed
-// from memory outweighs its few dots) 0.96-0.98x; uniform routing unchanged. `grain`: the
+// skewed as p(e) ~ 1/e^s, 7 layers alternated in one process, median of 24-30): packed MXFP4
+// (row_cost 2: a decoded row costs about two dots) 0.88-0.94x the time at s = 1, 0.77-0.87x at
+// s = 2; bf16 (16: a row streamed from memory outweighs its few dots; 2 lost 3-4%) 0.99x at
+// s = 1, 0.91-0.92x at s = 2; uniform routing 0.99-1.02x. `grain`: the
 // fewest items worth a chunk (grain_for), so a small layer stays on one thread. f(begin, end)
 // takes any range (a row's sums never depend on its tile: the split changes no bit).
 template <typename F>
