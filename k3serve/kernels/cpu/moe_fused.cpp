@@ -205,8 +205,9 @@ void for_expert_items(const std::vector<int64_t>& active, const std::vector<int6
   });
 }
 
-// for_expert_items' row cost of a matrix: packed MXFP4 rows decode (compute), dense ones stream
-int64_t row_cost(const Matrix& m) { return m.scale ? 2 : 16; }
+// for_expert_items' row cost of a matrix: packed MXFP4 rows decode and fp32 panels (cache-resident
+// experts) multiply, both compute; dense rows stream from memory
+int64_t row_cost(const Matrix& m) { return m.scale || m.panels ? 2 : 16; }
 
 // The FP32 route over (expert, row) items [begin, end) of m, `width` rows an expert: out[q *
 // width + o] = row (e, o) . x[q] for every pair q of expert e = active[item / width], rounded to
@@ -253,7 +254,7 @@ void panel_experts(std::initializer_list<std::pair<const Matrix*, float*>> mats,
   const Matrix& m = *mats.begin()->first;
   const int64_t P = m.O / k3k::kPanel, A = int64_t(active.size()), I = m.I, O = m.O;
   const int64_t per = std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1));
-  for_expert_items(active, offset, P, 2, k3k::grain_for(2 * I * k3k::kPanel * per * int64_t(mats.size())),
+  for_expert_items(active, offset, P, row_cost(m), k3k::grain_for(2 * I * k3k::kPanel * per * int64_t(mats.size())),
                    [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end;) {
       const int64_t e = active[item / P], p0 = item % P, p1 = std::min(P, p0 + end - item);
@@ -325,6 +326,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   for (int64_t e = 0; e < E; ++e)
     if (offset[e + 1] > offset[e]) active.push_back(e);
   const int64_t A = int64_t(active.size()), pairs = N * topk;
+  const int64_t grain1 = grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1)));  // w1 and w3
   const float *zp = z.data_ptr<float>(), *wp = weights.data_ptr<float>();
   const float fb = float(beta), flb = float(linear_beta);
   const bool rnd = round_bf16_steps;
@@ -337,7 +339,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
   if (gate_up_bf16(m1, m3, zp, N * Kin)) {
     const std::vector<uint16_t> zg =
         bf16_rows(pairs, Kin, m1.split(), [&](int64_t q) { return zp + (order[q] / topk) * Kin; });
-    for_expert_items(active, offset, inter, row_cost(m1), grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
+    for_expert_items(active, offset, inter, row_cost(m1), grain1,
                      [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> wb(3 * Kin);
       std::vector<float> wf(Kin);
@@ -375,7 +377,7 @@ at::Tensor moe_experts(at::Tensor z, at::Tensor ids, at::Tensor weights, at::Ten
       z1[q] = (m1.split() ? zs.data() : zp) + t * Kin, z3[q] = (m3.split() ? zs.data() : zp) + t * Kin;
     }
     // here z is not all bf16 values (else the route above): FP32 dots
-    for_expert_items(active, offset, inter, row_cost(m1), grain_for(4 * Kin * std::max<int64_t>(1, pairs / std::max<int64_t>(A, 1))),
+    for_expert_items(active, offset, inter, row_cost(m1), grain1,
                      [&](int64_t begin, int64_t end) {
       fp32_rows(m1, inter, active, offset, z1.data(), begin, end, h.data(), rnd);
       fp32_rows(m3, inter, active, offset, z3.data(), begin, end, u.data(), rnd);
