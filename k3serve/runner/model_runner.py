@@ -185,7 +185,10 @@ class ModelRunner:
 
     def _mask(self, logits: torch.Tensor, rows: list[tuple[int, "Constraint | None", list[int]]]) -> None:
         """Grammar bitmasks on `logits` (in place): (first row, constraint, drafts after it)."""
-        live = [(r, c, d) for r, c, d in rows if c is not None and c.active]
+        # a row set with drafts is masked even while its constraint is still free: the drafts can
+        # open the constrained span (a think channel closing), and the positions after that are
+        # masked like any other (fill_drafts leaves the free positions all-allowed)
+        live = [(r, c, d) for r, c, d in rows if c is not None and (c.active or d)]
         if not live:
             return
         bitmask = self.grammar.allocate(logits.shape[0])

@@ -21,11 +21,16 @@ import torch
 
 from k3serve.sampling.structured import StructuredOutputs
 
-FREE, GRAMMAR, TAIL, DONE = "free", "grammar", "tail", "done"
+FREE, OPENING, GRAMMAR, TAIL, DONE = "free", "opening", "grammar", "tail", "done"
 # chat markup spelled in the tool-call vocabulary: K3 XTML, then the K2 family's tool markers
 MARKUP = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|tool_calls_section_begin|>",
           "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>")
 _XGR_LOCATION = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[11:07:00] /project/cpp/x.cc:5082: " prefixes
+
+
+def grammar_error_text(e: Exception) -> str:
+    """xgrammar's message without its source-location prefixes."""
+    return _XGR_LOCATION.sub("", str(e)).strip()
 
 
 class GrammarError(ValueError):
@@ -60,8 +65,7 @@ class GrammarBackend:
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its own text
-            why = _XGR_LOCATION.sub("", str(e)).strip()
-            raise GrammarError(f"the {so.kind} constraint does not compile: {why}") from None
+            raise GrammarError(f"the {so.kind} constraint does not compile: {grammar_error_text(e)}") from None
         self.cache[so.key] = grammar
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
@@ -88,8 +92,21 @@ class GrammarBackend:
         return c.compile_structural_tag(so.spec)
 
     def constraint(self, so: StructuredOutputs) -> "Constraint":
+        if so.kind == "text":  # only the free channel's closing is enforced
+            return Constraint(self, None, so, frozenset())
         matcher = self.xgr.GrammarMatcher(self.compile(so), override_stop_tokens=list(so.stop_ids) or None)
-        return Constraint(self, matcher, so)
+        return Constraint(self, matcher, so, self._unspelled(so.markup or so.kind == "structural_tag"))
+
+    def _unspelled(self, markup: bool) -> frozenset[int]:
+        """Ids that are empty strings in the grammar's vocabulary: the matcher refuses them (and
+        logs a warning for each), so a draft holding one is refused here without asking it."""
+        key = "_unspelled_markup" if markup else "_unspelled_plain"
+        if getattr(self, key, None) is None:
+            tok = self.tokenizer
+            keep = {tok.special_tokens[n] for n in MARKUP if n in tok.special_tokens} if markup else set()
+            setattr(self, key, frozenset(i for i in range(self.vocab_size) if i >= tok.vocab_size or not tok.has_id(i)
+                                         or (tok.is_special(i) and i not in keep)))
+        return getattr(self, key)
 
     def allocate(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)  # int32 [rows, ceil(V / 32)], all allowed
@@ -123,59 +140,93 @@ def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
 
 
 class Constraint:
-    """One sequence's position in free -> grammar -> tail -> done; every accepted token is
-    recorded so `rollback(n)` can undo any n of them."""
+    """One sequence's position in free -> [opening] -> grammar -> tail -> done; every accepted
+    token is recorded so `rollback(n)` can undo any n of them."""
 
-    def __init__(self, backend: GrammarBackend, matcher, so: StructuredOutputs):
-        self.backend, self.matcher, self.so = backend, matcher, so
-        self.phase = GRAMMAR if not so.start_after else FREE
-        self.tail_pos = 0
+    def __init__(self, backend: GrammarBackend, matcher, so: StructuredOutputs, unspelled: frozenset[int]):
+        self.backend, self.matcher, self.so, self.unspelled = backend, matcher, so, unspelled
+        self.phase = FREE if so.start_after or so.free_close else self._after_opening()
+        self.pos = 0  # into free_close (OPENING) or tail (TAIL)
+        self.free = 0  # free tokens so far (against free_budget)
         self.window: list[int] = []  # recent free tokens, to spot start_after
-        self.history: list[tuple[str, int, int]] = []  # (phase before, tail_pos before, window length)
+        self.history: list[tuple[str, int, int, int]] = []  # (phase, pos, free, window length) before each token
+
+    def _after_opening(self) -> str:
+        return DONE if self.matcher is None else GRAMMAR
 
     @property
     def active(self) -> bool:
-        return self.phase in (GRAMMAR, TAIL)
+        """Whether this sequence's next row is masked at all."""
+        return self.phase in (OPENING, GRAMMAR, TAIL) or (self.phase == FREE and self.so.closes_free)
+
+    def _forced_close(self) -> bool:
+        return self.so.free_budget is not None and self.free >= self.so.free_budget
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         if self.phase == GRAMMAR:
             self.matcher.fill_next_token_bitmask(bitmask, row)
         elif self.phase == TAIL:
-            _only(bitmask, row, self.so.tail[self.tail_pos])
-        # FREE / DONE: the row stays all-allowed
+            _only(bitmask, row, self.so.tail[self.pos])
+        elif self.phase == OPENING:
+            _only(bitmask, row, self.so.free_close[self.pos])
+        elif self.phase == FREE and self.so.closes_free:
+            if self._forced_close():  # the budget is spent: the channel closes now
+                _only(bitmask, row, self.so.free_close[0])
+            else:
+                _refuse(bitmask, row, self.so.free_refused)
+        # FREE (waiting for start_after) / DONE: the row stays all-allowed
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one generated token; False if the grammar refuses it (nothing changes)."""
-        before = (self.phase, self.tail_pos, len(self.window))
-        if self.phase == FREE:
+        """Advance by one generated token; False if the constraint refuses it (nothing changes)."""
+        before = (self.phase, self.pos, self.free, len(self.window))
+        if self.phase == FREE and self.so.closes_free:
+            if token_id == self.so.free_close[0]:
+                self.phase, self.pos = OPENING, 1
+                self._opened()
+            elif token_id in self.so.free_refused or self._forced_close():
+                return False
+            else:
+                self.free += 1
+        elif self.phase == FREE:
             self.window.append(token_id)
             n = len(self.so.start_after)
             if tuple(self.window[-n:]) == self.so.start_after:
-                self.phase = GRAMMAR
+                self.phase = self._after_opening()
+        elif self.phase == OPENING:
+            if token_id != self.so.free_close[self.pos]:
+                return False
+            self.pos += 1
+            self._opened()
         elif self.phase == GRAMMAR:
+            if token_id in self.unspelled and token_id not in self.so.stop_ids:
+                return False
             if not self.matcher.accept_token(token_id):
                 return False
             if self.matcher.is_terminated():
-                self.phase = TAIL if self.so.tail else DONE
+                self.phase, self.pos = (TAIL, 0) if self.so.tail else (DONE, 0)
         elif self.phase == TAIL:
-            if token_id != self.so.tail[self.tail_pos]:
+            if token_id != self.so.tail[self.pos]:
                 return False
-            self.tail_pos += 1
-            if self.tail_pos == len(self.so.tail):
+            self.pos += 1
+            if self.pos == len(self.so.tail):
                 self.phase = DONE
         self.history.append(before)
         return True
 
+    def _opened(self) -> None:
+        if self.pos == len(self.so.free_close):
+            self.phase, self.pos = self._after_opening(), 0
+
     def rollback(self, n: int) -> None:
         for _ in range(n):
-            phase, tail_pos, window = self.history.pop()
+            phase, pos, free, window = self.history.pop()
             if phase == GRAMMAR:
                 self.matcher.rollback(1)
-            self.phase, self.tail_pos = phase, tail_pos
+            self.phase, self.pos, self.free = phase, pos, free
             del self.window[window:]
 
     def valid_prefix(self, drafts: list[int]) -> int:
-        """How many leading drafts the grammar accepts (state unchanged afterwards)."""
+        """How many leading drafts the constraint accepts (state unchanged afterwards)."""
         k = 0
         for t in drafts:
             if not self.accept(t):
@@ -191,3 +242,8 @@ class Constraint:
             if j < len(drafts):
                 self.accept(drafts[j])
         self.rollback(len(drafts))
+
+
+def _refuse(bitmask: torch.Tensor, row: int, token_ids: tuple[int, ...]) -> None:
+    for t in token_ids:
+        bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 2 ** 31 - 1

@@ -181,6 +181,20 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
+    thinking_token_budget: int | None = None  # vLLM's name; SGLang's is max_thinking_tokens
+    max_thinking_tokens: int | None = None
+
+    def thinking_budget(self) -> int | None:
+        """The most tokens the think channel may take before its closing is forced, or None."""
+        given = {n: v for n in ("thinking_token_budget", "max_thinking_tokens")
+                 if (v := getattr(self, n)) is not None}
+        if len(set(given.values())) > 1:
+            raise APIError(400, "thinking_token_budget and max_thinking_tokens disagree; give one",
+                           param="max_thinking_tokens")
+        for name, v in given.items():
+            if v < 0:
+                raise APIError(400, f"{name} must be >= 0, got {v}", param=name)
+        return next(iter(given.values()), None)
 
 
 class CompletionRequest(_Sampling):

@@ -12,10 +12,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.chat.messages import ChatInputError, check_depth
 from k3serve.chat.render import ChatOptions, RenderedPrompt
+from k3serve.sampling.grammar import grammar_error_text
+from k3serve.sampling.structured import StructuredOutputs
 from k3serve.server.errors import APIError
 from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
 from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
-from k3serve.server.structured import k3_chat_span, requested, to_spec, whole_output_span
+from k3serve.server.structured import k3_chat_span, k3_think_close, requested, to_spec, whole_output_span
 from k3serve.server.tool_choice import k2_tool_choice, k3_tool_choice
 from k3serve.server.output_parser import Delta, OutputParser
 from k3serve.server.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
@@ -74,26 +76,42 @@ def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> Re
         raise APIError(400, str(e), param="messages") from None
 
 
-def _structured(state: ServerState, req: ChatCompletionRequest, start_channel: str | None, tools, choice):
+def _structured(state: ServerState, req: ChatCompletionRequest, start_channel: str | None, tools, choice,
+                max_tokens: int):
     """The output constraint: a required / named tool choice's call grammar, else what
-    response_format / structured_outputs / guided_* ask, else None."""
+    response_format / structured_outputs / guided_* ask, else None. On K3 with thinking on,
+    a constrained reply must close its think channel first: within the request's thinking
+    budget, or half of max_tokens when it gives none, so the constrained part has room."""
     want = requested(req)
+    budget = req.thinking_budget()
+    constrained = want is not None or (tools and (choice == "required" or isinstance(choice, dict)))
+    think = (k3_think_close(state.tokenizer, start_channel, budget if budget is not None else max_tokens // 2)
+             if state.renderer.xtml and constrained else {})
     if tools and (choice == "required" or isinstance(choice, dict)):
         if want is not None:
             raise APIError(400, "a required or named tool_choice cannot be combined with an output constraint",
                            param="tool_choice")
-        if state.renderer.xtml:
-            return k3_tool_choice(tools, choice, start_channel == "think", req.parallel_tool_calls,
-                                  state.eos_token_id)
-        if state.tool_call_parser == "kimi_k2":
-            return k2_tool_choice(tools, choice, req.parallel_tool_calls, state.eos_token_id)
+        try:
+            if state.renderer.xtml:
+                return k3_tool_choice(tools, choice, think, req.parallel_tool_calls, state.eos_token_id)
+            if state.tool_call_parser == "kimi_k2":
+                return k2_tool_choice(tools, choice, req.parallel_tool_calls, state.eos_token_id)
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:  # xgrammar's words for a bad schema
+            raise APIError(400, f"tool_choice {_named(choice)}: a tool's parameters do not compile to a grammar: "
+                                f"{grammar_error_text(e)}", param="tools") from None
         raise APIError(400, f"tool_choice {choice!r} cannot be enforced with this chat format",
                        param="tool_choice")
     if want is None:
+        if budget is not None and state.renderer.xtml and start_channel == "think":  # a budget alone
+            return StructuredOutputs("text", **k3_think_close(state.tokenizer, start_channel, budget, refuse=False))
         return None
-    span = (k3_chat_span(state.tokenizer, start_channel) if state.renderer.xtml
+    span = ({**k3_chat_span(state.tokenizer, start_channel), **think} if state.renderer.xtml
             else whole_output_span(state.eos_token_id))
     return to_spec(*want, **span)
+
+
+def _named(choice) -> str:
+    return repr(choice["function"]["name"]) if isinstance(choice, dict) else repr(choice)
 
 
 @dataclass
@@ -124,7 +142,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
     top_n = req.top_logprobs or 0
     params = req.sampling_params(max_tokens, top_n if req.logprobs else None, state.sampling_defaults,
                                  keep_special_token_ids=state.structural_ids,
-                                 structured=_structured(state, req, prompt.start_channel, tools, choice))
+                                 structured=_structured(state, req, prompt.start_channel, tools, choice, max_tokens))
 
     declared = frozenset((t.get("function") or {}).get("name") for t in tools or [])
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from k3serve.chat.k3_xtml import EOM, Seg, close_tag, encode_segments, open_tag
+from k3serve.chat.k3_xtml import EOM, OPEN, Seg, close_tag, encode_segments, open_tag
 from k3serve.sampling.structured import StructuredOutputs
 from k3serve.server.errors import APIError
 
@@ -42,7 +42,9 @@ def requested(req) -> tuple[str, Any, bool] | None:
     rf = _from_response_format(getattr(req, "response_format", None))
     if rf:
         found.append(("response_format", *rf))
-    any_ws = True
+    # JSON under a schema or json_object gets no free whitespace runs unless asked for: a model
+    # can pad JSON with whitespace until max_tokens (vLLM's disable_any_whitespace, on here)
+    any_ws = False
     so = req.structured_outputs
     if so is not None:
         kinds = [k for k in SO_KINDS if so.get(k) not in (None, False)]
@@ -53,7 +55,7 @@ def requested(req) -> tuple[str, Any, bool] | None:
             raise APIError(400, "structured_outputs needs exactly one of " + ", ".join(SO_KINDS),
                            param="structured_outputs")
         found.append(("structured_outputs", kinds[0], so[kinds[0]]))
-        any_ws = not so.get("disable_any_whitespace", False)
+        any_ws = not so.get("disable_any_whitespace", True)
     for field, kind in GUIDED.items():
         if getattr(req, field) is not None:
             found.append((field, kind, getattr(req, field)))
@@ -85,12 +87,25 @@ def to_spec(kind: str, spec: Any, any_ws: bool, **where) -> StructuredOutputs:
     return StructuredOutputs(kind, "" if spec is None else spec, any_whitespace=any_ws, **where)
 
 
-def k3_chat_span(tokenizer, start_channel: str | None) -> dict:
-    """start_after / stop_ids / tail for the K3 response channel."""
-    opening = encode_segments(tokenizer, open_tag("response"))
+def k3_chat_span(tokenizer, start_channel: str | None, think_budget: int | None = None) -> dict:
+    """start_after / stop_ids / tail for the K3 response channel, and the think channel's
+    closing when the prompt opened one."""
     closing = encode_segments(tokenizer, close_tag("response") + close_tag("message") + [Seg(EOM, True)])
-    return {"start_after": () if start_channel == "response" else tuple(opening),
-            "stop_ids": (closing[0],), "tail": tuple(closing[1:])}
+    return {**k3_think_close(tokenizer, start_channel, think_budget), "stop_ids": (closing[0],),
+            "tail": tuple(closing[1:])}
+
+
+def k3_think_close(tokenizer, start_channel: str | None, think_budget: int | None, refuse: bool = True) -> dict:
+    """The think channel a constrained K3 reply must close before its response: `<|close|>`
+    starts `<|close|>think<|sep|><|open|>response<|sep|>` (the rest forced), the end of the
+    message and `<|open|>` are refused inside it (`refuse`), and the closing is forced after
+    `think_budget` tokens. Nothing when the prompt opened the response channel itself."""
+    if start_channel != "think":
+        return {}
+    opening = encode_segments(tokenizer, open_tag("response"))
+    refused = (tokenizer.token_to_id(EOM), tokenizer.token_to_id(OPEN)) if refuse else ()
+    return {"start_after": tuple(opening), "free_budget": think_budget, "free_refused": refused,
+            "free_close": tuple(encode_segments(tokenizer, close_tag("think")) + opening)}
 
 
 def whole_output_span(eos_token_id: int | None) -> dict:

@@ -12,7 +12,9 @@ As vLLM's "required", the reply is tool calls only. The prompt already opened th
   <|open|>tools<|sep|> (<|open|>call tool="NAME" index="I"<|sep|> ARGUMENTS <|close|>call<|sep|>)+
   <|close|>tools<|sep|><|close|>message<|sep|>  then <|end_of_msg|> (EOS)
 
-with one call for a named choice (or with parallel_tool_calls false). Markers are matched as
+with one call for a named choice (or with parallel_tool_calls false). The think part is the
+constraint's free channel (its closing forced once begun or once its budget is spent, the end of
+the message refused inside it); the grammar starts at `<|close|>response`. Markers are matched as
 text over a vocabulary in which the XTML specials carry their own spelling.
 """
 
@@ -28,6 +30,11 @@ from k3serve.sampling.structured import StructuredOutputs
 # markers out of values, switches maxLength / minLength off, as its warning says: not used; a
 # value can never hold `<|close|>argument<|sep|>`, which is what ends it.)
 WHITESPACE_RUN = "[ \\n\\r\\t]*"
+# A raw string value is any text up to `<|close|>argument<|sep|>`; xgrammar lets it hold other
+# XTML markers, which K3's parser cannot read back as a value (a named call came back as no call
+# at all: `65 ft<|sep|>...<|close|>response<|sep|>...` inside `expression`). No marker is text.
+VALUE_END = 'excludes=("<|close|>argument<|sep|>")'
+VALUE_EXCLUDES = 'excludes=("<|close|>argument<|sep|>", "<|open|>", "<|close|>", "<|sep|>")'
 
 
 def _call_tag(tool: dict):
@@ -49,12 +56,13 @@ def _chosen(tools: list[dict], choice, parallel: bool) -> tuple[list[dict], bool
     return tools, parallel
 
 
-def _grammar(elements: list, eos_token_id: int) -> StructuredOutputs:
+def _grammar(elements: list, eos_token_id: int, **where) -> StructuredOutputs:
     import xgrammar as xgr
     from xgrammar.structural_tag import SequenceFormat, StructuralTag
 
     text = str(xgr.Grammar.from_structural_tag(StructuralTag(format=SequenceFormat(elements=elements))))
-    return StructuredOutputs("grammar", text.replace(WHITESPACE_RUN, '""'), stop_ids=(eos_token_id,), markup=True)
+    text = text.replace(WHITESPACE_RUN, '""').replace(VALUE_END, VALUE_EXCLUDES)
+    return StructuredOutputs("grammar", text, stop_ids=(eos_token_id,), markup=True, **where)
 
 
 def k2_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: int) -> StructuredOutputs:
@@ -77,15 +85,14 @@ def k2_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: int)
                      ConstStringFormat(value="<|tool_calls_section_end|>")], eos_token_id)
 
 
-def k3_tool_choice(tools: list[dict], choice, thinking: bool, parallel: bool, eos_token_id: int) -> StructuredOutputs:
-    from xgrammar.structural_tag import AnyTextFormat, ConstStringFormat, TagsWithSeparatorFormat
+def k3_tool_choice(tools: list[dict], choice, think: dict, parallel: bool, eos_token_id: int) -> StructuredOutputs:
+    """`think`: server/structured.py k3_think_close, the think channel the prompt opened (its
+    closing enforced and budgeted before the calls), or {} when the prompt opened the response."""
+    from xgrammar.structural_tag import ConstStringFormat, TagsWithSeparatorFormat
 
     tools, parallel = _chosen(tools, choice, parallel)
-    elements = []
-    if thinking:
-        elements += [AnyTextFormat(excludes=[OPEN, CLOSE]), ConstStringFormat(value=f"{CLOSE}think{SEP}{OPEN}response{SEP}")]
-    elements.append(ConstStringFormat(value=f"{CLOSE}response{SEP}{OPEN}tools{SEP}"))
-    elements.append(TagsWithSeparatorFormat(tags=[_call_tag(t) for t in tools], separator="", at_least_one=True,
-                                            stop_after_first=not parallel))
-    elements.append(ConstStringFormat(value=f"{CLOSE}tools{SEP}{CLOSE}message{SEP}"))
-    return _grammar(elements, eos_token_id)
+    elements = [ConstStringFormat(value=f"{CLOSE}response{SEP}{OPEN}tools{SEP}"),
+                TagsWithSeparatorFormat(tags=[_call_tag(t) for t in tools], separator="", at_least_one=True,
+                                        stop_after_first=not parallel),
+                ConstStringFormat(value=f"{CLOSE}tools{SEP}{CLOSE}message{SEP}")]
+    return _grammar(elements, eos_token_id, **think)

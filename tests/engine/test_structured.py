@@ -131,6 +131,49 @@ def test_constraint_rollback_restores_the_state(plain):
     assert not fresh.accept(tok.encode("z")[0]) and fresh.phase == "grammar" and not fresh.history
 
 
+def _allowed(bitmask: torch.Tensor, vocab: int) -> set[int]:
+    bits = bitmask[0].view(torch.uint8).view(-1)  # little-endian int32 words: bit i of the vocabulary
+    return {i for i in range(vocab) if bits[i // 8] >> (i % 8) & 1}
+
+
+def test_a_closing_channel_refuses_ending_inside_it_and_obeys_its_budget(plain):
+    """The free part as K3's think channel: refused ids are masked and refused, its first
+    closing token forces the rest of the closing, the budget forces the closing, and drafts
+    that cross from the channel into the grammar get the grammar's masks (the DSpark 400)."""
+    tok, V = plain.engine.tokenizer, plain.engine.model.cfg.vocab_size
+    backend = GrammarBackend(tok, V)
+    eom, close, opening = 7, 9, (11, 12)
+    so = StructuredOutputs("regex", "ab", start_after=opening, free_close=(close, 10, *opening),
+                           free_refused=(eom,), free_budget=3, stop_ids=(close,))
+
+    def mask(c) -> set[int]:
+        bm = backend.allocate(1)
+        c.fill(bm, 0)
+        return _allowed(bm, V)
+
+    c = backend.constraint(so)
+    allowed = mask(c)
+    assert eom not in allowed and close in allowed and len(allowed) == V - 1
+    assert not c.accept(eom) and c.phase == "free"
+    free = tok.encode("xyz")[:3]
+    for t in free:
+        assert c.accept(t)
+    assert mask(c) == {close} and not c.accept(free[0])  # the budget is spent: only the closing
+    assert c.accept(close) and mask(c) == {10} and not c.accept(11)
+    assert c.accept(10) and c.accept(11) and c.accept(12) and c.phase == "grammar"
+    grammar_mask = mask(c)
+    assert grammar_mask == set(tok.encode("a")[:1])
+    c.rollback(4 + len(free))
+    assert c.phase == "free" and c.free == 0 and not c.history
+    # drafts from inside the channel into the grammar: the rows after the opening are masked
+    drafts = [free[0], close, 10, 11, 12]
+    assert c.valid_prefix(drafts + [eom]) == len(drafts)
+    bm = backend.allocate(len(drafts) + 1)
+    c.fill_drafts(bm, 0, drafts)
+    assert _allowed(bm[5:6], V) == grammar_mask and _allowed(bm[2:3], V) == {10}
+    assert c.phase == "free" and not c.history
+
+
 @pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 5}])
 def test_json_strings_refuse_encoded_surrogates(plain, string):
     """xgrammar's string classes admit ED A0..BF xx (a UTF-16 surrogate encoded as UTF-8, which

@@ -14,6 +14,7 @@ import pytest
 from k3serve.chat.k3_xtml import assistant_body, encode_segments, message, open_tag
 from k3serve.chat.messages import Message, ToolCall
 from k3serve.server.output_parser import OutputParser
+from k3serve.server.structured import k3_think_close
 from k3serve.server.tool_choice import k3_tool_choice
 from tests.live import serving
 from tests.server.conftest import make_app
@@ -71,7 +72,8 @@ def test_the_k3_call_grammar_accepts_what_the_renderer_writes(live_server):
         opened = encode_segments(eng.tokenizer, open_tag("message", [("role", "assistant")])
                                  + open_tag("think" if thinking else "response"))  # the generation prompt's end
         assert ids[:len(opened)] == opened
-        c = backend_owner.grammar.constraint(k3_tool_choice(TOOLS, "required", thinking, True,
+        think = k3_think_close(eng.tokenizer, "think" if thinking else "response", None)
+        c = backend_owner.grammar.constraint(k3_tool_choice(TOOLS, "required", think, True,
                                                             eng.model.cfg.eos_token_id))
         for t in ids[len(opened):]:
             assert c.accept(t), (thinking, eng.tokenizer.decode([t]))
@@ -108,3 +110,18 @@ def test_required_choice_through_the_openai_client(client):
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name in SCHEMAS
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("params", [{"type": "nonsense"},
+                                    {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_a_tool_schema_that_does_not_compile_is_a_400(live_server, params, choice):
+    base, _ = live_server
+    tools = [{"type": "function", "function": {"name": "bad", "parameters": params}}]
+    r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "messages": MSGS, "tools": tools, "tool_choice": choice, "max_tokens": 8})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "do not compile" in err["message"], err
+    ok = httpx.post(base + "/v1/chat/completions", timeout=60, json={"messages": MSGS, "max_tokens": 4})
+    assert ok.status_code == 200, ok.text
