@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from k3serve.demo.data import conversations, drills, stdlib_text, tokenizer_corpus
 from k3serve.models.registry import build_model
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.weights.mxfp4 import PackedMXFP4
 
 log = logging.getLogger("k3serve.demo")
@@ -200,7 +200,7 @@ def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]], device: str = "cp
     cache = CacheTensors.allocate(cfg, len(seqs), sum(blocks), 16, device=device)
     fb = ForwardBatch(torch.tensor([t for ids, _ in seqs for t in ids], device=device), lens, [0] * len(seqs),
                       list(range(len(seqs))), [list(range(s, s + b)) for s, b in zip(starts, blocks)], 16)
-    logits = model.compute_logits(model(fb, cache)).float()  # [sum(lens), V]
+    logits = model.compute_logits(model(fb, cache).hidden).float()  # [sum(lens), V]
     # target of position t is token t+1 of the same sequence; a sequence's last position has none
     targets = torch.tensor([t for ids, _ in seqs for t in ids[1:] + [0]], device=device)
     weight = torch.tensor([float(w) for _, m in seqs for w in m[1:] + [0]], device=device)

@@ -49,15 +49,12 @@ class RemoteRank:
     def allocate(self, plan, kv_dtype: str) -> None:
         self.workers.send_replica(self.rank, "allocate", plan, kv_dtype)
 
-    def forward(self, inputs, capture: dict | None = None):
-        taps = tuple(capture) if capture else ()
+    def forward(self, inputs, taps: tuple[int, ...] = ()):
         ranks = list(self.workers.ranks_of(self.rank))
         answers = self.workers.call_ranks(ranks, "dp_forward", [(inputs, taps)] + [(inputs, (), False)] * (len(ranks) - 1))
-        (result, self._stats, states), others = answers[0], answers[1:]
+        (result, self._stats), others = answers[0], answers[1:]
         if others:  # each TP rank counted the expert load of the rows it dispatched
             self._stats = merge_tp_stats(self._stats, [o[1] for o in others])
-        if capture is not None:
-            capture.update(states)  # the tap layers' [N, d], as the in-process forward fills them
         return result
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3serve.runner.forward_batch import CacheTensors
+from k3serve.forward import CacheTensors
 from k3serve.scheduler.batch import PromptLogprob
 
 

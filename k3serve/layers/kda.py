@@ -21,7 +21,7 @@ from k3serve.layers.common import WeightOnly, kernel_matrix, linear
 from k3serve.layers.kda_ops import flush_denormals, kda_chunked, kda_step
 from k3serve.layers.norm import l2_normalize, rms_norm
 from k3serve.layers.short_conv import short_conv, short_conv_step
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 
 _NONE = torch.empty(0)  # an absent weight, for the block kernels
 
@@ -94,7 +94,7 @@ class KimiDeltaAttention(nn.Module):
         bufs = self._records(batch, rec, conv)
         y = self.kernels.kda_block(x if step.identity else x[step.rows], self.block_weights(), conv, rec, step.slots,
                                    step.starts, self._lower_bound(), self.eps, *bufs)
-        self._keep_records(batch, cache, bufs)
+        self._keep_records(batch, bufs)
         return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
 
     def block_weights(self) -> list[torch.Tensor]:
@@ -120,7 +120,7 @@ class KimiDeltaAttention(nn.Module):
         r = step.rows
         y = self.kernels.kda_decode(u[r], conv_w, z[r], b[r], gate[r], self.dt_bias, self.A_log, self.o_norm.weight,
                                     conv, rec, step.slots, step.starts, self._lower_bound(), self.eps, *bufs)
-        self._keep_records(batch, cache, bufs)
+        self._keep_records(batch, bufs)
         return y
 
     def _prefill_kernel(self, seqs, u, conv_w, z, b, gate, batch: ForwardBatch, cache: CacheTensors):
@@ -157,11 +157,12 @@ class KimiDeltaAttention(nn.Module):
         self._record_views = ((S, T, rec.device), views)
         return views
 
-    def _keep_records(self, batch: ForwardBatch, cache: CacheTensors, bufs) -> None:
-        """Verify sequences come first in `step`, so their records are the buffers' head."""
+    def _keep_records(self, batch: ForwardBatch, bufs) -> None:
+        """Verify sequences come first in `step`, so their records are the buffers' head; they go
+        back to the runner in ForwardOut."""
         if batch.verify:
             V = len(batch.verify)
-            cache.spec_states[self.layer_idx] = bufs if V == bufs[0].shape[0] else (bufs[0][:V], bufs[1][:V])
+            batch.kda_records[self.layer_idx] = bufs if V == bufs[0].shape[0] else (bufs[0][:V], bufs[1][:V])
 
     def _lower_bound(self) -> float:
         return float("nan") if self.lower_bound is None else float(self.lower_bound)
@@ -186,7 +187,7 @@ class KimiDeltaAttention(nn.Module):
             q, k, v = self._qkv(c)
             o[rows], rec[slots] = kda_step(q, k, v, g[rows], beta[rows], rec[slots])
             rec_buf[act, t], conv_buf[act, t] = rec[slots], conv[slots]
-        cache.spec_states[self.layer_idx] = (rec_buf, conv_buf)
+        batch.kda_records[self.layer_idx] = (rec_buf, conv_buf)
 
     def _run(self, decodes, u, conv_w, g, beta, batch, rec, conv, o) -> None:
         bounds = batch.seq_bounds()

@@ -22,7 +22,7 @@ from torch import nn
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.layers.common import RMSNorm, kernel_matrix, linear
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 
 MLA_NORM_EPS = 1e-6  # HF-REF KimiRMSNorm default for q_a/kv_a layernorms
 _NONE = torch.empty(0)  # an absent weight, for the block kernel

@@ -19,7 +19,7 @@ from k3serve.layers.gemm import SMALL_M, dense
 from k3serve.layers.kda import KimiDeltaAttention
 from k3serve.layers.mla import GatedMLA
 from k3serve.layers.moe import DENSE_KERNEL_ROWS, GluMLP, SparseMoE
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch, ForwardOut
 from k3serve.weights.mxfp4 import PackedMXFP4
 
 
@@ -106,7 +106,7 @@ class KimiModel(nn.Module):
         out = stack.run(h, states, [t for b in bufs for t in b], step.slots, step.starts, step.cache_rows, step.table,
                         step.seq, step.positions, batch.block_size, taps)
         for (_, attn), b in zip(kdas, bufs):
-            attn._keep_records(batch, cache, b)
+            attn._keep_records(batch, b)
         for i, t in zip(taps, out[1:]):
             capture[i] = t
         return out[0]
@@ -211,10 +211,11 @@ class KimiForCausalLM(nn.Module):
             self.lm_head = WeightOnly(vocab_shard(cfg.vocab_size, tp)[1], cfg.hidden_size)
         self._kernel_weights: list | None = None  # [the head in kernel form], reset by use_kernels
 
-    def forward(self, batch: ForwardBatch, cache: CacheTensors,
-                capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """Final hidden states [N, d]."""
-        return self.model(batch, cache, capture)
+    def forward(self, batch: ForwardBatch, cache: CacheTensors, taps: tuple[int, ...] = ()) -> ForwardOut:
+        """Final hidden states [N, d], the `taps` layers' outputs and a verify pass's KDA records."""
+        capture = dict.fromkeys(taps) if taps else None
+        hidden = self.model(batch, cache, capture)
+        return ForwardOut(hidden, capture or {}, batch.kda_records)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, d] -> fp32 [R, V]; vocab-parallel: every rank's shard, gathered (a collective)."""

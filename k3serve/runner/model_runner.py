@@ -11,7 +11,7 @@ import torch
 
 from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
-from k3serve.runner.forward_batch import CacheTensors
+from k3serve.forward import CacheTensors
 from k3serve.runner.rank_step import RankRunner, StepInputs
 from k3serve.sampling.sampler import Sampler
 from k3serve.engine.media import PromptMedia
@@ -77,10 +77,11 @@ class ModelRunner:
             verify=[i for i, s in enumerate(seqs) if s.drafts], restore=batch.restore_states,
             save=batch.save_states, logit_rows=rows, prompt_rows=[(b, n) for _, _, b, n in asks],
             media_rows=media_rows, media_embeds=media_embeds)
-        capture = {i: None for i in self.spec.tap_layers} if self.spec is not None and self.spec.tap_layers else None
+        taps = self.spec.tap_layers if self.spec is not None else ()
         if self.workers is not None:  # every rank runs the same forward (its collectives pair with ours)
             self.workers.send("forward", inputs)
-        res = self.rank.forward(inputs, capture)
+        res = self.rank.forward(inputs, taps)
+        tapped = res.taps
         prompt_lps = self._prompt_logprobs(seqs, asks, res.prompt_logits)
         if not spans:
             return StepOutput(prompt_logprobs=prompt_lps)
@@ -125,10 +126,10 @@ class ModelRunner:
             if self.workers is not None:
                 self.workers.send("rollback", slots, taus)
             self.rank.rollback(slots, taus)
-        if capture is not None:  # the drafter reads tap-layer states at the last committed position
-            taps = torch.stack([capture[i] for i in self.spec.tap_layers], 1)  # [N, taps, d]
+        if taps:  # the drafter reads tap-layer states at the last committed position
+            states = torch.stack([tapped[i] for i in taps], 1)  # [N, taps, d]
             for rid, row in committed.items():
-                self.spec.observe(rid, taps[row])
+                self.spec.observe(rid, states[row])
         return out
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.models.kimi import KimiForCausalLM
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.spec.rollback import rollback_states
 
 
@@ -40,6 +40,7 @@ class StepInputs:
 class StepResult:
     logits: torch.Tensor | None  # [len(logit_rows), V] fp32 on the CPU
     prompt_logits: list[torch.Tensor]  # one fp32 [count, V] per prompt_rows span
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, d], the taps asked for
 
 
 class RankRunner:
@@ -47,9 +48,12 @@ class RankRunner:
 
     def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device):
         self.model, self.cache, self.device = model, cache, device
+        # the last verify pass's per-position KDA states, until its rollback command (which
+        # arrives after the driver sampled: a second, small command under tensor parallelism)
+        self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def forward(self, inp: StepInputs, capture: dict | None = None) -> StepResult:
+    def forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> StepResult:
         fb = ForwardBatch(
             input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
             seq_lens=inp.seq_lens, context_lens=inp.context_lens, state_slots=inp.state_slots,
@@ -57,7 +61,8 @@ class RankRunner:
         if inp.media_rows is not None:
             fb.media_rows, fb.media_embeds = inp.media_rows.to(self.device), inp.media_embeds.to(self.device)
         self.copy_states(inp.restore)  # a prefix hit resumes from its checkpoint
-        hidden = self.model(fb, self.cache, capture)  # [N, d]
+        out = self.model(fb, self.cache, taps)
+        hidden, self.records = out.hidden, out.kda_records  # [N, d]
         self.copy_states(inp.save)  # states exactly at chunk ends become checkpoints
         prompt = [self.model.compute_logits(hidden[b:b + n]).float().cpu() for b, n in inp.prompt_rows]
         logits = None
@@ -65,7 +70,7 @@ class RankRunner:
             every = inp.logit_rows == list(range(hidden.shape[0]))
             rows = hidden if every else hidden[torch.tensor(inp.logit_rows, device=self.device)]
             logits = self.model.compute_logits(rows).float().cpu()
-        return StepResult(logits, prompt)
+        return StepResult(logits, prompt, out.taps)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -89,14 +94,13 @@ class RankRunner:
 
     def dp_forward(self, inp: StepInputs, taps: tuple[int, ...] = (),
                    leader: bool = True) -> tuple[StepResult | None, dict, dict]:
-        """A DP-attention worker's forward: the result and, riding along, its parallel_stats (the
-        driver's stats snapshot after every step must not cost a second round trip) and the
-        hidden states [N, d] of the `taps` layers (a DSpark drafter in the driver reads them).
+        """A DP-attention worker's forward: the result (with the hidden states [N, d] of the
+        `taps` layers a DSpark drafter in the driver reads) and, riding along, its parallel_stats
+        (the driver's stats snapshot after every step must not cost a second round trip).
         With TP inside the DP rank, its other TP ranks (not `leader`) send back their stats alone:
         each routed its own share of the rows, so the expert load is theirs summed."""
-        capture = {i: None for i in taps} if taps else None
-        result = self.forward(inp, capture)
-        return (result, self.parallel_stats(), capture or {}) if leader else (None, self.parallel_stats(), {})
+        result = self.forward(inp, taps)
+        return (result, self.parallel_stats()) if leader else (None, self.parallel_stats())
 
     def parallel_stats(self) -> dict:
         """This rank's collective totals and the expert load it counted, for /metrics (engine/stats.py)."""
@@ -113,7 +117,9 @@ class RankRunner:
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify pass: each live slot takes its recorded state at the accepted position."""
-        rollback_states(self.cache, slots, accepted, getattr(getattr(self.model, "model", None), "kernels", None))
+        records, self.records = self.records, {}
+        rollback_states(self.cache, records, slots, accepted,
+                        getattr(getattr(self.model, "model", None), "kernels", None))
 
     def read_state(self, slot: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """This rank's KDA state of one slot (its heads): recurrent [h, D, D], conv [K-1, 3hD] per layer."""

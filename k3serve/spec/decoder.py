@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.runner.forward_batch import CacheTensors
 from k3serve.sampling.sampler import sampled_token
 from k3serve.scheduler.batch import SampledToken
 from k3serve.scheduler.request import Request
 from k3serve.spec.config import SpeculativeConfig
 from k3serve.spec.proposer import Draft, NgramProposer
-from k3serve.spec.rollback import rollback_states
 from k3serve.spec.verifier import SpecStats, verify
 
 
@@ -64,9 +62,6 @@ class SpecDecoder:
         n = req.params.logprobs
         raw = torch.log_softmax(logits.float(), -1) if n is not None else None
         return [sampled_token(t, raw, j, n) for j, t in enumerate(emitted)], tau
-
-    def rollback(self, cache: CacheTensors, slots: list[int], accepted: list[int]) -> None:
-        rollback_states(cache, slots, accepted)
 
     def observe(self, request_id: str, taps: torch.Tensor | None) -> None:
         self.proposer.observe(request_id, taps)

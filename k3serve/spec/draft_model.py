@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from k3serve.cache.manager import HybridCacheManager
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.scheduler.request import Request
 from k3serve.spec.drafting import draft_token, request_generator, stack_q
 from k3serve.spec.proposer import Draft
@@ -92,7 +92,7 @@ class DraftModelProposer:
         ids = torch.tensor([t for p in pieces for t in p], device=self.device)
         fb = ForwardBatch(ids, [len(p) for p in pieces], starts, [self.manager.state_slot(r.request_id) for r in reqs],
                           [self.manager.block_table(r.request_id) for r in reqs], BLOCK)
-        hidden = self.model(fb, self.cache)
+        hidden = self.model(fb, self.cache).hidden
         last = fb.last_token_indices().to(self.device)
         return self.model.compute_logits(hidden[last]).float().cpu()  # drafts are picked on the CPU
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.spec.dspark import DSparkConfig, DSparkModel, save_dspark
 
 log = logging.getLogger("k3serve.spec")
@@ -50,10 +50,9 @@ def target_data(target_dir: str, num_seqs: int, seq_len: int, taps: tuple[int, .
         L = row.shape[0]
         cache = CacheTensors.allocate(model.cfg, 1, -(-L // 16), 16)
         fb = ForwardBatch(row, [L], [0], [0], [list(range(-(-L // 16)))], 16)
-        capture = {i: None for i in taps}
-        hidden = model(fb, cache, capture)
-        all_taps.append(torch.stack([capture[i] for i in taps], 1).float())
-        all_probs.append(torch.softmax(model.compute_logits(hidden).float(), -1))
+        out = model(fb, cache, tuple(taps))
+        all_taps.append(torch.stack([out.taps[i] for i in taps], 1).float())
+        all_probs.append(torch.softmax(model.compute_logits(out.hidden).float(), -1))
     return seqs, all_taps, all_probs
 
 

@@ -62,7 +62,7 @@ def test_qat_export_serves_the_trained_network(tmp_path):
     from k3serve.config.bundled import load_model_config
     from k3serve.demo.train import _init_, demo_config, export_tensors, make_trainable
     from k3serve.models.registry import build_model, load_model
-    from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+    from k3serve.forward import CacheTensors, ForwardBatch
     from k3serve.testing.builder import _write_shards
 
     (tmp_path / "config.json").write_text(json.dumps(demo_config(base_vocab=512)))
@@ -84,7 +84,7 @@ def test_qat_export_serves_the_trained_network(tmp_path):
     def logits(m):
         cache = CacheTensors.allocate(cfg, 1, 3, 16)
         with torch.no_grad():
-            return m.compute_logits(m(ForwardBatch(ids, [40], [0], [0], [[0, 1, 2]], 16), cache)).float()
+            return m.compute_logits(m(ForwardBatch(ids, [40], [0], [0], [[0, 1, 2]], 16), cache).hidden).float()
     torch.testing.assert_close(logits(served), logits(model.eval()), rtol=1e-4, atol=1e-4)
 
 

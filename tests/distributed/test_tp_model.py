@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.testing.builder import build_tiny_checkpoint
 from k3serve.testing.tiny_configs import tiny_k3_config
 from k3serve.testing.tp_harness import run_ranks
@@ -47,11 +47,11 @@ def greedy_logits(path, tp=None, kernels="auto", steps=3, dtype=torch.float32, p
     cache = CacheTensors.allocate(model.cfg, 2, 8, BLOCK, tp_size=model.tp.size)
     table = list(range(8))
     fb = ForwardBatch(torch.tensor(prompt), [len(prompt)], [0], [1], [table], BLOCK)
-    rows = [model.compute_logits(model(fb, cache))]
+    rows = [model.compute_logits(model(fb, cache).hidden)]
     for t in range(steps):
         nxt = int(rows[-1][-1].argmax())
         fb = ForwardBatch(torch.tensor([nxt]), [1], [len(prompt) + t], [1], [table], BLOCK)
-        rows.append(model.compute_logits(model(fb, cache)))
+        rows.append(model.compute_logits(model(fb, cache).hidden))
     return torch.cat(rows)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3serve import LLM, SamplingParams
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -52,7 +52,7 @@ def test_greedy_matches_a_plain_full_recompute(k3_llm):
     fb = ForwardBatch(torch.tensor(seq, device=cache.device), [len(seq)], [0], [0], [list(range(-(-len(seq) // 16)))],
                       16)
     with torch.inference_mode():
-        logits = model.compute_logits(model(fb, cache))
+        logits = model.compute_logits(model(fb, cache).hidden)
     assert logits[len(p) - 1:].argmax(-1).tolist() == out
 
 
@@ -140,7 +140,7 @@ def test_logprobs_match_the_model(k3_llm):
     cache = fresh_cache(k3_llm, 4)
     fb = ForwardBatch(torch.tensor(seq, device=cache.device), [len(seq)], [0], [0], [[0, 1, 2, 3]], 16)
     with torch.inference_mode():
-        ref = torch.log_softmax(model.compute_logits(model(fb, cache))[-1].float(), -1)
+        ref = torch.log_softmax(model.compute_logits(model(fb, cache).hidden)[-1].float(), -1)
     first = o.logprobs[0]
     top3 = ref.topk(3)
     assert list(first)[:1] == [o.token_ids[0]] and set(first) == set(top3.indices.tolist())

@@ -107,10 +107,10 @@ def test_a_raising_model_step_fails_only_its_cause(k3_llm, monkeypatch):
     model = k3_llm.engine.runner.model
     real = model.forward
 
-    def forward(fb, cache, capture=None):
+    def forward(fb, cache, taps=()):
         if (fb.input_ids == POISON).any():
             raise RuntimeError("kernel fault")
-        return real(fb, cache, capture)
+        return real(fb, cache, taps)
 
     monkeypatch.setattr(model, "forward", forward)
     bad = {"prompt_token_ids": [5, 6, POISON, 8]}

@@ -17,7 +17,7 @@ import torch
 
 from k3serve import kernels
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 
 BS = 16
 
@@ -51,8 +51,7 @@ def script(model, mode):
         for ids, ctx, seqs, verify in steps:
             fb = ForwardBatch(torch.cat(ids), [len(i) for i in ids], ctx, seqs, [tables[s] for s in seqs], BS,
                               verify=verify)
-            out.append(model.compute_logits(model(fb, cache)))
-            cache.spec_states.clear()
+            out.append(model.compute_logits(model(fb, cache).hidden))
     model.use_kernels("torch")
     return out, cache
 
@@ -153,12 +152,12 @@ def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
         with torch.inference_mode():
             for ids, ctx, verify, capture in steps:
                 fb = ForwardBatch(torch.cat(ids), [len(i) for i in ids], ctx, [0, 1, 2], tables, BS, verify=verify)
-                out.append(model.compute_logits(model(fb, cache, capture)))
-                out += list(capture.values()) if capture else []
+                res = model(fb, cache, tuple(capture or ()))
+                out.append(model.compute_logits(res.hidden))
+                out += [res.taps[i] for i in capture] if capture else []
                 # per verify sequence its rows' records (a buffer's tail past them is scratch)
-                records += [t[j, :len(ids[s])] for i in sorted(cache.spec_states) for t in cache.spec_states[i]
+                records += [t[j, :len(ids[s])] for i in sorted(res.kda_records) for t in res.kda_records[i]
                             for j, s in enumerate(verify)]
-                cache.spec_states.clear()
         ran = model.model._decode_stack
         model.use_kernels("torch")
         return out, records, cache, ran
@@ -197,9 +196,9 @@ def test_a_row_split_decode_stack_equals_the_layers_bit_for_bit(model):
             for t in range(3):
                 ids = torch.randint(0, 500, (S,), generator=g)
                 fb = ForwardBatch(ids, [1] * S, [len(p) + t for p in prompts], list(range(S)), tables, BS)
-                capture = dict(taps)
-                out.append(model.compute_logits(model(fb, cache, capture)))
-                out += list(capture.values())
+                res = model(fb, cache, tuple(taps))
+                out.append(model.compute_logits(res.hidden))
+                out += [res.taps[i] for i in taps]
         stack_obj = model.model._decode_stack
         model.use_kernels("torch")
         return out, cache, stack_obj

@@ -14,7 +14,7 @@ from k3serve.config.bundled import load_model_config
 from k3serve.layers.expert_weights import ExpertWeights
 from k3serve.layers.experts import expert_weights
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import CacheTensors
+from k3serve.forward import CacheTensors
 from k3serve.weights.mxfp4 import PackedMXFP4
 
 FP32_KEPT = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")  # the spec keeps these FP32

@@ -12,7 +12,7 @@ import torch
 from k3serve import LLM, SamplingParams
 from k3serve.layers.attnres import attnres_vector
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 
 BS = 16
 
@@ -33,7 +33,7 @@ def run(model, seqs, cache=None, ctx=None, slots=None, tables=None):
     tables = tables or [list(range(16 * s, 16 * s + 16)) for s in slots]
     batch = ForwardBatch(torch.cat(seqs), [len(s) for s in seqs], ctx or [0] * len(seqs), slots, tables, BS)
     with torch.no_grad():
-        return model.compute_logits(model(batch, cache)), cache
+        return model.compute_logits(model(batch, cache).hidden), cache
 
 
 def test_prefill_then_decode_equals_full_forward(model):

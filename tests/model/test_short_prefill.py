@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import SHORT_PREFILL, CacheTensors, ForwardBatch
+from k3serve.forward import SHORT_PREFILL, CacheTensors, ForwardBatch
 
 BS = 16
 
@@ -36,7 +36,7 @@ def run(model, mode: str, steps):
         with torch.inference_mode():
             for ids, ctx, slots in steps:
                 fb = ForwardBatch(torch.cat(ids), [len(i) for i in ids], ctx, slots, [tables[s] for s in slots], BS)
-                out.append(model.compute_logits(model(fb, cache)))
+                out.append(model.compute_logits(model(fb, cache).hidden))
     finally:
         del model.model._run_stack
         model.use_kernels("torch")

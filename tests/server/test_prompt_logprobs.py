@@ -15,7 +15,7 @@ import httpx
 import torch
 
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 from tests.live import serving
 from tests.server.conftest import make_app
 
@@ -28,7 +28,7 @@ def full_forward_logsoftmax(model_dir, ids: list[int]) -> torch.Tensor:
     cache = CacheTensors.allocate(model.cfg, 1, 16, 16)
     batch = ForwardBatch(torch.tensor(ids), [len(ids)], [0], [0], [list(range(16))], 16)
     with torch.no_grad():
-        return torch.log_softmax(model.compute_logits(model(batch, cache)).float(), -1)
+        return torch.log_softmax(model.compute_logits(model(batch, cache).hidden).float(), -1)
 
 
 def _check_echo(body: dict, ref: torch.Tensor, ids: list[int], tol: float) -> None:

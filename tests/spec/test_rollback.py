@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3serve.models.registry import load_model
-from k3serve.runner.forward_batch import CacheTensors, ForwardBatch
+from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.spec.rollback import rollback_states
 
 BS = 16
@@ -35,9 +35,9 @@ def test_state_after_rollback_equals_plain_decoding(model, tau):
         spec = CacheTensors.allocate(model.cfg, 2, 8, BS)
         prefill(model, spec, 1, prompt, table)
         fb = ForwardBatch(torch.tensor([newest] + drafts), [5], [len(prompt)], [1], [table], BS, verify=[0])
-        model(fb, spec)
-        assert spec.spec_states  # every KDA layer recorded per-position states
-        rollback_states(spec, [1], [tau])
+        records = model(fb, spec).kda_records
+        assert records and set(records) == {i for i, t in enumerate(spec.recurrent) if t is not None}
+        rollback_states(spec, records, [1], [tau])
         tau = len(drafts) if tau < 0 else tau
         plain = CacheTensors.allocate(model.cfg, 2, 8, BS)
         prefill(model, plain, 1, prompt, table)
@@ -53,7 +53,6 @@ def test_state_after_rollback_equals_plain_decoding(model, tau):
     if tau:
         wrong = [x[1] for x in spec.recurrent if x is not None]
         assert max((w - b).abs().max() for w, b in zip(wrong, before)) > 1e-3
-    assert not spec.spec_states  # buffers live for one step
 
 
 def test_few_and_many_sequences_roll_back_alike(monkeypatch):
@@ -70,9 +69,7 @@ def test_few_and_many_sequences_roll_back_alike(monkeypatch):
     def run(few, k=None):
         monkeypatch.setattr(rollback, "FEW", few)
         cache = CacheTensors([None, torch.zeros(8, 2, 3, 3)], [None, torch.zeros(8, 3, 6)], [None, None], BS)
-        cache.spec_states[1] = (rec_buf, conv_buf)
-        rollback_states(cache, slots, accepted, k)
-        assert not cache.spec_states
+        rollback_states(cache, {1: (rec_buf, conv_buf)}, slots, accepted, k)
         return cache.recurrent[1], cache.conv[1]
 
     one, many, compiled = run(8), run(0), run(0, kernels.get("cpp"))

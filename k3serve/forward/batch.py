@@ -1,11 +1,10 @@
-"""ForwardBatch (what the model is asked to compute) and CacheTensors (where state lives).
+"""ForwardBatch: what the model is asked to compute in one step.
 
-The model receives both explicitly; there is no hidden global context (style-anchors §7).
-Tokens of several sequences are flattened into one [N] stream; per-sequence metadata says
-where each sequence's KDA state slot and MLA latent blocks are:
-
-  KDA layer l:  recurrent[l][slot] [H, D, D] fp32,  conv[l][slot] [K-1, 3P] fp32
-  MLA layer l:  latent[l][row] [kv_lora + rope], row = block_id * block_size + offset
+The model receives it and the cache (forward/cache.py) explicitly; there is no hidden global
+context (style-anchors §7). Tokens of several sequences are flattened into one [N] stream;
+per-sequence metadata says where each sequence's KDA state slot and MLA latent blocks are.
+`StepRows` holds the device index tensors of the rows that run one position at a time, built
+once per step; a verify pass's per-position KDA states come back in `ForwardOut` (forward/out.py).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3serve.config.model_config import LayerKind, ModelConfig
 
 # A prefill chunk of at most this many tokens runs one position at a time too (a verify pass
 # without records): on CPU the row-wise kernels beat the prefill path's per-layer torch calls at
@@ -94,6 +92,9 @@ class ForwardBatch:
     media_rows: torch.Tensor | None = None  # [M] rows of the flat batch whose embedding is a media row
     media_embeds: torch.Tensor | None = None  # [M, d] vision-tower rows for them (engine/media.py)
     step: StepRows = field(init=False)  # decode / verify rows as device tensors, built once here
+    # the step's output slot for KDA verify records, layer -> (rec [S, T, H, D, D], conv [S, T, K-1, 3P]),
+    # filled by the KDA layers of a verify pass and handed back in ForwardOut (not kept on the cache)
+    kda_records: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.step = StepRows.build(self)
@@ -128,38 +129,3 @@ class ForwardBatch:
 
     def last_token_indices(self) -> torch.Tensor:
         return torch.tensor([e - 1 for _, e in self.seq_bounds()], dtype=torch.long)
-
-
-@dataclass
-class CacheTensors:
-    """Device tensors for both cache kinds; indexed by layer (None for the other kind)."""
-
-    recurrent: list[torch.Tensor | None]
-    conv: list[torch.Tensor | None]
-    latent: list[torch.Tensor | None]
-    block_size: int
-    # per-position KDA states of the current verify pass: layer -> (rec [S, T, H, D, D], conv [S, T, K-1, 3P])
-    spec_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    @property
-    def device(self) -> torch.device:
-        return next(t for t in (*self.recurrent, *self.latent) if t is not None).device
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 tp_size: int = 1) -> "CacheTensors":
-        """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole."""
-        k, m = cfg.kda, cfg.mla
-        heads = k.num_heads // tp_size
-        rec, conv, lat = [], [], []
-        for kind in cfg.layer_kinds:
-            if kind is LayerKind.KDA:
-                rec.append(torch.zeros(num_slots, heads, k.head_dim, k.head_dim, device=device))
-                conv.append(torch.zeros(num_slots, k.conv_kernel - 1, 3 * heads * k.head_dim, device=device))
-                lat.append(None)
-            else:
-                rec.append(None)
-                conv.append(None)
-                lat.append(torch.zeros(num_blocks * block_size, m.cache_dim, dtype=kv_dtype, device=device))
-        return cls(rec, conv, lat, block_size)

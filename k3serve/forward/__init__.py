@@ -1,0 +1,9 @@
+"""The step's data between the runner and the layers: what to compute (ForwardBatch, StepRows),
+where state lives (CacheTensors) and what comes back (ForwardOut). Imported by layers/ and
+models/; imports neither runner/ nor engine/."""
+
+from k3serve.forward.batch import SHORT_PREFILL, ForwardBatch, StepRows
+from k3serve.forward.cache import CacheTensors
+from k3serve.forward.out import ForwardOut
+
+__all__ = ["SHORT_PREFILL", "CacheTensors", "ForwardBatch", "ForwardOut", "StepRows"]

@@ -1,0 +1,49 @@
+"""CacheTensors: where a rank's cache state lives, indexed by layer (None for the other kind).
+
+  KDA layer l:  recurrent[l][slot] [H, D, D] fp32,  conv[l][slot] [K-1, 3P] fp32
+  MLA layer l:  latent[l][row] [kv_lora + rope], row = block_id * block_size + offset
+
+Sizes come from the pure-Python `CachePlan` (cache/sizing.py); checkpoint slots for prefix
+caching follow the live slots in the same state tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.config.model_config import LayerKind, ModelConfig
+
+
+@dataclass
+class CacheTensors:
+    """Device tensors for both cache kinds; indexed by layer (None for the other kind)."""
+
+    recurrent: list[torch.Tensor | None]
+    conv: list[torch.Tensor | None]
+    latent: list[torch.Tensor | None]
+    block_size: int
+
+    @property
+    def device(self) -> torch.device:
+        return next(t for t in (*self.recurrent, *self.latent) if t is not None).device
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp_size: int = 1) -> "CacheTensors":
+        """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole."""
+        k, m = cfg.kda, cfg.mla
+        heads = k.num_heads // tp_size
+        rec, conv, lat = [], [], []
+        for kind in cfg.layer_kinds:
+            if kind is LayerKind.KDA:
+                rec.append(torch.zeros(num_slots, heads, k.head_dim, k.head_dim, device=device))
+                conv.append(torch.zeros(num_slots, k.conv_kernel - 1, 3 * heads * k.head_dim, device=device))
+                lat.append(None)
+            else:
+                rec.append(None)
+                conv.append(None)
+                lat.append(torch.zeros(num_blocks * block_size, m.cache_dim, dtype=kv_dtype, device=device))
+        return cls(rec, conv, lat, block_size)
