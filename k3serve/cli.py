@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     from k3serve.planner.cli import add_plan_args
     from k3serve.server.launch import add_serve_args
 
-    parser = argparse.ArgumentParser(prog="k3serve", description=__doc__)
+    # no abbreviations: vLLM's `--tokenizer PATH` was read as `--tokenizer-mode` by prefix
+    parser = argparse.ArgumentParser(prog="k3serve", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled tiny model)")
     add_serve_args(p)
@@ -231,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-vision: text only")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_build_tiny)
+    for command in sub.choices.values():  # argparse reads it at parse time; subcommands do not inherit it
+        command.allow_abbrev = False
     return parser
 
 

@@ -15,7 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
          408: "RequestTimeoutError", 413: "RequestTooLargeError",
-         422: "UnprocessableEntityError", 503: "ServiceUnavailableError", 500: "InternalServerError"}
+         422: "UnprocessableEntityError", 503: "ServiceUnavailableError", 500: "InternalServerError",
+         501: "NotImplementedError"}
 
 
 class APIError(Exception):

@@ -107,7 +107,7 @@ class GuardMiddleware:
                 await reply(send, 503, "the server is shutting down", [(b"retry-after", b"1")], close=True)
             log.info("%s %s cancelled at shutdown", scope.get("method"), path)
         except Exception as e:  # noqa: BLE001 - the last net: one line, a JSON 500, the socket kept
-            log.error("unhandled %s on %s %s", type(e).__name__, scope.get("method"), path,
+            log.error("unhandled %s on %s %s: %s", type(e).__name__, scope.get("method"), path, e,
                       exc_info=log.isEnabledFor(logging.DEBUG))
             if not status["code"]:
                 await reply(send, 500, f"internal server error ({type(e).__name__})")

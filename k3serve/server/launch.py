@@ -70,6 +70,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (tiktoken.model or tokenizer.json and "
+                                                     "tokenizer_config.json); default: the model's")
     p.add_argument("--kernels", default="auto", choices=("auto", "cpp", "torch"),
                    help="MoE kernels: auto (compiled CPU kernels when they build), cpp (require them), torch (reference)")
     p.add_argument("--max-model-len", type=int)
@@ -174,6 +176,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
     return dict(dtype=args.dtype, load_format=args.load_format, kernels=args.kernels, load_progress=True,
+                tokenizer=args.tokenizer,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, cache_memory=args.cache_memory, seed=args.seed,
@@ -276,6 +279,9 @@ def build_server(args: argparse.Namespace):
     log = logging.getLogger("k3serve.server")
     for note in resolve_args(args):
         log.info("%s", note)
+    from k3serve.server.structured import xgrammar_missing
+    if (why := xgrammar_missing()) is not None:
+        log.warning("%s; those requests are answered 501", why)
     template = chat_template_arg(args.chat_template)
     engine = start_engines(args)
     defaults = load_generation_defaults(args.generation_config, engine.engine.model_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from k3serve.server.errors import APIError
 from k3serve.sampling.params import SamplingParams
@@ -142,6 +142,14 @@ class _Sampling(BaseModel):
             raise ValueError(f"n must be between 1 and {MAX_N}")
         return n
 
+    def _min_tokens(self, max_tokens: int) -> int:
+        """min_tokens past the max_tokens the request asked for is a 400 (vLLM's check); past a
+        default cap (the context left) it is held to that cap."""
+        asked = _asked_max(self)
+        if asked is not None and self.min_tokens > asked:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) must be <= max_tokens ({asked})", param="min_tokens")
+        return min(self.min_tokens, max_tokens)
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None,
                         **extra: Any) -> SamplingParams:
         """`defaults` (generation_config.json) fill what the request leaves unset."""
@@ -161,11 +169,15 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
-                min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                min_tokens=self._min_tokens(max_tokens), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs, logit_bias=bias,
                 skip_special_tokens=self.skip_special_tokens, **extra)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ")[0]) from None
+
+
+def _asked_max(req) -> int | None:
+    return getattr(req, "max_completion_tokens", None) or req.max_tokens
 
 
 class ChatCompletionRequest(_Sampling):
@@ -220,4 +232,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[StrictInt] = Field(default_factory=list)  # "5" or true is not an id

@@ -17,7 +17,8 @@ from k3serve.sampling.structured import StructuredOutputs
 from k3serve.server.errors import APIError
 from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
 from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
-from k3serve.server.structured import k3_chat_span, k3_think_close, requested, to_spec, whole_output_span
+from k3serve.server.structured import (k3_chat_span, k3_think_close, need_xgrammar, requested, to_spec,
+                                       whole_output_span)
 from k3serve.server.tool_choice import k2_tool_choice, k3_tool_choice
 from k3serve.server.output_parser import Delta, OutputParser
 from k3serve.server.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
@@ -62,7 +63,12 @@ def template_options(chat_template_kwargs: dict | None) -> tuple[bool, dict]:
     """(thinking, the other template kwargs): K3's renderer takes `thinking` (or vLLM's
     `enable_thinking`) itself; a Jinja template gets the rest."""
     kw = dict(chat_template_kwargs or {})
-    return bool(kw.pop("thinking", kw.pop("enable_thinking", True))), kw
+    name = "thinking" if "thinking" in kw else "enable_thinking"
+    thinking = kw.pop("thinking", kw.pop("enable_thinking", True))
+    if not isinstance(thinking, bool):  # "no" is truthy: a string here is a client's mistake, not a yes
+        raise APIError(400, f"chat_template_kwargs.{name} must be a boolean, got {thinking!r}",
+                       param=f"chat_template_kwargs.{name}")
+    return thinking, kw
 
 
 def _render(req: ChatCompletionRequest, state: ServerState, tools, choice) -> RenderedPrompt:
@@ -85,6 +91,8 @@ def _structured(state: ServerState, req: ChatCompletionRequest, start_channel: s
     want = requested(req)
     budget = req.thinking_budget()
     constrained = want is not None or (tools and (choice == "required" or isinstance(choice, dict)))
+    if constrained or budget is not None:
+        need_xgrammar()
     think = (k3_think_close(state.tokenizer, start_channel, budget if budget is not None else max_tokens // 2)
              if state.renderer.xtml and constrained else {})
     if tools and (choice == "required" or isinstance(choice, dict)):

@@ -13,7 +13,7 @@ from k3serve.server.errors import APIError
 from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
 from k3serve.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs_json
 from k3serve.server.protocol import CompletionRequest
-from k3serve.server.structured import requested, to_spec, whole_output_span
+from k3serve.server.structured import need_xgrammar, requested, to_spec, whole_output_span
 from k3serve.server.runs import ClientGone, Run, finals, stream_error, unless_disconnected
 from k3serve.server.state import ServerState, new_id, sse, usage
 
@@ -52,6 +52,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     # echo + logprobs returns the prompt's logprobs too (lm-evaluation-harness loglikelihood)
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     want = requested(req)
+    if want:
+        need_xgrammar()
     structured = to_spec(*want, **whole_output_span(state.eos_token_id)) if want else None
     rid = new_id("cmpl")
     role = handoff_role(state.kv_transfer, req.kv_transfer_params, req.n, bool(req.stream), len(prompts))

@@ -77,6 +77,24 @@ def requested(req) -> tuple[str, Any, bool] | None:
     return kind, spec, any_ws
 
 
+XGRAMMAR_MISSING = ("structured outputs and required / named tool_choice need xgrammar, which is not installed: "
+                    "pip install --no-deps xgrammar==0.2.9 (or pip install 'k3serve[structured]')")
+
+
+def xgrammar_missing() -> str | None:
+    """None when xgrammar imports, else what to install (said once at start, and as a 501)."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return XGRAMMAR_MISSING
+    return None
+
+
+def need_xgrammar() -> None:
+    if (why := xgrammar_missing()) is not None:
+        raise APIError(501, why, param="structured_outputs")
+
+
 def to_spec(kind: str, spec: Any, any_ws: bool, **where) -> StructuredOutputs:
     if kind == "json":
         return StructuredOutputs.json_schema(spec, any_whitespace=any_ws, **where)
