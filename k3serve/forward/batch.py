@@ -99,6 +99,14 @@ class ForwardBatch:
     def __post_init__(self) -> None:
         self.step = StepRows.build(self)
 
+    def keep_kda_records(self, layer: int, bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A KDA layer's verify records [S', T, ...]: verifying sequences come first in `step`,
+        so theirs are the buffers' head (the rest of a reused store is scratch)."""
+        if not self.verify:
+            return
+        V = len(self.verify)
+        self.kda_records[layer] = bufs if V == bufs[0].shape[0] else (bufs[0][:V], bufs[1][:V])
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)

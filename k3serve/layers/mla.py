@@ -13,7 +13,6 @@ against the latent, W_UV applied after mixing; used for decode) and `attend_naiv
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +20,11 @@ from torch import nn
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup
-from k3serve.layers.common import RMSNorm, kernel_matrix, linear
+from k3serve.backends import TORCH
+from k3serve.layers.common import RMSNorm, linear
 from k3serve.forward import CacheTensors, ForwardBatch
 
 MLA_NORM_EPS = 1e-6  # HF-REF KimiRMSNorm default for q_a/kv_a layernorms
-_NONE = torch.empty(0)  # an absent weight, for the block kernel
 
 
 def attend_naive(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, start, scale):
@@ -123,36 +122,39 @@ class GatedMLA(nn.Module):
         if m.use_output_gate:
             self.g_proj = linear(m.num_heads * m.v_head_dim, d)
         self.o_proj = linear(d, m.num_heads * m.v_head_dim)
-        self.absorbed_decode = True
-        self.kernels = None  # k3serve.kernels module: decode / verify rows in one call (set by use_kernels)
-        self._kernel_weights: list[torch.Tensor] | None = None  # the block kernel's arguments, reset by use_kernels
+        self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        return self.backend.mla(self, x, batch, cache)
+
+    def reference(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """The torch path (every backend's reference)."""
+        m = self.cfg
+        q, latent = self.project(x)
+        out = torch.empty(x.shape[0], m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
+        self.attend_rest(q, latent, batch, cache.latent[self.layer_idx], out, done=set())
+        return self.output(out, x)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> q [N, H, nope + rope] fp32, latent [N, c + r] = [c_n | k_pe] as cached."""
         m, N = self.cfg, x.shape[0]
-        step = batch.step
-        fast = (self.kernels is not None and self.absorbed_decode and x.device.type == "cpu" and step.seqs
-                and not torch.is_grad_enabled())
-        if fast and step.covers_all:  # a pure decode / verify step: the whole block in one call
-            return self._block_kernel(x, batch, cache)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank is not None else self.q_proj(x)
         q = q.view(N, m.num_heads, m.qk_head_dim).float()
-        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         ckv = self.kv_a_proj_with_mqa(x)
-        latent = torch.cat((self.kv_a_layernorm(ckv[:, : m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]), -1)
-        store = cache.latent[self.layer_idx]
-        out = torch.empty(N, m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
-        done: set[int] = set()
-        if fast:
-            store[step.cache_rows] = to_cache(latent[step.rows], store.dtype)
-            out[step.rows] = self.kernels.mla_decode(q[step.rows], m.qk_nope_head_dim, store, self.kv_b_proj.weight
-                                                     .view(m.num_heads, -1, m.kv_lora_rank), step.table, step.seq,
-                                                     step.positions, batch.block_size, self.scale)
-            done = set(step.seqs)
+        return q, torch.cat((self.kv_a_layernorm(ckv[:, : m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]), -1)
+
+    def attend_rest(self, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch, store: torch.Tensor,
+                    out: torch.Tensor, done: set[int]) -> None:
+        """Write the latent rows and attend for every sequence not in `done` (those a backend ran
+        itself): decodes batched (absorbed), verify passes absorbed per position, prefill chunks
+        through torch's fused attention. out [N, H, v] fp32 is filled in place."""
+        m = self.cfg
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank) if len(done) < batch.num_seqs else None
-        decodes = [i for i in step.decodes if i not in done]
-        if self.absorbed_decode and len(decodes) > 1:
+        decodes = [i for i in batch.step.decodes if i not in done]
+        if len(decodes) > 1:
             self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out)
-            done.update(decodes)
+            done = done | set(decodes)
         for i, (s, e) in enumerate(batch.seq_bounds()):
             if i in done or s == e:
                 continue
@@ -161,41 +163,16 @@ class GatedMLA(nn.Module):
             seq = store[batch.cache_rows(i, 0, ctx + e - s)].float()  # [L, c + r]
             # verify passes use the decode algorithm for every drafted position (same arithmetic as
             # non-speculative decoding, so greedy outputs agree)
-            absorbed = self.absorbed_decode and (e - s == 1 or i in batch.verify)
-            attend = attend_absorbed if absorbed else attend_fused
+            attend = attend_absorbed if e - s == 1 or i in batch.verify else attend_fused
             out[s:e] = attend(q_nope[s:e], q_pe[s:e], seq[:, : m.kv_lora_rank], seq[:, m.kv_lora_rank:],
                               w_kv_b, m.v_head_dim, ctx, self.scale)
-        out = out.reshape(N, -1)
-        if m.use_output_gate:
+
+    def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attention output [N, H, v] fp32 -> gate (K3) -> o_proj [N, d]."""
+        out = out.reshape(x.shape[0], -1)
+        if self.cfg.use_output_gate:
             out = out * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(out.to(x.dtype))
-
-    def _block_kernel(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        """Projections, latent norm and cache write, absorbed attention, gate and o_proj in one
-        compiled call (kernels/cpu/blocks.cpp mla_block)."""
-        m, step = self.cfg, batch.step
-        y = self.kernels.mla_block(x if step.identity else x[step.rows], self.block_weights(),
-                                   cache.latent[self.layer_idx], step.cache_rows, step.table, step.seq, step.positions,
-                                   batch.block_size, self.scale, m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank,
-                                   MLA_NORM_EPS)
-        return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
-
-    def block_weights(self) -> list[torch.Tensor]:
-        """mla_block's 8 weights (kernels/cpu/blocks.cpp), built once; with block_scalars, what
-        the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
-        m = self.cfg
-        if self._kernel_weights is None:
-            mat = partial(kernel_matrix, kernels=self.kernels)  # the projections; norms and kv_b as they are
-            q = ([mat(self.q_a_proj.weight), self.q_a_layernorm.weight, mat(self.q_b_proj.weight)]
-                 if m.q_lora_rank is not None else [mat(self.q_proj.weight), _NONE, _NONE])
-            self._kernel_weights = [*q, mat(self.kv_a_proj_with_mqa.weight), self.kv_a_layernorm.weight,
-                                    self.kv_b_proj.weight, mat(self.g_proj.weight) if m.use_output_gate else _NONE,
-                                    mat(self.o_proj.weight)]
-        return self._kernel_weights
-
-    def block_scalars(self) -> tuple[list[int], list[float]]:
-        m = self.cfg
-        return [m.num_heads, m.qk_nope_head_dim, m.kv_lora_rank], [self.scale, MLA_NORM_EPS]
 
     def _decode_batched(self, idx, q_nope, q_pe, latent, w_kv_b, batch, store, out) -> None:
         """All single-token decodes: write their rows, gather each sequence's rows padded to the

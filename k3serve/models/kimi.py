@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3serve import backends
+from k3serve.backends import TORCH
 from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup, vocab_shard
 from k3serve.layers.attnres import attnres_mix, attnres_vector
@@ -59,6 +61,7 @@ class KimiModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ep) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.kernels = None  # k3serve.kernels module: the AttnRes mix in one call (set by use_kernels)
+        self.backend = TORCH  # the attention layers' backend: its weight packs feed the decode stack
         self._kernel_weights: list[torch.Tensor] | None = None  # AttnRes vectors, reset by use_kernels
         self._decode_stack = None  # kernels.DecodeStack (False: this model has none), reset by use_kernels
         self._stack_states: tuple | None = None  # (cache, its tensors in stack order, the KDA layers)
@@ -101,12 +104,13 @@ class KimiModel(nn.Module):
                       for t in ((cache.conv[i], cache.recurrent[i]) if cache.latent[i] is None else (cache.latent[i],))]
             self._stack_states = (cache, states, kdas)
         _, states, kdas = self._stack_states
-        bufs = [attn._records(batch, cache.recurrent[i], cache.conv[i]) for i, attn in kdas] if batch.verify else []
+        be = self.backend
+        bufs = [be.kda_records(attn, batch, cache.recurrent[i], cache.conv[i]) for i, attn in kdas] if batch.verify else []
         taps = list(capture) if capture else []
         out = stack.run(h, states, [t for b in bufs for t in b], step.slots, step.starts, step.cache_rows, step.table,
                         step.seq, step.positions, batch.block_size, taps)
-        for (_, attn), b in zip(kdas, bufs):
-            attn._keep_records(batch, b)
+        for (i, _), b in zip(kdas, bufs):
+            batch.keep_kda_records(i, b)
         for i, t in zip(taps, out[1:]):
             capture[i] = t
         return out[0]
@@ -133,22 +137,22 @@ class KimiModel(nn.Module):
 
     def _build_stack(self):
         """A DecodeStack of every layer's block arguments, or None where a layer has no block
-        kernel (MLA without absorbed decode, experts split over ranks)."""
+        kernel (experts split over ranks)."""
         vectors = self._attnres_vectors() if self.cfg.use_attnres else []
         stack = self.kernels.DecodeStack(self.cfg.rms_norm_eps, self.cfg.attn_res_block_size if vectors else 1,
                                          vectors)
+        be = self.backend
         for layer in self.layers:
             attn = layer.self_attn
             mla = not isinstance(attn, KimiDeltaAttention)
-            if mla and not attn.absorbed_decode:
-                return None
-            attn_i, attn_f = attn.block_scalars()
+            attn_w = be.mla_weights(attn) if mla else be.kda_weights(attn)
+            attn_i, attn_f = be.mla_scalars(attn) if mla else be.kda_scalars(attn)
             moe = getattr(layer, "block_sparse_moe", None)
             if moe is not None and (moe.ep is not None or moe.tp.size > 1):
                 return None
             ffn = moe.block_weights() if moe is not None else layer.mlp.weights()
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
-            stack.add_layer(int(mla), layer.input_layernorm.weight, attn.block_weights(), attn_i, attn_f,
+            stack.add_layer(int(mla), layer.input_layernorm.weight, attn_w, attn_i, attn_f,
                             int(moe is None), layer.post_attention_layernorm.weight, ffn, ffn_i, ffn_f)
         return stack
 
@@ -241,12 +245,15 @@ class KimiForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def use_kernels(self, mode: str = "auto"):
-        """Route every layer that has a compiled CPU kernel (KDA and MLA decode rows, MoE, RMSNorm,
-        the AttnRes mix; k3serve.kernels) through it, or through torch with None; the module."""
-        from k3serve import kernels
-
-        module = kernels.get(mode)
+        """Choose the backend once (k3serve/backends: "torch", "cpp", "auto"): the attention
+        layers hand themselves to it; the MLPs, norms and AttnRes mix still take the compiled
+        module (k3serve.kernels) directly, or torch with None. Returns the module."""
+        backend = backends.select(mode)
+        backend.reset()
+        module = backend.kernels
         for m in self.modules():
+            if isinstance(m, (KimiDeltaAttention, GatedMLA, KimiModel)):
+                m.backend = backend
             if hasattr(m, "kernels"):
                 m.kernels = module
             if hasattr(m, "_kernel_weights"):  # cached argument lists: call this after the last load / move

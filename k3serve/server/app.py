@@ -28,6 +28,7 @@ from k3serve.server.serving_chat import create_chat_completion, template_options
 from k3serve.server.serving_completion import create_completion
 from k3serve.server.responses_convert import ResponsesRequest
 from k3serve.server.serving_responses import create_response
+from k3serve.server.runs import UNAVAILABLE_RETRY_AFTER_S
 from k3serve.server.state import ServerState
 from k3serve.server.stats_log import log_stats_forever
 
@@ -53,7 +54,7 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     async def health():  # 503 once the engine loop has died or one step has hung (vLLM's meaning)
         why = state.engine.health(state.wedged_after_s)
         if why is not None:
-            raise APIError(503, f"engine unhealthy: {why}")
+            raise APIError(503, f"engine unhealthy: {why}", headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
         return Response(status_code=200)
 
     async def ping():  # SageMaker-style liveness, as vLLM serves it

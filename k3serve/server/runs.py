@@ -20,6 +20,9 @@ from k3serve.server.state import ServerState
 
 log = logging.getLogger("k3serve.server")
 RETRY_AFTER_S = 1  # Retry-After on 503: the queue drains at decode speed
+# ... and on a 503 for a dead engine (a worker died): a supervisor restarts it in seconds, or a
+# load balancer moves the client to another replica; either way not at once
+UNAVAILABLE_RETRY_AFTER_S = 5
 
 
 class ClientGone(Exception):
@@ -105,7 +108,7 @@ class Run:
         except EngineOverloaded as e:
             raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineUnavailable as e:
-            raise APIError(503, str(e)) from None
+            raise APIError(503, str(e), headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}) from None
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         except (ValueError, RequestFailed) as e:
@@ -134,7 +137,7 @@ class Run:
         except RequestFailed as e:
             raise APIError(400, str(e)) from None
         except EngineUnavailable as e:
-            raise APIError(503, str(e)) from None
+            raise APIError(503, str(e), headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}) from None
         return last
 
     async def close(self) -> None:

@@ -150,6 +150,7 @@ def test_a_dead_dp_attention_worker_fails_the_stream_and_health(tiny_k3_dir):
         assert any('"error"' in line for line in lines[3:]), lines[-3:]
         r = httpx.post(base + "/v1/completions", json={"prompt": SHORT, "max_tokens": 4}, timeout=60)
         assert r.status_code == 503 and "DP-attention worker" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "5"
         h = httpx.get(base + "/health", timeout=10)
         assert h.status_code == 503 and "DP-attention worker" in h.text
     procs, began = list(workers._procs), time.monotonic()

@@ -42,6 +42,6 @@ def test_tp_server_serves_then_reports_a_dead_worker(tiny_k3_dir):
         r = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert time.monotonic() - began < 25
         assert r.status_code == 503, r.text
-        assert "tensor-parallel" in r.json()["error"]["message"]
+        assert "tensor-parallel" in r.json()["error"]["message"] and r.headers["retry-after"] == "5"
         h = httpx.get(base + "/health", timeout=10)
         assert h.status_code == 503 and "tensor-parallel worker" in h.text

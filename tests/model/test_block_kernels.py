@@ -17,6 +17,8 @@ import torch
 
 from k3serve import kernels
 from k3serve.models.registry import load_model
+from k3serve.backends import TORCH
+from k3serve.backends.cpu import CpuKernels
 from k3serve.forward import CacheTensors, ForwardBatch
 
 BS = 16
@@ -62,7 +64,10 @@ def _clone(cache: CacheTensors) -> CacheTensors:
 
 
 def _set_kernels(block, module) -> None:
+    backend = CpuKernels(module) if module is not None else TORCH  # fresh: no weight packs kept
     for m in block.modules():
+        if hasattr(m, "backend"):
+            m.backend = backend
         if hasattr(m, "kernels"):
             m.kernels = module
         if hasattr(m, "_kernel_weights"):
