@@ -30,6 +30,36 @@ class Backend:
     def mla(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
         return layer.reference(x, batch, cache)
 
+    def rms_norm(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return layer.reference(x)
+
+    def glu(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return layer.reference(x)
+
+    # ---- the MoE block: its route (parallel layout) is the layer's, its pieces the backend's
+    def moe(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.ep is not None:
+            return layer.dp_ep_forward(x, self)
+        if layer.tp.size > 1:
+            return layer.partial_forward(x, self)
+        return layer.reference(x)
+
+    def moe_route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> expert ids [N, k], weights [N, k] (fp32)."""
+        from k3serve.layers.router import route
+
+        return route(x, layer.gate.weight, layer.gate.e_score_correction_bias, layer.cfg)
+
+    def moe_down(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The experts' input [N, L]: the latent down projection, or x itself."""
+        return layer.routed_expert_down_proj(x) if layer.cfg.latent_size is not None else x
+
+    def moe_experts(self, layer, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed sum over the layer's experts (local ids), FP32 [N, L]."""
+        from k3serve.layers.experts import experts_forward
+
+        return experts_forward(z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act)
+
     def reset(self) -> None:
         """Forget cached weight packs (after a load or a move of the model's weights)."""
 

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from functools import partial
 
 import torch
 
 from k3serve.backends import Backend
-from k3serve.layers.common import kernel_matrix
+from k3serve.layers.common import kernel_experts, kernel_matrix
+from k3serve.layers.experts import experts_forward
 from k3serve.layers.mla import MLA_NORM_EPS, to_cache
+from k3serve.layers.moe import DENSE_KERNEL_ROWS
+
+_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled kernels read
 
 _NONE = torch.empty(0)  # an absent weight, for the block kernels
 
@@ -185,6 +190,103 @@ class CpuKernels(Backend):
                                    step.positions, batch.block_size, layer.scale, m.num_heads, m.qk_nope_head_dim,
                                    m.kv_lora_rank, MLA_NORM_EPS)
         return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
+
+
+    # ---- norms, dense MLPs ----------------------------------------------------------------
+    def rms_norm(self, layer, x):
+        if self.takes(x) and x.is_contiguous() and x.dtype in _DTYPES:  # one call instead of ~7 ops
+            return self.kernels.rms_norm(x, layer.weight, layer.eps)
+        return layer.reference(x)
+
+    def glu(self, layer, x):
+        """Three GEMVs and the GLU in C++ (dense layer 0, shared experts)."""
+        if not (self.takes(x) and x.dtype in _DTYPES):
+            return layer.reference(x)
+        k = self.kernels
+        gate, up, down = self.glu_weights(layer)
+        (act,), (beta, linear_beta) = layer.block_scalars()
+        return k.linear(k.glu(k.linear(x, gate), k.linear(x, up), act, beta, linear_beta), down)
+
+    def glu_weights(self, layer) -> list[torch.Tensor]:
+        """gate, up, down in the kernels' form (layers/common.py kernel_matrix), built once."""
+        pack = self._packs.get(layer)
+        if pack is None:
+            pack = self._packs[layer] = [kernel_matrix(w, self.kernels) for w in
+                                         (layer.gate_proj.weight, layer.up_proj.weight, layer.down_proj.weight)]
+        return pack
+
+    # ---- the MoE block ---------------------------------------------------------------------
+    def moe(self, layer, x):
+        if not self.takes(x) or x.dtype not in _DTYPES:
+            return super().moe(layer, x)
+        if layer.ep is None and (layer.tp.size == 1 or (layer.cfg.latent_size is None
+                                                        and not layer.tp.expert_parallel)):
+            # one rank, or channel-split experts + shared experts (already this rank's partial sum)
+            if layer.tp.size > 1 or self.moe_takes_block(layer, x):
+                return self._moe_block(layer, x)
+            return layer.single_rank(x, partial(self._grouped_experts, layer))  # big dense experts, many rows
+        return super().moe(layer, x)
+
+    def moe_takes_block(self, layer, x: torch.Tensor) -> bool:
+        """Whether the block kernel runs this layer at x's rows (one rank, and experts the
+        kernel takes at this many rows: past DENSE_KERNEL_ROWS big dense experts go to torch's
+        GEMM, layers/moe.py)."""
+        return (layer.ep is None and layer.tp.size == 1 and self.takes(x) and x.dtype in _DTYPES
+                and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts()))
+
+    def moe_route(self, layer, x):
+        if not (self.takes(x) and x.dtype in _DTYPES):
+            return super().moe_route(layer, x)
+        m = layer.cfg
+        return self.kernels.moe_route(x, layer.gate.weight, layer.gate.e_score_correction_bias, m.top_k,
+                                      m.router_activation == "sigmoid", m.renormalize, m.routed_scaling_factor,
+                                      m.num_expert_group, m.topk_group)
+
+    def moe_down(self, layer, x):
+        if layer.cfg.latent_size is not None and self.takes(x) and x.dtype in _DTYPES:
+            return self.kernels.linear(x, layer.routed_expert_down_proj.weight)  # as moe_block runs it
+        return super().moe_down(layer, x)
+
+    def moe_experts(self, layer, z, ids, weights):
+        """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or
+        dense); off the fast path, torch with packed MXFP4 through the grouped kernels."""
+        if not (self.takes(z) and z.dtype in _DTYPES):
+            return self._grouped_experts(layer, z, ids, weights)
+        ws = self.moe_weights(layer)[5:11]  # the experts in the form moe_block takes them (the same bits)
+        beta, linear_beta = layer.situ or (0.0, 0.0)
+        return self.kernels.moe_experts(z.float().contiguous(), ids.contiguous(), weights.contiguous(), *ws,
+                                        int(layer.situ is not None), beta, linear_beta, z.dtype == torch.bfloat16)
+
+    def _grouped_experts(self, layer, z, ids, weights):
+        """torch's experts, packed MXFP4 through the grouped kernels (layers/experts.py)."""
+        return experts_forward(z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act,
+                               kernels=self.kernels)
+
+    def moe_weights(self, layer) -> list:
+        """moe_block's 14 weights (None where absent), built once; with layer.block_scalars, what
+        the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
+        pack = self._packs.get(layer)
+        if pack is None:
+            m = layer.cfg
+            latent = m.latent_size is not None
+            experts = []
+            for w in (layer.w1, layer.w3, layer.w2):
+                experts += kernel_experts(w, self.kernels, layer.gate.weight.dtype == torch.float32)
+            shared = self.glu_weights(layer.shared_experts) if m.num_shared_experts else [None] * 3
+            mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731
+            pack = self._packs[layer] = [layer.gate.weight, layer.gate.e_score_correction_bias,
+                                         mat(layer.routed_expert_down_proj.weight) if latent else None,
+                                         layer.routed_expert_norm.weight if latent and m.latent_use_norm else None,
+                                         mat(layer.routed_expert_up_proj.weight) if latent else None, *experts,
+                                         *shared]
+        return pack
+
+    def _moe_block(self, layer, x):
+        """Router, routed experts, latent norm / up projection and shared experts in one compiled
+        call (kernels/cpu/blocks.cpp moe_block), for any number of rows."""
+        ints, floats = layer.block_scalars()
+        return self.kernels.moe_block(x, self.moe_weights(layer), ints[0], bool(ints[1]), bool(ints[2]), floats[0],
+                                      *ints[3:], *floats[1:])
 
 
 def _lower_bound(layer) -> float:

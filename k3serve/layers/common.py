@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3serve.backends import TORCH
 from k3serve.layers.gemm import Linear
 from k3serve.layers.norm import rms_norm
 
@@ -57,10 +58,10 @@ class RMSNorm(WeightOnly):
     def __init__(self, size: int, eps: float):
         super().__init__(size)
         self.eps = eps
-        self.kernels = None  # k3serve.kernels module (set by use_kernels): one call instead of ~7 ops
+        self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.kernels is not None and x.device.type == "cpu" and x.is_contiguous()
-                and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()):
-            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.backend.rms_norm(self, x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

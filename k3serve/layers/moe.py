@@ -15,9 +15,9 @@ from torch import nn
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
-from k3serve.layers.common import RMSNorm, WeightOnly, kernel_experts, kernel_matrix, linear
+from k3serve.backends import TORCH
+from k3serve.layers.common import RMSNorm, WeightOnly, linear
 from k3serve.layers.expert_weights import ExpertWeights
-from k3serve.layers.experts import experts_forward, experts_reference
 from k3serve.layers.moe_dispatch import all_to_all_routed, gather_form, gather_routed
 from k3serve.layers.router import route
 
@@ -45,24 +45,13 @@ class GluMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = linear(inter, hidden), linear(inter, hidden), linear(hidden, inter)
         self.act = glu_activation(cfg)
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
-        self.kernels = None  # k3serve.kernels module (set by use_kernels): three GEMVs and the GLU in C++
-        self._kernel_weights: list | None = None  # weights() for the kernels, reset by use_kernels
+        self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.kernels
-        if k is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
-                and not torch.is_grad_enabled():
-            gate, up, down = self.weights()
-            (act,), (beta, linear_beta) = self.block_scalars()
-            return k.linear(k.glu(k.linear(x, gate), k.linear(x, up), act, beta, linear_beta), down)
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.backend.glu(self, x)
 
-    def weights(self) -> list[torch.Tensor]:
-        """gate, up, down as the kernels take them (layers/common.py kernel_matrix), built once"""
-        if self._kernel_weights is None:
-            self._kernel_weights = [kernel_matrix(w, self.kernels)
-                                    for w in (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)]
-        return self._kernel_weights
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
     def block_scalars(self) -> tuple[list[int], list[float]]:
         """ints {situ}, floats {beta, linear_beta}: the kernels' GLU arguments"""
@@ -96,7 +85,7 @@ class SparseMoE(nn.Module):
     routed experts split over it too, by channel or by id (expert parallelism), unless `ep` is
     given: DP-attention + EP, where each data-parallel rank brings its own tokens, the experts
     are split by id over `ep` (every rank of every DP rank) and the block's output is whole, or
-    with TP inside the DP rank a partial sum over `tp` (`_dp_ep_forward`)."""
+    with TP inside the DP rank a partial sum over `tp` (`dp_ep_forward`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
         super().__init__()
@@ -131,21 +120,22 @@ class SparseMoE(nn.Module):
         self.w2 = ExpertWeights(experts, inner, inter)
         if m.num_shared_experts:
             self.shared_experts = GluMLP(cfg, d, tp.split(m.shared_intermediate_size, "shared experts' intermediate size"))
-        self.w4a8 = False  # round expert inputs through MXFP8 (the QAT activation format)
-        self.use_reference = False
-        self.kernels = None  # k3serve.kernels module (set by use_kernels)
-        self._kernel_weights: list | None = None  # the block kernel's arguments, reset by use_kernels
+        self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ep is not None:
-            return self._dp_ep_forward(x)
-        if self.tp.size > 1:
-            return self._partial_forward(x)
-        if self.takes_block_kernel(x):
-            return self._block_kernel(x)
+        return self.backend.moe(self, x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on one rank in torch (every backend's reference)."""
+        return self.single_rank(x, partial(TORCH.moe_experts, self))
+
+    def single_rank(self, x: torch.Tensor, experts) -> torch.Tensor:
+        """Router, routed experts (`experts(z, ids, weights)` -> fp32 [N, L]), latent norm / up
+        projection, shared experts, in torch around the experts."""
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
-        y = self._routed_torch(x, z).to(x.dtype)
+        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+        y = experts(z, ids, weights).to(x.dtype)
         if self.cfg.latent_size is not None:
             if self.cfg.latent_use_norm:
                 y = self.routed_expert_norm(y)
@@ -154,15 +144,13 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def _partial_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the block [N, d]; the decoder layer all-reduces it."""
+    def partial_forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """This rank's share of the block [N, d]; the decoder layer all-reduces it. `ops`: the
+        backend's router and experts."""
         m = self.cfg
-        fast = self._fast(x)
-        if fast and m.latent_size is None and not self.tp.expert_parallel:
-            return self._block_kernel(x)  # channel-split experts + shared experts: already a partial sum
-        ids, weights = self._route(x, fast)  # [N, k], on every rank
+        ids, weights = ops.moe_route(self, x)  # [N, k], on every rank
         z = self.routed_expert_down_proj(x) if m.latent_size is not None else x
-        routed = self._local_experts(z, ids, weights, fast)  # [N, L] fp32, this rank's experts / channels
+        routed = self.local_experts(z, ids, weights, ops)  # [N, L] fp32, this rank's experts / channels
         if m.latent_size is None:
             y = routed.to(x.dtype)
         else:  # the latent norm needs the whole routed sum: reduce [N, L] first
@@ -174,7 +162,7 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def _dp_ep_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def dp_ep_forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """DP-attention + EP: x [n, d] is this data-parallel rank's own batch. The routed sums of
         its rows come back from the ranks owning their experts (layers/moe_dispatch.py: an
         all-to-all, or an all-gather / reduce-scatter); the latent norm, up projection and
@@ -184,7 +172,7 @@ class SparseMoE(nn.Module):
         m, ep, tp, n = self.cfg, self.ep, self.tp, x.shape[0]
         gather = gather_form(ep.all2all, m.top_k, ep.size)
         mine = tp_rows(n, tp)
-        routed = (gather_routed if gather else all_to_all_routed)(self, x[mine])  # fp32 [rows, L]
+        routed = (gather_routed if gather else all_to_all_routed)(self, x[mine], ops)  # fp32 [rows, L]
         if routed is None or n == 0:  # all idle, or this replica idle: its collectives are done
             return x
         if tp.size == 1:
@@ -204,78 +192,25 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def _big_experts(self) -> bool:
+    def big_experts(self) -> bool:
         return self.w1.shape[1] * self.w1.shape[2] >= DENSE_GEMM_ELEMS
 
-    def _fast(self, x: torch.Tensor) -> bool:
-        return (self.kernels is not None and x.device.type == "cpu" and not (self.use_reference or self.w4a8)
-                and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled())
-
-    def _route(self, x: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.cfg
-        if fast:
-            return self.kernels.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
-                                          m.router_activation == "sigmoid", m.renormalize,
-                                          m.routed_scaling_factor, m.num_expert_group, m.topk_group)
-        return route(x, self.gate.weight, self.gate.e_score_correction_bias, m)
-
-    def _local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fast: bool,
-                       counted: slice = slice(None)) -> torch.Tensor:
-        """Routed sum over the experts this rank holds, FP32 [N, L]. Expert parallelism keeps
-        the (token, slot) pairs routed here, one row each, and adds them back per token.
-        `counted`: the rows whose assignments this rank adds to `expert_load` (DP-attention: its own)."""
-        run = self._experts_kernel if fast else self._experts_torch
+    def local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops,
+                      counted: slice = slice(None)) -> torch.Tensor:
+        """Routed sum over the experts this rank holds (`ops.moe_experts`), FP32 [N, L]. Expert
+        parallelism keeps the (token, slot) pairs routed here, one row each, and adds them back
+        per token. `counted`: the rows whose assignments this rank adds to `expert_load`
+        (DP-attention: its own)."""
         if not self.xg.expert_parallel:
-            return run(z, ids, weights)
+            return ops.moe_experts(self, z, ids, weights)
         self.expert_load += torch.bincount(ids[counted].reshape(-1).cpu(), minlength=self.expert_load.numel())
         local = ids - self.first_expert
         tok, slot = ((local >= 0) & (local < self.w1.shape[0])).nonzero(as_tuple=True)
         out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)
         if tok.numel():
-            out.index_add_(0, tok, run(z[tok], local[tok, slot][:, None], weights[tok, slot][:, None].float()))
+            out.index_add_(0, tok, ops.moe_experts(self, z[tok], local[tok, slot][:, None],
+                                                   weights[tok, slot][:, None].float()))
         return out
-
-    def _experts_torch(self, z, ids, weights) -> torch.Tensor:
-        return experts_forward(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8,
-                               self.kernels)
-
-    def _experts_kernel(self, z, ids, weights) -> torch.Tensor:
-        """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or dense)."""
-        ws = self.block_weights()[5:11]  # the experts in the form moe_block takes them (the same bits)
-        beta, linear_beta = self.situ or (0.0, 0.0)
-        return self.kernels.moe_experts(z.float().contiguous(), ids.contiguous(), weights.contiguous(), *ws,
-                                        int(self.situ is not None), beta, linear_beta,
-                                        z.dtype == torch.bfloat16)
-
-    def _block_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """Router, routed experts, latent norm / up projection and shared experts in one compiled
-        call (kernels/cpu/blocks.cpp moe_block), for any number of rows."""
-        ints, floats = self.block_scalars()
-        return self.kernels.moe_block(x, self.block_weights(), ints[0], bool(ints[1]), bool(ints[2]), floats[0],
-                                      *ints[3:], *floats[1:])
-
-    def takes_block_kernel(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) runs `_block_kernel` (no TP / EP, the fast path, and experts the
-        kernel takes at this many rows)."""
-        return (self.ep is None and self.tp.size == 1 and self._fast(x)
-                and (x.shape[0] <= DENSE_KERNEL_ROWS or self.w1.is_packed or not self._big_experts()))
-
-    def block_weights(self) -> list:
-        """moe_block's 14 weights (None where absent), built once; with block_scalars, what the
-        decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
-        m = self.cfg
-        if self._kernel_weights is None:
-            latent = m.latent_size is not None
-            experts = []
-            for w in (self.w1, self.w3, self.w2):
-                experts += kernel_experts(w, self.kernels, self.gate.weight.dtype == torch.float32)
-            shared = self.shared_experts.weights() if m.num_shared_experts else [None] * 3
-            mat = partial(kernel_matrix, kernels=self.kernels)
-            self._kernel_weights = [self.gate.weight, self.gate.e_score_correction_bias,
-                                    mat(self.routed_expert_down_proj.weight) if latent else None,
-                                    self.routed_expert_norm.weight if latent and m.latent_use_norm else None,
-                                    mat(self.routed_expert_up_proj.weight) if latent else None, *experts, *shared]
-        return self._kernel_weights
 
     def block_scalars(self) -> tuple[list[int], list[float]]:
         """ints {top_k, sigmoid, renormalize, groups, topk_group, situ}, floats {scaling, beta, linear_beta, eps}"""
@@ -283,12 +218,3 @@ class SparseMoE(nn.Module):
         beta, linear_beta = self.situ or (0.0, 0.0)
         return ([m.top_k, int(m.router_activation == "sigmoid"), int(m.renormalize), m.num_expert_group, m.topk_group,
                  int(self.situ is not None)], [m.routed_scaling_factor, beta, linear_beta, self.eps])
-
-    def _routed_torch(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
-        if self.use_reference:
-            y = experts_reference(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8)
-        else:
-            y = experts_forward(z, ids, weights, self.w1.value, self.w2.value, self.w3.value, self.act, self.w4a8,
-                                self.kernels)
-        return y

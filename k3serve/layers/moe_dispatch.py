@@ -42,17 +42,9 @@ def gather_form(backend: str, top_k: int, world: int) -> bool:
     return backend != "alltoall"
 
 
-def _down(moe, x: torch.Tensor, fast: bool) -> torch.Tensor:
-    """The experts' input [n, L]: the latent down projection (as moe_block runs it), or x."""
-    if moe.cfg.latent_size is None:
-        return x
-    if fast:
-        return moe.kernels.linear(x, moe.routed_expert_down_proj.weight)
-    return moe.routed_expert_down_proj(x)
-
-
-def gather_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
-    """fp32 routed sums [n, L] of this rank's rows; None when every rank is idle."""
+def gather_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
+    """fp32 routed sums [n, L] of this rank's rows; None when every rank is idle. `ops`: the
+    backend's router, down projection and experts."""
     ep, n = moe.ep, x.shape[0]
     counts = [int(c) for c in ep.all_gather(torch.tensor([float(n)]))]  # [M] rows per rank
     most = max(counts)
@@ -62,26 +54,24 @@ def gather_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
     if not most:  # every replica idle: all of them skip the rest alike
         return None
     xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
-    fast = moe._fast(xs)
-    ids, weights = moe._route(xs, fast)
-    z = _down(moe, xs, fast)
+    ids, weights = ops.moe_route(moe, xs)
+    z = ops.moe_down(moe, xs)
     start = sum(counts[:ep.rank])
-    routed = moe._local_experts(z, ids, weights, fast, counted=slice(start, start + n))  # [sum n, L]
+    routed = moe.local_experts(z, ids, weights, ops, counted=slice(start, start + n))  # [sum n, L]
     per_rank = torch.zeros(ep.size, most, routed.shape[1], dtype=torch.float32, device=x.device)
     for r, rows in enumerate(routed.split(counts)):
         per_rank[r, :len(rows)] = rows
     return ep.reduce_scatter(per_rank.view(ep.size * most, -1))[:n]  # [n, L]: this rank's rows
 
 
-def all_to_all_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
+def all_to_all_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     """fp32 routed sums [n, L] of this rank's rows; None when every rank is idle."""
     ep, n, k = moe.ep, x.shape[0], moe.cfg.top_k
     per = moe.w1.shape[0]  # experts per rank: rank r owns global ids [r * per, (r + 1) * per)
-    fast = moe._fast(x)
     if n:
-        ids, weights = moe._route(x, fast)  # [n, k]
+        ids, weights = ops.moe_route(moe, x)  # [n, k]
         moe.expert_load += torch.bincount(ids.reshape(-1).cpu(), minlength=moe.expert_load.numel())
-        z = _down(moe, x, fast)  # [n, L]
+        z = ops.moe_down(moe, x)  # [n, L]
         to = torch.zeros(n, ep.size, dtype=torch.bool, device=x.device).scatter_(1, ids // per, True)  # [n, M]
         rank_of, tok = to.T.nonzero(as_tuple=True)  # [rows]: destination-major, rank 0's rows first
         send = to.sum(0).tolist()
@@ -99,7 +89,7 @@ def all_to_all_routed(moe, x: torch.Tensor) -> torch.Tensor | None:
     z_in, ids_in, w_in = (part.contiguous().view(m.dtype) for part, m in
                           zip(got.split(widths, 1), msg))  # [received, L], [received, k] x 2
     # the experts this rank holds, as the TP-EP path runs them (its load was counted by the sender)
-    partial = moe._local_experts(z_in, ids_in.long(), w_in, moe._fast(z_in), counted=slice(0, 0))
+    partial = moe.local_experts(z_in, ids_in.long(), w_in, ops, counted=slice(0, 0))
     back = ep.all_to_all(partial, [counts[d * ep.size + s] for s in range(ep.size) for d in range(ep.size)])
     # back [rows] lines up with tok, rank 0's partials first: index_add_ adds them in that order,
     # from zero, as the gather form's reduction does

@@ -128,11 +128,11 @@ class KimiModel(nn.Module):
             self._decode_stack = self._build_stack() or False
             self._stack_takes = {}
         # whether every MoE layer runs its block kernel: fixed per dtype and row class once the
-        # kernels are set (moe.takes_block_kernel, ~1.5 us a layer, asked once per kind of step)
+        # kernels are set (moe_takes_block, ~1.5 us a layer, asked once per kind of step)
         kind = (h.dtype, h.shape[0] <= DENSE_KERNEL_ROWS)
         if kind not in self._stack_takes:
             moes = [l.block_sparse_moe for l in self.layers if hasattr(l, "block_sparse_moe")]
-            self._stack_takes[kind] = all(m.takes_block_kernel(h) for m in moes)
+            self._stack_takes[kind] = all(self.backend.moe_takes_block(m, h) for m in moes)
         return self._decode_stack if self._decode_stack and self._stack_takes[kind] else None
 
     def _build_stack(self):
@@ -150,7 +150,7 @@ class KimiModel(nn.Module):
             moe = getattr(layer, "block_sparse_moe", None)
             if moe is not None and (moe.ep is not None or moe.tp.size > 1):
                 return None
-            ffn = moe.block_weights() if moe is not None else layer.mlp.weights()
+            ffn = be.moe_weights(moe) if moe is not None else be.glu_weights(layer.mlp)
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
             stack.add_layer(int(mla), layer.input_layernorm.weight, attn_w, attn_i, attn_f,
                             int(moe is None), layer.post_attention_layernorm.weight, ffn, ffn_i, ffn_f)
@@ -246,13 +246,14 @@ class KimiForCausalLM(nn.Module):
 
     def use_kernels(self, mode: str = "auto"):
         """Choose the backend once (k3serve/backends: "torch", "cpp", "auto"): the attention
-        layers hand themselves to it; the MLPs, norms and AttnRes mix still take the compiled
-        module (k3serve.kernels) directly, or torch with None. Returns the module."""
+        layers, MLPs, MoE blocks and norms hand themselves to it; the decode stack, the AttnRes
+        mix and the logits still take the compiled module (k3serve.kernels) directly, or torch
+        with None. Returns the module."""
         backend = backends.select(mode)
         backend.reset()
         module = backend.kernels
         for m in self.modules():
-            if isinstance(m, (KimiDeltaAttention, GatedMLA, KimiModel)):
+            if isinstance(m, (KimiDeltaAttention, GatedMLA, SparseMoE, GluMLP, RMSNorm, KimiModel)):
                 m.backend = backend
             if hasattr(m, "kernels"):
                 m.kernels = module
