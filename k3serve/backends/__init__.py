@@ -60,8 +60,24 @@ class Backend:
 
         return experts_forward(z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act)
 
-    def reset(self) -> None:
-        """Forget cached weight packs (after a load or a move of the model's weights)."""
+    # ---- the model around the layers
+    def decode_stack(self, model, batch, h: torch.Tensor):
+        """A whole-stack kernel for this step, or None: every layer runs on its own."""
+        return None
+
+    def attnres_mix(self, bank: list[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+        from k3serve.layers.attnres import attnres_mix
+
+        return attnres_mix(bank, w, eps)
+
+    def attnres_vectors(self, model) -> list[torch.Tensor]:
+        return model.attnres_vectors()
+
+    def logits(self, lm, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, d] -> fp32 [R, V / N] (this rank's vocabulary shard)."""
+        from k3serve.layers.gemm import dense
+
+        return dense(hidden, lm.head).float()
 
 
 TORCH = Backend()

@@ -119,7 +119,7 @@ class RankRunner:
         """After a verify pass: each live slot takes its recorded state at the accepted position."""
         records, self.records = self.records, {}
         rollback_states(self.cache, records, slots, accepted,
-                        getattr(getattr(self.model, "model", None), "kernels", None))
+                        getattr(getattr(getattr(self.model, "model", None), "backend", None), "kernels", None))
 
     def read_state(self, slot: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """This rank's KDA state of one slot (its heads): recurrent [h, D, D], conv [K-1, 3hD] per layer."""

@@ -197,7 +197,7 @@ class DSparkProposer:
             raise ValueError(f"dspark target_layer_ids {bad} are outside the target's {target_cfg.num_layers} layers")
         self.device = torch.device(device or "cpu")
         self.model, self.method = model.to(self.device), draft_sample_method
-        self.kernels = getattr(getattr(target, "model", None), "kernels", None)  # the target's choice
+        self.kernels = getattr(getattr(getattr(target, "model", None), "backend", None), "kernels", None)  # the target's
         self.tap_layers = tuple(c.target_layer_ids)
         self._taps: dict[str, torch.Tensor] = {}
         self._gens: dict[str, torch.Generator] = {}

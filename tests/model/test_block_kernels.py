@@ -144,7 +144,7 @@ def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
     def run(stack: bool):
         model.use_kernels("cpp")
         if not stack:
-            model.model._decode_stack = False
+            model.model.backend.stack_enabled = False
         g = torch.Generator().manual_seed(1)
         cache = CacheTensors.allocate(model.cfg, 4, 32, BS, kv_dtype=model.dtype)
         tables = [list(range(8 * s, 8 * s + 8)) for s in range(3)]
@@ -163,7 +163,7 @@ def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
                 # per verify sequence its rows' records (a buffer's tail past them is scratch)
                 records += [t[j, :len(ids[s])] for i in sorted(res.kda_records) for t in res.kda_records[i]
                             for j, s in enumerate(verify)]
-        ran = model.model._decode_stack
+        ran = model.model.backend.stack_of(model.model)
         model.use_kernels("torch")
         return out, records, cache, ran
 
@@ -189,7 +189,7 @@ def test_a_row_split_decode_stack_equals_the_layers_bit_for_bit(model):
     def run(stack: bool):
         model.use_kernels("cpp")
         if not stack:
-            model.model._decode_stack = False
+            model.model.backend.stack_enabled = False
         g = torch.Generator().manual_seed(2)
         cache = CacheTensors.allocate(model.cfg, S, 8 * S, BS, kv_dtype=model.dtype)
         tables = [list(range(8 * s, 8 * s + 8)) for s in range(S)]
@@ -204,7 +204,7 @@ def test_a_row_split_decode_stack_equals_the_layers_bit_for_bit(model):
                 res = model(fb, cache, tuple(taps))
                 out.append(model.compute_logits(res.hidden))
                 out += [res.taps[i] for i in taps]
-        stack_obj = model.model._decode_stack
+        stack_obj = model.model.backend.stack_of(model.model)
         model.use_kernels("torch")
         return out, cache, stack_obj
 

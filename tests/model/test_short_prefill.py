@@ -26,9 +26,9 @@ def run(model, mode: str, steps):
     """steps: (ids per sequence, context lengths, slots) -> each step's logits, the cache, and
     how many steps went through the decode stack."""
     model.use_kernels(mode)
-    stacked = []
-    original = model.model._run_stack
-    model.model._run_stack = lambda *a, **k: stacked.append(1) or original(*a, **k)
+    stacked, backend = [], model.model.backend
+    original = getattr(backend, "run_stack", None)
+    backend.run_stack = lambda *a, **k: stacked.append(1) or original(*a, **k)
     cache = CacheTensors.allocate(model.cfg, 3, 24, BS)
     tables = [list(range(8 * s, 8 * s + 8)) for s in range(3)]
     out = []
@@ -38,7 +38,7 @@ def run(model, mode: str, steps):
                 fb = ForwardBatch(torch.cat(ids), [len(i) for i in ids], ctx, slots, [tables[s] for s in slots], BS)
                 out.append(model.compute_logits(model(fb, cache).hidden))
     finally:
-        del model.model._run_stack
+        del backend.run_stack
         model.use_kernels("torch")
     return out, cache, len(stacked)
 
