@@ -120,9 +120,10 @@ class CpuKernels(Backend):
         i = layer.layer_idx
         rec, conv = cache.recurrent[i], cache.conv[i]
         bounds = batch.seq_bounds()
-        rows = torch.cat([torch.arange(*bounds[j]) for j in seqs])
-        starts = torch.tensor([0, *itertools.accumulate(batch.seq_lens[j] for j in seqs)])
-        slots = torch.tensor([batch.state_slots[j] for j in seqs])
+        key = tuple(seqs)
+        rows = batch.index(("prefill rows", key), [r for j in seqs for r in range(*bounds[j])])
+        starts = batch.index(("prefill starts", key), [0, *itertools.accumulate(batch.seq_lens[j] for j in seqs)])
+        slots = batch.index(("prefill slots", key), [batch.state_slots[j] for j in seqs])
         y = self.kernels.kda_decode(u[rows], conv_w, z[rows], b[rows], gate[rows], layer.dt_bias, layer.A_log,
                                     layer.o_norm.weight, conv, rec, slots, starts, _lower_bound(layer), layer.eps,
                                     None, None)

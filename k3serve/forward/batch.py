@@ -95,6 +95,9 @@ class ForwardBatch:
     # the step's output slot for KDA verify records, layer -> (rec [S, T, H, D, D], conv [S, T, K-1, 3P]),
     # filled by the KDA layers of a verify pass and handed back in ForwardOut (not kept on the cache)
     kda_records: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
+    # index tensors the layers' per-sequence paths ask for, each built once a step on the batch's
+    # device (not once per layer, and never a CPU index into a device tensor)
+    _memo: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.step = StepRows.build(self)
@@ -111,29 +114,53 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def _once(self, key, build):
+        value = self._memo.get(key)
+        if value is None:
+            value = self._memo[key] = build()
+        return value
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def index(self, key, values: list[int]) -> torch.Tensor:
+        """A long tensor of `values` on the batch's device, built once a step under `key`."""
+        return self._once(("index", key), lambda: torch.tensor(values, dtype=torch.long, device=self.device))
+
     def seq_bounds(self) -> list[tuple[int, int]]:
-        """[start, end) of each sequence in the flattened token stream."""
-        out, pos = [], 0
-        for n in self.seq_lens:
-            out.append((pos, pos + n))
-            pos += n
-        return out
+        """[start, end) of each sequence in the flattened token stream (read-only: shared)."""
+        def build():
+            out, pos = [], 0
+            for n in self.seq_lens:
+                out.append((pos, pos + n))
+                pos += n
+            return out
+        return self._once("bounds", build)
 
     def cache_rows(self, seq: int, start: int, end: int) -> torch.Tensor:
-        """Latent-cache rows of positions [start, end) of sequence `seq`."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.block_tables[seq], dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        """Latent-cache rows of positions [start, end) of sequence `seq`, end <= its context +
+        new tokens: a slice of the rows of [0, end) built once a step."""
+        def build():
+            n = self.context_lens[seq] + self.seq_lens[seq]
+            pos = torch.arange(n, device=self.device)
+            table = torch.tensor(self.block_tables[seq], dtype=torch.long, device=self.device)
+            return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self._once(("rows", seq), build)[start:end]
 
     def padded_rows(self, seqs: list[int], lengths: list[int]) -> torch.Tensor:
         """Latent-cache rows of positions [0, lengths[j]) of sequences seqs[j], padded with row 0
-        to [len(seqs), max(lengths)] (callers mask the padding)."""
-        L = max(lengths)
-        pos = torch.arange(L)
-        width = -(-L // self.block_size)
-        table = torch.tensor([(self.block_tables[i] + [0] * width)[:width] for i in seqs], dtype=torch.long)
-        rows = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        return torch.where(pos[None, :] < torch.tensor(lengths)[:, None], rows, 0)
+        to [len(seqs), max(lengths)] (callers mask the padding); built once a step."""
+        def build():
+            L = max(lengths)
+            pos = torch.arange(L, device=self.device)
+            width = -(-L // self.block_size)
+            table = torch.tensor([(self.block_tables[i] + [0] * width)[:width] for i in seqs], dtype=torch.long,
+                                 device=self.device)
+            rows = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            lens = torch.tensor(lengths, device=self.device)
+            return torch.where(pos.unsqueeze(0) < lens.unsqueeze(1), rows, 0)
+        return self._once(("padded", tuple(seqs), tuple(lengths)), build)
 
     def last_token_indices(self) -> torch.Tensor:
         return torch.tensor([e - 1 for _, e in self.seq_bounds()], dtype=torch.long)

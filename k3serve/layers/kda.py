@@ -88,12 +88,13 @@ class KimiDeltaAttention(nn.Module):
         conv_buf = torch.empty(len(idx), T, *conv.shape[1:], device=conv.device)
         for t in range(T):
             act = [j for j in range(len(idx)) if lens[j] > t]
-            rows = torch.tensor([bounds[idx[j]][0] + t for j in act])
-            slots = torch.tensor([batch.state_slots[idx[j]] for j in act])
+            rows = batch.index(("verify rows", t), [bounds[idx[j]][0] + t for j in act])
+            slots = batch.index(("verify slots", t), [batch.state_slots[idx[j]] for j in act])
+            at = batch.index(("verify seqs", t), act)
             c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
             q, k, v = self._qkv(c)
             o[rows], rec[slots] = kda_step(q, k, v, g[rows], beta[rows], rec[slots])
-            rec_buf[act, t], conv_buf[act, t] = rec[slots], conv[slots]
+            rec_buf[at, t], conv_buf[at, t] = rec[slots], conv[slots]
         batch.keep_kda_records(self.layer_idx, (rec_buf, conv_buf))
 
     def _run(self, decodes, u, conv_w, g, beta, batch, rec, conv, o) -> None:
@@ -113,8 +114,8 @@ class KimiDeltaAttention(nn.Module):
 
     def _decode(self, idx, bounds, u, conv_w, g, beta, batch, rec, conv, o) -> None:
         """All single-token decodes of the batch in one vectorized recurrent step."""
-        rows = torch.tensor([bounds[i][0] for i in idx])
-        slots = torch.tensor([batch.state_slots[i] for i in idx])
+        rows = batch.index(("decode rows", tuple(idx)), [bounds[i][0] for i in idx])
+        slots = batch.index(("decode slots", tuple(idx)), [batch.state_slots[i] for i in idx])
         c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
         q, k, v = self._qkv(c)
         o[rows], rec[slots] = kda_step(q, k, v, g[rows], beta[rows], rec[slots])

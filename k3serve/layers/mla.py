@@ -182,9 +182,10 @@ class GatedMLA(nn.Module):
         starts = [bounds[i][0] for i in idx]
         lens = [batch.context_lens[i] + 1 for i in idx]
         rows = batch.padded_rows(idx, lens)  # [B, Lmax]
-        new = rows[torch.arange(len(idx)), torch.tensor(lens) - 1]
-        store[new] = to_cache(latent[starts], store.dtype)
+        lens_t = batch.index(("decode lens", tuple(idx)), lens)
+        new = rows.gather(1, (lens_t - 1).unsqueeze(1)).squeeze(1)  # each sequence's new row
+        at = batch.index(("decode starts", tuple(idx)), starts)
+        store[new] = to_cache(latent[at], store.dtype)
         seq = store[rows].float()  # [B, Lmax, c + r]
-        out[starts] = attend_absorbed_batched(q_nope[starts], q_pe[starts], seq[..., : m.kv_lora_rank],
-                                              seq[..., m.kv_lora_rank:], torch.tensor(lens, device=seq.device),
-                                              w_kv_b, m.v_head_dim, self.scale)
+        out[at] = attend_absorbed_batched(q_nope[at], q_pe[at], seq[..., : m.kv_lora_rank], seq[..., m.kv_lora_rank:],
+                                          lens_t, w_kv_b, m.v_head_dim, self.scale)
