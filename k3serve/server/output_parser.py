@@ -9,6 +9,7 @@ Tool calls stream whole, once complete, as vLLM's K3 parser does.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from k3serve.server.parsed import Parsed, ParsedCall, hold_back
@@ -19,6 +20,19 @@ from k3serve.server.xtml import stable_length
 K2_MARKERS = ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_section_begin|>",
               "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
               "<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+
+
+def json_calls(text: str) -> list[ParsedCall]:
+    """`[{"name": ..., "parameters": {...}}, ...]` -> calls; [] unless the text is exactly that."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if not (isinstance(value, list) and value and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict)
+            for c in value)):
+        return []
+    return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
 @dataclass
@@ -35,7 +49,9 @@ class Delta:
 class OutputParser:
     def __init__(self, family: str, start_channel: str | None = None, *, reasoning: bool = True,
                  tools_enabled: bool = False, parallel_tool_calls: bool = True, history_calls: int = 0,
-                 declared: frozenset[str] | None = None):
+                 declared: frozenset[str] | None = None, json_calls: bool = False):
+        """`json_calls`: the reply is a JSON array of calls (server/tool_choice.py
+        json_tool_choice); it becomes tool_calls once whole, and stays content if it never is."""
         if family not in TOOL_PARSERS:
             raise ValueError(f"unknown parser {family!r}; choose one of {sorted(TOOL_PARSERS)}")
         self.family, self.start_channel = family, start_channel
@@ -43,13 +59,18 @@ class OutputParser:
         self.tools = TOOL_PARSERS[family]()
         self.tools_enabled, self.parallel, self.history = tools_enabled, parallel_tool_calls, history_calls
         self.declared = declared  # tool names the request declared; None: any
+        self.json_calls = json_calls
         self._sent = Parsed()
 
     def parse(self, text: str) -> Parsed:
         reasoning, rest, channel = "", text, self.start_channel
         if self.reasoning is not None:
             reasoning, rest, channel = self.reasoning.split(text, self.start_channel)
-        content, calls = self.tools.parse(rest, channel)
+        if self.json_calls:
+            calls = json_calls(rest)
+            content = "" if calls else rest
+        else:
+            content, calls = self.tools.parse(rest, channel)
         if self.declared is not None and any(c.name not in self.declared for c in calls):
             # a call to a tool the request never declared is not a tool call: it stays content,
             # in the model's own markup (vLLM does the same)
@@ -70,6 +91,8 @@ class OutputParser:
 
     def delta(self, text: str, final: bool) -> Delta:
         now = self.parse(text if final else self.stable(text))
+        if self.json_calls and not final and not now.tool_calls:  # an unfinished array is not content yet
+            now = Parsed(now.reasoning, "", [])
         sent = self._sent
         if not (now.reasoning.startswith(sent.reasoning) and now.content.startswith(sent.content)):
             # cannot happen for stable prefixes; never resend or rewrite what a client holds

@@ -19,7 +19,7 @@ from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_rol
 from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
 from k3serve.server.structured import (k3_chat_span, k3_think_close, need_xgrammar, requested, to_spec,
                                        whole_output_span)
-from k3serve.server.tool_choice import k2_tool_choice, k3_tool_choice
+from k3serve.server.tool_choice import json_tool_choice, k2_tool_choice, k3_tool_choice
 from k3serve.server.output_parser import Delta, OutputParser
 from k3serve.server.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
 from k3serve.server.runs import ClientGone, Run, stream_error, unless_disconnected
@@ -107,8 +107,8 @@ def _structured(state: ServerState, req: ChatCompletionRequest, start_channel: s
         except (RuntimeError, ValueError, TypeError, KeyError) as e:  # xgrammar's words for a bad schema
             raise APIError(400, f"tool_choice {_named(choice)}: a tool's parameters do not compile to a grammar: "
                                 f"{grammar_error_text(e)}", param="tools") from None
-        raise APIError(400, f"tool_choice {choice!r} cannot be enforced with this chat format",
-                       param="tool_choice")
+        # no tool-call markup to enforce: a JSON array of calls, as vLLM does for any model
+        return json_tool_choice(tools, choice, req.parallel_tool_calls, state.eos_token_id)
     if want is None:
         if budget is not None and state.renderer.xtml and start_channel == "think":  # a budget alone
             return StructuredOutputs("text", **k3_think_close(state.tokenizer, start_channel, budget, refuse=False))
@@ -153,12 +153,15 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
                                  structured=_structured(state, req, prompt.start_channel, tools, choice, max_tokens))
 
     declared = frozenset((t.get("function") or {}).get("name") for t in tools or [])
+    # the JSON form of a required / named choice (json_tool_choice): the reply is the calls
+    json_calls = (bool(tools) and (choice == "required" or isinstance(choice, dict)) and not state.renderer.xtml
+                  and state.tool_call_parser != "kimi_k2")
 
     def parser() -> OutputParser:
         return OutputParser(state.tool_call_parser, prompt.start_channel, reasoning=True,
                             tools_enabled=bool(tools) and choice != "none",
                             parallel_tool_calls=req.parallel_tool_calls, history_calls=prompt.history_tool_calls,
-                            declared=declared)
+                            declared=declared, json_calls=json_calls)
 
     role = handoff_role(state.kv_transfer, req.kv_transfer_params, req.n, bool(req.stream), 1)
     handoff = None

@@ -96,3 +96,20 @@ def k3_tool_choice(tools: list[dict], choice, think: dict, parallel: bool, eos_t
                                         stop_after_first=not parallel),
                 ConstStringFormat(value=f"{CLOSE}tools{SEP}{CLOSE}message{SEP}")]
     return _grammar(elements, eos_token_id, **think)
+
+
+def json_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: int | None) -> StructuredOutputs:
+    """A format with no tool-call markup of its own (a Jinja template, no K2 parser): as vLLM
+    does for every model, the reply is a JSON array of calls, `[{"name": NAME, "parameters":
+    {...}}, ...]`, constrained by a JSON schema over the declared tools (one item for a named
+    choice or parallel_tool_calls false); the output parser turns it into tool_calls."""
+    tools, parallel = _chosen(tools, choice, parallel)
+    items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               "parameters": t["function"].get("parameters")
+                                               or {"type": "object", "properties": {}}},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputs.json_schema(schema, any_whitespace=False,
+                                         stop_ids=(eos_token_id,) if eos_token_id is not None else ())

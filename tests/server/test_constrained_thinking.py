@@ -30,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "city"
           "required": ["answer", "city"], "additionalProperties": False}
 CHOICES = ["yes", "no", "maybe"]
 REGEX = r"[0-9]{1,3} (apples|pears)"
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}  # bounded forms validate too
 N = 20
 
 
@@ -85,6 +85,44 @@ QUESTIONS = ["What is 23 + 45?", "What is the weather in Paris?", "Convert 3 km 
              "What is the capital of Japan?", "Repeat after me: Oslo 12"]
 
 
+JINJA = ("{% for m in messages %}[BOS]{{ m.role }}: {{ m.content }}\n{% endfor %}"
+         "{% if add_generation_prompt %}[BOS]assistant: {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def jinja_base(tiny_k3_dir, tmp_path_factory):
+    """A tiny K3 served through a Jinja template (no XTML, no K2 tool markup) with ngram drafts:
+    required / named tool choice take vLLM's JSON form there."""
+    from k3serve.server.launch import build_server
+
+    tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    tpl.write_text(JINJA)
+    app, state = build_server(build_parser().parse_args(["serve", str(tiny_k3_dir), "--chat-template", str(tpl),
+                                                         "--speculative-config", SPEC["ngram"],
+                                                         "--max-model-len", "1024"]))
+    assert not state.renderer.xtml
+    with serving(app) as url:
+        yield url
+
+
+# the random-weight tiny model never closes a free string on its own: its tools bound theirs, so
+# what is tested is the enforcement, not that model's taste
+def _bounded(v: dict) -> dict:
+    if v.get("type") == "string":
+        return {**v, "maxLength": 10}
+    return {"type": "integer", "minimum": -999, "maximum": 999} if v.get("type") == "number" else v
+
+
+BOUNDED = [{"type": "function", "function": {"name": t["function"]["name"], "parameters": {
+    **t["function"]["parameters"], "properties": {k: _bounded(v) for k, v in t["function"]["parameters"]["properties"].items()}}}}
+           for t in TOOLS]
+JINJA_CASES = {**CASES,
+               "named": ({"tools": BOUNDED, "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
+                         _calls_check("calculator")),
+               "required": ({"tools": BOUNDED, "tool_choice": "required", "parallel_tool_calls": False},
+                            _calls_check(None))}
+
+
 def _post(base: str, body: dict) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
 
@@ -103,6 +141,39 @@ def test_every_constrained_reply_is_valid_with_thinking_and_speculation(base, ki
         # fills keys and strings until max_tokens (19 of 20 at temperature 1; all 20 greedy)
         assert choice["finish_reason"] in ("stop", "tool_calls") or kind == "json_object", choice
         check(choice["message"], choice["finish_reason"])
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_constraints_hold_on_a_template_without_tool_markup(jinja_base, kind):
+    """Before: required / named tool choice answered 400 "cannot be enforced with this chat
+    format"; now a JSON array of calls, returned as tool_calls (finish_reason tool_calls)."""
+    extra, check = JINJA_CASES[kind]
+    bodies = [{"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": 300,
+               "temperature": 1.0, "seed": i, **extra} for i in range(N)]
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda b: _post(jinja_base, b), bodies))
+    for r in replies:
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] in ("stop", "tool_calls") or kind == "json_object", choice
+        if kind in ("named", "required"):
+            assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], choice
+        check(choice["message"], choice["finish_reason"])
+
+
+def test_json_tool_calls_stream_as_their_final_form(jinja_base):
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 300, "temperature": 1.0,
+            "seed": 4, "tools": BOUNDED, "tool_choice": "required"}
+    final = _post(jinja_base, body).json()["choices"][0]["message"]
+    calls, content = [], ""
+    with httpx.stream("POST", jinja_base + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"] if json.loads(line[6:])["choices"] else {}
+                content += delta.get("content") or ""
+                calls += delta.get("tool_calls") or []
+    assert not content and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in final["tool_calls"]]
 
 
 def test_a_thinking_budget_closes_the_think_channel(base):
