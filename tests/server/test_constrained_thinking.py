@@ -127,38 +127,37 @@ def _post(base: str, body: dict) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
 
 
-@pytest.mark.parametrize("kind", list(CASES))
-def test_every_constrained_reply_is_valid_with_thinking_and_speculation(base, kind):
-    extra, check = CASES[kind]
-    bodies = [{"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": 400,
+def _constrained_replies(base: str, kind: str, cases: dict, max_tokens: int) -> list[dict]:
+    """N requests of one kind at temperature 1: every one a 200 ending as its constraint allows;
+    json_object is the one open-ended constraint (the demo model never learned JSON and fills
+    keys and strings until max_tokens: 19 of 20 at temperature 1, all 20 greedy)."""
+    extra, check = cases[kind]
+    bodies = [{"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": max_tokens,
                "temperature": 1.0, "seed": i, **extra} for i in range(N)]
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda b: _post(base, b), bodies))
+    choices = []
     for r in replies:
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
-        # json_object is the one open-ended constraint: the demo model never learned JSON and
-        # fills keys and strings until max_tokens (19 of 20 at temperature 1; all 20 greedy)
         assert choice["finish_reason"] in ("stop", "tool_calls") or kind == "json_object", choice
         check(choice["message"], choice["finish_reason"])
+        choices.append(choice)
+    return choices
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_every_constrained_reply_is_valid_with_thinking_and_speculation(base, kind):
+    _constrained_replies(base, kind, CASES, 400)
 
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_constraints_hold_on_a_template_without_tool_markup(jinja_base, kind):
     """Before: required / named tool choice answered 400 "cannot be enforced with this chat
     format"; now a JSON array of calls, returned as tool_calls (finish_reason tool_calls)."""
-    extra, check = JINJA_CASES[kind]
-    bodies = [{"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": 300,
-               "temperature": 1.0, "seed": i, **extra} for i in range(N)]
-    with ThreadPoolExecutor(8) as pool:
-        replies = list(pool.map(lambda b: _post(jinja_base, b), bodies))
-    for r in replies:
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        assert choice["finish_reason"] in ("stop", "tool_calls") or kind == "json_object", choice
+    for choice in _constrained_replies(jinja_base, kind, JINJA_CASES, 300):
         if kind in ("named", "required"):
             assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], choice
-        check(choice["message"], choice["finish_reason"])
 
 
 def test_json_tool_calls_stream_as_their_final_form(jinja_base):
