@@ -63,6 +63,12 @@ def _check_tensor(spec: TensorSpec, info: TensorInfo, cfg: ModelConfig) -> None:
             raise DtypeMismatchError(f"MXFP4 {spec.role} tensor must be U8, found {info.dtype}", **where)
     elif info.dtype not in FLOAT_DTYPES:
         raise DtypeMismatchError(f"expected a float tensor ({spec.dtype}), found {info.dtype}", **where)
+    elif info.dtype == "F16" and spec.dtype != "F16":
+        # float16 holds at most 65504 and loses bf16's range: a silent cast would turn large
+        # weights to inf at load or serve them rounded; BF16 and F32 stay interchangeable
+        raise DtypeMismatchError(f"stored as F16 where the config's dtype gives {spec.dtype}: float16 is not "
+                                 "cast silently (re-export the tensor as BF16 or F32, or declare torch_dtype "
+                                 "float16 in config.json)", **where)
     if spec.name.endswith(".A_log"):
         ok = _a_log_ok(info.shape, cfg.kda.num_heads)
     else:

@@ -122,6 +122,22 @@ def test_wrong_dtype(ckpt):
         load_weights(d, cfg, progress=False)
 
 
+def test_float16_where_the_config_gives_bf16_or_f32_is_refused(ckpt):
+    """A float16 tensor in a bf16 / fp32 checkpoint was cast silently (a value past 65504 is
+    already inf in the file, bf16's range is gone): refused, naming the tensor and the file.
+    BF16 and F32 stay interchangeable (the spec keeps some KDA tensors in F32)."""
+    d, cfg = ckpt
+    dt = "language_model.model.layers.0.self_attn.dt_bias"
+    for name, dtype in ((NAME, torch.float16), (dt, torch.float16)):
+        fname = _edit_shard(d, name, lambda t, i, name=name, dtype=dtype: t.update({name: t[name].to(dtype)}))
+        with pytest.raises(DtypeMismatchError, match="stored as F16") as e:
+            load_weights(d, cfg, progress=False)
+        assert name in str(e.value) and fname in str(e.value)
+        _edit_shard(d, name, lambda t, i, name=name: t.update({name: t[name].to(torch.float32)}))
+    loaded = load_weights(d, cfg, progress=False)  # canonical names drop the language_model. prefix
+    assert loaded[dt.removeprefix("language_model.")].dtype == torch.float32  # F32 where F32: as stored
+
+
 def test_truncated_shard(ckpt):
     d, cfg = ckpt
     index = json.loads((d / "model.safetensors.index.json").read_text())
