@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from k3serve.server.parsed import Parsed, ParsedCall, hold_back
 from k3serve.server.reasoning_parser import REASONING_PARSERS
 from k3serve.server.tool_parser import TOOL_PARSERS
-from k3serve.server.xtml import stable_length
+from k3serve.server.xtml import complete_length, stable_length
 
 K2_MARKERS = ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_section_begin|>",
               "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
@@ -63,6 +63,8 @@ class OutputParser:
         self._sent = Parsed()
 
     def parse(self, text: str) -> Parsed:
+        if self.family == "kimi_k3":  # a reply cut inside a marker: the half marker is no text
+            text = text[:complete_length(text)]
         reasoning, rest, channel = "", text, self.start_channel
         if self.reasoning is not None:
             reasoning, rest, channel = self.reasoning.split(text, self.start_channel)

@@ -59,4 +59,12 @@ def stable_length(text: str) -> int:
     return min(cut, hold_back(text[:cut], (OPEN, CLOSE, SEP)))
 
 
-__all__ = ["Event", "lex", "stable_length", "unescape_attr"]
+def complete_length(text: str) -> int:
+    """`text` without a trailing tag that never closed: a reply cut by max_tokens inside a
+    marker (`...<|close|>think`, `<|open|>resp`) ends before its `<|open|>` / `<|close|>`, so
+    no half marker is read as text."""
+    last = max(text.rfind(OPEN), text.rfind(CLOSE))
+    return last if last >= 0 and text.find(SEP, last) < 0 else len(text)
+
+
+__all__ = ["Event", "complete_length", "lex", "stable_length", "unescape_attr"]

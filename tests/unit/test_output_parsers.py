@@ -192,3 +192,26 @@ def test_k2_streaming_equals_non_streaming(think, before, calls, split):
     cuts = sorted({min(c, len(full)) for c in split})
     prefixes = [full[:c] for c in cuts] + [full]  # character-level splits: markers split anywhere
     check_streaming(lambda: OutputParser("kimi_k2", None, tools_enabled=True), full, prefixes)
+
+
+MARKER_TEXT = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+
+
+@settings(max_examples=60, deadline=None)
+@given(reasoning=st.one_of(st.none(), TEXT), content=TEXT, calls=CALLS, tools_enabled=st.booleans())
+def test_k3_truncated_anywhere_leaks_no_markup_and_streams_its_final(k3_tok, reasoning, content, calls,
+                                                                     tools_enabled):
+    """max_tokens may cut a reply at any token, inside a channel marker too (`<|close|>think`
+    without its `<|sep|>` came back in reasoning_content, `<|open|>` in content): at every cut
+    the final parse holds no marker text in any field, and the streamed deltas equal it."""
+    full = k3_output(reasoning, content, calls)
+    n = len(k3_tok.encode(full, allow_special=True))
+    prefixes = stream_pieces(k3_tok, full, list(range(n)))
+    start = "think" if reasoning is not None else "response"
+    make = lambda: OutputParser("kimi_k3", start, tools_enabled=tools_enabled)  # noqa: E731
+    for k in range(1, len(prefixes)):
+        cut = prefixes[:k]  # the reply as max_tokens = k leaves it
+        final = make().parse(cut[-1])
+        fields = [final.reasoning, final.content] + [c.arguments for c in final.tool_calls]
+        assert not any(m in f for f in fields for m in MARKER_TEXT), (cut[-1], final)
+        check_streaming(make, cut[-1], cut)
