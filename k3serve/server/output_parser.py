@@ -72,12 +72,9 @@ class OutputParser:
             calls = json_calls(rest)
             content = "" if calls else rest
         else:
-            content, calls = self.tools.parse(rest, channel)
-        if self.declared is not None and any(c.name not in self.declared for c in calls):
             # a call to a tool the request never declared is not a tool call: it stays content,
-            # in the model's own markup (vLLM does the same)
-            content += "".join(self.tools.render(c) for c in calls if c.name not in self.declared)
-            calls = [c for c in calls if c.name in self.declared]
+            # in the model's own markup where it stood (vLLM does the same)
+            content, calls = self.tools.parse(rest, channel, self.declared)
         if not self.tools_enabled:
             calls = []
         elif not self.parallel:

@@ -34,7 +34,10 @@ def typed_value(text: str, kind: str):
 class KimiK3ToolParser:
     name = "kimi_k3"
 
-    def parse(self, text: str, start_channel: str | None) -> tuple[str, list[ParsedCall]]:
+    def parse(self, text: str, start_channel: str | None,
+              declared: frozenset[str] | None = None) -> tuple[str, list[ParsedCall]]:
+        """(content, calls). A call to a tool not in `declared` stays content, in K3 markup, where
+        it stood: later text follows it, so a streamed content stays a prefix of the final one."""
         content: list[str] = []
         calls: list[ParsedCall] = []
         in_tools = False
@@ -71,7 +74,11 @@ class KimiK3ToolParser:
                 elif e.value == "json" and raw is not None and call is not None:
                     call["raw"], raw = "".join(raw), None
                 elif e.value == "call" and call is not None:
-                    calls.append(self._finish(call))
+                    done = self._finish(call)
+                    if declared is not None and done.name not in declared:
+                        content.append(self.render(done))
+                    else:
+                        calls.append(done)
                     call, arg, raw = None, None, None
                 elif e.value == "tools":
                     in_tools = False
@@ -99,7 +106,9 @@ class KimiK2ToolParser:
     _CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>"
                        r"(?P<args>.*?)<\|tool_call_end\|>", re.S)
 
-    def parse(self, text: str, start_channel: str | None) -> tuple[str, list[ParsedCall]]:
+    def parse(self, text: str, start_channel: str | None,
+              declared: frozenset[str] | None = None) -> tuple[str, list[ParsedCall]]:
+        """(content, calls); a call to a tool not in `declared` stays content where it stood."""
         begins = [(text.find(m), len(m)) for m in K2_SECTION_BEGIN if m in text]
         if not begins:
             return text, []
@@ -111,7 +120,8 @@ class KimiK2ToolParser:
             section, after = section[:j], section[j + m:]
         calls = [ParsedCall(self._name(c["id"]), c["args"].strip() or "{}", c["id"])
                  for c in self._CALL.finditer(section)]
-        return text[:i] + after, calls
+        kept = "".join(self.render(c) for c in calls if declared is not None and c.name not in declared)
+        return text[:i] + kept + after, [c for c in calls if declared is None or c.name in declared]
 
     @staticmethod
     def render(call: ParsedCall) -> str:

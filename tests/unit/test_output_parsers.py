@@ -215,3 +215,38 @@ def test_k3_truncated_anywhere_leaks_no_markup_and_streams_its_final(k3_tok, rea
         fields = [final.reasoning, final.content] + [c.arguments for c in final.tool_calls]
         assert not any(m in f for f in fields for m in MARKER_TEXT), (cut[-1], final)
         check_streaming(make, cut[-1], cut)
+
+
+DECLARED = frozenset({"get_weather"})
+
+
+@settings(max_examples=80, deadline=None)
+@given(reasoning=st.one_of(st.none(), TEXT), content=TEXT, calls=CALLS, after=TEXT, data=st.data())
+def test_k3_undeclared_calls_stay_in_place_and_stream_as_final(k3_tok, reasoning, content, calls, after, data):
+    """A call to a tool the request did not declare stays content, where it stood: text after
+    it (another response channel) follows it, so the streamed content stays a prefix of the
+    final one (before, the re-rendered call went to the end and every later delta was lost)."""
+    full = k3_output(reasoning, content, calls, close_message=False)
+    full += segments_text(open_tag("response")) + after + segments_text(close_tag("response") + close_tag("message"))
+    n = len(k3_tok.encode(full, allow_special=True))
+    cuts = sorted(data.draw(st.sets(st.integers(0, max(0, n - 1)), max_size=8)))
+    prefixes = stream_pieces(k3_tok, full, cuts)
+    start = "think" if reasoning is not None else "response"
+    make = lambda: OutputParser("kimi_k3", start, tools_enabled=True, declared=DECLARED)  # noqa: E731
+    check_streaming(make, prefixes[-1], prefixes)
+    final = make().parse(prefixes[-1])
+    assert [c.name for c in final.tool_calls] == [n_ for n_, _ in calls if n_ in DECLARED]
+    assert final.content.endswith(after)  # the later text comes after the undeclared calls' markup
+
+
+@settings(max_examples=80, deadline=None)
+@given(before=TEXT, calls=CALLS, after=TEXT, split=st.lists(st.integers(1, 300), max_size=8))
+def test_k2_undeclared_calls_stay_in_place_and_stream_as_final(before, calls, after, split):
+    full = before + "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+        for i, (n, a) in enumerate(calls)) + "<|tool_calls_section_end|>" + after
+    cuts = sorted({min(c, len(full)) for c in split})
+    prefixes = [full[:c] for c in cuts] + [full]
+    make = lambda: OutputParser("kimi_k2", None, tools_enabled=True, declared=DECLARED)  # noqa: E731
+    check_streaming(make, full, prefixes)
+    assert make().parse(full).content.endswith(after)
