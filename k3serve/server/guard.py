@@ -5,8 +5,10 @@ For every HTTP request, in order:
      route but the public ones (`/health`, `/ping`, and `/metrics` when configured); 401 carries
      `WWW-Authenticate: Bearer`;
   2. body: read in full before the app sees it, counting bytes as they stream in (413 for a
-     declared or a chunked body over the limit) with a per-chunk read timeout (408), then
-     replayed to the app; later `receive()` calls go to the server, so a disconnect is seen;
+     declared or a chunked body over the limit) with a per-chunk read timeout and a whole-body
+     deadline (408: the body must finish within the timeout plus one second per BODY_MIN_RATE
+     bytes, so a body trickled a byte at a time cannot hold a connection open), then replayed
+     to the app; later `receive()` calls go to the server, so a disconnect is seen;
   3. any exception the app lets escape becomes a JSON 500 on a connection kept open, logged in
      one line (the trace at debug level), instead of uvicorn's text 500 and closed socket; a
      request still running when shutdown's grace period ends gets a JSON 503;
@@ -41,6 +43,7 @@ class Lifecycle:
 
 
 DRAIN_OPEN = frozenset({"/metrics"})
+BODY_MIN_RATE = 64 * 1024  # bytes a second a body must average past its first body_timeout_s
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,20 @@ class GuardMiddleware:
             await reply(send, 413, f"request body exceeds {limit} bytes", close=True)
             return None
         chunks, seen = [], 0
+        timeout = self.config.body_timeout_s
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         while True:
+            left = start + timeout + seen / BODY_MIN_RATE - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                message = await asyncio.wait_for(receive(), min(timeout, left))
             except asyncio.TimeoutError:
-                await reply(send, 408, f"request body not received within {self.config.body_timeout_s:g} s",
-                            close=True)
+                why = (f"request body not received within {timeout:g} s" if left > timeout else
+                       f"request body too slow: {seen} bytes in {loop.time() - start:.1f} s (it must arrive "
+                       f"within {timeout:g} s plus 1 s per {BODY_MIN_RATE} bytes)")
+                await reply(send, 408, why, close=True)
                 return None
             if message["type"] == "http.disconnect":
                 return None

@@ -111,6 +111,27 @@ def test_a_body_that_stops_arriving_gets_408(tiny_k3_dir):
         assert reply.startswith("HTTP/1.1 408") and time.monotonic() - t0 < 5
 
 
+def test_a_body_trickled_a_byte_at_a_time_gets_408_within_the_deadline(tiny_k3_dir):
+    """Each byte arrives within the per-chunk timeout, so only a whole-body deadline ends it
+    (before: 40 of 40 such sockets stayed open)."""
+    app, _ = make_app(tiny_k3_dir, "--timeout-body", "1")
+    with serving(app) as base:
+        s = raw_request(base, "POST", "/tokenize", extra="Content-Length: 100\r\n")
+        s.settimeout(0.05)
+        t0, reply = time.monotonic(), ""
+        while time.monotonic() - t0 < 8 and not reply:
+            try:
+                s.sendall(b" ")
+                reply = s.recv(65536).decode()
+            except (socket.timeout, BlockingIOError):
+                time.sleep(0.25)  # well within the 1 s per-chunk timeout
+            except OSError:
+                break
+        assert reply.startswith("HTTP/1.1 408") and "too slow" in reply, reply
+        assert time.monotonic() - t0 < 3
+        assert httpx.get(base + "/health").status_code == 200
+
+
 def test_connections_that_never_finish_their_headers_are_closed(tiny_k3_dir):
     app, _ = make_app(tiny_k3_dir)
     with serving(app, header_timeout=0.5) as base:
