@@ -24,6 +24,7 @@ from k3serve.engine.llm_engine import LLMEngine, PromptInput
 from k3serve.engine.outputs import RequestOutput
 from k3serve.engine.stats import EngineStats, snapshot
 from k3serve.sampling.params import SamplingParams
+from k3serve.scheduler.batch import ModelFault
 
 log = logging.getLogger("k3serve.engine")
 
@@ -38,7 +39,12 @@ class EngineUnavailable(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """This request failed alone (its sampling, output processing or model step raised); the
-    message is the engine's own sentence, safe to show to the client."""
+    message is the engine's own sentence, safe to show to the client. `model_fault`: the
+    model's doing (non-finite logits), not the request's."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.model_fault = isinstance(message, ModelFault)
 
 
 class _Stream:

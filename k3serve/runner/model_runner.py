@@ -13,7 +13,7 @@ from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.forward import CacheTensors
 from k3serve.runner.rank_step import RankRunner, StepInputs
-from k3serve.sampling.sampler import Sampler
+from k3serve.sampling.sampler import MODEL_FAULT, Sampler, model_fault_rows
 from k3serve.engine.media import PromptMedia
 from k3serve.sampling.grammar import Constraint
 from k3serve.sampling.structured import ConstraintStats
@@ -104,6 +104,9 @@ class ModelRunner:
             if s.request_id in out.failed:
                 continue
             if s.drafts:
+                if any(model_fault_rows(logits[p:p + 1 + len(s.drafts)])):  # NaN / +inf: the model's fault
+                    out.failed[s.request_id] = MODEL_FAULT
+                    continue
                 drafts, c = s.drafts, self.constraints.get(s.request_id)
                 if c is not None:  # drafts the grammar refuses are cut, then each position masked
                     drafts = drafts[:c.valid_prefix(drafts)]

@@ -19,13 +19,31 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.sampling.logits_process import apply_bias_and_penalties, row_params, truncate
-from k3serve.scheduler.batch import SampledToken
+from k3serve.scheduler.batch import ModelFault, SampledToken
 from k3serve.scheduler.request import Request
 
 log = logging.getLogger("k3serve.sampling")
 NO_FINITE = ("sampling failed for this request: its processed logits have no finite value "
              "(check temperature, penalties, logit_bias and min_tokens)")
 BAD_PROBS = "sampling failed for this request: its sampling distribution is not finite"
+MODEL_FAULT = ModelFault("the model's logits for this request have no finite value (NaN, +inf or all -inf): a "
+                         "fault of the model or its weights (an overflow), not of the request's sampling settings")
+_fault_logged = False
+
+
+def model_fault_rows(logits: torch.Tensor) -> list[bool]:
+    """Rows [B, V] of the model's logits (undecodable ids and grammar masks applied, nothing
+    of the request's sampling settings yet) that hold a NaN or +inf, or no finite value at
+    all: masks only add -inf and always leave a token, so these are the model's fault (an
+    overflow of its weights), not the client's. Logged once a process."""
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1) | ~torch.isfinite(logits).any(-1)
+    bad = bad.tolist()
+    global _fault_logged
+    if any(bad) and not _fault_logged:
+        _fault_logged = True
+        log.error("the model produced non-finite logits (NaN or +inf) for %d of %d rows: check the checkpoint's "
+                  "weights and scales for overflow (logged once)", sum(bad), len(bad))
+    return bad
 
 
 @dataclass
@@ -68,10 +86,11 @@ class Sampler:
         sub = [reqs[i] for i in rows]
         x = (logits if len(rows) == len(reqs) else logits[torch.tensor(rows)]).float()
         raw_logprobs = torch.log_softmax(x, -1) if any(r.params.logprobs is not None for r in sub) else None
+        faulty = model_fault_rows(x)
         processed = apply_bias_and_penalties(x, sub)
         top, tokens = processed.max(-1)  # the greedy tokens (first maximum) and whether a row has a finite value
         has_finite = torch.isfinite(top).tolist()
-        ok = list(has_finite)
+        ok = [f and not m for f, m in zip(has_finite, faulty)]
         sampled = [j for j, r in enumerate(sub) if not r.params.greedy and ok[j]]
         if sampled:
             probs = torch.softmax(truncate(processed[torch.tensor(sampled)],
@@ -86,7 +105,7 @@ class Sampler:
         ids = tokens.tolist()
         for j, (i, r) in enumerate(zip(rows, sub)):
             if not ok[j]:
-                result.failed[i] = BAD_PROBS if has_finite[j] else NO_FINITE
+                result.failed[i] = MODEL_FAULT if faulty[j] else BAD_PROBS if has_finite[j] else NO_FINITE
             else:
                 result.tokens[i] = sampled_token(ids[j], raw_logprobs, j, r.params.logprobs)
         return result

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from k3serve.scheduler.request import Request
 
 
+class ModelFault(str):
+    """A request's failure reason that is the model's fault (non-finite logits from its
+    weights), not the request's: the server answers 500 naming the model, never a 400 that
+    blames the client's sampling settings."""
+
+
 @dataclass
 class ScheduledSeq:
     """Compute tokens [start, start + num_tokens) of one request this step."""

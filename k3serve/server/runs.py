@@ -64,7 +64,7 @@ def stream_error(e: BaseException) -> dict:
     """The in-band error event of a stream: the engine's own sentence for a request that failed
     alone, a fixed one (and a log line) for anything else; never raw exception text."""
     if isinstance(e, RequestFailed):
-        return error_body(400, str(e))
+        return error_body(500 if e.model_fault else 400, str(e))
     if isinstance(e, EngineUnavailable):
         return error_body(503, str(e))
     log.error("stream failed: %s", type(e).__name__, exc_info=log.isEnabledFor(logging.DEBUG))
@@ -111,7 +111,9 @@ class Run:
             raise APIError(503, str(e), headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}) from None
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
-        except (ValueError, RequestFailed) as e:
+        except RequestFailed as e:
+            raise APIError(500 if e.model_fault else 400, str(e)) from None
+        except ValueError as e:
             raise APIError(400, str(e)) from None
         self._seen(self._first)
 
@@ -135,7 +137,7 @@ class Run:
             async for out in self.outputs():
                 last = out
         except RequestFailed as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(500 if e.model_fault else 400, str(e)) from None
         except EngineUnavailable as e:
             raise APIError(503, str(e), headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}) from None
         return last

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shutil
 
+import torch
+
 import httpx
 import pytest
 
@@ -84,3 +86,36 @@ def test_without_xgrammar_constraints_are_a_501_saying_what_to_install(live_serv
         assert "pip install" in r.json()["error"]["message"] and "xgrammar" in r.json()["error"]["message"]
     assert httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+def test_overflowing_weights_are_the_models_fault_not_the_clients(tiny_k3_dir, tmp_path, caplog, monkeypatch):
+    """A checkpoint whose finite weights overflow at run time (lm_head rows at 3e38): every
+    request used to get 400 "check temperature, penalties..."; now a 500 that names the model,
+    logged once, and a client's own bad setting is still its 400."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    from k3serve.sampling import sampler
+    from tests.live import serving
+    from tests.server.conftest import make_app
+
+    monkeypatch.setattr(sampler, "_fault_logged", False)  # logged once a process: this test's first
+    model = tmp_path / "overflow"
+    shutil.copytree(tiny_k3_dir, model)
+    index = _json.loads((model / "model.safetensors.index.json").read_text())
+    name = "language_model.lm_head.weight"
+    shard = model / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    tensors[name] = torch.full_like(tensors[name], 3e38)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    app, _ = make_app(model)
+    with serving(app) as base, caplog.at_level("ERROR"):
+        for body in ({"prompt": "a b", "max_tokens": 3, "temperature": 0},
+                     {"prompt": "a b", "max_tokens": 3, "temperature": 1.0, "seed": 1}):
+            r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 500, r.text
+            assert "model" in r.json()["error"]["message"] and "temperature" not in r.json()["error"]["message"]
+        assert sum("non-finite logits" in rec.getMessage() for rec in caplog.records) == 1
+        r = httpx.post(base + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": -3}, timeout=60)
+        assert r.status_code == 400, r.text
