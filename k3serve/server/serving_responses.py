@@ -94,16 +94,25 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     parsed = chat.make_parser().parse(o.text)
     incomplete = "max_output_tokens" if o.finish_reason == "length" else None
     body = _body(state, req, rid, created, "incomplete" if incomplete else "completed",
-                 output_items(parsed, not incomplete), _usage(len(chat.prompt.token_ids), len(o.token_ids),
-                                                              last.num_cached_tokens, _count(state, parsed.reasoning)),
+                 output_items(parsed, not incomplete),
+                 _usage(len(chat.prompt.token_ids), len(o.token_ids), last.num_cached_tokens,
+                        _reasoning_tokens(state, chat, list(o.token_ids), parsed.reasoning)),
                  incomplete)
     if req.store:
         state.responses.put(rid, body, convo + [assistant_message(parsed)])
     return JSONResponse(body)
 
 
-def _count(state: ServerState, text: str) -> int:
-    return len(state.tokenizer.encode(text)) if text else 0
+def _reasoning_tokens(state: ServerState, chat, token_ids: list[int], reasoning: str) -> int:
+    """Sampled ids of the think channel: on K3, those before its first `<|close|>` (the
+    channel the prompt opened ends there); elsewhere the reasoning text re-encoded, never more
+    than the ids sampled (re-encoding can count more tokens than the model sampled)."""
+    if not reasoning:
+        return 0
+    close = state.tokenizer.special_tokens.get("<|close|>")
+    if chat.prompt.start_channel == "think" and close is not None:
+        return token_ids.index(close) if close in token_ids else len(token_ids)
+    return min(len(state.tokenizer.encode(reasoning)), len(token_ids))
 
 
 def _event(seq, kind: str, **fields) -> str:
@@ -191,7 +200,7 @@ async def _events(state: ServerState, req: ResponsesRequest, chat, rid: str, cre
     incomplete = "max_output_tokens" if o is not None and o.finish_reason == "length" else None
     last = chat.run.last
     usage = _usage(len(chat.prompt.token_ids), len(o.token_ids) if o else 0, last.num_cached_tokens if last else 0,
-                   _count(state, parsed.reasoning if parsed else ""))
+                   _reasoning_tokens(state, chat, list(o.token_ids), parsed.reasoning) if parsed else 0)
     body = _body(state, req, rid, created, "incomplete" if incomplete else "completed", output, usage, incomplete)
     if req.store and parsed is not None:
         state.responses.put(rid, body, convo + [assistant_message(parsed)])

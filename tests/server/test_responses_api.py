@@ -30,6 +30,18 @@ def test_text_and_reasoning_items(client, live_server):
     assert chat.choices[0].message.model_extra["reasoning_content"] == text  # the same turn as chat
 
 
+@pytest.mark.parametrize("text", ["Hello there", "What is 2 + 3?", "ab ab ab", "Weather in Oslo?", "é🙂 <|x|>"])
+def test_reasoning_tokens_count_the_sampled_ids_of_the_think_channel(client, text):
+    """reasoning_tokens counted the reasoning text re-encoded, which can exceed the ids the
+    model sampled (and output_tokens): now the sampled ids before the think channel's close."""
+    r = client.responses.create(model="tiny-k3", input=text, max_output_tokens=40, temperature=0)
+    chat = client.chat.completions.create(model="tiny-k3", messages=[{"role": "user", "content": text}],
+                                          max_tokens=40, temperature=0, logprobs=True)
+    ids = [t.token for t in chat.choices[0].logprobs.content]  # the sampled tokens, one entry each
+    want = ids.index("<|close|>") if "<|close|>" in ids else len(ids)
+    assert r.usage.output_tokens_details.reasoning_tokens == want <= r.usage.output_tokens
+
+
 def test_function_tool_round_trip_and_previous_response_id(client):
     # One call (parallel_tool_calls off) keeps the constrained reply bounded: with parallel calls the
     # random tiny model, sampling at temperature 1, may keep opening calls until max_output_tokens.
