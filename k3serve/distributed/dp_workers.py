@@ -61,7 +61,7 @@ class DPAttentionWorkers(MultiprocExecutor):
         base.update(dp_attention=True, all2all=all2all, tp_size=tp_size, tp_shm_paths=self._tp_shm)
         self._listener = CommandListener(self._store, base["prefix"], host, world) if nodes.multi else None
         self._driver_threads = None  # the driver runs no forward: its threads stay as they are
-        self._channel, self._ready, self._weights, self._spec = None, set(), {}, None
+        self._channel, self._ready, self._weights, self._spec, self._base = None, set(), {}, None, base
         self._procs, conns = spawn_workers(base, local, pipes=not nodes.multi)
         self._proc_of = dict(zip(local, self._procs))
         self._conns: list = list(conns) if conns else [None] * world

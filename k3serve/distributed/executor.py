@@ -93,6 +93,12 @@ def worker_base(model_path: str, tp_size: int, nodes: NodeLayout, port: int, *, 
                 master_addr=nodes.master_addr if nodes.multi else "127.0.0.1", control=nodes.multi)
 
 
+def worker_name(base: dict, rank: int) -> str:
+    """A worker process's name, as errors and `ps` show it: k3serve-dp{rank} for DP-attention
+    ranks, k3serve-tp{rank} for tensor-parallel ones."""
+    return f"k3serve-{'dp' if base.get('dp_attention') else 'tp'}{rank}"
+
+
 def spawn_workers(base: dict, ranks: list[int], pipes: bool) -> tuple[list, list]:
     """Start `ranks` as worker processes; (processes, the driver's pipe ends or [])."""
     ctx = mp.get_context("spawn")
@@ -100,7 +106,7 @@ def spawn_workers(base: dict, ranks: list[int], pipes: bool) -> tuple[list, list
     for rank in ranks:
         ours, theirs = ctx.Pipe() if pipes else (None, None)
         p = ctx.Process(target=worker_main, args=(WorkerSpec(rank=rank, **base), theirs), daemon=True,
-                        name=f"k3serve-tp{rank}")
+                        name=worker_name(base, rank))
         p.start()
         if pipes:
             theirs.close()
@@ -144,7 +150,7 @@ class MultiprocExecutor:
         torch.set_num_threads(base["threads"])
         local = [] if nodes.torchrun else nodes.ranks(tp_size)[1:]  # torchrun started every rank itself
         self._procs, self._conns = self._start_workers(base, local, pipes=not nodes.multi)
-        self._spec = WorkerSpec(rank=0, **base)
+        self._spec, self._base = WorkerSpec(rank=0, **base), base
         self._channel = None  # multi-node: the control group's channel (made in join_group)
         self._ready: set[str] = set()  # workers that said "ready"
         self._weights: dict[str, int] = {}  # each ready worker's weight bytes, by process name
@@ -202,7 +208,7 @@ class MultiprocExecutor:
 
     def weight_bytes(self, rank: int) -> int:
         """What the worker process serving `rank` (one of this host's, after wait_ready) loaded."""
-        return self._weights[f"k3serve-tp{rank}"]
+        return self._weights[worker_name(self._base, rank)]
 
     def _wait_ready_pipes(self) -> None:
         pending = {c: p for c, p in zip(self._conns, self._procs) if p.name not in self._ready}

@@ -151,6 +151,7 @@ def test_a_dead_dp_attention_worker_fails_the_stream_and_health(tiny_k3_dir):
         r = httpx.post(base + "/v1/completions", json={"prompt": SHORT, "max_tokens": 4}, timeout=60)
         assert r.status_code == 503 and "DP-attention worker" in r.json()["error"]["message"]
         assert r.headers["retry-after"] == "5"
+        assert "k3serve-tp" not in r.json()["error"]["message"]  # a DP-attention rank is k3serve-dpN
         h = httpx.get(base + "/health", timeout=10)
         assert h.status_code == 503 and "DP-attention worker" in h.text
     procs, began = list(workers._procs), time.monotonic()
