@@ -94,11 +94,11 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         tried: set[str] = set()
+        pull_failed = None  # the last decode server's 502: it could not pull the prefill's state
         for _ in range(2):  # the first decode server, then one retry elsewhere
             decode_url = pool.pick_decode(tried)
             if decode_url is None:
                 break
-            tried.add(decode_url)
             prefill_url = pool.pick_prefill(body, await _held(client, pool, path, body))
             pool.in_flight[prefill_url] = pool.in_flight.get(prefill_url, 0) + 1
             try:
@@ -108,9 +108,16 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
             if isinstance(prefilled, Response):
                 return prefilled  # the prefill server's own 4xx/5xx, passed through
             answer = await _decode(client, pool, decode_url, path, body, prefilled)
-            if answer is not None:
+            if isinstance(answer, PullFailed):  # the prefill side failed, not this decode server: retry it
+                pull_failed = answer
+            elif answer is not None:
                 return answer
+            else:
+                tried.add(decode_url)
             await _release(client, prefilled)  # the retry prefills again: drop the unpulled state
+        if pull_failed is not None:  # name the server that failed, not the decode server that asked it
+            return _error(503, f"the prefill server {pull_failed.prefill} failed before its state was pulled "
+                               f"(decode server {pull_failed.decode}: {pull_failed.message})")
         return _error(503, "no decode server could serve the request (tried " + ", ".join(sorted(tried)) + ")")
 
     @app.post("/v1/completions")
@@ -161,9 +168,19 @@ async def _prefill(client: httpx.AsyncClient, url: str, path: str, body: dict) -
             "remote_url": url}
 
 
+@dataclass
+class PullFailed:
+    """A decode server's 502: pulling the hand-off from the prefill server failed."""
+
+    prefill: str
+    decode: str
+    message: str
+
+
 async def _decode(client: httpx.AsyncClient, pool: Pool, url: str, path: str, body: dict,
-                  kv: dict) -> Response | None:
-    """The decode server's answer; None when it failed before sending anything (retry)."""
+                  kv: dict) -> Response | PullFailed | None:
+    """The decode server's answer; None when it failed before sending anything (retry
+    elsewhere); PullFailed when it says it could not pull the prefill's state (a 502)."""
     req = client.build_request("POST", url + path, json={**body, "kv_transfer_params": kv})
     pool.in_flight[url] = pool.in_flight.get(url, 0) + 1
     try:
@@ -172,6 +189,16 @@ async def _decode(client: httpx.AsyncClient, pool: Pool, url: str, path: str, bo
         pool.in_flight[url] -= 1
         log.warning("decode server %s failed (%s); retrying elsewhere", url, type(e).__name__)
         return None
+    if r.status_code == 502:  # server/kv_transfer.py: the pull from the prefill server failed
+        try:
+            message = json.loads(await r.aread())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = "pulling the prefill failed"
+        finally:
+            await r.aclose()
+            pool.in_flight[url] -= 1
+        log.warning("decode server %s could not pull from the prefill server %s: %s", url, kv["remote_url"], message)
+        return PullFailed(kv["remote_url"], url, message)
     if r.status_code >= 500:
         await r.aclose()
         pool.in_flight[url] -= 1

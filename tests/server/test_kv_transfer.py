@@ -211,6 +211,37 @@ def test_a_dead_decode_server_is_retried_elsewhere_then_503(prefill_server, disa
     assert not prefill_server[1].engine.engine.handoffs.held  # the router released what nobody pulled
 
 
+def test_a_prefill_server_that_dies_before_the_pull_is_named_not_the_decode_server(disaggregated):
+    """The prefill answered, then its state could not be pulled (the process died): the decode
+    server says 502 naming it; the router used to retry and then blame the decode server ("no
+    decode server could serve the request"). Now the 503 names the prefill server."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from k3serve.server.router import build_router
+
+    fake = FastAPI()
+
+    @fake.post("/v1/completions")
+    async def prefilled():  # a first token and a pull id, as a prefill server answers
+        return {"id": "cmpl-x", "object": "text_completion", "model": "m",
+                "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+                "kv_transfer_params": {"remote_request_id": "gone", "remote_block_size": 16}}
+
+    @fake.post("/v1/kv/pull")
+    async def pull():  # ... and then it is gone
+        return JSONResponse({"error": {"message": "no such request"}}, status_code=500)
+
+    with serving(fake) as dead_prefill, serving(build_router([dead_prefill], [disaggregated.decode])) as router:
+        r = httpx.post(router + "/v1/completions", timeout=120, json={"prompt": "Hello there", "max_tokens": 4})
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert f"prefill server {dead_prefill}" in message and "no decode server" not in message, message
+        ok = httpx.post(disaggregated.router + "/v1/completions", timeout=120, json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200  # the decode server was never the problem
+    assert disaggregated.decode_state.engine.engine.cache.num_requests == 0
+
+
 def test_a_decode_server_dying_mid_request_gets_a_retry_with_the_full_answer(prefill_server, disaggregated):
     """A 'decode server' that reads the request and drops the connection (as a killed process
     does): the router retries on the live one, the client gets the whole answer."""
