@@ -67,12 +67,15 @@ def test_disconnect_of_a_non_streaming_request_frees_its_slot(live_server):
 
 
 # ---- bodies --------------------------------------------------------------------------------
-def test_a_large_tokenize_body_does_not_stall_health(live_server):
+@pytest.mark.parametrize("field", ["prompt", "messages"])
+def test_a_large_tokenize_body_does_not_stall_health(live_server, field):
     base, state = live_server
     # the big client runs in its own process: its JSON work must not take this process's GIL
+    body = ("{'prompt': text}" if field == "prompt" else
+            "{'messages': [{'role': 'user', 'content': text}], 'chat_template_kwargs': {'thinking': False}}")
     client = ("import httpx, sys, hashlib; text = 'hello world ' * (30 * 2 ** 20 // 12); "
-              "r = httpx.post(sys.argv[1] + '/tokenize', json={'prompt': text}, timeout=300); "
-              "print(r.status_code, hashlib.sha256(r.content).hexdigest())")
+              f"r = httpx.post(sys.argv[1] + '/tokenize', json={body}, timeout=300); "
+              "print(r.status_code, hashlib.sha256(r.content).hexdigest(), len(r.content))")
     big = subprocess.Popen([sys.executable, "-c", client, base], stdout=subprocess.PIPE, text=True)
     worst, probes = 0.0, 0
     while big.poll() is None:
@@ -80,12 +83,14 @@ def test_a_large_tokenize_body_does_not_stall_health(live_server):
         assert httpx.get(base + "/health", timeout=10).status_code == 200
         worst, probes = max(worst, time.monotonic() - t0), probes + 1
         time.sleep(0.05)
-    status, digest = big.stdout.read().split()
-    text = "hello world " * (30 * 2 ** 20 // 12)
-    ids = state.tokenizer._tk.encode(text, allowed_special="all")  # the ids, encoded in one call
-    want = b"".join(tokens_json([ids], state.max_model_len))
-    assert status == "200" and digest == hashlib.sha256(want).hexdigest() and json.loads(want)["count"] == len(ids)
-    print(f"/health worst {worst * 1000:.0f} ms over {probes} probes while tokenizing 30 MiB")
+    status, digest, size = big.stdout.read().split()
+    assert status == "200" and int(size) > 30 * 2 ** 20 // 12  # at least a digit and a comma per id
+    if field == "prompt":
+        text = "hello world " * (30 * 2 ** 20 // 12)
+        ids = state.tokenizer._tk.encode(text, allowed_special="all")  # the ids, encoded in one call
+        want = b"".join(tokens_json([ids], state.max_model_len))
+        assert digest == hashlib.sha256(want).hexdigest() and json.loads(want)["count"] == len(ids)
+    print(f"/health worst {worst * 1000:.0f} ms over {probes} probes while tokenizing 30 MiB of {field}")
     assert probes >= 5 and worst < 0.5, f"/health took {worst:.2f} s while tokenizing ({probes} probes)"
 
 
