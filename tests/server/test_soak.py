@@ -1,12 +1,16 @@
 """Soak (issue 18): 64 concurrent streams for a bounded time, 30% of them cancelled part-way by
 the client. Nothing may fail, every finished stream ends properly, and every pool is back at
-zero afterwards. `make test` runs it for 60 s; `make test-slow` runs the 10-minute version."""
+zero afterwards. `make test` runs it for 60 s; `make test-slow` runs the 10-minute version and a
+30-minute one at 48 streams that also holds the process's resident memory: under 1% growth over
+its last 25 minutes (`.venv/bin/python -m pytest -q -s -m slow -k thirty tests/server/test_soak.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import threading
 import time
 
 import httpx
@@ -56,16 +60,33 @@ async def worker(base: str, deadline: float, rng: random.Random, stats: dict) ->
                     stats["completed"] += 1
 
 
-def soak(seconds: float, tiny_k3_dir) -> dict:
+def rss_bytes() -> int:
+    """This process's resident set (the server runs in it, on uvicorn's thread)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(seconds: float, tiny_k3_dir, streams: int = STREAMS) -> dict:
     app, state = make_app(tiny_k3_dir, "--max-num-seqs", "16")
-    stats = {"errors": [], "cancelled": 0, "completed": 0}
+    stats = {"errors": [], "cancelled": 0, "completed": 0, "rss": []}
     with serving(app) as base:
-        deadline = time.monotonic() + seconds
+        start = time.monotonic()
+        deadline = start + seconds
+        stop = threading.Event()
+
+        def sample():  # (seconds since start, resident bytes) every 5 s
+            while not stop.wait(5):
+                stats["rss"].append((time.monotonic() - start, rss_bytes()))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
 
         async def main():
-            await asyncio.gather(*(worker(base, deadline, random.Random(i), stats) for i in range(STREAMS)))
+            await asyncio.gather(*(worker(base, deadline, random.Random(i), stats) for i in range(streams)))
 
         asyncio.run(main())
+        stop.set()
+        sampler.join()
         t0 = time.monotonic()
         while any(metric(base, m) for m in ("k3serve:num_requests_running", "k3serve:num_requests_waiting",
                                               "k3serve:state_slots_used", "k3serve:latent_blocks_used")):
@@ -91,3 +112,19 @@ def test_short_soak(tiny_k3_dir):
 @pytest.mark.slow
 def test_ten_minute_soak(tiny_k3_dir):
     check(soak(600, tiny_k3_dir))
+
+
+def rss_growth(samples: list[tuple[float, int]], after_s: float) -> float:
+    """Resident-memory growth from the first sample past `after_s` (the warm-up) to the last."""
+    later = [b for t, b in samples if t >= after_s]
+    return (later[-1] - later[0]) / later[0]
+
+
+@pytest.mark.slow
+def test_thirty_minute_soak(tiny_k3_dir):
+    stats = soak(1800, tiny_k3_dir, streams=48)
+    check(stats)
+    growth = rss_growth(stats["rss"], after_s=300)
+    print(f"soak: RSS {stats['rss'][0][1] / 2**20:.0f} MiB at 5 s, {stats['rss'][-1][1] / 2**20:.0f} MiB at the end; "
+          f"growth over the last 25 minutes {growth * 100:.2f}%")
+    assert growth < 0.01, stats["rss"][::12]
