@@ -49,6 +49,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from k3serve import LLM, SamplingParams
+    from k3serve.server.launch import backend_kwargs
 
     if not args.json:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -60,7 +61,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("give --prompt TEXT (repeatable) or --prompt-token-ids 1,2,3")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [])
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, kernels=args.kernels,
+    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, **backend_kwargs(args),
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, cache_memory=args.cache_memory, seed=args.seed)
     start = time.perf_counter()
@@ -148,7 +149,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from k3serve.bench.cli import add_bench_args
     from k3serve.planner.cli import add_plan_args
-    from k3serve.server.launch import add_serve_args
+    from k3serve.server.launch import add_backend_args, add_serve_args
 
     # no abbreviations: vLLM's `--tokenizer PATH` was read as `--tokenizer-mode` by prefix
     parser = argparse.ArgumentParser(prog="k3serve", description=__doc__, allow_abbrev=False)
@@ -185,8 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string; repeatable")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
-    p.add_argument("--kernels", default="auto", choices=("auto", "cpp", "torch"),
-                   help="MoE kernels: auto (compiled CPU kernels when they build), cpp (require them), torch (reference)")
+    add_backend_args(p)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")

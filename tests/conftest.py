@@ -17,6 +17,20 @@ def tiny_kl_dir(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_kl"), kind="kimi_linear", seed=0)
 
 
+@pytest.fixture(scope="session")
+def random_dspark(tiny_k3_dir, tmp_path_factory):
+    """An untrained DSpark drafter for tiny K3 (tap layers 1, 4, 6; blocks of 4)."""
+    import torch
+
+    from k3serve.config.bundled import load_model_config
+    from k3serve.spec.dspark import DSparkConfig, DSparkModel, save_dspark
+
+    cfg = load_model_config(tiny_k3_dir)
+    torch.manual_seed(0)
+    model = DSparkModel(DSparkConfig((1, 4, 6), 4, cfg.pad_token_id, cfg.vocab_size, cfg.hidden_size, markov_rank=8))
+    return str(save_dspark(model, tmp_path_factory.mktemp("dspark")))
+
+
 def pytest_configure(config):
     """K3SERVE_TEST_DTYPE=float32 (bench/gpu_check.sh): engines asked for dtype "auto" take it
     instead of the device's default (bf16 on a GPU), so that the suites' exact-equality

@@ -6,7 +6,10 @@ the model was given (`KimiForCausalLM.use_kernels`), which runs it:
 - `torch` (`Backend`, this module): each layer's `reference` body, plain torch; the reference
   every other backend is tested against;
 - `cpp` (backends/cpu.py `CpuKernels`): the compiled CPU kernels (k3serve.kernels) for the rows
-  they take, each layer's reference for the rest (training with grad, tensors off the CPU).
+  they take, each layer's reference for the rest (training with grad, tensors off the CPU);
+- `graph` (backends/graph.py `GraphBackend`): fixed-shape, sync-free torch for the static decode
+  step (forward/static.py) that runner/graph_step.py compiles and captures per batch bucket; the
+  reference for every other step.
 
 Adding a backend is one subclass here; no layer changes.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-BACKENDS = ("torch", "cpp")
+BACKENDS = ("torch", "cpp", "graph")
 
 
 class Backend:
@@ -23,6 +26,9 @@ class Backend:
 
     name = "torch"
     kernels = None  # the compiled module of a kernel backend
+
+    def prepare(self, model) -> None:
+        """Weights in the backend's own form, once the model is loaded and placed (none here)."""
 
     def kda(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
         return layer.reference(x, batch, cache)
@@ -85,9 +91,14 @@ TORCH = Backend()
 
 def select(mode: str) -> Backend:
     """The backend for a kernels mode ("auto": the compiled kernels if they build, "cpp": or
-    raise, "torch": the reference). Engine placement has already turned "auto" on a GPU into
-    "torch" (engine/setup.py kernel_mode)."""
+    raise, "torch": the reference, "graph": the compiled static decode). Engine placement has
+    already turned "auto" on a GPU into "graph" or "torch" (engine/setup.py kernel_mode)."""
     from k3serve import kernels
+
+    if mode == "graph":
+        from k3serve.backends.graph import GraphBackend
+
+        return GraphBackend()
 
     module = kernels.get(mode)
     if module is None:

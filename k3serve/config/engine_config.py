@@ -10,6 +10,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_DTYPES = DTYPES + ("fp8",)  # fp8: float8_e4m3fn latent rows, unit scale (vLLM's default k_scale 1.0)
+KERNELS = ("auto", "cpp", "torch", "graph")  # execution backends (k3serve/backends)
 QUANTIZATIONS = ("compressed-tensors", "mxfp4")  # what a checkpoint's quantization_config can be
 
 # how DP-attention ranks exchange tokens for their experts, as vLLM's --all2all-backend spells it:
@@ -44,7 +45,11 @@ class EngineConfig:
     load_format: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
     load_progress: bool = False  # a per-shard progress bar while loading (the server turns it on)
-    kernels: str = "auto"  # auto: the compiled CPU kernels when they build | cpp: require them | torch
+    # auto: the compiled CPU kernels when they build (CPU), the graph step (CUDA) | cpp: require
+    # them | torch: the reference | graph: the compiled static decode step (backends/graph.py)
+    kernels: str = "auto"
+    enforce_eager: bool = False  # vLLM's flag: no torch.compile, no CUDA graphs
+    compilation_config: Any = None  # vLLM's --compilation-config JSON (config/compilation.py)
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
     all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
@@ -62,8 +67,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kernels not in ("auto", "cpp", "torch"):
-            raise ValueError(f"kernels must be one of ('auto', 'cpp', 'torch'), got {self.kernels!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        from k3serve.config.compilation import CompilationConfig
+
+        self.compilation_config = CompilationConfig.parse(self.compilation_config)
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

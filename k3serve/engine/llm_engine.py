@@ -75,7 +75,13 @@ class LLMEngine(HandoffMixin):
             if self.executor is not None:
                 self.executor.wait_ready()
         check_quantization(config, self.model)
-        self.kernels = self.model.use_kernels(kernel_mode(config.kernels, where.device))
+        mode = kernel_mode(config.kernels, where.device, config.enforce_eager)
+        if mode == "graph" and (self.executor is not None or self.ep is not None or self.remote is not None):
+            if config.kernels == "graph":
+                raise ValueError("kernels='graph' runs one rank for now: tensor- and expert-parallel engines "
+                                 "use 'torch' or 'cpp'")
+            mode = "torch"  # auto on a GPU with several ranks: their collectives are eager
+        self.kernels = self.model.use_kernels(mode)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)
         self.plan = make_plan(config, self.model, where, self.max_model_len)
@@ -114,7 +120,18 @@ class LLMEngine(HandoffMixin):
             self.executor.send("allocate", self.plan, kv_name)
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
                                   masked_ids=self.unmapped_ids, workers=None if self.remote else self.executor,
-                                  rank=self.remote)
+                                  rank=self.remote, graph=self._graph_settings(config, mode))
+        graphs = getattr(self.runner.rank, "graphs", None)
+        if graphs is not None:
+            cc = config.compilation_config
+            line = (f"graph backend: decode steps of {graphs.sizes[0]}..{graphs.sizes[-1]} rows run compiled "
+                    f"({'eager, --enforce-eager' if graphs.eager else cc.backend}"
+                    f"{', captured as CUDA graphs' if where.device.type == 'cuda' and not graphs.eager else ''}); "
+                    f"each new batch bucket compiles on its first step")
+            if cc.extra:
+                line += f"; compilation-config keys without effect here: {', '.join(sorted(cc.extra))}"
+            self.startup_log.append(line)
+            log.info(line)
         if self.ep is not None and self.remote is None:  # the replicas step at once: each takes its share of the cores
             self.runner.threads = max(1, (os.cpu_count() or 1) // self.ep.size)
         self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device,
@@ -130,6 +147,15 @@ class LLMEngine(HandoffMixin):
         self._seen: dict[str, int] = {}  # output tokens already detokenized, per scheduler request
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self.handoffs = HandoffStore()  # prefilled requests kept for a decode engine (engine/handoff.py)
+
+    @staticmethod
+    def _graph_settings(config: EngineConfig, mode: str):
+        """The runner's static decode step when the graph backend was chosen, else None."""
+        if mode != "graph":
+            return None
+        from k3serve.runner.graph_step import GraphSettings
+
+        return GraphSettings(config.compilation_config, config.max_num_seqs, config.enforce_eager)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":

@@ -39,16 +39,16 @@ def placement(config: EngineConfig) -> Placement:
     return Placement(device, TORCH_DTYPES[name], TORCH_DTYPES[kv])
 
 
-def kernel_mode(mode: str, device: torch.device) -> str:
+def kernel_mode(mode: str, device: torch.device, enforce_eager: bool = False) -> str:
     """EngineConfig.kernels for an engine on `device`: the compiled kernels read CPU tensors only,
-    so an engine elsewhere builds none ("auto" -> "torch": no minutes of compiling for a module no
-    layer would call) and "cpp" there is refused by name."""
-    if device.type == "cpu" or mode == "torch":
+    so an engine elsewhere builds none and "cpp" there is refused by name; "auto" on a GPU is the
+    graph backend (compiled, captured decode steps), or the torch reference under --enforce-eager."""
+    if device.type == "cpu" or mode in ("torch", "graph"):
         return mode
     if mode == "cpp":
         raise ValueError(f"kernels='cpp': the compiled kernels are CPU-only and this engine runs on {device}; "
-                         "use 'auto' or 'torch'")
-    return "torch"
+                         "use 'auto', 'graph' or 'torch'")
+    return "torch" if enforce_eager else "graph"
 
 
 def _memory(device: torch.device, which: int, meminfo_key: str) -> int:

@@ -5,5 +5,6 @@ models/; imports neither runner/ nor engine/."""
 from k3serve.forward.batch import SHORT_PREFILL, ForwardBatch, StepRows
 from k3serve.forward.cache import CacheTensors
 from k3serve.forward.out import ForwardOut
+from k3serve.forward.static import StaticBuffers, StaticStep
 
-__all__ = ["SHORT_PREFILL", "CacheTensors", "ForwardBatch", "ForwardOut", "StepRows"]
+__all__ = ["SHORT_PREFILL", "CacheTensors", "ForwardBatch", "ForwardOut", "StaticBuffers", "StaticStep", "StepRows"]

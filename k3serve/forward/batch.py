@@ -99,8 +99,15 @@ class ForwardBatch:
     # device (not once per layer, and never a CPU index into a device tensor)
     _memo: dict = field(init=False, repr=False, default_factory=dict)
 
+    static = False  # forward/static.py StaticStep says True: the fixed-shape decode of the graph backend
+
     def __post_init__(self) -> None:
         self.step = StepRows.build(self)
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        """[F] KDA state slots of the batch's new sequences, zeroed before the layers run."""
+        return self.step.fresh
 
     def keep_kda_records(self, layer: int, bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
         """A KDA layer's verify records [S', T, ...]: verifying sequences come first in `step`,

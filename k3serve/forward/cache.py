@@ -24,6 +24,10 @@ class CacheTensors:
     conv: list[torch.Tensor | None]
     latent: list[torch.Tensor | None]
     block_size: int
+    # the graph backend's padding rows write here (one state slot and one latent block past the
+    # plan's, never handed to a request); None when allocated without them
+    scratch_slot: int | None = None
+    scratch_block: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -32,9 +36,11 @@ class CacheTensors:
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 tp_size: int = 1) -> "CacheTensors":
-        """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole."""
+                 tp_size: int = 1, scratch: bool = False) -> "CacheTensors":
+        """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole.
+        `scratch`: one more slot and block for the static step's padding rows."""
         k, m = cfg.kda, cfg.mla
+        num_slots, num_blocks = num_slots + scratch, num_blocks + scratch
         heads = k.num_heads // tp_size
         rec, conv, lat = [], [], []
         for kind in cfg.layer_kinds:
@@ -46,4 +52,6 @@ class CacheTensors:
                 rec.append(None)
                 conv.append(None)
                 lat.append(torch.zeros(num_blocks * block_size, m.cache_dim, dtype=kv_dtype, device=device))
+        if scratch:
+            return cls(rec, conv, lat, block_size, num_slots - 1, num_blocks - 1)
         return cls(rec, conv, lat, block_size)

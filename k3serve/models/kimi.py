@@ -69,10 +69,10 @@ class KimiModel(nn.Module):
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
         [N, d] (the tap layers a DSpark drafter reads)."""
         h = self.embed(batch.input_ids)  # [N, d]
-        if batch.step.fresh.numel():  # new sequences start from zero KDA state, on every path
+        if batch.fresh is not None and batch.fresh.numel():  # new sequences start from zero KDA state
             for t in cache.recurrent + cache.conv:
                 if t is not None:
-                    t[batch.step.fresh] = 0.0
+                    t[batch.fresh] = 0.0
         if batch.media_rows is not None:  # media pads take the vision tower's rows
             h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
         stack = self.backend.decode_stack(self, batch, h)
@@ -166,11 +166,12 @@ class KimiForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def use_kernels(self, mode: str = "auto"):
-        """Choose the backend once (k3serve/backends: "torch", "cpp", "auto"): every layer, norm,
+        """Choose the backend once (k3serve/backends: "torch", "cpp", "graph", "auto"): every layer, norm,
         MoE block and the model (decode stack, AttnRes mix, logits) hands itself to it. Call it
         after the last load or move (a kernel backend packs the weights as it first meets them).
         Returns the compiled module, or None."""
         backend = backends.select(mode)
+        backend.prepare(self)
         for m in self.modules():
             if isinstance(m, (KimiDeltaAttention, GatedMLA, SparseMoE, GluMLP, RMSNorm, KimiModel)):
                 m.backend = backend

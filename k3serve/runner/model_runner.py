@@ -12,6 +12,7 @@ import torch
 from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.forward import CacheTensors
+from k3serve.runner.graph_step import GraphSettings, GraphSteps
 from k3serve.runner.rank_step import RankRunner, StepInputs
 from k3serve.sampling.sampler import MODEL_FAULT, Sampler, model_fault_rows
 from k3serve.engine.media import PromptMedia
@@ -24,16 +25,20 @@ from k3serve.scheduler.request import Request
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, seed: int = 0,
                  device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = (), workers=None,
-                 rank=None):
+                 rank=None, graph: "GraphSettings | None" = None):
         """`rank`: a RankRunner stand-in whose model and cache live elsewhere (a DP-attention
-        worker process, distributed/dp_replicas.py RemoteRank); None: this process's own."""
+        worker process, distributed/dp_replicas.py RemoteRank); None: this process's own.
+        `graph`: the graph backend's static decode step (runner/graph_step.py), or None."""
         self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
         self.workers = workers  # distributed/executor.py: the other tensor-parallel ranks, or None
         # vocabulary ids the tokenizer cannot decode: never sampled (their logits become -inf)
         self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
-        self.cache = allocate_cache(model, plan, kv_dtype, self.device) if rank is None else None
-        self.rank = rank if rank is not None else RankRunner(model, self.cache, self.device)
+        self.cache = allocate_cache(model, plan, kv_dtype, self.device, scratch=graph is not None) if rank is None else None
+        graphs = None
+        if graph is not None and rank is None:
+            graphs = GraphSteps(model, self.cache, self.device, graph.config, graph.max_num_seqs, graph.eager)
+        self.rank = rank if rank is not None else RankRunner(model, self.cache, self.device, graphs)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: the engine registers a Constraint per constrained request
@@ -238,11 +243,12 @@ class ModelRunner:
 
 
 def allocate_cache(model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype,
-                   device: torch.device) -> CacheTensors:
+                   device: torch.device, scratch: bool = False) -> CacheTensors:
     """This rank's cache for `plan`: checkpoint slots (prefix caching) follow the live slots in
-    the same state tensors; under tensor parallelism KDA state holds this rank's heads."""
+    the same state tensors; under tensor parallelism KDA state holds this rank's heads.
+    `scratch`: a slot and a block for the graph backend's padding rows."""
     return CacheTensors.allocate(model.cfg, plan.num_slots + plan.num_checkpoints, plan.num_blocks, plan.block_size,
-                                 kv_dtype=kv_dtype, device=device, tp_size=model.tp.size)
+                                 kv_dtype=kv_dtype, device=device, tp_size=model.tp.size, scratch=scratch)
 
 
 def weight_bytes(model: KimiForCausalLM) -> int:

@@ -46,14 +46,21 @@ class StepResult:
 class RankRunner:
     """The model and this rank's cache tensors (KDA state of this rank's heads, the whole latent)."""
 
-    def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device):
-        self.model, self.cache, self.device = model, cache, device
+    def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device, graphs=None):
+        """`graphs`: runner/graph_step.py GraphSteps, which run pure decode steps (graph backend)."""
+        self.model, self.cache, self.device, self.graphs = model, cache, device, graphs
         # the last verify pass's per-position KDA states, until its rollback command (which
         # arrives after the driver sampled: a second, small command under tensor parallelism)
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> StepResult:
+        if self.graphs is not None and self.graphs.takes(inp):
+            self.copy_states(inp.restore)
+            logits, tapped = self.graphs.run(inp, taps)
+            self.records = {}
+            self.copy_states(inp.save)
+            return StepResult(logits, [], tapped)
         fb = ForwardBatch(
             input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
             seq_lens=inp.seq_lens, context_lens=inp.context_lens, state_slots=inp.state_slots,

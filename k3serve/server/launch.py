@@ -15,10 +15,28 @@ import signal
 import sys
 from pathlib import Path
 
-from k3serve.config.engine_config import ALL2ALL_BACKENDS
+from k3serve.config.engine_config import ALL2ALL_BACKENDS, KERNELS
 from k3serve.server.vllm_flags import add_vllm_flags
 
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    """How the model runs (k3serve/backends), as `serve` and `generate` spell it."""
+    p.add_argument("--kernels", default="auto", choices=KERNELS,
+                   help="execution backend: auto (the compiled CPU kernels when they build; graph on a GPU), "
+                        "cpp (require the CPU kernels), torch (the reference), graph (decode steps compiled "
+                        "whole, captured as CUDA graphs on a GPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no torch.compile and no CUDA graphs (auto on a GPU then runs the torch reference)")
+    p.add_argument("--compilation-config", "-O", type=json.loads, default=None,
+                   help='the graph backend\'s compile settings as JSON, vLLM\'s keys: '
+                        '{"cudagraph_capture_sizes": [1, 2, 4, 8], "max_cudagraph_capture_size": 64, '
+                        '"backend": "inductor"}')
+
+
+def backend_kwargs(args: argparse.Namespace) -> dict:
+    return dict(kernels=args.kernels, enforce_eager=args.enforce_eager, compilation_config=args.compilation_config)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -72,8 +90,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (tiktoken.model or tokenizer.json and "
                                                      "tokenizer_config.json); default: the model's")
-    p.add_argument("--kernels", default="auto", choices=("auto", "cpp", "torch"),
-                   help="MoE kernels: auto (compiled CPU kernels when they build), cpp (require them), torch (reference)")
+    add_backend_args(p)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -175,7 +192,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             spec = json.loads(args.speculative_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    return dict(dtype=args.dtype, load_format=args.load_format, kernels=args.kernels, load_progress=True,
+    return dict(dtype=args.dtype, load_format=args.load_format, **backend_kwargs(args), load_progress=True,
                 tokenizer=args.tokenizer,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -23,7 +23,6 @@ class VllmFlag:
 
 
 FLAGS = [
-    VllmFlag("--enforce-eager", False, "k3serve runs eagerly (no CUDA graphs to turn off)"),
     VllmFlag("--disable-custom-all-reduce", False, "tensor parallelism all-reduces through the process group "
              "(gloo); there is no custom all-reduce kernel to turn off"),
     VllmFlag("--swap-space", True, "k3serve preempts by recompute and never swaps to CPU"),

@@ -98,14 +98,17 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
 _LUTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _luts(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """byte -> (fp4 of low nibble, fp4 of high nibble) [256, 2], and E8M0 byte -> 2^(s-127) [256]."""
+    b = torch.arange(256, dtype=torch.uint8)
+    return e2m1_decode(unpack_nibbles(b[:, None])).to(dtype).to(device), e8m0_to_float(b).to(dtype).to(device)
+
+
+def _luts(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_tables`, kept per device and dtype."""
     key = (device, dtype)
     if key not in _LUTS:
-        b = torch.arange(256, dtype=torch.uint8)
-        pair = e2m1_decode(unpack_nibbles(b[:, None])).to(dtype).to(device)  # [256, 2]
-        scale = e8m0_to_float(b).to(dtype).to(device)  # [256]
-        _LUTS[key] = (pair, scale)
+        _LUTS[key] = decode_tables(device, dtype)
     return _LUTS[key]
 
 

@@ -67,14 +67,15 @@ def test_dense_experts_are_read_as_views_not_copies():
 
 
 def test_an_engine_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
-    """The compiled kernels read CPU tensors only: on a GPU "auto" takes the torch path without
-    compiling anything and "cpp" is refused by name; K3SERVE_KERNELS=torch does the same for a
-    whole process (what bench/gpu_check.sh sets)."""
+    """The compiled kernels read CPU tensors only: on a GPU "auto" takes the graph backend (the
+    torch path under --enforce-eager; issue 46) without compiling any CPU kernel and "cpp" is
+    refused by name; K3SERVE_KERNELS=torch does the same for a whole process."""
     from k3serve import kernels
     from k3serve.engine.setup import kernel_mode
 
     cuda = torch.device("cuda", 0)
-    assert kernel_mode("auto", cuda) == "torch" and kernel_mode("torch", cuda) == "torch"
+    assert kernel_mode("auto", cuda) == "graph" and kernel_mode("torch", cuda) == "torch"
+    assert kernel_mode("auto", cuda, enforce_eager=True) == "torch"
     with pytest.raises(ValueError, match="CPU-only.*cuda:0"):
         kernel_mode("cpp", cuda)
     assert [kernel_mode(m, torch.device("cpu")) for m in ("auto", "cpp", "torch")] == ["auto", "cpp", "torch"]

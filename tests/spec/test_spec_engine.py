@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from k3serve import LLM, SamplingParams
-from k3serve.config.bundled import load_model_config
-from k3serve.spec.dspark import DSparkConfig, DSparkModel, load_dspark, save_dspark
+from k3serve.spec.dspark import load_dspark
 
 KW = dict(cache_memory="32MiB", max_model_len=512)
 # a bias toward four tokens makes greedy text loop, so n-gram drafts get accepted
@@ -28,14 +27,6 @@ def ids(outs):
 @pytest.fixture(scope="module")
 def base(tiny_k3_dir):
     return LLM(str(tiny_k3_dir), **KW)
-
-
-@pytest.fixture(scope="module")
-def random_dspark(tiny_k3_dir, tmp_path_factory):
-    cfg = load_model_config(tiny_k3_dir)
-    torch.manual_seed(0)
-    model = DSparkModel(DSparkConfig((1, 4, 6), 4, cfg.pad_token_id, cfg.vocab_size, cfg.hidden_size, markov_rank=8))
-    return str(save_dspark(model, tmp_path_factory.mktemp("dspark")))
 
 
 def spec_llm(model_dir, **spec):

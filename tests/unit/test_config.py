@@ -5,6 +5,7 @@ import pytest
 
 from k3serve.config import ConfigError, LayerKind, ModelConfig, load_model_config
 from k3serve.config.bundled import BUNDLED_MODELS
+from k3serve.config.engine_config import EngineConfig
 
 
 def k3_raw():
@@ -91,3 +92,29 @@ def test_config_is_frozen():
     with pytest.raises(AttributeError):
         cfg.hidden_size = 1  # type: ignore[misc]
     assert copy.deepcopy(cfg) == cfg
+
+
+def test_compilation_config_spelled_as_vllm():
+    from k3serve.config.compilation import CompilationConfig, default_capture_sizes
+
+    assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert default_capture_sizes(6) == [1, 2, 4, 6]  # the largest batch always has its bucket
+    cc = CompilationConfig.parse('{"cudagraph_capture_sizes": [8, 1, 4], "backend": "aot_eager", "level": 3}')
+    assert cc.capture_sizes(64) == [1, 4, 8] and cc.backend == "aot_eager" and cc.extra == {"level": 3}
+    assert CompilationConfig.parse({"max_cudagraph_capture_size": 16}).capture_sizes(64)[-1] == 16
+    with pytest.raises(ValueError, match="backend must be one of"):
+        CompilationConfig.parse({"backend": "tvm"})
+    with pytest.raises(ValueError):
+        CompilationConfig.parse("{not json")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        EngineConfig(kernels="triton")
+
+
+def test_auto_kernels_on_a_gpu_is_the_graph_backend_unless_eager():
+    import torch
+
+    from k3serve.engine.setup import kernel_mode
+
+    cuda = torch.device("cuda", 0)
+    assert kernel_mode("auto", cuda) == "graph" and kernel_mode("auto", cuda, enforce_eager=True) == "torch"
+    assert kernel_mode("graph", torch.device("cpu")) == "graph" and kernel_mode("auto", torch.device("cpu")) == "auto"
