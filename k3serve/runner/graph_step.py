@@ -20,6 +20,7 @@ import torch
 
 from k3serve.config.compilation import CompilationConfig
 from k3serve.forward import CacheTensors, StaticBuffers
+from k3serve.sampling.device import model_faults, sample
 
 
 def static_forward(model, step, cache, taps):
@@ -27,6 +28,27 @@ def static_forward(model, step, cache, taps):
     Returns fp32 logits [B, V] and the tap layers' hidden states {layer: [B, d]}."""
     out = model(step.expand(), cache, taps)
     return model.compute_logits(out.hidden), out.taps
+
+
+def static_sample(model, step, cache, taps, bias):
+    """The static step with sampling on the device (sampling/device.py): the sampled ids [B],
+    the rows whose logits were the model's fault [B] (NaN, +inf, nothing finite) and the taps.
+    `bias` [1, V]: -inf at the vocabulary ids the tokenizer cannot decode, or None."""
+    logits, taps_out = static_forward(model, step, cache, taps)
+    if bias is not None:
+        logits = logits + bias
+    return sample(logits, step.sampling_params()), model_faults(logits), taps_out
+
+
+@dataclass
+class GraphOut:
+    """What a static step hands back, on the CPU: logits [n, V], or with device sampling the
+    sampled ids and model-fault flags [n] (then the step's only device-to-host copy)."""
+
+    logits: torch.Tensor | None
+    ids: list[int] | None
+    faults: list[bool] | None
+    taps: dict[int, torch.Tensor]
 
 
 @dataclass
@@ -46,12 +68,17 @@ class _Entry:
 
 class GraphSteps:
     def __init__(self, model, cache: CacheTensors, device: torch.device, config: CompilationConfig,
-                 max_num_seqs: int, eager: bool = False):
-        """`eager` (--enforce-eager): the static step runs uncompiled and uncaptured."""
+                 max_num_seqs: int, eager: bool = False, masked_ids: list[int] = ()):
+        """`eager` (--enforce-eager): the static step runs uncompiled and uncaptured.
+        `masked_ids`: vocabulary ids never sampled (the tokenizer cannot decode them)."""
         if cache.scratch_slot is None:
             raise ValueError("the graph backend needs a cache allocated with a scratch slot and block")
         self.model, self.cache, self.device, self.config, self.eager = model, cache, device, config, eager
         self.sizes = config.capture_sizes(max_num_seqs)
+        self.bias = None
+        if masked_ids:
+            self.bias = torch.zeros(1, model.cfg.vocab_size, device=device)
+            self.bias[0, torch.tensor(list(masked_ids), device=device)] = float("-inf")
         self.entries: dict[tuple, _Entry] = {}
         self.pool = None  # CUDA graphs of every bucket share one memory pool
         self.compiles = 0  # entries built (each a compile and, on CUDA, a capture)
@@ -69,30 +96,35 @@ class GraphSteps:
         need = max(len(t) for t in tables)
         return B, 1 << max(0, (need - 1).bit_length())
 
-    def run(self, inp, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """fp32 logits [n, V] on the CPU and the taps [n, d] of a step `takes` accepted."""
+    def run(self, inp, taps: tuple[int, ...]) -> GraphOut:
+        """A step `takes` accepted: its logits, or with `inp.sampling` its sampled ids."""
         n = len(inp.seq_lens)
         B, W = self.bucket(n, inp.block_tables)
-        entry = self.entries.get((B, W, taps))
+        key = (B, W, taps, inp.sampling is not None)
+        entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[(B, W, taps)] = self._build(B, W, taps)
+            entry = self.entries[key] = self._build(*key)
         self.steps += 1
-        entry.buffers.fill(inp.input_ids, inp.state_slots, inp.context_lens, inp.block_tables)
-        logits, tapped = entry.run()
-        return logits[:n].cpu(), {i: t[:n] for i, t in tapped.items()}
+        entry.buffers.fill(inp.input_ids, inp.state_slots, inp.context_lens, inp.block_tables, inp.sampling)
+        out = entry.run()
+        tapped = {i: t[:n] for i, t in out[-1].items()}
+        if inp.sampling is None:
+            return GraphOut(out[0][:n].cpu(), None, None, tapped)
+        ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
+        return GraphOut(None, ids, [bool(f) for f in faults], tapped)
 
-    def _build(self, B: int, W: int, taps: tuple[int, ...]) -> _Entry:
+    def _build(self, B: int, W: int, taps: tuple[int, ...], sampled: bool) -> _Entry:
         self.compiles += 1
         buffers = StaticBuffers(B, W, self.cache.block_size, self.device, self.cache.scratch_slot,
                                 self.cache.scratch_block)
-        fn = types.FunctionType(static_forward.__code__.replace(), static_forward.__globals__,
-                                f"static_forward_b{B}_w{W}")
+        body = static_sample if sampled else static_forward
+        fn = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_b{B}_w{W}")
         if not self.eager:
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.config.backend)
-        model, step, cache = self.model, buffers.step, self.cache
+        args = (self.model, buffers.step, self.cache, taps) + ((self.bias,) if sampled else ())
 
         def call():
-            return fn(model, step, cache, taps)
+            return fn(*args)
         if self.eager or self.device.type != "cuda":
             return _Entry(buffers, call)
         return _Entry(buffers, self._capture(call))

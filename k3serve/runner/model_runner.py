@@ -14,11 +14,12 @@ from k3serve.models.kimi import KimiForCausalLM
 from k3serve.forward import CacheTensors
 from k3serve.runner.graph_step import GraphSettings, GraphSteps
 from k3serve.runner.rank_step import RankRunner, StepInputs
-from k3serve.sampling.sampler import MODEL_FAULT, Sampler, model_fault_rows
+from k3serve.sampling.device import DeviceSamplingParams, device_samplable, model_faults, row_values, sample
+from k3serve.sampling.sampler import MODEL_FAULT, Sampler, SampleResult, model_fault_rows, sampled_token
 from k3serve.engine.media import PromptMedia
 from k3serve.sampling.grammar import Constraint
 from k3serve.sampling.structured import ConstraintStats
-from k3serve.scheduler.batch import PromptLogprob, ScheduledBatch, StepOutput
+from k3serve.scheduler.batch import PromptLogprob, SampledToken, ScheduledBatch, StepOutput
 from k3serve.scheduler.request import Request
 
 
@@ -37,8 +38,13 @@ class ModelRunner:
         self.cache = allocate_cache(model, plan, kv_dtype, self.device, scratch=graph is not None) if rank is None else None
         graphs = None
         if graph is not None and rank is None:
-            graphs = GraphSteps(model, self.cache, self.device, graph.config, graph.max_num_seqs, graph.eager)
+            graphs = GraphSteps(model, self.cache, self.device, graph.config, graph.max_num_seqs, graph.eager,
+                                masked_ids)
         self.rank = rank if rank is not None else RankRunner(model, self.cache, self.device, graphs)
+        # a graph engine samples on the device (sampling/device.py): fused into the static step when
+        # every row can, else the same counter-based draws on the host logits; speculation keeps
+        # the host sampler (its verification draws from the requests' generators)
+        self.device_sampling = graphs is not None and spec is None
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: the engine registers a Constraint per constrained request
@@ -81,7 +87,7 @@ class ModelRunner:
             block_tables=[s.block_table for s in seqs], block_size=self.plan.block_size,
             verify=[i for i, s in enumerate(seqs) if s.drafts], restore=batch.restore_states,
             save=batch.save_states, logit_rows=rows, prompt_rows=[(b, n) for _, _, b, n in asks],
-            media_rows=media_rows, media_embeds=media_embeds)
+            media_rows=media_rows, media_embeds=media_embeds, sampling=self._fused_sampling(seqs, asks))
         taps = self.spec.tap_layers if self.spec is not None else ()
         if self.workers is not None:  # every rank runs the same forward (its collectives pair with ours)
             self.workers.send("forward", inputs)
@@ -90,6 +96,14 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(seqs, asks, res.prompt_logits)
         if not spans:
             return StepOutput(prompt_logprobs=prompt_lps)
+        if res.sampled is not None:  # sampled inside the static step: only the ids came back
+            out = StepOutput(prompt_logprobs=prompt_lps)
+            for s, token, fault in zip(seqs, res.sampled, res.faulty):
+                if fault:
+                    out.failed[s.request_id] = MODEL_FAULT
+                else:
+                    out.sampled[s.request_id] = [SampledToken(token)]
+            return out
         logits = res.logits
         if self.masked_ids is not None:
             logits[:, self.masked_ids] = float("-inf")
@@ -100,7 +114,7 @@ class ModelRunner:
             at = [p for _, p in plain]
             rows = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at)]  # no copy when all
             self._mask(rows, [(j, self.constraints.get(r.request_id), []) for j, r in enumerate(reqs)])
-            res = self.sampler(rows, reqs, [self._generator(r) for r in reqs])
+            res = self._sample(rows, reqs)
             out.sampled.update({reqs[j].request_id: [t] for j, t in res.tokens.items()})
             out.failed.update({reqs[j].request_id: why for j, why in res.failed.items()})
         slots, taus, committed = [], [], {}
@@ -139,6 +153,40 @@ class ModelRunner:
             for rid, row in committed.items():
                 self.spec.observe(rid, states[row])
         return out
+
+    def _fused_sampling(self, seqs, asks) -> list[dict] | None:
+        """Each row's device sampling values when the whole step can sample inside the static
+        step (a pure decode of device-samplable requests asking no logprobs), else None."""
+        if not self.device_sampling or asks or not all(s.sample and not s.drafts for s in seqs):
+            return None
+        reqs = [s.request for s in seqs]
+        if not all(device_samplable(r) and r.params.logprobs is None for r in reqs):
+            return None
+        return [row_values(r, self._seed(r)) for r in reqs]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+        """One token per row [B, V]: the host Sampler, and in a device-sampling engine the device
+        sampler's draws for the requests it takes (the same draws the static step makes)."""
+        dev = [j for j, r in enumerate(reqs) if self.device_sampling and device_samplable(r)]
+        if not dev:
+            return self.sampler(logits, reqs, [self._generator(r) for r in reqs])
+        result = SampleResult()
+        host = [j for j in range(len(reqs)) if j not in set(dev)]
+        if host:
+            sub = self.sampler(logits[torch.tensor(host)], [reqs[j] for j in host],
+                               [self._generator(reqs[j]) for j in host])
+            result.tokens.update({host[k]: t for k, t in sub.tokens.items()})
+            result.failed.update({host[k]: why for k, why in sub.failed.items()})
+        x = logits[torch.tensor(dev)].float()
+        faults = model_faults(x).tolist()
+        ids = sample(x, DeviceSamplingParams.build([row_values(reqs[j], self._seed(reqs[j])) for j in dev])).tolist()
+        raw = torch.log_softmax(x, -1) if any(reqs[j].params.logprobs is not None for j in dev) else None
+        for k, j in enumerate(dev):
+            if faults[k]:
+                result.failed[j] = MODEL_FAULT
+            else:
+                result.tokens[j] = sampled_token(ids[k], raw, k, reqs[j].params.logprobs)
+        return result
 
     @torch.inference_mode()
     def idle_step(self) -> None:
@@ -232,13 +280,14 @@ class ModelRunner:
     def restore_rng(self, req: Request, state: torch.Tensor) -> None:
         self._generator(req).set_state(state)
 
+    def _seed(self, req: Request) -> int:
+        """The request's seed; unseeded: still deterministic for a given engine seed and arrival order."""
+        return req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.arrival
+
     def _generator(self, req: Request) -> torch.Generator:
         gen = self._generators.get(req.request_id)
         if gen is None:
-            seed = req.params.seed
-            if seed is None:  # unseeded: still deterministic for a given engine seed and arrival order
-                seed = self.seed * 1_000_003 + req.arrival
-            gen = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
+            gen = self._generators[req.request_id] = torch.Generator().manual_seed(self._seed(req))
         return gen
 
 

@@ -34,6 +34,8 @@ class StepInputs:
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (first row, count) per prompt-logprob span
     media_rows: torch.Tensor | None = None  # [M] rows taking vision-tower embeddings
     media_embeds: torch.Tensor | None = None  # [M, d]
+    # a pure decode sampled on the device (graph backend): each row's sampling/device.py values
+    sampling: list[dict] | None = None
 
 
 @dataclass
@@ -41,6 +43,8 @@ class StepResult:
     logits: torch.Tensor | None  # [len(logit_rows), V] fp32 on the CPU
     prompt_logits: list[torch.Tensor]  # one fp32 [count, V] per prompt_rows span
     taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, d], the taps asked for
+    sampled: list[int] | None = None  # the ids the step sampled on the device (then logits is None)
+    faulty: list[bool] | None = None  # ... and the rows whose logits were the model's fault
 
 
 class RankRunner:
@@ -57,10 +61,10 @@ class RankRunner:
     def forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> StepResult:
         if self.graphs is not None and self.graphs.takes(inp):
             self.copy_states(inp.restore)
-            logits, tapped = self.graphs.run(inp, taps)
+            out = self.graphs.run(inp, taps)
             self.records = {}
             self.copy_states(inp.save)
-            return StepResult(logits, [], tapped)
+            return StepResult(out.logits, [], out.taps, out.ids, out.faults)
         fb = ForwardBatch(
             input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
             seq_lens=inp.seq_lens, context_lens=inp.context_lens, state_slots=inp.state_slots,

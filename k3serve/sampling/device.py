@@ -59,6 +59,28 @@ class DeviceSamplingParams:
         return DeviceSamplingParams(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
 
 
+def device_samplable(req) -> bool:
+    """Whether a request's rows go to this sampler in an engine that samples on the device: no
+    grammar, logit_bias, min_tokens or penalties (those stay with the host Sampler for the
+    request's whole life, so each request draws from one sampler only)."""
+    p = req.params
+    return p.structured is None and not p.logit_bias and not p.min_tokens and not p.uses_penalties
+
+
+def row_values(req, seed: int) -> dict:
+    """A samplable request's values for `DeviceSamplingParams.build`: its seed (or the engine's
+    per-request one) and the output index being drawn as the counter."""
+    p = req.params
+    return dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
+                seed=p.seed if p.seed is not None else seed, position=len(req.output_token_ids))
+
+
+def model_faults(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows holding a NaN or +inf, or no finite value (sampler.py model_fault_rows,
+    on the device)."""
+    return (torch.isnan(logits) | torch.isposinf(logits)).any(-1) | ~torch.isfinite(logits).any(-1)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (lowbias32's shape) in int64 without overflow: values stay below
     2^32 and every multiplier below 2^31, so each product fits in 63 bits."""

@@ -69,3 +69,20 @@ def test_speculative_greedy_equals_torch(tiny_k3_dir, random_dspark, method):
     llm = LLM(str(tiny_k3_dir), **GRAPH, **kw)
     assert tokens(llm, ps, sp) == want
     assert llm.engine.spec.stats.drafts > 0
+
+
+def test_device_sampling_is_fused_reproducible_and_equal_to_the_host_draws(tiny_kl_dir):
+    """Sampling rows come back as ids from the static step; asking logprobs makes the same step
+    return logits, and the host draws the same counter-based uniforms from them: equal tokens.
+    A seeded request draws the same tokens alone as in a batch."""
+    llm = LLM(str(tiny_kl_dir), **GRAPH, cache_memory="16MiB", max_model_len=256, max_num_seqs=4)
+    sp = dict(temperature=0.9, top_p=0.95, top_k=40, seed=7, max_tokens=24, ignore_eos=True)
+    ps = prompts(3, seed=4)
+    fused = tokens(llm, ps, SamplingParams(**sp))
+    assert any(sampled for *_, sampled in graphs(llm).entries)
+    host = tokens(llm, ps, SamplingParams(**sp, logprobs=0))
+    assert fused == host
+    assert tokens(llm, ps[1:2], SamplingParams(**sp)) == fused[1:2]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert tokens(llm, ps, greedy) == tokens(LLM(str(tiny_kl_dir), kernels="torch", cache_memory="16MiB",
+                                                 max_model_len=256), ps, greedy)

@@ -21,7 +21,7 @@ from k3serve.config.bundled import load_model_config
 from k3serve.forward import CacheTensors, ForwardBatch, StaticBuffers
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.models.registry import load_model
-from k3serve.runner.graph_step import static_forward
+from k3serve.runner.graph_step import static_forward, static_sample
 from k3serve.testing.sync_audit import SyncAudit, fake_gpu
 
 BS = 4  # block size: contexts of a few tokens span several blocks
@@ -156,11 +156,15 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
         assert isinstance(model.model.backend, GraphBackend)
         cache = CacheTensors.allocate(cfg, 8, 32, BS, device=gpu, scratch=True)
         buf = StaticBuffers(bucket, 8, BS, torch.device(gpu), cache.scratch_slot, cache.scratch_block)
+        rows = [dict(temperature=0.7 * j, top_k=5 * j, top_p=0.9, min_p=0.0, seed=j, position=4) for j in range(live)]
         with SyncAudit() as fill_audit:
-            buf.fill(list(range(1, live + 1)), [5, 1, 3][:live], [3, 9, 17][:live], tables(live, 6))
+            buf.fill(list(range(1, live + 1)), [5, 1, 3][:live], [3, 9, 17][:live], tables(live, 6), rows)
+        bias = torch.zeros(1, cfg.vocab_size, device=gpu)
         with torch.inference_mode(), SyncAudit() as audit:
             logits, _ = static_forward(model, buf.step, cache, ())
+            ids, faults, _ = static_sample(model, buf.step, cache, (), bias)  # sampling fused: [B] ids back
         assert logits.device.type == gpu and tuple(logits.shape) == (bucket, cfg.vocab_size)
+        assert ids.device.type == gpu and tuple(ids.shape) == tuple(faults.shape) == (bucket,)
         # the control: the same decode through the reference path syncs, and the audit sees it
         model.use_kernels("torch")
         with torch.inference_mode(), SyncAudit() as control:
