@@ -1,15 +1,15 @@
 """Profile of single-stream decode steps: what one step dispatches, where its time goes, and
-how often it waits for the device (issue 15).
+how often it waits for the device (issues 15 and 46).
 
-    python bench/step_profile.py [--model DIR] [--kernels torch|auto] [--dtype bfloat16] [--steps 8]
+    python bench/step_profile.py [--model DIR] [--kernels torch,auto,graph] [--dtype bfloat16] [--steps 8]
 
-On a CUDA machine (bench/gpu_check.sh) the engine runs on the GPU, where every layer takes its
-torch path: the first H200 run decoded at ~20 ms a step, about what the same path costs on this
-2-core CPU, which pointed at per-op dispatch and host/device waits rather than GPU arithmetic.
-This prints, per decode step: the aten ops dispatched, split by the module that issued them
-(KDA, MLA, MoE, ...); the top ops by self time (device time on cuda); and the host/device waits
-(cudaStreamSynchronize, cudaMemcpy*, cudaDeviceSynchronize). Writes
-bench/results/step_profile.json and a Chrome trace (step_profile_trace.json).
+For each backend named (k3serve/backends): the aten (and k3serve::) ops one decode step
+dispatches, in all, a layer, and split by the module that issued them (KDA, MLA, MoE, ...); the
+top ops by self time (device time on cuda); the host/device waits (cudaStreamSynchronize,
+cudaMemcpy*, cudaDeviceSynchronize). The graph backend is counted with its static step run
+eagerly (--enforce-eager: what compilation starts from; issue 46's budget is 40 a layer) and
+timed compiled (--compile-backend, inductor by default), both side by side with the others.
+Writes bench/results/step_profile.json (one entry a backend) and a Chrome trace per backend.
 """
 
 from __future__ import annotations
@@ -74,15 +74,9 @@ def decode_steps(llm: LLM, steps: int) -> Iterator[None]:
         eng.step()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny K3)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kernels", default="auto", help="auto: the CPU kernels on a CPU; torch: the reference path")
-    ap.add_argument("--steps", type=int, default=8)
-    args = ap.parse_args()
-    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, kernels=args.kernels,
-              cache_memory="64MiB", max_num_seqs=1, enable_prefix_caching=False)
+def profile_backend(args, kernels: str, **engine) -> dict:
+    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, kernels=kernels,
+              cache_memory="64MiB", max_num_seqs=1, enable_prefix_caching=False, **engine)
     device = llm.engine.runner.device
     llm.generate([{"prompt_token_ids": list(range(1, 33))}], SamplingParams(temperature=0, max_tokens=8))  # warm-up
 
@@ -101,28 +95,64 @@ def main() -> None:
         next(run, None)
         wall = time.perf_counter() - t
     OUT.mkdir(exist_ok=True)
-    prof.export_chrome_trace(str(OUT / "step_profile_trace.json"))
+    prof.export_chrome_trace(str(OUT / f"step_profile_trace_{kernels}.json"))
     events = prof.key_averages()
     on_device = device.type == "cuda"
     key = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
-    top = sorted((e for e in events if e.key.startswith("aten::")), key=key, reverse=True)[:20]
+    top = sorted((e for e in events if e.key.startswith(("aten::", "k3serve::"))), key=key, reverse=True)[:20]
     waits = {e.key: e.count for e in events if e.key.startswith(SYNCS)}
-    n = args.steps
-    result = {
-        "device": str(device), "dtype": args.dtype, "kernels": llm.engine.kernels is not None,
+    n, layers = args.steps, llm.engine.model.cfg.num_layers
+    ops = sum(counter.counts.values()) / n
+    return {
+        "device": str(device), "dtype": args.dtype, "kernels": kernels, "backend": llm.engine.model.model.backend.name,
         "ms_per_step_profiled": wall / n * 1e3,
-        "ops_per_step": sum(counter.counts.values()) / n,
+        "ops_per_step": ops,
+        # the layers' own (what the budget counts): all but the engine's (inputs, sampling, bookkeeping)
+        "ops_per_layer": (ops - counter.counts["engine"] / n) / layers,
         "ops_per_step_by_module": {k: v / n for k, v in counter.counts.most_common()},
         "waits_per_step": {k: v / n for k, v in waits.items()},
         "top_ops": [{"op": e.key, "calls_per_step": e.count / n, "us_per_step": key(e) / n} for e in top],
     }
-    print(f"{device} {args.dtype} kernels={'on' if result['kernels'] else 'off'}: "
-          f"{result['ms_per_step_profiled']:.2f} ms a step under the profiler, {result['ops_per_step']:.0f} ops a step")
-    print("ops a step by module: " + ", ".join(f"{k} {v:.0f}" for k, v in result["ops_per_step_by_module"].items()))
-    print("host/device waits a step: " + (", ".join(f"{k} {v:.1f}" for k, v in waits.items()) or "none"))
-    for row in result["top_ops"]:
-        print(f"  {row['op']:32s} {row['calls_per_step']:6.1f} calls  {row['us_per_step']:8.1f} us a step")
-    (OUT / "step_profile.json").write_text(json.dumps(result, indent=2))
+
+
+def time_compiled(args) -> float:
+    """ms a decode step of the graph backend compiled (the first steps compile; not timed)."""
+    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, kernels="graph", cache_memory="64MiB",
+              max_num_seqs=1, enable_prefix_caching=False,
+              compilation_config={"backend": args.compile_backend, "cudagraph_capture_sizes": [1]})
+    llm.generate([{"prompt_token_ids": list(range(1, 33))}], SamplingParams(temperature=0, max_tokens=40))
+    run = decode_steps(llm, args.steps)
+    next(run)
+    t = time.perf_counter()
+    next(run, None)
+    return (time.perf_counter() - t) / args.steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny K3)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kernels", default="torch,auto,graph", help="backends, comma-separated (torch, auto, cpp, graph)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend the graph backend is timed with")
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    results = {}
+    for kernels in args.kernels.split(","):
+        r = results[kernels] = profile_backend(args, kernels, **({"enforce_eager": True} if kernels == "graph" else {}))
+        if kernels == "graph":
+            r["ms_per_step_compiled"] = time_compiled(args)
+        print(f"{r['device']} {args.dtype} --kernels {kernels} ({r['backend']}): "
+              f"{r['ms_per_step_profiled']:.2f} ms a step under the profiler, {r['ops_per_step']:.0f} ops a step, "
+              f"{r['ops_per_layer']:.1f} a layer in the model" + (f"; compiled ({args.compile_backend}) "
+                                                    f"{r['ms_per_step_compiled']:.2f} ms a step" if kernels == "graph" else ""))
+        print("  ops a step by module: " + ", ".join(f"{k} {v:.0f}" for k, v in r["ops_per_step_by_module"].items()))
+        print("  host/device waits a step: " + (", ".join(f"{k} {v:.1f}" for k, v in r["waits_per_step"].items()) or "none"))
+        for row in r["top_ops"][:8]:
+            print(f"    {row['op']:32s} {row['calls_per_step']:6.1f} calls  {row['us_per_step']:8.1f} us a step")
+    if "torch" in results and "graph" in results:
+        print(f"ops a layer: torch {results['torch']['ops_per_layer']:.0f}, graph {results['graph']['ops_per_layer']:.0f} "
+              f"({results['torch']['ops_per_layer'] / results['graph']['ops_per_layer']:.1f}x fewer)")
+    (OUT / "step_profile.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -130,11 +130,15 @@ class SparseMoE(nn.Module):
         """The block on one rank in torch (every backend's reference)."""
         return self.single_rank(x, partial(TORCH.moe_experts, self))
 
-    def single_rank(self, x: torch.Tensor, experts) -> torch.Tensor:
-        """Router, routed experts (`experts(z, ids, weights)` -> fp32 [N, L]), latent norm / up
-        projection, shared experts, in torch around the experts."""
+    def single_rank(self, x: torch.Tensor, experts, router=None) -> torch.Tensor:
+        """Router (`router(x)` -> ids, weights [N, k]; default layers/router.py), routed experts
+        (`experts(z, ids, weights)` -> fp32 [N, L]), latent norm / up projection, shared experts,
+        in torch around the experts."""
         z = self.routed_expert_down_proj(x) if self.cfg.latent_size is not None else x
-        ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+        if router is None:
+            ids, weights = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+        else:
+            ids, weights = router(x)
         y = experts(z, ids, weights).to(x.dtype)
         if self.cfg.latent_size is not None:
             if self.cfg.latent_use_norm:

@@ -43,9 +43,18 @@ class SyncAudit(TorchDispatchMode):
 
 
 def fake_gpu() -> str:
-    """The audit's accelerator device name, registered once per process."""
+    """The audit's accelerator device name, registered once per process. Its module says it is
+    not available and has no devices: FakeTensorMode does not ask, while code that looks for a
+    usable accelerator (torch.accelerator.is_available(), RNG-state helpers) keeps seeing none."""
     from torch.utils import backend_registration
 
+    class Unavailable(backend_registration._DummyBackendModule):
+        def is_available(self) -> bool:
+            return False
+
+        def device_count(self) -> int:
+            return 0
+
     if torch._C._get_privateuse1_backend_name() != "fakegpu":
-        backend_registration._setup_privateuseone_for_python_backend("fakegpu")
+        backend_registration._setup_privateuseone_for_python_backend("fakegpu", backend_module=Unavailable())
     return "fakegpu"

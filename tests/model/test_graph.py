@@ -13,10 +13,13 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
 from k3serve.backends.graph import GraphBackend
+from k3serve.backends.graph_ops import BODIES, OPS
 from k3serve.config.bundled import load_model_config
 from k3serve.forward import CacheTensors, ForwardBatch, StaticBuffers
 from k3serve.models.kimi import KimiForCausalLM
@@ -160,11 +163,17 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
         with SyncAudit() as fill_audit:
             buf.fill(list(range(1, live + 1)), [5, 1, 3][:live], [3, 9, 17][:live], tables(live, 6), rows)
         bias = torch.zeros(1, cfg.vocab_size, device=gpu)
-        with torch.inference_mode(), SyncAudit() as audit:
-            logits, _ = static_forward(model, buf.step, cache, ())
-            ids, faults, _ = static_sample(model, buf.step, cache, (), bias)  # sampling fused: [B] ids back
-        assert logits.device.type == gpu and tuple(logits.shape) == (bucket, cfg.vocab_size)
-        assert ids.device.type == gpu and tuple(ids.shape) == tuple(faults.shape) == (bucket,)
+        backend = model.model.backend
+        audits = []
+        for ops in (BODIES, OPS):  # inside the custom ops' bodies, then the step as compiled sees it
+            backend.ops = ops
+            with torch.inference_mode(), SyncAudit() as audit:
+                logits, _ = static_forward(model, buf.step, cache, ())
+                ids, faults, _ = static_sample(model, buf.step, cache, (), bias)  # sampling fused: [B] ids back
+            assert logits.device.type == gpu and tuple(logits.shape) == (bucket, cfg.vocab_size)
+            assert ids.device.type == gpu and tuple(ids.shape) == tuple(faults.shape) == (bucket,)
+            audits.append(audit)
+        assert any("kda_decode" in op for op in audits[1].ops) and not any("kda_decode" in op for op in audits[0].ops)
         # the control: the same decode through the reference path syncs, and the audit sees it
         model.use_kernels("torch")
         with torch.inference_mode(), SyncAudit() as control:
@@ -174,5 +183,21 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
             except (NotImplementedError, RuntimeError) as e:
                 control.cross.append(type(e).__name__)
         assert control.cross
-    assert not audit.syncs and not audit.cross, (audit.syncs, audit.cross)
+    for audit in audits:
+        assert not audit.syncs and not audit.cross, (audit.syncs, audit.cross)
     assert fill_audit.cross == ["aten.copy_.default"], fill_audit.cross  # the step's one input copy
+
+
+# the static step's aten + k3serve ops a layer, dispatched before compilation (issue 46's budget:
+# at most 40; the torch reference's decode dispatches about 144 a layer on tiny K3)
+OP_BUDGET = 40
+
+
+def test_static_step_stays_inside_the_op_budget(model_dir):
+    model, cache, prompts, slots, tabs = setup(model_dir)
+    buf = StaticBuffers(4, 8, BS, torch.device("cpu"), cache.scratch_slot, cache.scratch_block)
+    buf.fill([1, 2, 3], slots, [len(p) for p in prompts], tabs)
+    with torch.inference_mode(), SyncAudit() as audit:
+        static_forward(model, buf.step, cache, ())
+    per_layer = len(audit.ops) / model.cfg.num_layers
+    assert per_layer <= OP_BUDGET, (per_layer, collections.Counter(audit.ops).most_common(8))

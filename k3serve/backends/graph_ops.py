@@ -1,0 +1,162 @@
+"""The graph backend's kernels as `torch.library` custom ops (namespace `k3serve`), with schemas.
+
+Each op is one node to torch.compile and one dispatch in eager mode (an aten op count per layer
+in the tens, not the hundreds: bench/step_profile.py), and the slot a device kernel fills:
+the bodies here are fixed-shape, sync-free torch (the reference arithmetic, so greedy tokens
+agree with the `torch` backend); the GPU-kernels issue registers Triton implementations for
+CUDA under the same schemas. Each op has a fake (meta) implementation giving output shapes, so
+the compiled step and FakeTensorMode never run a body. `BODIES` are the same functions
+uncalled through the dispatcher: the sync audit runs them to see inside (tests/model/test_graph.py).
+
+Shapes: N rows; P = H * D (KDA heads x head dim); c = kv_lora_rank, r = rope dim; E experts.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.library import custom_op
+
+from k3serve.layers.activation import situ_and_mul, silu_and_mul
+from k3serve.layers.attnres import attnres_mix as _attnres_mix
+from k3serve.layers.gemm import dense
+from k3serve.layers.kda_ops import kda_step
+from k3serve.layers.mla import attend_absorbed_batched, to_cache
+from k3serve.layers.norm import l2_normalize
+from k3serve.layers.norm import rms_norm as _rms_norm
+from k3serve.layers.router import route
+from k3serve.layers.short_conv import short_conv_step
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., n] -> same dtype (layers/norm.py)."""
+    return _rms_norm(x, weight, eps)
+
+
+def kda_decode(u: Tensor, z: Tensor, b: Tensor, gate: Tensor, conv_w: Tensor, decay: Tensor, dt_bias: Tensor,
+               o_norm: Tensor, rec: Tensor, conv: Tensor, slots: Tensor, head_dim: int,
+               lower_bound: Optional[float], eps: float) -> Tensor:
+    """One KDA decode step per row, state read and written through `slots` [N].
+    u [N, 3P] (q|k|v before the conv), z [N, P] (decay logits before dt_bias), b [N, H] (beta
+    logits), gate [N, P]: fp32. conv_w [3P, K]; decay [P] = exp(A_log) per channel; dt_bias [P];
+    o_norm [D]. rec [S, H, D, D], conv [S, K-1, 3P] updated in place. -> gated-normed o [N, P] fp32."""
+    N, D = u.shape[0], head_dim
+    H = b.shape[1]
+    c, conv_new = short_conv_step(u, conv_w, conv.index_select(0, slots))
+    conv.index_copy_(0, slots, conv_new)
+    q, k, v = c.view(N, 3, H, D).unbind(1)
+    q, k = l2_normalize(q) * D ** -0.5, l2_normalize(k)
+    z = z + dt_bias
+    g = lower_bound * torch.sigmoid(decay * z) if lower_bound is not None else -decay * F.softplus(z)
+    o, state = kda_step(q, k, v, g.view(N, H, D), torch.sigmoid(b), rec.index_select(0, slots))
+    rec.index_copy_(0, slots, state)
+    y = _rms_norm(o, o_norm, eps) * torch.sigmoid(gate.view(N, H, D))
+    return y.reshape(N, H * D)
+
+
+def mla_decode(q: Tensor, ckv: Tensor, kv_norm: Tensor, store: Tensor, cache_rows: Tensor, context_rows: Tensor,
+               lens: Tensor, kv_b: Tensor, nope: int, v_dim: int, scale: float, eps: float) -> Tensor:
+    """One absorbed-attention decode per row. q [N, H, nope + r] fp32; ckv [N, c + r] (the
+    kv_a projection: latent before its norm | k_pe); kv_norm [c]; store [rows, c + r] written at
+    cache_rows [N] in place; context_rows [N, L] and lens [N] the rows each attends; kv_b
+    [H, nope + v, c] fp32. -> [N, H, v] fp32."""
+    c = kv_norm.shape[0]
+    latent = torch.cat((_rms_norm(ckv[:, :c], kv_norm, eps), ckv[:, c:]), -1)
+    store.index_copy_(0, cache_rows, to_cache(latent, store.dtype))
+    seq = store[context_rows].float()  # [N, L, c + r]
+    out = attend_absorbed_batched(q[..., :nope], q[..., nope:], seq[..., :c], seq[..., c:], lens, kv_b, v_dim, scale)
+    return out.contiguous()  # the strides the fake implementation states
+
+
+def moe_route(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, sigmoid: bool, renormalize: bool,
+              groups: int, topk_group: int, scaling: float) -> tuple[Tensor, Tensor]:
+    """x [N, d] -> expert ids [N, k] int64, weights [N, k] fp32 (layers/router.py)."""
+    cfg = SimpleNamespace(router_activation="sigmoid" if sigmoid else "softmax", num_expert_group=groups,
+                          topk_group=topk_group, top_k=top_k, renormalize=renormalize,
+                          routed_scaling_factor=scaling)
+    return route(x, weight, bias, cfg)
+
+
+def _glu(gate: Tensor, up: Tensor, situ: bool, beta: float, linear_beta: float) -> Tensor:
+    return situ_and_mul(gate, up, beta, linear_beta) if situ else silu_and_mul(gate, up)
+
+
+def moe_experts(z: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                s1: Optional[Tensor], s2: Optional[Tensor], s3: Optional[Tensor], pair_lut: Optional[Tensor],
+                scale_lut: Optional[Tensor], situ: bool, beta: float, linear_beta: float) -> Tensor:
+    """Routed sum, FP32 [N, out], shapes fixed by N. w* [E, out, in] dense, or with scales s*
+    packed MXFP4 ([E, out, in/2] codes, [E, out, in/32] E8M0) decoded by the lookup tables
+    (pair_lut [256, 2], scale_lut [256] in z's dtype). When the N * k assignments are fewer than
+    the experts each assignment's expert is gathered (exactly the selected weights read);
+    otherwise every expert runs on every row, weighted by that row's routing weight for it
+    (zero when not chosen): E matrices read, no sort, no count, no host sync."""
+    N, k = ids.shape
+    E = w1.shape[0]
+
+    def select(w, s, idx):  # [M, out, in] in z's dtype
+        if s is None:
+            return w[idx].to(z.dtype)
+        packed = w[idx]
+        vals = pair_lut[packed.to(torch.int64)].view(*packed.shape[:-1], -1, 32)
+        return (vals * scale_lut[s[idx].to(torch.int64)].unsqueeze(-1)).view(*packed.shape[:-1], -1)
+
+    if N * k <= E:
+        flat = ids.reshape(-1)
+        xs = z.repeat_interleave(k, 0).unsqueeze(1)  # [N*k, 1, in]
+        h = _glu(torch.bmm(xs, select(w1, s1, flat).transpose(1, 2)), torch.bmm(xs, select(w3, s3, flat).transpose(1, 2)),
+                 situ, beta, linear_beta)
+        y = torch.bmm(h, select(w2, s2, flat).transpose(1, 2)).view(N, k, -1)  # [N, k, out]
+        return (y.float() * weights.float().unsqueeze(-1)).sum(1)
+    every = torch.arange(E, device=z.device)
+    h = _glu(torch.einsum("ni,eoi->eno", z, select(w1, s1, every)), torch.einsum("ni,eoi->eno", z, select(w3, s3, every)),
+             situ, beta, linear_beta)
+    y = torch.einsum("eni,eoi->eno", h, select(w2, s2, every))  # [E, N, out]
+    dense_w = torch.zeros(N, E, dtype=torch.float32, device=z.device).scatter_(1, ids, weights.float())
+    return torch.einsum("ne,eno->no", dense_w, y.float()).contiguous()
+
+
+def glu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, situ: bool, beta: float,
+            linear_beta: float) -> Tensor:
+    """down(act(gate x, up x)): x [N, d] -> [N, d] (the dense MLP and the shared experts)."""
+    return dense(_glu(dense(x, gate_w), dense(x, up_w), situ, beta, linear_beta), down_w)
+
+
+def attnres_mix(bank: list[Tensor], w: Tensor, eps: float) -> Tensor:
+    """n candidates [N, d] -> [N, d] (layers/attnres.py)."""
+    return _attnres_mix(bank, w, eps)
+
+
+BODIES = SimpleNamespace(rms_norm=rms_norm, kda_decode=kda_decode, mla_decode=mla_decode, moe_route=moe_route,
+                         moe_experts=moe_experts, glu_mlp=glu_mlp, attnres_mix=attnres_mix)
+
+
+def _register():
+    """The custom ops over BODIES, each with its fake implementation."""
+    ops = {}
+
+    def op(name, fn, mutates, fake):
+        o = custom_op(f"k3serve::{name}", fn, mutates_args=mutates)
+        o.register_fake(fake)
+        ops[name] = o
+
+    op("rms_norm", rms_norm, (), lambda x, weight, eps: torch.empty_like(x))
+    op("kda_decode", kda_decode, ("rec", "conv"),
+       lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32))
+    op("mla_decode", mla_decode, ("store",),
+       lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest:
+       q.new_empty(q.shape[0], q.shape[1], v_dim, dtype=torch.float32))
+    op("moe_route", moe_route, (),
+       lambda x, weight, bias, top_k, *rest: (x.new_empty(x.shape[0], top_k, dtype=torch.long),
+                                              x.new_empty(x.shape[0], top_k, dtype=torch.float32)))
+    op("moe_experts", moe_experts, (),
+       lambda z, ids, weights, w1, w2, *rest: z.new_empty(z.shape[0], w2.shape[1], dtype=torch.float32))
+    op("glu_mlp", glu_mlp, (), lambda x, gate_w, up_w, down_w, *rest: x.new_empty(x.shape[0], down_w.shape[0]))
+    op("attnres_mix", attnres_mix, (), lambda bank, w, eps: torch.empty_like(bank[0]))
+    return SimpleNamespace(**ops)
+
+
+OPS = _register()
