@@ -19,6 +19,11 @@
 #    Kimi-Linear bf16 and MXFP4, tiny K3) and bench/generate_speed.py (tiny K3, fp32 and bf16);
 #    bench/step_profile.py: one decode step's ops by module, top ops by device time, and its
 #    host/device waits (the first run's ~20 ms a step is what that should explain);
+#    bench/graph_decode.py (issue 46): the graph backend's captured decode against its eager
+#    static step (greedy tokens equal at buckets 1, 4, 16, 64), tok/s at 1, 16, 64 streams against
+#    the torch path, host waits a step; the graph tests (static step, custom ops, engine greedy
+#    equality) run on cuda too, where their engines capture CUDA graphs. The other suites run
+#    with K3SERVE_TEST_KERNELS=torch (tests/conftest.py), so their engines do not compile.
 # 4. with TRAIN_DEMO=DIR (issue 22): the retrieval-first demo recipe on cuda into DIR, resumable
 #    (checkpointed every 500 steps; rerun the same line to continue), stopped after
 #    TRAIN_SECONDS (default 420, so it fits one device call), then the DSpark draft once done.
@@ -52,12 +57,15 @@ assert torch.cuda.is_available(), f"no CUDA device visible to torch {torch.__ver
 p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {p.name}, {p.total_memory / 2**30:.0f} GiB")
 PYCODE
-stage engine-tests pytest.log "$PY" -m pytest -q -p no:cacheprovider --durations=15 \
-    tests/model/test_device.py tests/engine tests/spec
+stage graph-decode graph_decode.txt "$PY" bench/graph_decode.py
+stage graph-tests graph_tests.log "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+    tests/model/test_graph.py tests/model/test_graph_ops.py tests/engine/test_graph_engine.py
+stage engine-tests pytest.log env K3SERVE_TEST_KERNELS=torch "$PY" -m pytest -q -p no:cacheprovider --durations=15 \
+    --ignore=tests/engine/test_graph_engine.py tests/model/test_device.py tests/engine tests/spec
 stage kda-vs-fla kda_cuda.log "$PY" -m pytest -q -s -p no:cacheprovider tests/model/test_kda_cuda.py
 stage gpu-decode gpu_decode.txt "$PY" bench/gpu_decode.py ${GPU_DECODE_ONLY:+--only "$GPU_DECODE_ONLY"}
 stage generate-speed generate_speed.txt "$PY" bench/generate_speed.py
-stage step-profile step_profile.txt "$PY" bench/step_profile.py
+stage step-profile step_profile.txt "$PY" bench/step_profile.py --kernels torch,graph
 if [ -n "${TRAIN_DEMO:-}" ]; then
   "$PY" -m k3serve train-demo "$TRAIN_DEMO" --steps 30000 --drill-steps 6000 --device cuda --checkpoint-every 500 \
       --resume --no-draft --time-limit "${TRAIN_SECONDS:-420}" 2>&1 | tail -n 40 | tee "$OUT/train_demo.txt"

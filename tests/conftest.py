@@ -32,19 +32,25 @@ def random_dspark(tiny_k3_dir, tmp_path_factory):
 
 
 def pytest_configure(config):
-    """K3SERVE_TEST_DTYPE=float32 (bench/gpu_check.sh): engines asked for dtype "auto" take it
-    instead of the device's default (bf16 on a GPU), so that the suites' exact-equality
-    assertions mean on a GPU what they mean on a CPU."""
+    """bench/gpu_check.sh's overrides for the suites it runs on a GPU:
+    K3SERVE_TEST_DTYPE=float32: engines asked for dtype "auto" take it instead of the device's
+    default (bf16 on a GPU), so that the suites' exact-equality assertions mean on a GPU what
+    they mean on a CPU; K3SERVE_TEST_KERNELS=torch: engines asked for kernels "auto" take it
+    (on a GPU "auto" is the graph backend, which compiles every bucket it meets)."""
     import os
 
-    name = os.environ.get("K3SERVE_TEST_DTYPE")
-    if not name:
-        return
-    import dataclasses
-
+    dtype, kernels = os.environ.get("K3SERVE_TEST_DTYPE"), os.environ.get("K3SERVE_TEST_KERNELS")
     from k3serve.engine import llm_engine, setup
 
-    def placement(cfg, _orig=setup.placement):
-        return _orig(dataclasses.replace(cfg, dtype=name) if cfg.dtype == "auto" else cfg)
+    if dtype:
+        import dataclasses
 
-    llm_engine.placement = placement
+        def placement(cfg, _orig=setup.placement):
+            return _orig(dataclasses.replace(cfg, dtype=dtype) if cfg.dtype == "auto" else cfg)
+
+        llm_engine.placement = placement
+    if kernels:
+        def kernel_mode(mode, device, enforce_eager=False, _orig=setup.kernel_mode):
+            return _orig(kernels if mode == "auto" else mode, device, enforce_eager)
+
+        llm_engine.kernel_mode = kernel_mode

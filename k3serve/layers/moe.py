@@ -207,7 +207,7 @@ class SparseMoE(nn.Module):
         (DP-attention: its own)."""
         if not self.xg.expert_parallel:
             return ops.moe_experts(self, z, ids, weights)
-        self.expert_load += torch.bincount(ids[counted].reshape(-1).cpu(), minlength=self.expert_load.numel())
+        self.count_load(ids[counted])
         local = ids - self.first_expert
         tok, slot = ((local >= 0) & (local < self.w1.shape[0])).nonzero(as_tuple=True)
         out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)
@@ -215,6 +215,14 @@ class SparseMoE(nn.Module):
             out.index_add_(0, tok, ops.moe_experts(self, z[tok], local[tok, slot][:, None],
                                                    weights[tok, slot][:, None].float()))
         return out
+
+    def count_load(self, ids: torch.Tensor) -> None:
+        """Add routed assignments ids [n, k] to `expert_load` on their device (an index_add: no
+        copy to the host, no data-dependent shape; /metrics reads the totals between steps)."""
+        flat = ids.reshape(-1)
+        if self.expert_load.device != flat.device:
+            self.expert_load = self.expert_load.to(flat.device)
+        self.expert_load.index_add_(0, flat, torch.ones_like(flat))
 
     def block_scalars(self) -> tuple[list[int], list[float]]:
         """ints {top_k, sigmoid, renormalize, groups, topk_group, situ}, floats {scaling, beta, linear_beta, eps}"""

@@ -70,7 +70,7 @@ def all_to_all_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     per = moe.w1.shape[0]  # experts per rank: rank r owns global ids [r * per, (r + 1) * per)
     if n:
         ids, weights = ops.moe_route(moe, x)  # [n, k]
-        moe.expert_load += torch.bincount(ids.reshape(-1).cpu(), minlength=moe.expert_load.numel())
+        moe.count_load(ids)
         z = ops.moe_down(moe, x)  # [n, L]
         to = torch.zeros(n, ep.size, dtype=torch.bool, device=x.device).scatter_(1, ids // per, True)  # [n, M]
         rank_of, tok = to.T.nonzero(as_tuple=True)  # [rows]: destination-major, rank 0's rows first

@@ -123,7 +123,7 @@ class RankRunner:
         loads = [m.expert_load for m in self.model.moe_layers() if m.expert_load is not None]
         if loads:
             total = sum(loads)  # [E] over the MoE layers
-            out["expert_tokens_per_rank"] = tuple(int(v) for v in total.view(group.size, -1).sum(1))
+            out["expert_tokens_per_rank"] = tuple(total.view(group.size, -1).sum(1).tolist())
         return out
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:

@@ -5,7 +5,7 @@
   counter: no `_local_scalar_dense`, no dynamic-output-shape op, no op mixing host and device
   tensors (a copy, or a host index into a device tensor) besides the one input copy
   (StaticBuffers.fill); the reference decode under the same audit is caught (the control);
-- it compiles with fullgraph=True (aot_eager here; inductor in a slow test) and runs three
+- it compiles with fullgraph=True (aot_eager; inductor in a slow-marked test) and runs three
   steps of one bucket with other slots, contexts and padding under error_on_recompile;
 - its logits and cache writes equal the torch reference's decode (the same arithmetic), and
   padding rows leave every other slot and block untouched.
@@ -111,14 +111,15 @@ def test_static_step_equals_the_reference_decode_and_padding_touches_scratch_onl
             assert torch.equal(got[other_rows], before[other_rows])
 
 
-def test_static_step_compiles_whole_and_never_recompiles_in_a_bucket(model_dir):
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_static_step_compiles_whole_and_never_recompiles_in_a_bucket(model_dir, backend):
     import torch._dynamo
 
     model, cache, prompts, slots, tabs = setup(model_dir)
     eager_cache = clone(cache)
     buf = StaticBuffers(4, 8, BS, torch.device("cpu"), cache.scratch_slot, cache.scratch_block)
     eager_buf = StaticBuffers(4, 8, BS, torch.device("cpu"), cache.scratch_slot, cache.scratch_block)
-    fn = torch.compile(static_forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    fn = torch.compile(static_forward, fullgraph=True, dynamic=False, backend=backend)
     torch._dynamo.reset()
     ctx = [len(p) for p in prompts]
     # three steps: 3 rows, then 2 (other slots, one more padding row), then 3 again, contexts growing
@@ -130,7 +131,8 @@ def test_static_step_compiles_whole_and_never_recompiles_in_a_bucket(model_dir):
             eager_buf.fill(ids, *args)
             got, _ = fn(model, buf.step, cache, ())
             want, _ = static_forward(model, eager_buf.step, eager_cache, ())
-            torch.testing.assert_close(got[:len(ids)], want[:len(ids)], rtol=1e-5, atol=1e-5)
+            # inductor fuses and reorders the torch around the ops: a few ulps
+            torch.testing.assert_close(got[:len(ids)], want[:len(ids)], rtol=1e-4, atol=1e-4)
             for r in rows:
                 ctx[r] += 1
 
