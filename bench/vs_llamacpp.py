@@ -49,8 +49,11 @@ def llama_tree() -> Path:
     if found:
         return found[-1]
     CACHE.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST,
-                    "-d", str(CACHE)], check=True)
+    # the source archive of llama-cpp-python alone: `--no-binary :all:` also built its build
+    # requirements (CMake among them) from source to prepare its metadata, 20+ minutes before
+    # the first figure; they come as wheels now, and llama.cpp builds below with the system cmake
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", SDIST.split("==")[0],
+                    SDIST, "-d", str(CACHE)], check=True)
     with tarfile.open(next(CACHE.glob("llama_cpp_python-*.tar.gz"))) as tar:
         tar.extractall(CACHE, filter="data")
     return sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
