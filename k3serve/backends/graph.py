@@ -64,9 +64,15 @@ class GraphBackend(Backend):
         if not batch.static:
             return layer.reference(x, batch, cache)
         u, z, b, gate = layer.projections(x)  # [N, 3P], [N, P], [N, H], [N, P] fp32
-        conv_w, decay, dt_bias, o_norm = self.kda_w[layer.layer_idx]
-        o = self.ops.kda_decode(u, z, b, gate, conv_w, decay, dt_bias, o_norm, cache.recurrent[layer.layer_idx],
-                                cache.conv[layer.layer_idx], batch.slots, layer.head_dim, layer.lower_bound, layer.eps)
+        i = layer.layer_idx
+        conv_w, decay, dt_bias, o_norm = self.kda_w[i]
+        state = (conv_w, decay, dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
+        if batch.T == 1:
+            o = self.ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
+        else:  # a verify pass: the per-position states come back as the step's records
+            o, rec, conv = self.ops.kda_verify(u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound,
+                                               layer.eps)
+            batch.kda_records[i] = (rec, conv)
         return layer.o_proj(o.to(x.dtype))
 
     def mla(self, layer, x, batch, cache):

@@ -37,6 +37,27 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _rms_norm(x, weight, eps)
 
 
+def _kda_position(u, g, beta, conv_w, conv_state, state, H: int, D: int):
+    """One position of B sequences: u [B, 3P], g [B, H, D] log decay, beta [B, H]; conv_state
+    [B, K-1, 3P], state [B, H, D, D] -> (o [B, H, D], conv_state, state), the reference's decode
+    arithmetic (short_conv_step, per-head l2 norm with q * D^-1/2, kda_step)."""
+    c, conv_state = short_conv_step(u, conv_w, conv_state)
+    q, k, v = c.view(u.shape[0], 3, H, D).unbind(1)
+    o, state = kda_step(l2_normalize(q) * D ** -0.5, l2_normalize(k), v, g, beta, state)
+    return o, conv_state, state
+
+
+def _kda_gates(z, b, gate, decay, dt_bias, o_norm, H, D, lower_bound, eps):
+    """Log decay g [N, H, D] and beta [N, H] of every row, and the output gate's closure."""
+    N = z.shape[0]
+    z = z + dt_bias
+    g = lower_bound * torch.sigmoid(decay * z) if lower_bound is not None else -decay * F.softplus(z)
+
+    def gated(o):  # [N, H, D] -> RMSNorm_D(o) * sigmoid(gate) [N, P] fp32
+        return (_rms_norm(o, o_norm, eps) * torch.sigmoid(gate.view(N, H, D))).reshape(N, H * D)
+    return g.view(N, H, D), torch.sigmoid(b), gated
+
+
 def kda_decode(u: Tensor, z: Tensor, b: Tensor, gate: Tensor, conv_w: Tensor, decay: Tensor, dt_bias: Tensor,
                o_norm: Tensor, rec: Tensor, conv: Tensor, slots: Tensor, head_dim: int,
                lower_bound: Optional[float], eps: float) -> Tensor:
@@ -44,18 +65,38 @@ def kda_decode(u: Tensor, z: Tensor, b: Tensor, gate: Tensor, conv_w: Tensor, de
     u [N, 3P] (q|k|v before the conv), z [N, P] (decay logits before dt_bias), b [N, H] (beta
     logits), gate [N, P]: fp32. conv_w [3P, K]; decay [P] = exp(A_log) per channel; dt_bias [P];
     o_norm [D]. rec [S, H, D, D], conv [S, K-1, 3P] updated in place. -> gated-normed o [N, P] fp32."""
-    N, D = u.shape[0], head_dim
-    H = b.shape[1]
-    c, conv_new = short_conv_step(u, conv_w, conv.index_select(0, slots))
+    H, D = b.shape[1], head_dim
+    g, beta, gated = _kda_gates(z, b, gate, decay, dt_bias, o_norm, H, D, lower_bound, eps)
+    o, conv_new, state = _kda_position(u, g, beta, conv_w, conv.index_select(0, slots), rec.index_select(0, slots), H, D)
     conv.index_copy_(0, slots, conv_new)
-    q, k, v = c.view(N, 3, H, D).unbind(1)
-    q, k = l2_normalize(q) * D ** -0.5, l2_normalize(k)
-    z = z + dt_bias
-    g = lower_bound * torch.sigmoid(decay * z) if lower_bound is not None else -decay * F.softplus(z)
-    o, state = kda_step(q, k, v, g.view(N, H, D), torch.sigmoid(b), rec.index_select(0, slots))
     rec.index_copy_(0, slots, state)
-    y = _rms_norm(o, o_norm, eps) * torch.sigmoid(gate.view(N, H, D))
-    return y.reshape(N, H * D)
+    return gated(o)
+
+
+def kda_verify(u: Tensor, z: Tensor, b: Tensor, gate: Tensor, conv_w: Tensor, decay: Tensor, dt_bias: Tensor,
+               o_norm: Tensor, rec: Tensor, conv: Tensor, slots: Tensor, last: Tensor, head_dim: int,
+               lower_bound: Optional[float], eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """A verify pass: B sequences of T positions each (rows b * T + t, N = B * T; the inputs as
+    `kda_decode`'s), run as T consecutive decode steps from the states at `slots` [B]. Returns
+    o [N, P] and the state after every position, rec [B, T, H, D, D] and conv [B, T, K-1, 3P]
+    (spec/rollback.py picks the accepted one); each slot keeps the state after its sequence's
+    `last` [B] position, which is the right one when every draft is accepted."""
+    B, H, D = slots.shape[0], b.shape[1], head_dim
+    T = u.shape[0] // B
+    g, beta, gated = _kda_gates(z, b, gate, decay, dt_bias, o_norm, H, D, lower_bound, eps)
+    u, g, beta = u.view(B, T, -1), g.view(B, T, H, D), beta.view(B, T, H)
+    conv_state, state = conv.index_select(0, slots), rec.index_select(0, slots)
+    outs, states, convs = [], [], []
+    for t in range(T):
+        o, conv_state, state = _kda_position(u[:, t], g[:, t], beta[:, t], conv_w, conv_state, state, H, D)
+        outs.append(o)
+        states.append(state)
+        convs.append(conv_state)
+    rec_rec, conv_rec = torch.stack(states, 1), torch.stack(convs, 1)
+    every = torch.arange(B, device=slots.device)
+    rec.index_copy_(0, slots, rec_rec[every, last])
+    conv.index_copy_(0, slots, conv_rec[every, last])
+    return gated(torch.stack(outs, 1).view(B * T, H, D)), rec_rec, conv_rec
 
 
 def mla_decode(q: Tensor, ckv: Tensor, kv_norm: Tensor, store: Tensor, cache_rows: Tensor, context_rows: Tensor,
@@ -130,7 +171,7 @@ def attnres_mix(bank: list[Tensor], w: Tensor, eps: float) -> Tensor:
     return _attnres_mix(bank, w, eps)
 
 
-BODIES = SimpleNamespace(rms_norm=rms_norm, kda_decode=kda_decode, mla_decode=mla_decode, moe_route=moe_route,
+BODIES = SimpleNamespace(rms_norm=rms_norm, kda_decode=kda_decode, kda_verify=kda_verify, mla_decode=mla_decode, moe_route=moe_route,
                          moe_experts=moe_experts, glu_mlp=glu_mlp, attnres_mix=attnres_mix)
 
 
@@ -146,6 +187,11 @@ def _register():
     op("rms_norm", rms_norm, (), lambda x, weight, eps: torch.empty_like(x))
     op("kda_decode", kda_decode, ("rec", "conv"),
        lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32))
+    op("kda_verify", kda_verify, ("rec", "conv"),
+       lambda u, z, b, gate, conv_w, decay, dt_bias, o_norm, rec, conv, slots, *rest: (
+           z.new_empty(z.shape, dtype=torch.float32),
+           rec.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *rec.shape[1:]),
+           conv.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *conv.shape[1:])))
     op("mla_decode", mla_decode, ("store",),
        lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest:
        q.new_empty(q.shape[0], q.shape[1], v_dim, dtype=torch.float32))

@@ -120,7 +120,7 @@ class LLMEngine(HandoffMixin):
             self.executor.send("allocate", self.plan, kv_name)
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
                                   masked_ids=self.unmapped_ids, workers=None if self.remote else self.executor,
-                                  rank=self.remote, graph=self._graph_settings(config, mode))
+                                  rank=self.remote, graph=self._graph_settings(config, mode, self.spec))
         graphs = getattr(self.runner.rank, "graphs", None)
         if graphs is not None:
             cc = config.compilation_config
@@ -149,13 +149,14 @@ class LLMEngine(HandoffMixin):
         self.handoffs = HandoffStore()  # prefilled requests kept for a decode engine (engine/handoff.py)
 
     @staticmethod
-    def _graph_settings(config: EngineConfig, mode: str):
+    def _graph_settings(config: EngineConfig, mode: str, spec):
         """The runner's static decode step when the graph backend was chosen, else None."""
         if mode != "graph":
             return None
         from k3serve.runner.graph_step import GraphSettings
 
-        return GraphSettings(config.compilation_config, config.max_num_seqs, config.enforce_eager)
+        return GraphSettings(config.compilation_config, config.max_num_seqs, config.enforce_eager,
+                             spec.cfg.num_speculative_tokens if spec is not None else 0)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":

@@ -1,23 +1,27 @@
-"""StaticStep: a decode step of fixed shape, the input of the compiled / graph-captured step.
+"""StaticStep: a decode or verify step of fixed shape, the input of the compiled / captured step.
 
-One `StaticStep` exists per (batch bucket B, block-table width W); its tensors are persistent
-device buffers, views of one flat int64 tensor that a single host-to-device copy fills every
-step (`StaticBuffers.fill`). Rows past the live batch are padding: they decode token 0 in the
-cache's scratch state slot and write the scratch latent block, so a fixed-shape step never
-touches a live request's state and needs no masking of its own.
+One `StaticStep` exists per (sequences B, block-table width W, positions T) bucket: T = 1 for
+a decode, 1 + k for a speculative verify pass (the last token and k drafts). Its tensors are
+persistent device buffers, views of one flat int64 tensor that a single host-to-device copy
+fills every step (`StaticBuffers.fill`). N = B * T rows, sequence-major (row b * T + t).
+Sequences past the live batch are padding (token 0 in the cache's scratch state slot); a
+verifying sequence with fewer than k drafts pads its tail positions, whose latent rows go to
+the scratch block. A fixed-shape step so never touches another request's state.
 
-Shapes (B rows, one new token each; bs = block size):
-  input_ids [B]      the token each row feeds
-  slots     [B]      KDA state slot (padding: the scratch slot)
-  positions [B]      absolute position of the token (= tokens already cached)
-  cache_rows [B]     latent row the token's [c_n | k_pe] is written to
-  table     [B, W]   block table, padded with the scratch block
-  sampling           [B] each: top_k, seed, output position (int64), temperature, top_p,
-                     min_p (float64 bit patterns in the same buffer, so still one copy)
-Derived inside the compiled step, once (`expand`): context_rows [B, W * bs] and lens [B].
+  input_ids  [N]     the token each row feeds
+  positions  [N]     its absolute position (tokens already cached + t)
+  cache_rows [N]     latent row its [c_n | k_pe] is written to (padding: the scratch block's)
+  slots      [B]     KDA state slot (padding: the scratch slot)
+  last       [B]     each sequence's last real position t (its live state is the one after it)
+  table      [B, W]  block table, padded with the scratch block
+  gather     [N]     for each row of the flat batch (sequences concatenated, as ForwardBatch
+                     orders them), its static row; the padding rows after them point at row 0
+  sampling   [6, B]  top_k, seed, output position (int64), temperature, top_p, min_p (float64
+                     bit patterns in the same buffer, so still one copy); decode steps only
+Derived inside the compiled step, once (`expand`): context_rows [N, W * bs] and lens [N].
 
 A layer tells a static step from a ForwardBatch by `static` (forward/batch.py has it False);
-the graph backend (backends/graph.py) runs the former with fixed-shape, sync-free torch.
+the graph backend (backends/graph.py) runs the former with fixed-shape, sync-free ops.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-INDEX_FIELDS = 4  # input_ids, slots, positions, cache_rows (then the table)
 SAMPLING_INTS = ("top_k", "seed", "position")
 SAMPLING_FLOATS = ("temperature", "top_p", "min_p")
 PADDING_ROW = dict(top_k=0, seed=0, position=0, temperature=0.0, top_p=1.0, min_p=0.0)  # greedy
@@ -35,27 +38,32 @@ PADDING_ROW = dict(top_k=0, seed=0, position=0, temperature=0.0, top_p=1.0, min_
 @dataclass
 class StaticStep:
     input_ids: torch.Tensor
-    slots: torch.Tensor
     positions: torch.Tensor
     cache_rows: torch.Tensor
+    slots: torch.Tensor
+    last: torch.Tensor
     table: torch.Tensor
+    gather: torch.Tensor
+    sampling: torch.Tensor
     block_size: int
-    sampling: torch.Tensor | None = None  # [6, B] int64: SAMPLING_INTS, then SAMPLING_FLOATS' float64 bits
-    context_rows: torch.Tensor | None = None  # [B, W * bs] latent rows of every position < W * bs
-    lens: torch.Tensor | None = None  # [B] valid context rows (position + 1)
+    T: int  # positions per sequence: 1 decode, 1 + k verify
+    context_rows: torch.Tensor | None = None  # [N, W * bs] latent rows of every position < W * bs
+    lens: torch.Tensor | None = None  # [N] valid context rows (position + 1: causal within the new rows)
     static = True
-    fresh = None  # a decode has no new sequence to zero
+    fresh = None  # a decode or verify step has no new sequence to zero
     media_rows = None
-    verify: tuple = ()
-    kda_records: dict = field(default_factory=dict)  # a decode records nothing (verify passes stay eager)
+    # a verify step's per-position KDA states, layer -> (rec [B, T, H, D, D], conv [B, T, K-1, 3P]),
+    # filled by the KDA layers (the graph's outputs; spec/rollback.py picks the accepted position)
+    kda_records: dict = field(default_factory=dict)
 
     def expand(self) -> "StaticStep":
         """The per-row context rows every MLA layer reads, built once a step (inside the graph)."""
         bs, W = self.block_size, self.table.shape[1]
         pos = torch.arange(W * bs, device=self.table.device)
-        rows = self.table[:, pos // bs] * bs + pos % bs  # [B, W * bs]
-        return StaticStep(self.input_ids, self.slots, self.positions, self.cache_rows, self.table, bs,
-                          self.sampling, rows, self.positions + 1)
+        table = self.table if self.T == 1 else self.table.repeat_interleave(self.T, 0)  # [N, W]
+        rows = table[:, pos // bs] * bs + pos % bs  # [N, W * bs]
+        return StaticStep(self.input_ids, self.positions, self.cache_rows, self.slots, self.last, self.table,
+                          self.gather, self.sampling, bs, self.T, rows, self.positions + 1)
 
     def sampling_params(self):
         """The rows' DeviceSamplingParams (sampling/device.py), read from the buffer."""
@@ -67,42 +75,52 @@ class StaticStep:
 
 
 class StaticBuffers:
-    """The persistent buffers of one (B, W) bucket and the host staging they are filled from
+    """The persistent buffers of one (B, W, T) bucket and the host staging they are filled from
     (pinned when the device is a GPU, so the copy is asynchronous and the step's only input copy)."""
 
-    def __init__(self, B: int, W: int, block_size: int, device: torch.device, scratch_slot: int, scratch_block: int):
-        self.B, self.W, self.block_size = B, W, block_size
+    def __init__(self, B: int, W: int, block_size: int, device: torch.device, scratch_slot: int, scratch_block: int,
+                 T: int = 1):
+        self.B, self.W, self.T, self.block_size = B, W, T, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
-        self.index_len = B * (INDEX_FIELDS + W)
-        n = self.index_len + 6 * B
-        self.device_flat = torch.zeros(n, dtype=torch.long, device=device)
-        self.host = torch.zeros(n, dtype=torch.long, pin_memory=device.type == "cuda")
-        ids, slots, pos, rows, table, sampling = self.device_flat.split([B, B, B, B, B * W, 6 * B])
-        self.step = StaticStep(ids, slots, pos, rows, table.view(B, W), block_size, sampling.view(6, B))
+        N = B * T
+        self.sizes = [N, N, N, B, B, B * W, N, 3 * B, 3 * B]
+        self.device_flat = torch.zeros(sum(self.sizes), dtype=torch.long, device=device)
+        self.host = torch.zeros(sum(self.sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+        ids, pos, rows, slots, last, table, gather, ints, floats = self.device_flat.split(self.sizes)
+        sampling = self.device_flat[-6 * B:].view(6, B)
+        self.step = StaticStep(ids, pos, rows, slots, last, table.view(B, W), gather, sampling, block_size, T)
         self.fill_padding()
 
     def fill_padding(self) -> None:
         """Every row a padding row (the state before warm-up and capture: they touch scratch only)."""
-        self.fill([], [], [], [])
+        self.fill([], [], [], [], [])
 
-    def fill(self, input_ids: list[int], slots: list[int], context_lens: list[int],
+    def fill(self, input_ids: list[int], seq_lens: list[int], slots: list[int], context_lens: list[int],
              block_tables: list[list[int]], sampling: list[dict] | None = None) -> None:
-        """Live rows first, padding after; `sampling`: the rows' device sampling values
-        (sampling/device.py row_values), or None when the step returns logits. One copy."""
-        B, W, bs = self.B, self.W, self.block_size
-        n = len(input_ids)
-        pad = B - n
-        rows = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, context_lens)]
+        """Live sequences first (their tokens concatenated, seq_lens[j] <= T each), padding after;
+        `sampling`: the rows' device sampling values (sampling/device.py row_values), or None
+        when the step returns logits. One copy."""
+        B, W, T, bs = self.B, self.W, self.T, self.block_size
+        pad = B - len(seq_lens)
         scratch_row = self.scratch_block * bs
+        ids, pos, rows, gather = [], [], [], []
+        flat = 0
+        for j, (n, ctx, t) in enumerate(zip(seq_lens, context_lens, block_tables)):
+            ids += input_ids[flat:flat + n] + [0] * (T - n)
+            pos += [ctx + i for i in range(T)]
+            rows += [t[(ctx + i) // bs] * bs + (ctx + i) % bs for i in range(n)] + [scratch_row] * (T - n)
+            gather += [j * T + i for i in range(n)]
+            flat += n
         table = []
         for t in block_tables:
             table += t[:W] + [self.scratch_block] * (W - len(t))
-        values = (list(input_ids) + [0] * pad + list(slots) + [self.scratch_slot] * pad
-                  + list(context_lens) + [0] * pad + rows + [scratch_row] * pad
-                  + table + [self.scratch_block] * (pad * W))
+        ints = (ids + [0] * (pad * T) + pos + [0] * (pad * T) + rows + [scratch_row] * (pad * T)
+                + list(slots) + [self.scratch_slot] * pad + [n - 1 for n in seq_lens] + [0] * pad
+                + table + [self.scratch_block] * (pad * W) + gather + [0] * (B * T - len(gather)))
         rows_s = list(sampling or []) + [PADDING_ROW] * (B - len(sampling or []))
-        ints = [r[k] for k in SAMPLING_INTS for r in rows_s]
+        ints += [r[k] for k in SAMPLING_INTS for r in rows_s]
         floats = torch.tensor([r[k] for k in SAMPLING_FLOATS for r in rows_s], dtype=torch.float64)
-        self.host[:self.index_len + 3 * B].copy_(torch.tensor(values + ints, dtype=torch.long))
-        self.host[self.index_len + 3 * B:].copy_(floats.view(torch.long))
+        split = sum(self.sizes[:-1])
+        self.host[:split].copy_(torch.tensor(ints, dtype=torch.long))
+        self.host[split:].copy_(floats.view(torch.long))
         self.device_flat.copy_(self.host, non_blocking=True)

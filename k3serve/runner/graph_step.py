@@ -1,10 +1,11 @@
-"""GraphSteps: the `graph` backend's decode step, compiled once per batch bucket and, on CUDA,
-captured as a CUDA graph (nano-vllm `capture_cudagraph`, vLLM `CUDAGraphRunner`).
+"""GraphSteps: the `graph` backend's decode and verify steps, compiled once per batch bucket and,
+on CUDA, captured as a CUDA graph (nano-vllm `capture_cudagraph`, vLLM `CUDAGraphRunner`).
 
-A pure decode step (every row one token of a running sequence: no prefill, verify, media or
-prompt logprobs) of n rows runs in the smallest capture size B >= n, with a block-table width
-W rounded up to a power of two (the MLA context gather is [B, W * block_size]; a Triton paged
-kernel will drop W from the key). Per (B, W): persistent `StaticBuffers`, a function compiled
+A pure decode step (every row one token of a running sequence: no prefill, media or prompt
+logprobs), or a speculative verify pass of every sequence (1 + k positions each, fewer drafts
+padded), of n sequences runs in the smallest capture size B >= n, with a block-table width W
+rounded up to a power of two (the MLA context gather is [N, W * block_size]; a Triton paged
+kernel will drop W from the key). Per (B, W, T): persistent `StaticBuffers`, a function compiled
 with `fullgraph=True, dynamic=False` (its own code object, so buckets never count as each
 other's recompiles), and on CUDA a graph captured after warm-up on padding rows only (scratch
 slot and block: capture never touches live state). A step: one host-to-device copy of the
@@ -25,16 +26,22 @@ from k3serve.sampling.device import model_faults, sample
 
 def static_forward(model, step, cache, taps):
     """The whole static step: layers (the graph backend's fixed-shape paths) and the logits.
-    Returns fp32 logits [B, V] and the tap layers' hidden states {layer: [B, d]}."""
-    out = model(step.expand(), cache, taps)
-    return model.compute_logits(out.hidden), out.taps
+    Returns fp32 logits [N, V] and the tap layers' hidden states {layer: [N, d]} in the flat
+    batch's row order (a verify step's static rows gathered back; padding rows after), and a
+    verify step's KDA records {layer: (rec [B, T, ...], conv [B, T, ...])}."""
+    step = step.expand()
+    out = model(step, cache, taps)
+    if step.T == 1:
+        return model.compute_logits(out.hidden), out.taps, out.kda_records
+    taps_out = {i: t[step.gather] for i, t in out.taps.items()}
+    return model.compute_logits(out.hidden[step.gather]), taps_out, out.kda_records
 
 
 def static_sample(model, step, cache, taps, bias):
     """The static step with sampling on the device (sampling/device.py): the sampled ids [B],
     the rows whose logits were the model's fault [B] (NaN, +inf, nothing finite) and the taps.
     `bias` [1, V]: -inf at the vocabulary ids the tokenizer cannot decode, or None."""
-    logits, taps_out = static_forward(model, step, cache, taps)
+    logits, taps_out, _ = static_forward(model, step, cache, taps)
     if bias is not None:
         logits = logits + bias
     return sample(logits, step.sampling_params()), model_faults(logits), taps_out
@@ -49,6 +56,7 @@ class GraphOut:
     ids: list[int] | None
     faults: list[bool] | None
     taps: dict[int, torch.Tensor]
+    records: dict[int, tuple[torch.Tensor, torch.Tensor]]  # a verify step's, for spec/rollback.py
 
 
 @dataclass
@@ -58,6 +66,7 @@ class GraphSettings:
     config: CompilationConfig
     max_num_seqs: int
     eager: bool = False  # --enforce-eager
+    num_speculative_tokens: int = 0  # k: verify steps run as 1 + k positions a sequence
 
 
 @dataclass
@@ -68,13 +77,14 @@ class _Entry:
 
 class GraphSteps:
     def __init__(self, model, cache: CacheTensors, device: torch.device, config: CompilationConfig,
-                 max_num_seqs: int, eager: bool = False, masked_ids: list[int] = ()):
+                 max_num_seqs: int, eager: bool = False, masked_ids: list[int] = (), num_speculative_tokens: int = 0):
         """`eager` (--enforce-eager): the static step runs uncompiled and uncaptured.
         `masked_ids`: vocabulary ids never sampled (the tokenizer cannot decode them)."""
         if cache.scratch_slot is None:
             raise ValueError("the graph backend needs a cache allocated with a scratch slot and block")
         self.model, self.cache, self.device, self.config, self.eager = model, cache, device, config, eager
         self.sizes = config.capture_sizes(max_num_seqs)
+        self.verify_positions = 1 + num_speculative_tokens if num_speculative_tokens else 0
         self.bias = None
         if masked_ids:
             self.bias = torch.zeros(1, model.cfg.vocab_size, device=device)
@@ -82,14 +92,18 @@ class GraphSteps:
         self.entries: dict[tuple, _Entry] = {}
         self.pool = None  # CUDA graphs of every bucket share one memory pool
         self.compiles = 0  # entries built (each a compile and, on CUDA, a capture)
-        self.steps = 0  # decode steps run here
+        self.steps = 0  # decode and verify steps run here
 
     def takes(self, inp) -> bool:
-        """Whether a step is a pure decode the static step runs."""
+        """Whether a step is one the static step runs: a pure decode (one token a sequence), or a
+        verify pass of every sequence (1 + drafts tokens each, at most 1 + k), every row sampled."""
         n = len(inp.seq_lens)
-        return (0 < n <= self.sizes[-1] and not inp.verify and inp.media_rows is None and not inp.prompt_rows
-                and all(s == 1 for s in inp.seq_lens) and all(c > 0 for c in inp.context_lens)
-                and inp.logit_rows == list(range(n)))
+        if not (0 < n <= self.sizes[-1] and inp.media_rows is None and not inp.prompt_rows
+                and all(c > 0 for c in inp.context_lens) and inp.logit_rows == list(range(sum(inp.seq_lens)))):
+            return False
+        if not inp.verify:
+            return all(s == 1 for s in inp.seq_lens)
+        return inp.verify == list(range(n)) and max(inp.seq_lens) <= self.verify_positions
 
     def bucket(self, n: int, tables: list[list[int]]) -> tuple[int, int]:
         B = next(s for s in self.sizes if s >= n)
@@ -98,27 +112,29 @@ class GraphSteps:
 
     def run(self, inp, taps: tuple[int, ...]) -> GraphOut:
         """A step `takes` accepted: its logits, or with `inp.sampling` its sampled ids."""
-        n = len(inp.seq_lens)
+        n, rows = len(inp.seq_lens), sum(inp.seq_lens)
         B, W = self.bucket(n, inp.block_tables)
-        key = (B, W, taps, inp.sampling is not None)
+        T = self.verify_positions if inp.verify else 1
+        key = (B, W, T, taps, inp.sampling is not None)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._build(*key)
         self.steps += 1
-        entry.buffers.fill(inp.input_ids, inp.state_slots, inp.context_lens, inp.block_tables, inp.sampling)
+        entry.buffers.fill(inp.input_ids, inp.seq_lens, inp.state_slots, inp.context_lens, inp.block_tables,
+                           inp.sampling)
         out = entry.run()
-        tapped = {i: t[:n] for i, t in out[-1].items()}
-        if inp.sampling is None:
-            return GraphOut(out[0][:n].cpu(), None, None, tapped)
-        ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
-        return GraphOut(None, ids, [bool(f) for f in faults], tapped)
+        if inp.sampling is not None:
+            ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
+            return GraphOut(None, ids, [bool(f) for f in faults], {i: t[:n] for i, t in out[2].items()}, {})
+        records = {i: (rec[:n], conv[:n]) for i, (rec, conv) in out[2].items()}
+        return GraphOut(out[0][:rows].cpu(), None, None, {i: t[:rows] for i, t in out[1].items()}, records)
 
-    def _build(self, B: int, W: int, taps: tuple[int, ...], sampled: bool) -> _Entry:
+    def _build(self, B: int, W: int, T: int, taps: tuple[int, ...], sampled: bool) -> _Entry:
         self.compiles += 1
         buffers = StaticBuffers(B, W, self.cache.block_size, self.device, self.cache.scratch_slot,
-                                self.cache.scratch_block)
+                                self.cache.scratch_block, T)
         body = static_sample if sampled else static_forward
-        fn = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_b{B}_w{W}")
+        fn = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_b{B}_w{W}_t{T}")
         if not self.eager:
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.config.backend)
         args = (self.model, buffers.step, self.cache, taps) + ((self.bias,) if sampled else ())

@@ -39,7 +39,7 @@ class ModelRunner:
         graphs = None
         if graph is not None and rank is None:
             graphs = GraphSteps(model, self.cache, self.device, graph.config, graph.max_num_seqs, graph.eager,
-                                masked_ids)
+                                masked_ids, graph.num_speculative_tokens)
         self.rank = rank if rank is not None else RankRunner(model, self.cache, self.device, graphs)
         # a graph engine samples on the device (sampling/device.py): fused into the static step when
         # every row can, else the same counter-based draws on the host logits; speculation keeps

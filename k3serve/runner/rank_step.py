@@ -62,7 +62,7 @@ class RankRunner:
         if self.graphs is not None and self.graphs.takes(inp):
             self.copy_states(inp.restore)
             out = self.graphs.run(inp, taps)
-            self.records = {}
+            self.records = out.records
             self.copy_states(inp.save)
             return StepResult(out.logits, [], out.taps, out.ids, out.faults)
         fb = ForwardBatch(

@@ -21,6 +21,7 @@ import torch
 from k3serve.backends.graph import GraphBackend
 from k3serve.backends.graph_ops import BODIES, OPS
 from k3serve.config.bundled import load_model_config
+from k3serve.config.model_config import LayerKind
 from k3serve.forward import CacheTensors, ForwardBatch, StaticBuffers
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.models.registry import load_model
@@ -86,8 +87,8 @@ def test_static_step_equals_the_reference_decode_and_padding_touches_scratch_onl
     with torch.inference_mode():
         want = decode_reference(torch_model, ref_cache, ids, slots, ctx, tabs)
         buf = StaticBuffers(4, 8, BS, torch.device("cpu"), cache.scratch_slot, cache.scratch_block)
-        buf.fill(ids, slots, ctx, tabs)
-        logits, _ = static_forward(model, buf.step, cache, ())
+        buf.fill(ids, [1] * 3, slots, ctx, tabs)
+        logits, _, _ = static_forward(model, buf.step, cache, ())
     # the same decode arithmetic; the MoE experts run as one batched product per projection
     # (a different summation order than the reference's per-expert matmuls)
     torch.testing.assert_close(logits[:3], want, rtol=1e-4, atol=1e-4)
@@ -126,19 +127,19 @@ def test_static_step_compiles_whole_and_never_recompiles_in_a_bucket(model_dir, 
     steps = [([1, 2, 3], [0, 1, 2]), ([4, 5], [2, 0]), ([6, 7, 8], [1, 2, 0])]
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         for ids, rows in steps:
-            args = ([slots[r] for r in rows], [ctx[r] for r in rows], [tabs[r] for r in rows])
+            args = ([1] * len(rows), [slots[r] for r in rows], [ctx[r] for r in rows], [tabs[r] for r in rows])
             buf.fill(ids, *args)
             eager_buf.fill(ids, *args)
-            got, _ = fn(model, buf.step, cache, ())
-            want, _ = static_forward(model, eager_buf.step, eager_cache, ())
+            got, _, _ = fn(model, buf.step, cache, ())
+            want, _, _ = static_forward(model, eager_buf.step, eager_cache, ())
             # inductor fuses and reorders the torch around the ops: a few ulps
             torch.testing.assert_close(got[:len(ids)], want[:len(ids)], rtol=1e-4, atol=1e-4)
             for r in rows:
                 ctx[r] += 1
 
 
-@pytest.mark.parametrize("live, bucket", [(1, 1), (3, 4)])
-def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, bucket):
+@pytest.mark.parametrize("live, bucket, T", [(1, 1, 1), (3, 4, 1), (3, 4, 3)])
+def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, bucket, T):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cfg = load_model_config(model_dir)
@@ -160,22 +161,26 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
         model.use_kernels("graph")
         assert isinstance(model.model.backend, GraphBackend)
         cache = CacheTensors.allocate(cfg, 8, 32, BS, device=gpu, scratch=True)
-        buf = StaticBuffers(bucket, 8, BS, torch.device(gpu), cache.scratch_slot, cache.scratch_block)
+        buf = StaticBuffers(bucket, 8, BS, torch.device(gpu), cache.scratch_slot, cache.scratch_block, T)
         rows = [dict(temperature=0.7 * j, top_k=5 * j, top_p=0.9, min_p=0.0, seed=j, position=4) for j in range(live)]
         with SyncAudit() as fill_audit:
-            buf.fill(list(range(1, live + 1)), [5, 1, 3][:live], [3, 9, 17][:live], tables(live, 6), rows)
+            lens = [1] * live if T == 1 else [3, 1, 2][:live]  # a verify step: 1 + drafts tokens a sequence
+            buf.fill(list(range(1, sum(lens) + 1)), lens, [5, 1, 3][:live], [3, 9, 17][:live], tables(live, 6),
+                     rows if T == 1 else None)
         bias = torch.zeros(1, cfg.vocab_size, device=gpu)
         backend = model.model.backend
         audits = []
         for ops in (BODIES, OPS):  # inside the custom ops' bodies, then the step as compiled sees it
             backend.ops = ops
             with torch.inference_mode(), SyncAudit() as audit:
-                logits, _ = static_forward(model, buf.step, cache, ())
-                ids, faults, _ = static_sample(model, buf.step, cache, (), bias)  # sampling fused: [B] ids back
-            assert logits.device.type == gpu and tuple(logits.shape) == (bucket, cfg.vocab_size)
-            assert ids.device.type == gpu and tuple(ids.shape) == tuple(faults.shape) == (bucket,)
+                logits, _, records = static_forward(model, buf.step, cache, ())
+                if T == 1:
+                    ids, faults, _ = static_sample(model, buf.step, cache, (), bias)  # sampling fused: [B] ids back
+                    assert ids.device.type == gpu and tuple(ids.shape) == tuple(faults.shape) == (bucket,)
+            assert logits.device.type == gpu and tuple(logits.shape) == (bucket * T, cfg.vocab_size)
+            assert len(records) == (0 if T == 1 else cfg.layer_kinds.count(LayerKind.KDA))
             audits.append(audit)
-        assert any("kda_decode" in op for op in audits[1].ops) and not any("kda_decode" in op for op in audits[0].ops)
+        assert any("k3serve.kda_" in op for op in audits[1].ops) and not any("k3serve." in op for op in audits[0].ops)
         # the control: the same decode through the reference path syncs, and the audit sees it
         model.use_kernels("torch")
         with torch.inference_mode(), SyncAudit() as control:
@@ -198,8 +203,44 @@ OP_BUDGET = 40
 def test_static_step_stays_inside_the_op_budget(model_dir):
     model, cache, prompts, slots, tabs = setup(model_dir)
     buf = StaticBuffers(4, 8, BS, torch.device("cpu"), cache.scratch_slot, cache.scratch_block)
-    buf.fill([1, 2, 3], slots, [len(p) for p in prompts], tabs)
+    buf.fill([1, 2, 3], [1] * 3, slots, [len(p) for p in prompts], tabs)
     with torch.inference_mode(), SyncAudit() as audit:
         static_forward(model, buf.step, cache, ())
     per_layer = len(audit.ops) / model.cfg.num_layers
     assert per_layer <= OP_BUDGET, (per_layer, collections.Counter(audit.ops).most_common(8))
+
+
+def test_static_verify_equals_the_reference_verify_pass(model_dir):
+    """A verify step of 3 sequences (1 + 2, 1 + 0 and 1 + 1 tokens: the shorter ones padded to
+    T = 3) in a bucket of 4: logits of every row, the per-position KDA records and the live
+    states equal the reference's verify pass; compiled (aot_eager), a second step with other
+    draft counts does not recompile."""
+    import torch._dynamo
+
+    model, cache, prompts, slots, tabs = setup(model_dir)
+    ctx, lens, ids = [len(p) for p in prompts], [3, 1, 2], [11, 12, 13, 21, 31, 32]
+    ref_cache = clone(cache)
+    torch_model = load_model(model_dir, progress=False)
+    torch_model.use_kernels("torch")
+    with torch.inference_mode():
+        fb = ForwardBatch(torch.tensor(ids), lens, ctx, slots, tabs, BS, verify=[0, 1, 2])
+        out = torch_model(fb, ref_cache)
+        want = torch_model.compute_logits(out.hidden)
+        buf = StaticBuffers(4, 8, BS, torch.device("cpu"), cache.scratch_slot, cache.scratch_block, T=3)
+        buf.fill(ids, lens, slots, ctx, tabs)
+        torch._dynamo.reset()
+        fn = torch.compile(static_forward, fullgraph=True, dynamic=False, backend="aot_eager")
+        logits, _, records = fn(model, buf.step, cache, ())
+    torch.testing.assert_close(logits[:6], want, rtol=1e-4, atol=1e-4)
+    assert set(records) == set(out.kda_records)
+    for layer, (rec, conv) in out.kda_records.items():
+        got_rec, got_conv = records[layer]
+        for j, n in enumerate(lens):  # each sequence's real positions
+            torch.testing.assert_close(got_rec[j, :n], rec[j, :n], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_conv[j, :n], conv[j, :n], rtol=1e-4, atol=1e-4)
+    for got, ref in zip(cache.recurrent + cache.conv, ref_cache.recurrent + ref_cache.conv):
+        if got is not None:  # the live slot holds the state after each sequence's last real position
+            torch.testing.assert_close(got[slots], ref[slots], rtol=1e-4, atol=1e-4)
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        buf.fill([5, 6, 7, 8], [2, 2], slots[:2], [c + 3 for c in ctx[:2]], tabs[:2])
+        fn(model, buf.step, cache, ())
