@@ -238,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k3serve.server.launch import apply_config_file
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = apply_config_file(argv)
+    except ValueError as e:
+        print(f"k3serve: error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

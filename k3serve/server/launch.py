@@ -88,7 +88,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a collective or a worker's start-up may take before the engine reports it dead")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted; the architectures are native")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float", "bfloat16", "half", "float16"),
+                   help="compute dtype: float32 (vLLM's 'float'), bfloat16; half/float16 are refused (K3's activations "
+                        "leave fp16's range: use bfloat16)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="fcfs, or priority: a request's `priority` field orders admission (lower first, vLLM's rule)")
+    p.add_argument("--config", default=None, help="a YAML file of flags (vLLM's --config): its keys are flag names, "
+                                                  "values their values; flags on the command line win")
+    p.add_argument("--response-role", default="assistant", help="the role chat completions answer with (vLLM's flag)")
+    p.add_argument("--structured-outputs-config", type=json.loads, default=None,
+                   help='vLLM\'s JSON: {"backend": "auto"|"xgrammar", "disable_any_whitespace": true|false}')
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (tiktoken.model or tokenizer.json and "
                                                      "tokenizer_config.json); default: the model's")
     add_backend_args(p)
@@ -170,7 +179,63 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
         args.enable_log_requests = False
     if args.disable_log_stats:
         args.stats_log_interval = 0.0
-    return check_vllm_flags(args)
+    if args.dtype in ("half", "float16"):
+        raise ValueError(f"--dtype {args.dtype}: not supported: K3 and Kimi-Linear activations leave float16's range "
+                         "(vLLM maps no fp16 kernel for them either); use --dtype bfloat16, or float32")
+    if args.dtype == "float":
+        args.dtype = "float32"
+    notes = structured_outputs_config(args)
+    return notes + check_vllm_flags(args)
+
+
+def structured_outputs_config(args: argparse.Namespace) -> list[str]:
+    """--structured-outputs-config: the backend must be xgrammar (or auto); disable_any_whitespace
+    sets the default of requests that do not say (server/structured.py reads args)."""
+    cfg = args.structured_outputs_config
+    if cfg is None:
+        return []
+    if not isinstance(cfg, dict):
+        raise ValueError("--structured-outputs-config must be a JSON object")
+    backend = cfg.get("backend", "auto")
+    if backend not in ("auto", "xgrammar"):
+        raise ValueError(f"--structured-outputs-config backend {backend!r}: not supported: k3serve enforces output "
+                         "constraints with xgrammar only ('auto' or 'xgrammar')")
+    unknown = sorted(set(cfg) - {"backend", "disable_any_whitespace"})
+    if unknown:
+        raise ValueError(f"--structured-outputs-config: unknown keys {unknown} (known: backend, disable_any_whitespace)")
+    return [f"structured outputs: xgrammar, any whitespace in JSON "
+            f"{'refused' if cfg.get('disable_any_whitespace', True) else 'allowed'} unless a request says"]
+
+
+def apply_config_file(argv: list[str]) -> list[str]:
+    """vLLM's `--config FILE.yaml`: the file's keys become flags placed before the command
+    line's own, so a flag given on the command line wins (argparse keeps the last value)."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    import yaml
+
+    i = next(j for j, a in enumerate(argv) if a == "--config" or a.startswith("--config="))
+    path = argv[i].split("=", 1)[1] if "=" in argv[i] else argv[i + 1]
+    rest = argv[:i] + argv[i + (1 if "=" in argv[i] else 2):]
+    try:
+        values = yaml.safe_load(open(path)) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot read it: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: a YAML mapping of flag names to values is expected")
+    flags = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    head = rest[:1]  # the subcommand ("serve"); the file's flags follow it, the command line's come last
+    return head + flags + rest[1:]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -209,7 +274,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 all2all_backend=args.all2all_backend, data_parallel_backend=args.data_parallel_backend,
                 distributed_executor_backend="ray" if args.distributed_executor_backend == "ray" else "mp",
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port)
+                master_port=args.master_port, scheduling_policy=args.scheduling_policy)
 
 
 def start_engines(args: argparse.Namespace):
@@ -314,7 +379,8 @@ def build_server(args: argparse.Namespace):
                         log_requests=args.enable_log_requests, chat_template=template,
                         sampling_defaults=defaults, max_logprobs=args.max_logprobs,
                         max_stored_responses=args.max_stored_responses, media_limits=media_limits(args),
-                        kv_transfer=kv_transfer(args))
+                        kv_transfer=kv_transfer(args), response_role=args.response_role,
+                        json_any_whitespace=not (args.structured_outputs_config or {}).get("disable_any_whitespace", True))
     app = build_app(state, max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.timeout_body,
                     metrics_public=args.allow_unauthenticated_metrics, stats_interval_s=args.stats_log_interval,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,

@@ -88,7 +88,7 @@ def _structured(state: ServerState, req: ChatCompletionRequest, start_channel: s
     response_format / structured_outputs / guided_* ask, else None. On K3 with thinking on,
     a constrained reply must close its think channel first: within the request's thinking
     budget, or half of max_tokens when it gives none, so the constrained part has room."""
-    want = requested(req)
+    want = requested(req, state.json_any_whitespace)
     budget = req.thinking_budget()
     constrained = want is not None or (tools and (choice == "required" or isinstance(choice, dict)))
     if constrained or budget is not None:
@@ -188,7 +188,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     choices = []
     for o in last.outputs:
         p = parser().parse(o.text)
-        msg = {"role": "assistant", "content": p.content if (p.content or not p.tool_calls) else None,
+        msg = {"role": state.response_role, "content": p.content if (p.content or not p.tool_calls) else None,
                "reasoning_content": p.reasoning or None, "reasoning": p.reasoning or None}
         if p.tool_calls:
             msg["tool_calls"] = [_call_json(c) for c in p.tool_calls]
@@ -219,7 +219,7 @@ async def _stream(state, run: Run, head, make_parser, n, top_n, include_usage):
     chunk = {**head, "object": "chat.completion.chunk"}
     parsers = [make_parser() for _ in range(n)]
     sent_tokens, done, called = [0] * n, [False] * n, [False] * n
-    yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+    yield sse({**chunk, "choices": [{"index": i, "delta": {"role": state.response_role, "content": ""},
                                      "logprobs": None, "finish_reason": None} for i in range(n)]})
     try:
         async for out in run.outputs():

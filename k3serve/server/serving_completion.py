@@ -51,7 +51,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     top_n = req.logprobs
     # echo + logprobs returns the prompt's logprobs too (lm-evaluation-harness loglikelihood)
     wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
-    want = requested(req)
+    want = requested(req, state.json_any_whitespace)
     if want:
         need_xgrammar()
     structured = to_spec(*want, **whole_output_span(state.eos_token_id)) if want else None

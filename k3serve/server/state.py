@@ -45,6 +45,8 @@ class ServerState:
     max_stored_responses: int = 1024  # /v1/responses store=true, oldest evicted first
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (server/kv_transfer.py)
+    response_role: str = "assistant"  # --response-role: the role chat completions answer with
+    json_any_whitespace: bool = False  # --structured-outputs-config disable_any_whitespace false: allowed by default
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

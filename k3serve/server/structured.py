@@ -36,15 +36,16 @@ def _from_response_format(rf: dict | None) -> tuple[str, Any] | None:
                    param="response_format")
 
 
-def requested(req) -> tuple[str, Any, bool] | None:
-    """(kind, spec, any_whitespace) of the one constraint a request asks for, or None."""
+def requested(req, any_whitespace: bool = False) -> tuple[str, Any, bool] | None:
+    """(kind, spec, any_whitespace) of the one constraint a request asks for, or None.
+    `any_whitespace`: the server's default (--structured-outputs-config), a request's own wins."""
     found: list[tuple[str, str, Any]] = []
     rf = _from_response_format(getattr(req, "response_format", None))
     if rf:
         found.append(("response_format", *rf))
     # JSON under a schema or json_object gets no free whitespace runs unless asked for: a model
     # can pad JSON with whitespace until max_tokens (vLLM's disable_any_whitespace, on here)
-    any_ws = False
+    any_ws = any_whitespace
     so = req.structured_outputs
     if so is not None:
         kinds = [k for k in SO_KINDS if so.get(k) not in (None, False)]
@@ -55,7 +56,7 @@ def requested(req) -> tuple[str, Any, bool] | None:
             raise APIError(400, "structured_outputs needs exactly one of " + ", ".join(SO_KINDS),
                            param="structured_outputs")
         found.append(("structured_outputs", kinds[0], so[kinds[0]]))
-        any_ws = not so.get("disable_any_whitespace", True)
+        any_ws = not so.get("disable_any_whitespace", not any_whitespace)
     for field, kind in GUIDED.items():
         if getattr(req, field) is not None:
             found.append((field, kind, getattr(req, field)))

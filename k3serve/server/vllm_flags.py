@@ -20,6 +20,7 @@ class VllmFlag:
     note: str  # why it is a no-op here, or why it is refused
     refuse: bool = False
     allowed: tuple[str, ...] = ()  # values that are fine (the rest refused); empty: any value
+    secret: bool = False  # its value is never logged
 
 
 FLAGS = [
@@ -29,7 +30,22 @@ FLAGS = [
     VllmFlag("--cpu-offload-gb", True, "weight offloading is not built", refuse=True, allowed=("0",)),
     VllmFlag("--pipeline-parallel-size", True, "pipeline parallelism is not built", refuse=True,
              allowed=("1",)),
-    VllmFlag("--mm-processor-kwargs", True, "multimodal input is not built yet (issue 21)", refuse=True),
+    VllmFlag("--mm-processor-kwargs", True, "images and video are processed as the checkpoint's own processor "
+             "does (MoonViT patches, 2 fps video chunks); its settings cannot be overridden", refuse=True),
+    VllmFlag("--otlp-traces-endpoint", True, "OpenTelemetry tracing is not built yet (issue 47); /metrics and "
+             "--enable-log-requests are what there is", refuse=True),
+    VllmFlag("--tokenizer-revision", True, "models and tokenizers load from local directories (no hub "
+             "downloads yet): there is no revision to pick", refuse=True),
+    VllmFlag("--hf-token", True, "nothing is downloaded (models load from local directories): the token is unused",
+             secret=True),
+    VllmFlag("--async-scheduling", False, "the engine schedules between steps on its own thread; nothing "
+             "overlaps the forward, so the flag changes nothing"),
+    VllmFlag("--max-num-partial-prefills", True, "several requests' prefill chunks share a step within "
+             "--max-num-batched-tokens; there is no separate cap on how many", refuse=True, allowed=()),
+    VllmFlag("--enable-request-id-headers", False, "responses do not carry X-Request-Id yet; the body's `id` "
+             "names the request", refuse=True),
+    VllmFlag("--root-path", True, "no path prefix is stripped: run the server at the proxy's root, or have the "
+             "proxy strip the prefix", refuse=True),
     VllmFlag("--tokenizer-mode", True, "the tokenizer is read from the checkpoint (tiktoken or tokenizer.json)",
              allowed=("auto", "slow", "fast")),
     VllmFlag("--disable-frontend-multiprocessing", False, "the API server and engine share one process"),
@@ -60,7 +76,7 @@ def check_vllm_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, "vllm_" + f.flag.lstrip("-").replace("-", "_"), None)
         if value is None:
             continue
-        shown = f"{f.flag} {value}" if f.takes_value else f.flag
+        shown = f"{f.flag} {'***' if f.secret else value}" if f.takes_value else f.flag
         if f.allowed and str(value) in f.allowed:
             notes.append(f"{shown}: accepted, {f.note}")
         elif f.refuse or f.allowed:
