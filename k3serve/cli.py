@@ -140,6 +140,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    import logging
+
+    from k3serve.server.run_batch import run_batch
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    return run_batch(args)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from k3serve.planner.cli import run_plan
 
@@ -157,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the bundled tiny model)")
     add_serve_args(p)
     p.set_defaults(func=_cmd_serve)
+    p = sub.add_parser("run-batch", help="OpenAI batch file (JSONL) through the engine, as vLLM's run-batch")
+    p.add_argument("-i", "--input-file", required=True, help="JSONL: {custom_id, method, url, body} per line")
+    p.add_argument("-o", "--output-file", required=True, help="JSONL: one OpenAI batch output record per line")
+    add_serve_args(p)
+    p.set_defaults(func=_cmd_run_batch)
     p = sub.add_parser("router", help="prefill/decode disaggregation proxy in front of k3serve servers")
     p.add_argument("--prefill", nargs="+", required=True, help="prefill servers (--kv-transfer-config kv_producer)")
     p.add_argument("--decode", nargs="+", required=True, help="decode servers (--kv-transfer-config kv_consumer)")
