@@ -39,7 +39,8 @@ ALWAYS_PUBLIC = frozenset({"/health", "/ping"})
 
 
 def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_public: bool = False,
-              body_timeout_s: float = 30.0, stats_interval_s: float = 0.0, cors: dict | None = None) -> FastAPI:
+              body_timeout_s: float = 30.0, stats_interval_s: float = 0.0, cors: dict | None = None,
+              root_path: str = "", request_id_headers: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(log_stats_forever(state.engine, stats_interval_s)) if stats_interval_s > 0 else None
@@ -137,7 +138,8 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
         return {"prompt": await state.offload(state.tokenizer.decode, req.tokens)}
 
     public = ALWAYS_PUBLIC | ({"/metrics"} if metrics_public else set())
-    guard = GuardConfig(state.api_key, frozenset(public), max_body_bytes, body_timeout_s, state.lifecycle)
+    guard = GuardConfig(state.api_key, frozenset(public), max_body_bytes, body_timeout_s, state.lifecycle,
+                        root_path.rstrip("/"), request_id_headers)
     app.add_middleware(GuardMiddleware, config=guard, routes=ROUTES,
                        count=lambda route, status: state.metrics.http.labels(route, status).inc())
     if cors:  # outermost: a preflight carries no API key and is answered here

@@ -15,7 +15,11 @@ For every HTTP request, in order:
   4. the response's status is counted per route in `k3serve:http_requests`;
   5. while the server drains at shutdown (`Lifecycle.draining`), a new request gets a JSON 503
      with `Connection: close` (only `/metrics` still answers), while those already in flight
-     (`Lifecycle.active`) run on.
+     (`Lifecycle.active`) run on;
+  6. `--root-path /prefix` (behind a path-routing proxy): a path under the prefix is routed, and
+     checked above, as the path after it (the app sees the prefix as the scope's root_path);
+     `--enable-request-id-headers`: every response carries `X-Request-Id`, the request's own or
+     a new one (vLLM's flag).
 References: Starlette's ServerErrorMiddleware (what it does, minus the re-raise), vLLM's
 `AuthenticationMiddleware` (pure ASGI since vLLM PR #12197).
 """
@@ -26,6 +30,7 @@ import asyncio
 import hmac
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 
 from k3serve.server.errors import error_body
@@ -53,6 +58,8 @@ class GuardConfig:
     max_body_bytes: int = 32 * 2 ** 20
     body_timeout_s: float = 30.0  # longest wait for the next body chunk
     lifecycle: Lifecycle | None = None
+    root_path: str = ""  # --root-path, without a trailing slash
+    request_id_headers: bool = False  # --enable-request-id-headers
 
 
 class GuardMiddleware:
@@ -64,11 +71,21 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        root = self.config.root_path
+        if root:
+            scope = dict(scope, root_path=root)
+            if path == root or path.startswith(root + "/"):
+                path = path[len(root):] or "/"
         status = {"code": 0}
+        request_id = None
+        if self.config.request_id_headers:
+            request_id = dict(scope.get("headers") or []).get(b"x-request-id") or uuid.uuid4().hex.encode()
 
         async def send_counted(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if request_id is not None:
+                    message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", request_id)])
             await send(message)
 
         life = self.config.lifecycle

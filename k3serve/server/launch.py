@@ -96,6 +96,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="a YAML file of flags (vLLM's --config): its keys are flag names, "
                                                   "values their values; flags on the command line win")
     p.add_argument("--response-role", default="assistant", help="the role chat completions answer with (vLLM's flag)")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy routes to this server (/api): paths under "
+                                                   "it are served as the path after it")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id (the request's own, or a new one)")
     p.add_argument("--structured-outputs-config", type=json.loads, default=None,
                    help='vLLM\'s JSON: {"backend": "auto"|"xgrammar", "disable_any_whitespace": true|false}')
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (tiktoken.model or tokenizer.json and "
@@ -385,7 +389,8 @@ def build_server(args: argparse.Namespace):
                     metrics_public=args.allow_unauthenticated_metrics, stats_interval_s=args.stats_log_interval,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                               allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
-                    if args.allowed_origins else None)
+                    if args.allowed_origins else None, root_path=args.root_path,
+                    request_id_headers=args.enable_request_id_headers)
     # start-up's objects (modules, torch.compile's machinery, the model's Python objects) go to
     # the permanent generation, as vLLM freezes its heap after start: a full collection while
     # serving walks only what serving made (with dynamo imported, a full pass over the start-up

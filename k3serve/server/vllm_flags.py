@@ -42,10 +42,7 @@ FLAGS = [
              "overlaps the forward, so the flag changes nothing"),
     VllmFlag("--max-num-partial-prefills", True, "several requests' prefill chunks share a step within "
              "--max-num-batched-tokens; there is no separate cap on how many", refuse=True, allowed=()),
-    VllmFlag("--enable-request-id-headers", False, "responses do not carry X-Request-Id yet; the body's `id` "
-             "names the request", refuse=True),
-    VllmFlag("--root-path", True, "no path prefix is stripped: run the server at the proxy's root, or have the "
-             "proxy strip the prefix", refuse=True),
+
     VllmFlag("--tokenizer-mode", True, "the tokenizer is read from the checkpoint (tiktoken or tokenizer.json)",
              allowed=("auto", "slow", "fast")),
     VllmFlag("--disable-frontend-multiprocessing", False, "the API server and engine share one process"),

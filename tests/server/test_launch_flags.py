@@ -73,8 +73,6 @@ def test_response_role_and_whitespace_default_act_in_the_server(tiny_k3_dir):
     (("--otlp-traces-endpoint", "http://collector:4318"), "tracing is not built"),
     (("--tokenizer-revision", "main"), "no revision"),
     (("--max-num-partial-prefills", "2"), "no separate cap"),
-    (("--enable-request-id-headers",), "X-Request-Id"),
-    (("--root-path", "/api"), "path prefix"),
 ])
 def test_flags_refused_with_the_reason(flags, match):
     with pytest.raises(ValueError, match=match):
@@ -85,3 +83,16 @@ def test_flags_accepted_because_they_hold():
     _, notes = parsed("--hf-token", "hf_x", "--async-scheduling")
     assert any("--hf-token ***" in n and "unused" in n for n in notes) and not any("hf_x" in n for n in notes)
     assert any("--async-scheduling" in n and "changes nothing" in n for n in notes)
+
+
+def test_root_path_and_request_id_headers_act(tiny_k3_dir):
+    app, _ = make_app(tiny_k3_dir, "--root-path", "/api", "--enable-request-id-headers", "--api-key", "k")
+    with serving(app) as base:
+        auth = {"Authorization": "Bearer k"}
+        r = httpx.get(base + "/api/v1/models", headers=auth)  # under the prefix
+        assert r.status_code == 200 and r.json()["data"] and len(r.headers["x-request-id"]) == 32
+        assert httpx.get(base + "/v1/models", headers=auth).status_code == 200  # a proxy that strips it
+        assert httpx.get(base + "/api/health").status_code == 200  # still public under the prefix
+        assert httpx.get(base + "/api/v1/models").status_code == 401
+        r = httpx.get(base + "/api/v1/models", headers={**auth, "X-Request-Id": "abc-1"})
+        assert r.headers["x-request-id"] == "abc-1"  # the caller's own id comes back
