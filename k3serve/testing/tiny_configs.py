@@ -19,6 +19,17 @@ BUNDLED_DIR = Path(__file__).resolve().parents[1] / "config" / "bundled"
 TINY_BASE_VOCAB = 512  # 256 bytes + 256 merges
 
 
+def _released(name: str) -> dict[str, Any]:
+    """A bundled release config without its `auto_map`: that names modeling code the release
+    ships and a directory k3serve writes does not, so transformers would stop to ask whether to
+    trust remote code (AutoTokenizer included) and then find none."""
+    raw = json.loads((BUNDLED_DIR / name).read_text())
+    raw.pop("auto_map", None)
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"].pop("auto_map", None)
+    return raw
+
+
 def _schedule(num_layers: int, last_two_mla: bool) -> tuple[list[int], list[int]]:
     """1-based full-attention / KDA layer lists with the 3:1 pattern."""
     full = {i + 1 for i in range(num_layers) if (i + 1) % 4 == 0}
@@ -30,7 +41,7 @@ def _schedule(num_layers: int, last_two_mla: bool) -> tuple[list[int], list[int]
 def tiny_k3_config(num_layers: int = 8, hidden_size: int = 64, num_experts: int = 8,
                    top_k: int = 2, attn_res_block_size: int = 3,
                    base_vocab: int = TINY_BASE_VOCAB) -> dict[str, Any]:
-    raw = json.loads((BUNDLED_DIR / "moonshotai--Kimi-K3.json").read_text())
+    raw = _released("moonshotai--Kimi-K3.json")
     full, kda = _schedule(num_layers, last_two_mla=True)
     specials = base_vocab
     text = raw["text_config"]
@@ -55,7 +66,7 @@ def tiny_k3_config(num_layers: int = 8, hidden_size: int = 64, num_experts: int 
 
 def tiny_kimi_linear_config(num_layers: int = 6, hidden_size: int = 64, num_experts: int = 8,
                             top_k: int = 2, base_vocab: int = TINY_BASE_VOCAB) -> dict[str, Any]:
-    raw = json.loads((BUNDLED_DIR / "moonshotai--Kimi-Linear-48B-A3B-Instruct.json").read_text())
+    raw = _released("moonshotai--Kimi-Linear-48B-A3B-Instruct.json")
     full, kda = _schedule(num_layers, last_two_mla=False)
     raw.update(
         vocab_size=base_vocab + NUM_RESERVED_SPECIAL, hidden_size=hidden_size,

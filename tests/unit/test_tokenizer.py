@@ -88,3 +88,29 @@ def test_piecewise_encoding_equals_one_shot(tiny_k3_dir, parts, size):
         whole = tok._tk.encode(text, allowed_special="all") if special else tok._tk.encode_ordinary(text)
         assert [t for p in pieces for t in (tok._tk.encode(p, allowed_special="all") if special
                                              else tok._tk.encode_ordinary(p))] == whole
+
+
+TEXTS = ["hello world", "What is 23 + 45?", "<|open|>think<|sep|>I should call get_weather.<|close|>",
+         "naïve café 東京 🙂", "  spaces\n\ttabs"]
+
+
+@pytest.mark.parametrize("which", ["demo", "tiny"])
+def test_transformers_autotokenizer_loads_without_asking_and_agrees(which, tiny_k3_dir, tmp_path):
+    """A model directory k3serve writes (the bundled demo, the tiny builder's) loads in
+    transformers.AutoTokenizer with its defaults, without the remote-code question (its config
+    names no modeling code it does not ship), and encodes as k3serve does, specials included."""
+    import subprocess
+    import sys
+
+    from k3serve.demo import default_model
+
+    d = default_model() if which == "demo" else tiny_k3_dir
+    code = ("import json, sys; from transformers import AutoTokenizer; "
+            "t = AutoTokenizer.from_pretrained(sys.argv[1]); "
+            "print(json.dumps([t.encode(s, add_special_tokens=False) for s in json.loads(sys.argv[2])]))")
+    out = subprocess.run([sys.executable, "-c", code, str(d), json.dumps(TEXTS)], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "trust_remote_code" not in out.stdout + out.stderr
+    ours = Tokenizer.from_dir(d)
+    assert json.loads(out.stdout.splitlines()[-1]) == [ours.encode(s, allow_special=True) for s in TEXTS]
