@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.backends import Backend
+from k3serve.backends import TORCH, Backend
 from k3serve.backends.graph_ops import BODIES, OPS
 from k3serve.layers.gemm import dense
 from k3serve.layers.mla import MLA_NORM_EPS
@@ -96,10 +96,13 @@ class GraphBackend(Backend):
                                 layer.situ is not None, beta, linear_beta)
 
     def moe(self, layer, x):
-        if layer.ep is not None or layer.tp.size > 1:
-            raise NotImplementedError("the graph backend runs one rank; tensor / expert parallel use 'torch' or 'cpp'")
-        if x.shape[0] > self.static_rows:
-            return layer.reference(x)
+        if layer.ep is not None or layer.xg.expert_parallel:
+            raise NotImplementedError("the graph backend splits experts by channel only; expert parallelism "
+                                      "uses 'torch' or 'cpp'")
+        if x.shape[0] > self.static_rows:  # an eager prefill chunk: the reference's sorted experts
+            return Backend.moe(TORCH, layer, x)
+        if layer.tp.size > 1:  # this rank's channels of every expert; the all-reduces trace (group.py)
+            return layer.partial_forward(x, self)
         return layer.single_rank(x, lambda z, ids, w: self.moe_experts(layer, z, ids, w),
                                  lambda x: self.moe_route(layer, x))
 

@@ -14,6 +14,7 @@ References: vLLM `distributed/parallel_state.py`, `distributed/communication_op.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+_names = itertools.count()
+_registered: list = []  # the wrapping ProcessGroups stay alive as long as the process
+
+
+def register_functional(backend, rank: int, size: int) -> str:
+    """Register a gloo (or NCCL) backend under a process-unique name, wrapped in the
+    ProcessGroup that torch's functional collectives resolve by name: inside a compiled step
+    the collectives are graph nodes (`_c10d_functional.all_reduce` + `wait_tensor`), no host
+    wait or timing in the forward. Eager code keeps calling the backend itself."""
+    pg = dist.ProcessGroup(dist.HashStore(), rank, size)
+    kind = dist.ProcessGroup.BackendType.GLOO
+    pg._set_default_backend(kind)
+    pg._register_backend(torch.device("cpu"), kind, backend)
+    name = f"k3serve-tp-{next(_names)}"
+    pg._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, pg)
+    _registered.append((pg, backend))
+    return name
 
 
 class CollectiveError(RuntimeError):
@@ -63,6 +84,11 @@ class TPGroup:
     stats: CommStats = field(default_factory=CommStats, compare=False)
     size_flag: str = "--tensor-parallel-size"  # what sets `size` (DP-attention's expert group: the DP size)
     all2all: str = "auto"  # DP-attention's token exchange for the experts (layers/moe_dispatch.py)
+    functional: str | None = field(default=None, compare=False)  # the group's name for compiled steps
+
+    def __post_init__(self) -> None:
+        if self.size > 1 and self.pg is not None and self.functional is None:
+            object.__setattr__(self, "functional", register_functional(self.pg, self.rank, self.size))
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of a dimension of size n; an error naming it when N does not divide it."""
@@ -74,6 +100,8 @@ class TPGroup:
         """Sum of x over the ranks (in place where possible), [same shape]."""
         if self.size == 1:
             return x
+        if torch.compiler.is_compiling():  # a graph node in the compiled step (CommStats not counted)
+            return funcol.all_reduce(x, "sum", self.functional)
         x = x.contiguous()
         if self.shm is not None and self.shm.fits(x):
             return _collective(self.stats, "all_reduce", x, lambda: self.shm.all_reduce(x))
@@ -83,6 +111,9 @@ class TPGroup:
         """Concatenate every rank's x [..., n] along the last dim -> [..., N * n] (rank order)."""
         if self.size == 1:
             return x
+        if torch.compiler.is_compiling():  # rank-major rows [N * R, n] -> [R, N * n] (rank order per row)
+            g = funcol.all_gather_tensor(x.contiguous(), 0, self.functional)
+            return g.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
         x = x.contiguous()
         if self.shm is not None and self.shm.fits(x):
             return _collective(self.stats, "all_gather", x, lambda: self.shm.all_gather(x))

@@ -163,10 +163,19 @@ def serve(conn, model, spec: WorkerSpec) -> None:
         if method == "shutdown":
             return
         try:
-            if method == "allocate":
-                plan, kv_dtype = args
+            if method == "allocate":  # (plan, kv dtype[, the driver's backend mode and graph settings])
+                plan, kv_dtype, mode, graph = (*args, None, None)[:4]
                 device = torch.device(spec.device)
-                runner = RankRunner(model, allocate_cache(model, plan, getattr(torch, kv_dtype), device), device)
+                if mode is not None:
+                    model.use_kernels(mode)
+                cache = allocate_cache(model, plan, getattr(torch, kv_dtype), device, scratch=graph is not None)
+                graphs = None
+                if graph is not None:
+                    from k3serve.runner.graph_step import GraphSteps
+
+                    graphs = GraphSteps(model, cache, device, graph.config, graph.max_num_seqs, graph.eager,
+                                        (), graph.num_speculative_tokens)
+                runner = RankRunner(model, cache, device, graphs)
             else:
                 result = getattr(runner, method)(*args)
                 if method in answers:

@@ -76,11 +76,11 @@ class LLMEngine(HandoffMixin):
                 self.executor.wait_ready()
         check_quantization(config, self.model)
         mode = kernel_mode(config.kernels, where.device, config.enforce_eager)
-        if mode == "graph" and (self.executor is not None or self.ep is not None or self.remote is not None):
+        if mode == "graph" and (self.ep is not None or self.remote is not None or config.enable_expert_parallel):
             if config.kernels == "graph":
-                raise ValueError("kernels='graph' runs one rank for now: tensor- and expert-parallel engines "
-                                 "use 'torch' or 'cpp'")
-            mode = "torch"  # auto on a GPU with several ranks: their collectives are eager
+                raise ValueError("kernels='graph' runs one rank or tensor-parallel ranks; expert-parallel and "
+                                 "DP-attention engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)")
+            mode = "torch"  # auto on a GPU with experts split by id: their dispatch is eager
         self.kernels = self.model.use_kernels(mode)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)
@@ -116,8 +116,8 @@ class LLMEngine(HandoffMixin):
         kv_name = str(where.kv_dtype).removeprefix("torch.")
         if self.remote is not None:  # the worker allocates the cache tensors of the same plan
             self.remote.allocate(self.plan, kv_name)
-        elif self.executor is not None:  # every rank allocates its share of the same plan
-            self.executor.send("allocate", self.plan, kv_name)
+        elif self.executor is not None:  # every rank allocates its share of the same plan, runs the same backend
+            self.executor.send("allocate", self.plan, kv_name, mode, self._graph_settings(config, mode, self.spec))
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
                                   masked_ids=self.unmapped_ids, workers=None if self.remote else self.executor,
                                   rank=self.remote, graph=self._graph_settings(config, mode, self.spec))
