@@ -60,6 +60,12 @@ class Backend:
         """The experts' input [N, L]: the latent down projection, or x itself."""
         return layer.routed_expert_down_proj(x) if layer.cfg.latent_size is not None else x
 
+    def moe_local_experts(self, layer, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                          counted: slice) -> torch.Tensor:
+        """Expert parallelism: the routed sum over this rank's experts, FP32 [N, L] (the layer's
+        row selection: the (token, slot) pairs routed here, one row each, added back per token)."""
+        return layer.select_local_experts(z, ids, weights, self, counted)
+
     def moe_experts(self, layer, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed sum over the layer's experts (local ids), FP32 [N, L]."""
         from k3serve.layers.experts import experts_forward

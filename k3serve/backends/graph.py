@@ -96,9 +96,8 @@ class GraphBackend(Backend):
                                 layer.situ is not None, beta, linear_beta)
 
     def moe(self, layer, x):
-        if layer.ep is not None or layer.xg.expert_parallel:
-            raise NotImplementedError("the graph backend splits experts by channel only; expert parallelism "
-                                      "uses 'torch' or 'cpp'")
+        if layer.ep is not None:
+            raise NotImplementedError("DP-attention's token exchange is not fixed-shape: it uses 'torch' or 'cpp'")
         if x.shape[0] > self.static_rows:  # an eager prefill chunk: the reference's sorted experts
             return Backend.moe(TORCH, layer, x)
         if layer.tp.size > 1:  # this rank's channels of every expert; the all-reduces trace (group.py)
@@ -111,6 +110,16 @@ class GraphBackend(Backend):
         return self.ops.moe_route(x, layer.gate.weight, layer.gate.e_score_correction_bias, m.top_k,
                                   m.router_activation == "sigmoid", m.renormalize, m.num_expert_group, m.topk_group,
                                   m.routed_scaling_factor)
+
+    def moe_local_experts(self, layer, z, ids, weights, counted):
+        """Expert parallelism with every row on every rank (TP + EP): this rank's experts' share of
+        the routed sum, FP32 [N, L], without choosing rows: an assignment to another rank's expert
+        keeps its shape with weight 0 (on local expert 0), and the decoder layer's all-reduce adds
+        the ranks' shares. No nonzero, no data-dependent shape."""
+        layer.count_load(ids[counted])
+        local = ids - layer.first_expert
+        mine = (local >= 0) & (local < layer.w1.shape[0])
+        return self.moe_experts(layer, z, local.clamp(0, layer.w1.shape[0] - 1), weights * mine)
 
     def moe_experts(self, layer, z, ids, weights):
         """Routed sum, FP32 [N, L] (graph_ops.moe_experts: gathered or every-expert, by shape)."""

@@ -156,7 +156,9 @@ def moe_experts(z: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w2: Tensor,
     h = _glu(torch.einsum("ni,eoi->eno", z, select(w1, s1, every)), torch.einsum("ni,eoi->eno", z, select(w3, s3, every)),
              situ, beta, linear_beta)
     y = torch.einsum("eni,eoi->eno", h, select(w2, s2, every))  # [E, N, out]
-    dense_w = torch.zeros(N, E, dtype=torch.float32, device=z.device).scatter_(1, ids, weights.float())
+    # scatter_add: a row's ids may repeat (expert parallelism maps other ranks' experts to local
+    # expert 0 with weight 0), and a plain scatter would let such a 0 overwrite a real weight
+    dense_w = torch.zeros(N, E, dtype=torch.float32, device=z.device).scatter_add_(1, ids, weights.float())
     return torch.einsum("ne,eno->no", dense_w, y.float()).contiguous()
 
 

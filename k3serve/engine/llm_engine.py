@@ -76,11 +76,11 @@ class LLMEngine(HandoffMixin):
                 self.executor.wait_ready()
         check_quantization(config, self.model)
         mode = kernel_mode(config.kernels, where.device, config.enforce_eager)
-        if mode == "graph" and (self.ep is not None or self.remote is not None or config.enable_expert_parallel):
+        if mode == "graph" and (self.ep is not None or self.remote is not None):
             if config.kernels == "graph":
-                raise ValueError("kernels='graph' runs one rank or tensor-parallel ranks; expert-parallel and "
-                                 "DP-attention engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)")
-            mode = "torch"  # auto on a GPU with experts split by id: their dispatch is eager
+                raise ValueError("kernels='graph' runs one rank or tensor(+expert)-parallel ranks; DP-attention "
+                                 "engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)")
+            mode = "torch"  # auto on a GPU with DP-attention replicas: their dispatch is eager
         self.kernels = self.model.use_kernels(mode)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)

@@ -207,6 +207,11 @@ class SparseMoE(nn.Module):
         (DP-attention: its own)."""
         if not self.xg.expert_parallel:
             return ops.moe_experts(self, z, ids, weights)
+        return ops.moe_local_experts(self, z, ids, weights, counted)
+
+    def select_local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops,
+                             counted: slice = slice(None)) -> torch.Tensor:
+        """`local_experts` under expert parallelism by row selection (the reference's)."""
         self.count_load(ids[counted])
         local = ids - self.first_expert
         tok, slot = ((local >= 0) & (local < self.w1.shape[0])).nonzero(as_tuple=True)

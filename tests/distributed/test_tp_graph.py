@@ -1,7 +1,8 @@
 """The graph backend under tensor parallelism (issue 46 item 6): each rank compiles the same
 static step with its all-reduces and all-gathers as functional collectives (graph nodes over
-gloo here, NCCL on GPUs); the TP2 engine's greedy tokens equal the single-process torch
-engine's over 32 steps, and its decode steps ran compiled on every rank."""
+gloo here); the TP2 engines' greedy tokens, experts split by channel (Kimi-Linear) or by id
+(tiny K3, expert parallelism), equal the single-process torch engine's over 32 steps, and
+their decode steps ran compiled on every rank."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def test_tp2_graph_engine_equals_the_single_process_engine(tiny_kl_dir):
         tp.engine.shutdown()
 
 
-def test_expert_parallel_is_refused_by_name(tiny_k3_dir):
-    with pytest.raises(ValueError, match="expert-parallel"):
-        LLM(str(tiny_k3_dir), tensor_parallel_size=2, enable_expert_parallel=True, kernels="graph", **KW)
+def test_tp2_ep2_graph_engine_equals_the_single_process_engine(tiny_k3_dir):
+    """Tiny K3's MXFP4 experts split by id over the two ranks; each rank's share of a token's
+    routed sum keeps its shape (other ranks' assignments weigh 0) and the all-reduce adds them."""
+    path = str(tiny_k3_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS, greedy)]
+    tp = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, kernels="graph",
+             compilation_config={"backend": "aot_eager", "cudagraph_capture_sizes": [1, 4]}, **KW)
+    try:
+        assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, greedy)] == want
+        assert tp.engine.runner.rank.graphs.steps >= 31
+        assert sum(tp.engine.runner.rank.parallel_stats()["expert_tokens_per_rank"]) > 0  # load counted on device
+    finally:
+        tp.engine.shutdown()

@@ -84,3 +84,19 @@ def test_small_ops_opcheck():
     torch.library.opcheck(OPS.glu_mlp, (x, randn(24, 16), randn(24, 16), randn(16, 24), True, 4.0, 25.0))
     torch.library.opcheck(OPS.attnres_mix, ([x, randn(5, 16), randn(5, 16)], randn(16), 1e-6))
     torch.library.opcheck(OPS.moe_route, (x, randn(8, 16), randn(8), 3, True, True, 2, 1, 2.5))
+
+
+@pytest.mark.parametrize("N", [2, 7])
+def test_moe_experts_with_masked_repeats(N):
+    """Expert parallelism hands the op other ranks' assignments as expert 0 with weight 0: a
+    row's ids then repeat, and the masked ones must add nothing (a scatter, not a scatter-add,
+    let a masked 0 overwrite a real weight on expert 0)."""
+    ws = experts(packed=True)
+    z, ids, weights, *rest = expert_args(N, 3, ws, True)
+    keep = torch.rand(N, 3, generator=G) < 0.5
+    keep[:, 0] = True
+    ids[:, 0] = 0  # a real assignment to expert 0 in every row, beside masked ones
+    masked_ids = torch.where(keep, ids, torch.zeros_like(ids))
+    got = OPS.moe_experts(z, masked_ids, weights * keep, *rest)
+    want = experts_reference(z, ids, weights * keep, *ws, partial(situ_and_mul, beta=4.0, linear_beta=25.0))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
