@@ -23,6 +23,7 @@ from k3serve.engine.groups import Group, PromptInput, Sample  # noqa: F401 - Pro
 from k3serve.engine.handoff import HandoffStore
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
+from k3serve.engine.stats import IterationTokens
 from k3serve.distributed.executor import WorkerDied, start_executor
 from k3serve.distributed.group import NO_TP, CollectiveError
 from k3serve.engine.setup import (check_quantization, kernel_mode, make_plan, placement, resolve_max_model_len,
@@ -113,7 +114,7 @@ class LLMEngine(HandoffMixin):
             log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
                      self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
                      self.spec.cfg.rejection_sample_method)
-        kv_name = str(where.kv_dtype).removeprefix("torch.")
+        kv_name = self.kv_dtype_name = str(where.kv_dtype).removeprefix("torch.")
         if self.remote is not None:  # the worker allocates the cache tensors of the same plan
             self.remote.allocate(self.plan, kv_name)
         elif self.executor is not None:  # every rank allocates its share of the same plan, runs the same backend
@@ -146,6 +147,7 @@ class LLMEngine(HandoffMixin):
         self._arrivals = itertools.count()
         self._seen: dict[str, int] = {}  # output tokens already detokenized, per scheduler request
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self.iteration_tokens = IterationTokens()  # vllm:iteration_tokens_total
         self.handoffs = HandoffStore()  # prefilled requests kept for a decode engine (engine/handoff.py)
 
     @staticmethod
@@ -249,6 +251,7 @@ class LLMEngine(HandoffMixin):
                 self.runner.idle_step()
             return []
         now = time.monotonic()
+        self.iteration_tokens.add(sum(s.num_tokens for s in batch.seqs))
         for seq in batch.seqs:  # queue time ends when a request is first scheduled
             group = self._owner.get(seq.request_id)
             if group is not None:

@@ -36,6 +36,9 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     expert_tokens_per_rank: tuple[int, ...] = ()  # expert parallelism: assignments routed to each rank
     tp_collectives: tuple[tuple[str, int, int, float], ...] = ()  # rank 0's (kind, calls, bytes, seconds)
+    # tokens a step scheduled: cumulative counts per ITERATION_BUCKETS upper bound (+inf last), and their sum
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -46,6 +49,23 @@ class EngineStats:
     def state_slot_usage(self) -> float:
         """Share of KDA state slots in use, 0..1."""
         return self.state_slots_used / max(1, self.state_slots_total)
+
+
+# vLLM's vllm:iteration_tokens_total buckets (tokens in one engine step)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class IterationTokens:
+    """Per-step scheduled token counts, bucketed as they come (the engine thread adds, the
+    snapshot copies)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_BUCKETS) + 1))
+    total: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.counts[next((i for i, b in enumerate(ITERATION_BUCKETS) if tokens <= b), len(ITERATION_BUCKETS))] += 1
+        self.total += tokens
 
 
 def snapshot(engine) -> EngineStats:
@@ -64,6 +84,7 @@ def snapshot(engine) -> EngineStats:
         spec_drafts=spec.drafts if spec else 0, spec_draft_tokens=spec.draft_tokens if spec else 0,
         spec_accepted_tokens=spec.accepted_tokens if spec else 0,
         spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
+        iteration_tokens=tuple(engine.iteration_tokens.counts), iteration_tokens_sum=engine.iteration_tokens.total,
         **_parallel(engine))
 
 

@@ -87,7 +87,6 @@ class ForwardBatch:
     state_slots: list[int]  # KDA state slot per sequence
     block_tables: list[list[int]]  # MLA latent block ids per sequence (cover context + new)
     block_size: int
-    logits_indices: torch.Tensor | None = None  # rows of [N] to compute logits for; None = all
     verify: list[int] = field(default_factory=list)  # sequences verifying drafts: KDA records per-position states
     media_rows: torch.Tensor | None = None  # [M] rows of the flat batch whose embedding is a media row
     media_embeds: torch.Tensor | None = None  # [M, d] vision-tower rows for them (engine/media.py)

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_M = 16  # kernels/cpu/common.h kSmallM: up to it, rows run in GEMV loops
+# kernels/cpu/common.h kSmallM: up to it, rows run in GEMV loops (one constant with the short
+# prefill chunks that run position by position, forward/batch.py)
+from k3serve.forward.batch import SHORT_PREFILL as SMALL_M
 
 
 @functools.cache

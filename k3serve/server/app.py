@@ -79,9 +79,16 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
 
     @app.get("/v1/models")
     async def models():
+        # vLLM's card: `parent` null for a base model, one permission object; `root` stays the
+        # served name, not the model directory (the server does not show its file paths)
         card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
-                "root": state.served_model_name, "max_model_len": state.max_model_len,
-                "max_num_seqs": state.max_num_seqs}
+                "root": state.served_model_name, "parent": None, "max_model_len": state.max_model_len,
+                "max_num_seqs": state.max_num_seqs,
+                "permission": [{"id": f"modelperm-{state.served_model_name}", "object": "model_permission",
+                                "created": state.created, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
         if state.engine.engine.seq_limit_note:  # fewer slots than asked for: say why
             card["max_num_seqs_note"] = state.engine.engine.seq_limit_note
         return {"object": "list", "data": [card]}

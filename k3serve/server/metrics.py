@@ -16,7 +16,9 @@ References: vLLM `vllm/v1/metrics/loggers.py` (names, types, labels).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from k3serve.engine.stats import ITERATION_BUCKETS
 
 LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
            80.0, 160.0)
@@ -55,12 +57,18 @@ class ServerMetrics:
         self.decode = hist("vllm:request_decode_time_seconds", "Time from first token to the last")
         self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt length of finished requests", TOKENS)
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens of finished requests", TOKENS)
+        self.req_max_gen = hist("vllm:request_max_num_generation_tokens",
+                                "Maximum generation tokens requested (max_tokens) of finished requests", TOKENS)
         r.register(_EngineCollector(engine, lv))
 
     def observe_request(self, prompt_tokens: int, output_tokens: int, reasons: list[str | None],
-                        arrival: float, first_token: float | None, end: float, timings: dict | None = None) -> None:
-        """One finished request; `timings` are the engine's monotonic stamps (scheduled_time, ...)."""
+                        arrival: float, first_token: float | None, end: float, timings: dict | None = None,
+                        max_tokens: int | None = None) -> None:
+        """One finished request; `timings` are the engine's monotonic stamps (scheduled_time, ...);
+        `max_tokens` the generation tokens it asked for at most (None: not observed)."""
         self.prompt_tokens.inc(prompt_tokens)
+        if max_tokens is not None:
+            self.req_max_gen.observe(max_tokens)
         self.generation_tokens.inc(output_tokens)
         for reason in reasons:
             self._success.labels(*self._lv, reason or "abort").inc()
@@ -104,6 +112,13 @@ class _EngineCollector:
 
     def __init__(self, engine, lv: tuple[str, str]):
         self.engine, self.lv = engine, lv
+        eng = getattr(engine, "engine", None)  # an AsyncEngine's LLMEngine (a DP front: its first replica's)
+        plan = getattr(eng, "plan", None)
+        self.cache_info = {"block_size": str(getattr(plan, "block_size", "")),
+                           "num_gpu_blocks": str(getattr(plan, "num_blocks", "")),
+                           "num_state_slots": str(getattr(plan, "num_slots", "")),
+                           "cache_dtype": str(getattr(eng, "kv_dtype_name", "")),
+                           "enable_prefix_caching": str(getattr(getattr(eng, "cache", None), "prefix_caching", ""))}
 
     def collect(self):
         s = self.engine.stats
@@ -119,6 +134,18 @@ class _EngineCollector:
             return c
 
         yield gauge("vllm:num_requests_running", "Requests in model execution batches", s.num_running)
+        if s.iteration_tokens:
+            it = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens scheduled per engine step", labels=LABELS)
+            cumulative, buckets = 0, []
+            for bound, n in zip((*ITERATION_BUCKETS, float("inf")), s.iteration_tokens):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else str(float(bound)), cumulative))
+            it.add_metric(self.lv, buckets, s.iteration_tokens_sum)
+            yield it
+        info = GaugeMetricFamily("vllm:cache_config_info", "The cache configuration (labels; value 1)",
+                                 labels=list(self.cache_info))
+        info.add_metric(list(self.cache_info.values()), 1)
+        yield info
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache (MLA latent blocks) usage; 1 means 100 percent",
                     s.kv_cache_usage)

@@ -165,5 +165,9 @@ class Run:
         if self.state.log_requests:
             log.info("request %s finished: %d tokens, %s, %.3f s", self.request_id, n,
                      ",".join(str(o.finish_reason) for o in out.outputs), time.monotonic() - self.arrival)
+        asked = self.params.max_tokens
+        if asked is None:  # up to the context: what is left of it after the prompt
+            asked = max(0, self.state.max_model_len - len(self.prompt_ids))
         self.state.metrics.observe_request(len(self.prompt_ids), n, [o.finish_reason for o in out.outputs],
-                                           self.arrival, self.first_token, time.monotonic(), out.metrics)
+                                           self.arrival, self.first_token, time.monotonic(), out.metrics,
+                                           max_tokens=asked)

@@ -84,6 +84,30 @@ def test_counters_never_decrease_across_requests(live_server):
     assert queue and all(after[k] >= before.get(k, 0) + 3 for k in queue)
 
 
+def test_the_series_vllms_dashboard_adds(live_server):
+    """vllm:iteration_tokens_total (tokens a step), vllm:request_max_num_generation_tokens (each
+    finished request's max_tokens) and vllm:cache_config_info (the cache's configuration)."""
+    base, state = live_server
+    before = counters(base)
+    work(base)  # 3 requests of max_tokens 6, ignoring EOS: 3 x 6 generated tokens, each in some step
+    after = counters(base)
+
+    def grew(name: str) -> float:
+        return sum(v - before.get(k, 0) for k, v in after.items() if k[0] == name)
+    assert grew("vllm:request_max_num_generation_tokens_count") == 3
+    assert grew("vllm:request_max_num_generation_tokens_sum") == 18
+    assert grew("vllm:iteration_tokens_total_count") >= 6  # at least one step a generated token of each
+    assert grew("vllm:iteration_tokens_total_sum") >= 18 + 3 * 8  # every generated and prompt token scheduled
+    families = scrape(base)
+    assert families["vllm:iteration_tokens_total"].type == "histogram"
+    info = families["vllm:cache_config_info"].samples[0]
+    plan = state.engine.engine.plan
+    assert info.value == 1 and info.labels["block_size"] == str(plan.block_size)
+    assert info.labels["num_gpu_blocks"] == str(plan.num_blocks) and info.labels["enable_prefix_caching"] == "True"
+    card = httpx.get(base + "/v1/models").json()["data"][0]
+    assert card["parent"] is None and card["permission"][0]["object"] == "model_permission"
+
+
 def test_health_is_503_once_the_engine_loop_dies(tiny_k3_dir):
     app, state = make_app(tiny_k3_dir)
     with serving(app) as base:
