@@ -7,6 +7,16 @@ import pytest
 from k3serve.testing.builder import build_tiny_checkpoint
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Build the CPU kernels (about a minute, once per install) before any test that times a
+    start: a fresh checkout otherwise builds them inside whichever test asks first, and a worker
+    process that does so during a 20 s rendezvous (its shared-memory transport uses them) misses it."""
+    from k3serve import kernels
+
+    kernels.get("auto")
+
+
 @pytest.fixture(scope="session")
 def tiny_k3_dir(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_k3"), kind="k3", seed=0)
