@@ -86,7 +86,10 @@ class TPGroup:
     all2all: str = "auto"  # DP-attention's token exchange for the experts (layers/moe_dispatch.py)
     functional: str | None = field(default=None, compare=False)  # the group's name for compiled steps
 
-    def __post_init__(self) -> None:
+    def enable_functional(self) -> None:
+        """Register the group for compiled steps (the graph backend, before it compiles); other
+        engines never wrap or keep their backend. The name is set on this shared object, which
+        every layer of the model holds."""
         if self.size > 1 and self.pg is not None and self.functional is None:
             object.__setattr__(self, "functional", register_functional(self.pg, self.rank, self.size))
 
