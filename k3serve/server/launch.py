@@ -391,12 +391,6 @@ def build_server(args: argparse.Namespace):
                               allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
                     if args.allowed_origins else None, root_path=args.root_path,
                     request_id_headers=args.enable_request_id_headers)
-    # start-up's objects (modules, torch.compile's machinery, the model's Python objects) go to
-    # the permanent generation, as vLLM freezes its heap after start: a full collection while
-    # serving walks only what serving made (with dynamo imported, a full pass over the start-up
-    # heap took ~0.2 s on 2 cores, a stall of the event loop that /health and streams felt)
-    gc.collect()
-    gc.freeze()
     return app, state
 
 
@@ -447,6 +441,14 @@ def serve(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     app, state = build_server(args)
+    # start-up's objects (modules, torch.compile's machinery, the model's Python objects) go to
+    # the permanent generation, as vLLM freezes its heap after start: a full collection while
+    # serving walks only what serving made (with dynamo imported, a full pass over the start-up
+    # heap took ~0.2 s on 2 cores, a stall of the event loop). Here, in the server process's
+    # entry, not in build_server: a process that builds several servers (the tests) would
+    # freeze the ones it drops, and their threads would run on
+    gc.collect()
+    gc.freeze()
     logging.getLogger("k3serve.server").info("serving %s on http://%s:%d%s", state.served_model_name,
                                              args.host, args.port, " (API key required)" if state.api_key else "")
     # The drain (new requests 503, in-flight ones given --shutdown-timeout) happens before
