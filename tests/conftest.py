@@ -7,16 +7,6 @@ import pytest
 from k3serve.testing.builder import build_tiny_checkpoint
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cpu_kernels_built():
-    """Build the CPU kernels (about a minute, once per install) before any test that times a
-    start: a fresh checkout otherwise builds them inside whichever test asks first, and a worker
-    process that does so during a 20 s rendezvous (its shared-memory transport uses them) misses it."""
-    from k3serve import kernels
-
-    kernels.get("auto")
-
-
 @pytest.fixture(scope="session")
 def tiny_k3_dir(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_k3"), kind="k3", seed=0)
@@ -50,6 +40,8 @@ def pytest_configure(config):
     import os
 
     dtype, kernels = os.environ.get("K3SERVE_TEST_DTYPE"), os.environ.get("K3SERVE_TEST_KERNELS")
+    if not (dtype or kernels):  # import nothing of the engine at configure time otherwise (the Ray
+        return                  # test's cluster then timed out the next TP server's rendezvous)
     from k3serve.engine import llm_engine, setup
 
     if dtype:
