@@ -83,12 +83,12 @@ class StaticBuffers:
         self.B, self.W, self.T, self.block_size = B, W, T, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
         N = B * T
-        self.sizes = [N, N, N, B, B, B * W, N, 3 * B, 3 * B]
+        self.sizes = [N, N, N, B, B, B * W, N, 6 * B]
         self.device_flat = torch.zeros(sum(self.sizes), dtype=torch.long, device=device)
         self.host = torch.zeros(sum(self.sizes), dtype=torch.long, pin_memory=device.type == "cuda")
-        ids, pos, rows, slots, last, table, gather, ints, floats = self.device_flat.split(self.sizes)
-        sampling = self.device_flat[-6 * B:].view(6, B)
-        self.step = StaticStep(ids, pos, rows, slots, last, table.view(B, W), gather, sampling, block_size, T)
+        ids, pos, rows, slots, last, table, gather, sampling = self.device_flat.split(self.sizes)
+        self.step = StaticStep(ids, pos, rows, slots, last, table.view(B, W), gather, sampling.view(6, B),
+                               block_size, T)
         self.fill_padding()
 
     def fill_padding(self) -> None:
@@ -120,7 +120,7 @@ class StaticBuffers:
         rows_s = list(sampling or []) + [PADDING_ROW] * (B - len(sampling or []))
         ints += [r[k] for k in SAMPLING_INTS for r in rows_s]
         floats = torch.tensor([r[k] for k in SAMPLING_FLOATS for r in rows_s], dtype=torch.float64)
-        split = sum(self.sizes[:-1])
+        split = len(self.host) - 3 * B  # the float64 bits of SAMPLING_FLOATS close the buffer
         self.host[:split].copy_(torch.tensor(ints, dtype=torch.long))
         self.host[split:].copy_(floats.view(torch.long))
         self.device_flat.copy_(self.host, non_blocking=True)
