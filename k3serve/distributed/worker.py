@@ -24,6 +24,7 @@ from dataclasses import dataclass
 log = logging.getLogger("k3serve.distributed")
 ANSWERS = frozenset({"read_state"})  # commands whose result goes back to the driver (pipes only)
 DP_ANSWERS = ANSWERS | {"dp_forward"}  # a DP-attention rank's forward, whose logits are sampled
+START_TIMEOUT_S = 120.0  # at least this long for a group to form (a loaded 2-core machine took > 20 s)
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,14 @@ def _gloo_group(spec: WorkerSpec, store, prefix: str, rank: int, world: int, shm
     import torch
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timeout)
-    shm = _attach_shm(shm_path, rank, world, spec.timeout_s)
+    # forming the group waits on the slowest rank's start (its imports, its kernels' load) under
+    # a start-up bound; the collectives after it get timeout_s, which bounds a hang on a dead peer
+    start = max(spec.timeout_s, START_TIMEOUT_S)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, datetime.timedelta(seconds=start))
+    shm = _attach_shm(shm_path, rank, world, spec.timeout_s)  # its timeout bounds its collectives
     agree = torch.tensor([int(shm is not None)])
     pg.allreduce([agree]).wait()
+    pg._set_default_timeout(datetime.timedelta(seconds=spec.timeout_s))
     return pg, shm if int(agree) == world else None
 
 
