@@ -24,6 +24,11 @@
 #    the torch path, host waits a step; the graph tests (static step, custom ops, engine greedy
 #    equality) run on cuda too, where their engines capture CUDA graphs. The other suites run
 #    with K3SERVE_TEST_KERNELS=torch (tests/conftest.py), so their engines do not compile.
+#    Issue 52: graph_decode also measures kernels="triton"; bench/triton_kernels.py times each
+#    Triton kernel against the bytes it must read (the fraction of the device's bandwidth) at
+#    the tiny, 400 M and Kimi-Linear-48B / K3 layer shapes; test_triton_engine.py's engines
+#    compile the kernels for real on cuda (greedy equal to torch), and tests/kernels checks the
+#    kernels' arithmetic under the interpreter there as here.
 # 4. with TRAIN_DEMO=DIR (issue 22): the retrieval-first demo recipe on cuda into DIR, resumable
 #    (checkpointed every 500 steps; rerun the same line to continue), stopped after
 #    TRAIN_SECONDS (default 420, so it fits one device call), then the DSpark draft once done.
@@ -57,9 +62,13 @@ assert torch.cuda.is_available(), f"no CUDA device visible to torch {torch.__ver
 p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {p.name}, {p.total_memory / 2**30:.0f} GiB")
 PYCODE
-stage graph-decode graph_decode.txt "$PY" bench/graph_decode.py
+stage graph-decode graph_decode.txt "$PY" bench/graph_decode.py --kernels graph,triton
+stage triton-kernels triton_kernels.txt "$PY" bench/triton_kernels.py
 stage graph-tests graph_tests.log "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
-    tests/model/test_graph.py tests/model/test_graph_ops.py tests/engine/test_graph_engine.py
+    tests/model/test_graph.py tests/model/test_graph_ops.py tests/engine/test_graph_engine.py \
+    tests/engine/test_triton_engine.py
+stage triton-interpreter triton_interpreter.log env TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/kernels
 stage engine-tests pytest.log env K3SERVE_TEST_KERNELS=torch "$PY" -m pytest -q -p no:cacheprovider --durations=15 \
     --ignore=tests/engine/test_graph_engine.py tests/model/test_device.py tests/engine tests/spec
 stage kda-vs-fla kda_cuda.log "$PY" -m pytest -q -s -p no:cacheprovider tests/model/test_kda_cuda.py

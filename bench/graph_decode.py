@@ -1,13 +1,15 @@
-"""Benchmark and check: the graph backend's compiled (on CUDA: captured) decode step (issue 46).
+"""Benchmark and check: the graph backend's compiled (on CUDA: captured) decode step (issue 46),
+and the same step with the Triton kernels in it (`--kernels graph,triton`, issue 52).
 
     python bench/graph_decode.py [--only k3-mxfp4,kl-400m] [--streams 1,16,64] [--compile-backend inductor]
+                                 [--kernels graph,triton]
 
 Per checkpoint (tiny K3, the 400 M Kimi-Linear; built into vs_llamacpp's cache folder on first
 use), side by side in one run:
   1. replay equals eager: greedy tokens of the compiled / captured engine equal the same
      backend's static step run eagerly (--enforce-eager), at each stream count (buckets 1, 4, 16, 64);
-  2. decode tok/s at 1, 16, 64 streams: the torch reference (today's GPU path) against the graph
-     backend (vs_llamacpp's counting: prefill left out, median of three);
+  2. decode tok/s at 1, 16, 64 streams: the torch reference (today's GPU path) against each
+     compiled backend asked for (vs_llamacpp's counting: prefill left out, median of three);
   3. host waits a decode step: cudaStreamSynchronize / cudaMemcpy* events per step under the
      profiler (the one expected: the sampled ids' copy back).
 Targets on one H100/H200 (issue 46): tiny K3 >= 1,500 tok/s at one stream; 400 M >= 1,500 at one
@@ -83,6 +85,7 @@ def main() -> None:
     p.add_argument("--streams", default="1,16,64")
     p.add_argument("--check-buckets", default="1,4,16,64")
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--kernels", default="graph", help="compiled backends to measure: graph, triton or both")
     args = p.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     buckets = [int(s) for s in args.check_buckets.split(",")]
@@ -90,25 +93,27 @@ def main() -> None:
     out = {"device": device, "torch": torch.__version__, "results": {}}
     for name, ckpt in vs_llamacpp.checkpoints(set(args.only.split(","))).items():
         t0 = time.perf_counter()
-        graph = engine(ckpt, streams + buckets, "graph", args.compile_backend)
-        eager = engine(ckpt, streams + buckets, "graph", args.compile_backend, eager=True)
-        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        same = {n: [o.outputs[0].token_ids for o in graph.generate(prompts(n), greedy)]
-                == [o.outputs[0].token_ids for o in eager.generate(prompts(n), greedy)] for n in buckets}
-        del eager
-        fig = {"replay_equals_eager": same, "graph_tok_s": {n: tok_s(graph, n) for n in streams},
-               "graph_waits_per_step": waits_per_step(graph),
-               "compiles": graph.engine.runner.rank.graphs.compiles}
-        del graph
         ref = engine(ckpt, streams, "torch", args.compile_backend)
-        fig["torch_tok_s"] = {n: tok_s(ref, n) for n in streams}
-        fig["speedup"] = {n: fig["graph_tok_s"][n] / fig["torch_tok_s"][n] for n in streams}
+        fig = {"torch_tok_s": {n: tok_s(ref, n) for n in streams}}
+        del ref
+        for kernels in args.kernels.split(","):
+            graph = engine(ckpt, streams + buckets, kernels, args.compile_backend)
+            eager = engine(ckpt, streams + buckets, kernels, args.compile_backend, eager=True)
+            greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            same = {n: [o.outputs[0].token_ids for o in graph.generate(prompts(n), greedy)]
+                    == [o.outputs[0].token_ids for o in eager.generate(prompts(n), greedy)] for n in buckets}
+            del eager
+            f = {"replay_equals_eager": same, "tok_s": {n: tok_s(graph, n) for n in streams},
+                 "waits_per_step": waits_per_step(graph), "compiles": graph.engine.runner.rank.graphs.compiles}
+            del graph
+            f["speedup_vs_torch"] = {n: f["tok_s"][n] / fig["torch_tok_s"][n] for n in streams}
+            fig[kernels] = f
+            print(f"{name} [{kernels}]: replay == eager {same}; " + ", ".join(
+                f"{n} streams {f['tok_s'][n]:.0f} tok/s vs {fig['torch_tok_s'][n]:.0f} torch "
+                f"({f['speedup_vs_torch'][n]:.1f}x)" for n in streams) + f"; waits a step {f['waits_per_step']}; "
+                f"{f['compiles']} compiles", flush=True)
         fig["seconds"] = time.perf_counter() - t0
         out["results"][name] = fig
-        print(f"{name}: replay == eager {same}; " + ", ".join(
-            f"{n} streams {fig['graph_tok_s'][n]:.0f} tok/s graph vs {fig['torch_tok_s'][n]:.0f} torch "
-            f"({fig['speedup'][n]:.1f}x)" for n in streams) + f"; waits a step {fig['graph_waits_per_step']}; "
-            f"{fig['compiles']} compiles, {fig['seconds']:.0f} s", flush=True)
     path = Path(__file__).parent / "results" / "graph_decode.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# The Triton kernels (tests/kernels, kernels="triton" engines) run under Triton's interpreter on
+# a CPU. It is read when a kernel is decorated, so it is set before anything imports one; a GPU
+# run (bench/gpu_check.sh) compiles them for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3serve.testing.builder import build_tiny_checkpoint
 

@@ -9,7 +9,9 @@ the model was given (`KimiForCausalLM.use_kernels`), which runs it:
   they take, each layer's reference for the rest (training with grad, tensors off the CPU);
 - `graph` (backends/graph.py `GraphBackend`): fixed-shape, sync-free torch for the static decode
   step (forward/static.py) that runner/graph_step.py compiles and captures per batch bucket; the
-  reference for every other step.
+  reference for every other step;
+- `triton` (backends/triton.py `TritonBackend`): the graph step with the Triton kernels of
+  k3serve/kernels/triton (KDA, paged MLA, MoE grouped GEMMs) in it.
 
 Adding a backend is one subclass here; no layer changes.
 """
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-BACKENDS = ("torch", "cpp", "graph")
+BACKENDS = ("torch", "cpp", "graph", "triton")
+STATIC = ("graph", "triton")  # the backends whose decode runs as the static step (runner/graph_step.py)
 
 
 class Backend:
@@ -97,14 +100,19 @@ TORCH = Backend()
 
 def select(mode: str) -> Backend:
     """The backend for a kernels mode ("auto": the compiled kernels if they build, "cpp": or
-    raise, "torch": the reference, "graph": the compiled static decode). Engine placement has
-    already turned "auto" on a GPU into "graph" or "torch" (engine/setup.py kernel_mode)."""
+    raise, "torch": the reference, "graph": the compiled static decode, "triton": the same with
+    the Triton kernels). Engine placement has already turned "auto" on a GPU into "triton",
+    "graph" or "torch" (engine/setup.py kernel_mode)."""
     from k3serve import kernels
 
     if mode == "graph":
         from k3serve.backends.graph import GraphBackend
 
         return GraphBackend()
+    if mode == "triton":
+        from k3serve.backends.triton import TritonBackend
+
+        return TritonBackend()
 
     module = kernels.get(mode)
     if module is None:

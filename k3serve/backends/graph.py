@@ -64,27 +64,36 @@ class GraphBackend(Backend):
         if not batch.static:
             return layer.reference(x, batch, cache)
         u, z, b, gate = layer.projections(x)  # [N, 3P], [N, P], [N, H], [N, P] fp32
+        return layer.o_proj(self.kda_core(layer, u, z, b, gate, batch, cache).to(x.dtype))
+
+    def kda_core(self, layer, u, z, b, gate, batch, cache):
+        """Conv, gates, the delta rule on the slots' states and the gated norm -> [N, P] fp32; a
+        verify pass's per-position states go to the step's records."""
         i = layer.layer_idx
         conv_w, decay, dt_bias, o_norm = self.kda_w[i]
         state = (conv_w, decay, dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
         if batch.T == 1:
-            o = self.ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
-        else:  # a verify pass: the per-position states come back as the step's records
-            o, rec, conv = self.ops.kda_verify(u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound,
-                                               layer.eps)
-            batch.kda_records[i] = (rec, conv)
-        return layer.o_proj(o.to(x.dtype))
+            return self.ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
+        o, rec, conv = self.ops.kda_verify(u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound,
+                                           layer.eps)
+        batch.kda_records[i] = (rec, conv)
+        return o
 
     def mla(self, layer, x, batch, cache):
         if not batch.static:
             return layer.reference(x, batch, cache)
         m, N = layer.cfg, x.shape[0]
         q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x))) if m.q_lora_rank is not None else layer.q_proj(x)
-        out = self.ops.mla_decode(q.view(N, m.num_heads, m.qk_head_dim).float(), layer.kv_a_proj_with_mqa(x),
-                                  layer.kv_a_layernorm.weight, cache.latent[layer.layer_idx], batch.cache_rows,
-                                  batch.context_rows, batch.lens, self.kv_b[layer.layer_idx], m.qk_nope_head_dim,
-                                  m.v_head_dim, layer.scale, MLA_NORM_EPS)
+        out = self.mla_core(layer, q.view(N, m.num_heads, m.qk_head_dim).float(), layer.kv_a_proj_with_mqa(x),
+                            batch, cache)
         return layer.output(out, x)
+
+    def mla_core(self, layer, q, ckv, batch, cache):
+        """q [N, H, nope + r] fp32, ckv [N, c + r] -> [N, H, v] fp32, the latent row written."""
+        m = layer.cfg
+        return self.ops.mla_decode(q, ckv, layer.kv_a_layernorm.weight, cache.latent[layer.layer_idx],
+                                   batch.cache_rows, batch.context_rows, batch.lens, self.kv_b[layer.layer_idx],
+                                   m.qk_nope_head_dim, m.v_head_dim, layer.scale, MLA_NORM_EPS)
 
     # ---- norms, MLPs and the MoE block: any row count, no host sync
     def rms_norm(self, layer, x):

@@ -123,7 +123,8 @@ def moe_route(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, sigmoid: bool
 
 
 def _glu(gate: Tensor, up: Tensor, situ: bool, beta: float, linear_beta: float) -> Tensor:
-    return situ_and_mul(gate, up, beta, linear_beta) if situ else silu_and_mul(gate, up)
+    # linear_beta 0.0 stands for none (the layers' `situ` pair, the kernels' convention): u passes
+    return situ_and_mul(gate, up, beta, linear_beta or None) if situ else silu_and_mul(gate, up)
 
 
 def moe_experts(z: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
@@ -177,34 +178,34 @@ BODIES = SimpleNamespace(rms_norm=rms_norm, kda_decode=kda_decode, kda_verify=kd
                          moe_experts=moe_experts, glu_mlp=glu_mlp, attnres_mix=attnres_mix)
 
 
-def _register():
-    """The custom ops over BODIES, each with its fake implementation."""
+# fake (meta) implementations: output shapes only. The Triton ops (kernels/triton/ops.py) share
+# them: their arguments differ from these ops' only past the positions a fake reads.
+FAKES = SimpleNamespace(
+    rms_norm=lambda x, weight, eps: torch.empty_like(x),
+    kda_decode=lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32),
+    kda_verify=lambda u, z, b, gate, conv_w, decay, dt_bias, o_norm, rec, conv, slots, *rest: (
+        z.new_empty(z.shape, dtype=torch.float32),
+        rec.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *rec.shape[1:]),
+        conv.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *conv.shape[1:])),
+    mla_decode=lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest:
+        q.new_empty(q.shape[0], q.shape[1], v_dim, dtype=torch.float32),
+    moe_route=lambda x, weight, bias, top_k, *rest: (x.new_empty(x.shape[0], top_k, dtype=torch.long),
+                                                     x.new_empty(x.shape[0], top_k, dtype=torch.float32)),
+    moe_experts=lambda z, ids, weights, w1, w2, *rest: z.new_empty(z.shape[0], w2.shape[1], dtype=torch.float32),
+    glu_mlp=lambda x, gate_w, up_w, down_w, *rest: x.new_empty(x.shape[0], down_w.shape[0]),
+    attnres_mix=lambda bank, w, eps: torch.empty_like(bank[0]),
+)
+MUTATES = dict(kda_decode=("rec", "conv"), kda_verify=("rec", "conv"), mla_decode=("store",))
+
+
+def register(prefix: str, bodies: SimpleNamespace) -> SimpleNamespace:
+    """`k3serve::{prefix}{name}` custom ops over `bodies`, each with FAKES[name]."""
     ops = {}
-
-    def op(name, fn, mutates, fake):
-        o = custom_op(f"k3serve::{name}", fn, mutates_args=mutates)
-        o.register_fake(fake)
+    for name, fn in vars(bodies).items():
+        o = custom_op(f"k3serve::{prefix}{name}", fn, mutates_args=MUTATES.get(name, ()))
+        o.register_fake(getattr(FAKES, name))
         ops[name] = o
-
-    op("rms_norm", rms_norm, (), lambda x, weight, eps: torch.empty_like(x))
-    op("kda_decode", kda_decode, ("rec", "conv"),
-       lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32))
-    op("kda_verify", kda_verify, ("rec", "conv"),
-       lambda u, z, b, gate, conv_w, decay, dt_bias, o_norm, rec, conv, slots, *rest: (
-           z.new_empty(z.shape, dtype=torch.float32),
-           rec.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *rec.shape[1:]),
-           conv.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *conv.shape[1:])))
-    op("mla_decode", mla_decode, ("store",),
-       lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest:
-       q.new_empty(q.shape[0], q.shape[1], v_dim, dtype=torch.float32))
-    op("moe_route", moe_route, (),
-       lambda x, weight, bias, top_k, *rest: (x.new_empty(x.shape[0], top_k, dtype=torch.long),
-                                              x.new_empty(x.shape[0], top_k, dtype=torch.float32)))
-    op("moe_experts", moe_experts, (),
-       lambda z, ids, weights, w1, w2, *rest: z.new_empty(z.shape[0], w2.shape[1], dtype=torch.float32))
-    op("glu_mlp", glu_mlp, (), lambda x, gate_w, up_w, down_w, *rest: x.new_empty(x.shape[0], down_w.shape[0]))
-    op("attnres_mix", attnres_mix, (), lambda bank, w, eps: torch.empty_like(bank[0]))
     return SimpleNamespace(**ops)
 
 
-OPS = _register()
+OPS = register("", BODIES)

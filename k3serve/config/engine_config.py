@@ -10,7 +10,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_DTYPES = DTYPES + ("fp8",)  # fp8: float8_e4m3fn latent rows, unit scale (vLLM's default k_scale 1.0)
-KERNELS = ("auto", "cpp", "torch", "graph")  # execution backends (k3serve/backends)
+KERNELS = ("auto", "cpp", "torch", "graph", "triton")  # execution backends (k3serve/backends)
 QUANTIZATIONS = ("compressed-tensors", "mxfp4")  # what a checkpoint's quantization_config can be
 
 # how DP-attention ranks exchange tokens for their experts, as vLLM's --all2all-backend spells it:

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 
+from k3serve.backends import STATIC
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.cache.sizing import parse_bytes
@@ -77,10 +78,10 @@ class LLMEngine(HandoffMixin):
                 self.executor.wait_ready()
         check_quantization(config, self.model)
         mode = kernel_mode(config.kernels, where.device, config.enforce_eager)
-        if mode == "graph" and (self.ep is not None or self.remote is not None):
-            if config.kernels == "graph":
-                raise ValueError("kernels='graph' runs one rank or tensor(+expert)-parallel ranks; DP-attention "
-                                 "engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)")
+        if mode in STATIC and (self.ep is not None or self.remote is not None):
+            if config.kernels in STATIC:
+                raise ValueError(f"kernels={config.kernels!r} runs one rank or tensor(+expert)-parallel ranks; "
+                                 "DP-attention engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)")
             mode = "torch"  # auto on a GPU with DP-attention replicas: their dispatch is eager
         self.kernels = self.model.use_kernels(mode)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
@@ -153,7 +154,7 @@ class LLMEngine(HandoffMixin):
     @staticmethod
     def _graph_settings(config: EngineConfig, mode: str, spec):
         """The runner's static decode step when the graph backend was chosen, else None."""
-        if mode != "graph":
+        if mode not in STATIC:
             return None
         from k3serve.runner.graph_step import GraphSettings
 

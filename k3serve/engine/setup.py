@@ -42,13 +42,21 @@ def placement(config: EngineConfig) -> Placement:
 def kernel_mode(mode: str, device: torch.device, enforce_eager: bool = False) -> str:
     """EngineConfig.kernels for an engine on `device`: the compiled kernels read CPU tensors only,
     so an engine elsewhere builds none and "cpp" there is refused by name; "auto" on a GPU is the
-    graph backend (compiled, captured decode steps), or the torch reference under --enforce-eager."""
-    if device.type == "cpu" or mode in ("torch", "graph"):
+    triton backend (compiled, captured decode steps with the Triton kernels; "graph" where Triton
+    or fla-core is not installed), or the torch reference under --enforce-eager. "triton" where
+    its kernels cannot run (not installed; a CPU without TRITON_INTERPRET=1) is refused by name."""
+    from k3serve.kernels.triton import unavailable
+
+    if mode == "triton" and (why := unavailable(device.type)):
+        raise ValueError(why)
+    if device.type == "cpu" or mode in ("torch", "graph", "triton"):
         return mode
     if mode == "cpp":
         raise ValueError(f"kernels='cpp': the compiled kernels are CPU-only and this engine runs on {device}; "
-                         "use 'auto', 'graph' or 'torch'")
-    return "torch" if enforce_eager else "graph"
+                         "use 'auto', 'triton', 'graph' or 'torch'")
+    if enforce_eager:
+        return "torch"
+    return "graph" if unavailable(device.type) else "triton"
 
 
 def _memory(device: torch.device, which: int, meminfo_key: str) -> int:

@@ -25,9 +25,10 @@ DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
 def add_backend_args(p: argparse.ArgumentParser) -> None:
     """How the model runs (k3serve/backends), as `serve` and `generate` spell it."""
     p.add_argument("--kernels", default="auto", choices=KERNELS,
-                   help="execution backend: auto (the compiled CPU kernels when they build; graph on a GPU), "
-                        "cpp (require the CPU kernels), torch (the reference), graph (decode steps compiled "
-                        "whole, captured as CUDA graphs on a GPU)")
+                   help="execution backend: auto (the compiled CPU kernels when they build; triton on a GPU, "
+                        "graph without Triton), cpp (require the CPU kernels), torch (the reference), graph "
+                        "(decode steps compiled whole, captured as CUDA graphs on a GPU), triton (graph with the "
+                        "Triton KDA/MLA/MoE kernels; on a CPU only under TRITON_INTERPRET=1)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no torch.compile and no CUDA graphs (auto on a GPU then runs the torch reference)")
     p.add_argument("--compilation-config", "-O", type=json.loads, default=None,

@@ -67,14 +67,22 @@ def test_dense_experts_are_read_as_views_not_copies():
 
 
 def test_an_engine_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
-    """The compiled kernels read CPU tensors only: on a GPU "auto" takes the graph backend (the
-    torch path under --enforce-eager; issue 46) without compiling any CPU kernel and "cpp" is
-    refused by name; K3SERVE_KERNELS=torch does the same for a whole process."""
+    """The compiled kernels read CPU tensors only: on a GPU "auto" takes the triton backend, or
+    the graph backend where Triton or fla-core is missing (the torch path under --enforce-eager;
+    issues 46, 52) without compiling any CPU kernel and "cpp" is refused by name;
+    K3SERVE_KERNELS=torch does the same for a whole process."""
     from k3serve import kernels
     from k3serve.engine.setup import kernel_mode
+    from k3serve.kernels import triton as triton_kernels
 
     cuda = torch.device("cuda", 0)
+    with_triton = triton_kernels.unavailable("cuda") is None
+    assert kernel_mode("auto", cuda) == ("triton" if with_triton else "graph")
+    monkeypatch.setattr(triton_kernels, "unavailable", lambda device_type: "pip install triton")
     assert kernel_mode("auto", cuda) == "graph" and kernel_mode("torch", cuda) == "torch"
+    with pytest.raises(ValueError, match="pip install triton"):
+        kernel_mode("triton", cuda)
+    monkeypatch.undo()
     assert kernel_mode("auto", cuda, enforce_eager=True) == "torch"
     with pytest.raises(ValueError, match="CPU-only.*cuda:0"):
         kernel_mode("cpp", cuda)

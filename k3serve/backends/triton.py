@@ -1,0 +1,70 @@
+"""The `triton` backend: the graph backend's static step with the GPU kernels inside it.
+
+Everything the `graph` backend does (backends/graph.py: the fixed-shape decode and verify steps
+that runner/graph_step.py compiles and captures per batch bucket, the eager reference for
+prefill), with three cores replaced by Triton kernels (k3serve/kernels/triton, registered as
+`k3serve::triton_*` custom ops): KDA decode and verify through fla-core's fused recurrent
+kernel and our short-conv update, paged MLA decode through the block table, and the MoE
+experts as grouped GEMMs reading MXFP4 packed (every row count, prefill included). On CUDA
+this is what `auto` picks; on a CPU it runs only under Triton's interpreter, for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.backends.graph import GraphBackend
+from k3serve.layers.mla import MLA_NORM_EPS
+
+
+class TritonBackend(GraphBackend):
+    name = "triton"
+
+    def __init__(self, inline: bool = False):
+        from k3serve.kernels.triton import ops
+
+        super().__init__(inline=inline)
+        self.kernels_ops = ops.BODIES if inline else ops.OPS
+        self.a_log: dict[int, torch.Tensor] = {}  # KDA layer -> A_log [H] fp32 (the kernel's gate input)
+
+    @torch.no_grad()
+    def prepare(self, model) -> None:
+        from k3serve.layers.kda import KimiDeltaAttention
+
+        super().prepare(model)
+        for m in model.modules():
+            if isinstance(m, KimiDeltaAttention):
+                self.a_log[m.layer_idx] = m.A_log.float()
+
+    def kda_core(self, layer, u, z, b, gate, batch, cache):
+        i = layer.layer_idx
+        conv_w, _, dt_bias, o_norm = self.kda_w[i]
+        state = (conv_w, self.a_log[i], dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
+        if batch.T == 1:
+            return self.kernels_ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
+        o, rec, conv = self.kernels_ops.kda_verify(u, z, b, gate, *state, batch.last, layer.head_dim,
+                                                   layer.lower_bound, layer.eps)
+        batch.kda_records[i] = (rec, conv)
+        return o
+
+    def mla_core(self, layer, q, ckv, batch, cache):
+        m = layer.cfg
+        return self.kernels_ops.mla_decode(q, ckv, layer.kv_a_layernorm.weight, cache.latent[layer.layer_idx],
+                                           batch.cache_rows, batch.table, batch.lens, self.kv_b[layer.layer_idx],
+                                           m.qk_nope_head_dim, m.v_head_dim, layer.scale, MLA_NORM_EPS,
+                                           batch.block_size)
+
+    def moe(self, layer, x):
+        if layer.ep is not None:
+            raise NotImplementedError("DP-attention's token exchange is not fixed-shape: it uses 'torch' or 'cpp'")
+        if layer.tp.size > 1:
+            return layer.partial_forward(x, self)
+        return layer.single_rank(x, lambda z, ids, w: self.moe_experts(layer, z, ids, w),
+                                 lambda x: self.moe_route(layer, x))
+
+    def moe_experts(self, layer, z, ids, weights):
+        """Routed sum, FP32 [N, L]: the grouped GEMM kernels, packed experts read packed."""
+        beta, linear_beta = layer.situ or (0.0, 0.0)
+        ws = [(w.packed, w.scale) if w.is_packed else (w.value, None) for w in (layer.w1, layer.w2, layer.w3)]
+        return self.kernels_ops.moe_experts(z, ids, weights, ws[0][0], ws[1][0], ws[2][0], ws[0][1], ws[1][1], ws[2][1],
+                                            layer.situ is not None, beta, linear_beta)

@@ -1,0 +1,78 @@
+"""KDA decode and verify on the state pool: the short conv (short_conv.py), then fla-core's
+`fused_recurrent_kda` kernel with K3's gate, beta sigmoid and the q/k l2 norm inside it, then
+the gated RMSNorm of the output (torch). Reference: backends/graph_ops.py `kda_decode` /
+`kda_verify` (the `graph` backend's bodies) and layers/kda_ops.py `kda_recurrent`.
+
+Shapes: N = B * T rows, sequence-major; H heads of D; P = H * D; S state slots.
+  decode: the recurrent state is read and written in place through `slots` [B] (fla's
+          continuous-batching form with 1-D state indices).
+  verify: the state after every position goes to a records buffer [B, T, H, D, D] (fla's
+          kernel with a per-token final state), the slot keeps the one after `last` [B].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
+
+from k3serve.kernels.triton.short_conv import short_conv_update
+
+
+def _recurrent(q, k, v, z, b, a_log, dt_bias, pool, slots, lower_bound, T, records):
+    """q, k, v, z [N, H, D] fp32 (z: decay logits before dt_bias), b [N, H] beta logits ->
+    o [N, H, D] fp32; `records` [N, H, D, D] or None (then pool[slots] is updated in place)."""
+    N, H, D = q.shape
+    B = slots.shape[0]
+    o = torch.empty_like(v)
+    cu = torch.arange(0, N + 1, T, dtype=torch.int32, device=q.device)  # [B + 1], every sequence T rows
+    ht = pool if records is None else records
+    BV = min(32, triton.next_power_of_2(D))
+    fused_recurrent_kda_fwd_kernel[(triton.cdiv(D, BV) * B * H,)](
+        q=q, k=k, v=v, g=z, beta=b, A_log=a_log, dt_bias=dt_bias, o=o, h0=pool, ht=ht, cu_seqlens=cu,
+        ssm_state_indices=slots, num_accepted_tokens=None, lower_bound=lower_bound, scale=D ** -0.5,
+        N=B, T=N, H=H, HV=H, K=D, V=D, BK=triton.next_power_of_2(D), BV=BV,
+        stride_init_state_token=pool.stride(0), stride_final_state_token=ht.stride(0),
+        stride_indices_seq=slots.stride(0), stride_indices_tok=1,
+        IS_BETA_HEADWISE=False, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=records is None,
+        USE_GATE_IN_KERNEL=True, APPLY_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False,
+        num_warps=4, num_stages=2)
+    return o
+
+
+def _gated(o, gate, o_norm, eps):
+    """RMSNorm_D(o) * sigmoid(gate): o [N, H, D], gate [N, P] -> [N, P] fp32 (the graph body's)."""
+    N, H, D = o.shape
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * o_norm
+    return (normed * torch.sigmoid(gate.view(N, H, D))).reshape(N, H * D)
+
+
+def kda_decode(u, z, b, gate, conv_w, a_log, dt_bias, o_norm, rec, conv, slots, head_dim: int,
+               lower_bound: float | None, eps: float):
+    """One step per row: u [N, 3P], z [N, P], b [N, H], gate [N, P] fp32; conv_w [3P, K];
+    a_log [H] fp32 (the gate's A_log); dt_bias [P]; o_norm [D]; rec [S, H, D, D] fp32 and conv
+    [S, K-1, 3P] updated in place at slots [N] (int). -> [N, P] fp32."""
+    N, H, D = u.shape[0], b.shape[1], head_dim
+    qkv, _ = short_conv_update(u, conv_w, conv, slots)
+    q, k, v = (x.view(N, H, D) for x in qkv)
+    o = _recurrent(q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots,
+                   lower_bound, 1, None)
+    return _gated(o, gate, o_norm, eps)
+
+
+def kda_verify(u, z, b, gate, conv_w, a_log, dt_bias, o_norm, rec, conv, slots, last, head_dim: int,
+               lower_bound: float | None, eps: float):
+    """B sequences of T rows (the inputs as `kda_decode`'s, slots/last [B]) -> (o [N, P], the
+    state after every position rec [B, T, H, D, D] and conv [B, T, K-1, 3P]); each slot keeps
+    the state after its `last` position."""
+    N, H, D = u.shape[0], b.shape[1], head_dim
+    B = slots.shape[0]
+    T = N // B
+    qkv, conv_rec = short_conv_update(u, conv_w, conv, slots, last, record=True)
+    q, k, v = (x.view(N, H, D) for x in qkv)
+    records = torch.empty(N, H, D, D, dtype=rec.dtype, device=rec.device)
+    o = _recurrent(q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots,
+                   lower_bound, T, records)
+    records = records.view(B, T, H, D, D)
+    rec.index_copy_(0, slots, records[torch.arange(B, device=slots.device), last])
+    return _gated(o, gate, o_norm, eps), records, conv_rec.to(conv.dtype)
