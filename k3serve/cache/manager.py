@@ -8,6 +8,10 @@ The two pools are sized apart (see `sizing.plan_cache`), unlike vLLM's single pa
 inflates K3 attention blocks to 1,536 tokens (serving-notes.md §2.1). A prefix hit needs both
 kinds: the cached latent blocks of the prefix *and* a KDA checkpoint at its end; the usable hit
 is the longest prefix with both (SGLang MambaRadixCache: deepest node that owns a state).
+With tiers attached (`attach_tiers`: host memory and a directory, cache/tiers.py) a hit may
+run past the device: blocks and the state found there are loaded into fresh blocks and the
+request's own slot before its prefill (`PrefixHit.loads` / `load_state`), and a longer hit
+waiting on the disk makes the request wait a step (`pending`) while k3serve/offload reads it.
 Answers are plain ints and lists; the device tensors live in the runner.
 """
 
@@ -15,9 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 from k3serve.cache.block_pool import BlockPool, CacheAccountingError
 from k3serve.cache.prefix_cache import CheckpointStore, block_hashes
 from k3serve.cache.state_pool import StatePool
+from k3serve.cache.tiers import Key, TierIndex
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,9 @@ class PrefixHit:
     blocks: tuple[int, ...] = ()  # cached blocks covering them (shared, read-only)
     checkpoint: bytes | None = None  # key of the KDA checkpoint at num_tokens
     junction: int = 0  # tokens of the longest cached block prefix (where this request diverges)
+    loads: tuple[bytes, ...] = ()  # hashes of the blocks after `blocks` that come from host memory
+    load_state: bytes | None = None  # key of the KDA state that comes from host memory (no checkpoint)
+    pending: bool = False  # a longer hit is being read from disk: wait for it
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,8 @@ class CacheAllocation:
     state_slot: int
     blocks: list[int]
     restore_from: int | None = None  # checkpoint slot to copy into state_slot before computing
+    loads: tuple[tuple[bytes, int], ...] = ()  # (block hash, block) to fill from host memory first
+    load_state: bytes | None = None  # the state key to fill state_slot with from host memory
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,21 @@ class HybridCacheManager:
         self._slot_of: dict[str, int] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._registered: dict[str, int] = {}
+        self.tiers: TierIndex | None = None
+        self._prefetch: Callable[[list[Key]], None] | None = None
+        self._fresh_blocks: list[tuple[bytes, int]] = []  # published since the last drain_fresh
+        self._fresh_states: list[tuple[bytes, int]] = []
+
+    def attach_tiers(self, index: TierIndex, prefetch: Callable[[list[Key]], None]) -> None:
+        """Host/disk tiers (k3serve/offload): lookups run on into them, and what the pools
+        publish is collected for them (drain_fresh); `prefetch` asks for disk entries."""
+        self.tiers, self._prefetch = index, prefetch
+
+    def drain_fresh(self) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
+        """Blocks (hash, block) and checkpoints (key, slot) published since the last call."""
+        out = self._fresh_blocks, self._fresh_states
+        self._fresh_blocks, self._fresh_states = [], []
+        return out
 
     # ---- queries ---------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -107,11 +134,52 @@ class HybridCacheManager:
             return PrefixHit()
         bs, hashes = self.block_size, block_hashes(token_ids, self.block_size)
         cached = self._cached_run(hashes)
+        if self.tiers is not None:
+            return self._tier_lookup(token_ids, hashes, cached)
         for k in range(cached, 0, -1):
             if k * bs < len(token_ids) and self.checkpoints.get(hashes[k - 1]) is not None:
                 blocks = tuple(self.blocks.cached[h] for h in hashes[:k])
                 return PrefixHit(k * bs, blocks, hashes[k - 1], cached * bs)
         return PrefixHit(junction=cached * bs)
+
+    def _tier_lookup(self, token_ids: list[int], hashes: list[bytes], cached: int) -> PrefixHit:
+        """The longest k whose blocks are each on the device or in a tier and whose state is a
+        device checkpoint or in a tier. Usable now: everything on the device or in host memory;
+        a longer one needing the disk is prefetched and the hit says `pending`."""
+        bs, tiers = self.block_size, self.tiers
+        where = []  # tier of each block after the device run
+        while cached + len(where) < len(hashes) and (w := tiers.where(("block", hashes[cached + len(where)]))):
+            where.append(w)
+        if cached < len(hashes):  # the device run ended short: the tiers are asked
+            tiers.stats["cpu"].queries += 1
+            if "disk" in where:
+                tiers.stats["disk"].queries += 1
+        now = later = 0
+        for k in range(cached + len(where), 0, -1):
+            if k * bs >= len(token_ids):
+                continue
+            key = hashes[k - 1]
+            state = "dev" if self.checkpoints.get(key) is not None else tiers.where(("state", key))
+            if state is None:
+                continue
+            on_disk = state == "disk" or "disk" in where[:max(0, k - cached)]
+            if not on_disk:
+                now = max(now, k)
+                break
+            later = max(later, k)
+        if later > now:
+            need = [("block", h) for h, w in zip(hashes[cached:later], where) if w == "disk"]
+            if tiers.where(("state", hashes[later - 1])) == "disk" and self.checkpoints.get(hashes[later - 1]) is None:
+                need.append(("state", hashes[later - 1]))
+            self._prefetch(need)
+        junction = (cached + len(where)) * bs
+        if now == 0:
+            return PrefixHit(junction=junction, pending=later > now)
+        key = hashes[now - 1]
+        device_state = self.checkpoints.get(key) is not None
+        return PrefixHit(now * bs, tuple(self.blocks.cached[h] for h in hashes[:min(now, cached)]),
+                         key if device_state else None, junction, tuple(hashes[cached:now]),
+                         None if device_state else key, pending=later > now)
 
     def held_prefix(self, token_ids: list[int]) -> tuple[int, ...]:
         """Cached blocks of the longest block prefix of `token_ids` (no KDA checkpoint needed):
@@ -142,7 +210,9 @@ class HybridCacheManager:
 
     def end_step(self, pinned: list[bytes]) -> None:
         """After a step ran: checkpoints written in it become valid; restores from it unpin."""
-        self.checkpoints.commit()
+        committed = self.checkpoints.commit()
+        if self.tiers is not None:
+            self._fresh_states += committed
         for key in pinned:
             self.checkpoints.unpin(key)
 
@@ -166,6 +236,8 @@ class HybridCacheManager:
         table = self._tables[req_id]
         for i in range(done, full):
             self.blocks.register(table[i], hashes[i])
+            if self.tiers is not None:
+                self._fresh_blocks.append((hashes[i], table[i]))
         self._registered[req_id] = full
 
     def flush(self) -> tuple[int, int]:
@@ -183,12 +255,18 @@ class HybridCacheManager:
         shared = list(hit.blocks) if hit else []
         if shared:
             self.blocks.share(shared)
-            # a hand-off brings its own KDA state: shared blocks without a checkpoint (held_prefix)
-            restore = self.checkpoints.pin(hit.checkpoint) if hit.checkpoint is not None else None
             self._registered[req_id] = len(shared)
+        # a hand-off brings its own KDA state: shared blocks without a checkpoint (held_prefix)
+        if hit is not None and hit.checkpoint is not None:
+            restore = self.checkpoints.pin(hit.checkpoint)
         blocks = shared + self.blocks.allocate(self.blocks_for(num_tokens) - len(shared))
         self._slot_of[req_id], self._tables[req_id] = slot, blocks
-        return CacheAllocation(slot, list(blocks), restore)
+        # tier blocks fill the fresh blocks after the shared ones; they are published (and so
+        # shared) once the step that loads them has run, as computed blocks are
+        loads = tuple(zip(hit.loads, blocks[len(shared):])) if hit is not None else ()
+        if self.tiers is not None and (loads or hit.load_state is not None):
+            self.tiers.stats["cpu"].hit_tokens += hit.num_tokens
+        return CacheAllocation(slot, list(blocks), restore, loads, hit.load_state if hit is not None else None)
 
     def append(self, req_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to cover `num_tokens` rows; the new blocks, or None if they

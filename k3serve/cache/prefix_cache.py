@@ -94,12 +94,15 @@ class CheckpointStore:
         self._pending[key] = slot
         return slot
 
-    def commit(self) -> None:
-        """The step that wrote the pending checkpoints has run: they become usable."""
-        for key, slot in self._pending.items():
+    def commit(self) -> list[tuple[bytes, int]]:
+        """The step that wrote the pending checkpoints has run: they become usable. Returns
+        them as (key, slot)."""
+        done = list(self._pending.items())
+        for key, slot in done:
             self._valid[key] = slot
             self.stats.checkpoints_stored += 1
         self._pending.clear()
+        return done
 
     def discard_pending(self) -> None:
         """The step meant to write the pending checkpoints failed: their slots go back unused."""

@@ -40,6 +40,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_state_fraction: float = 0.1  # of the cache budget, for KDA checkpoints
     prefix_cache_state_interval: int = 0  # extra checkpoint every N prompt tokens (multiple of block_size)
+    # prefix-cache tiers below the device pools (k3serve/offload), vLLM's names: host memory in GiB,
+    # then a directory (kept across restarts, shareable by engines of one model) and its GiB
+    kv_offloading_size: float | None = None  # None: off, or 1 GiB when a directory is given
+    kv_offloading_backend: str = "native"
+    kv_offloading_dir: str | None = None
+    kv_offloading_dir_size: float = 16.0
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
     load_format: str = "auto"
@@ -88,6 +94,11 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_state_fraction must be in (0, 1), got {self.prefix_cache_state_fraction}")
         if self.prefix_cache_state_interval % self.block_size:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not available: k3serve's "
+                             "tiers are 'native' (host memory and --kv-offloading-dir)")
+        if (self.kv_offloading_size is not None and self.kv_offloading_size <= 0) or self.kv_offloading_dir_size <= 0:
+            raise ValueError("kv_offloading_size and kv_offloading_dir_size are GiB and must be > 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_backend not in ("mp", "threads"):

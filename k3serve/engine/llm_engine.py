@@ -25,6 +25,7 @@ from k3serve.engine.handoff import HandoffStore
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.engine.stats import IterationTokens
+from k3serve.offload.setup import make_tiers
 from k3serve.distributed.executor import WorkerDied, start_executor
 from k3serve.distributed.group import NO_TP, CollectiveError
 from k3serve.engine.setup import (check_quantization, kernel_mode, make_plan, placement, resolve_max_model_len,
@@ -123,6 +124,7 @@ class LLMEngine(HandoffMixin):
         self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
                                   masked_ids=self.unmapped_ids, workers=None if self.remote else self.executor,
                                   rank=self.remote, graph=self._graph_settings(config, mode, self.spec))
+        self.tiers = make_tiers(config, self)  # prefix-cache tiers in host memory and on disk, or None
         graphs = getattr(self.runner.rank, "graphs", None)
         if graphs is not None:
             cc = config.compilation_config
@@ -211,6 +213,8 @@ class LLMEngine(HandoffMixin):
         """Stop the tensor-parallel workers (a no-op for one process); the engine cannot step after."""
         if self.executor is not None:
             self.executor.shutdown()
+        if getattr(self, "tiers", None) is not None:
+            self.tiers.close()  # queued writes reach the directory: a restart finds them
 
     def _constraint(self, so):
         """A fresh grammar state for one sequence; a spec that does not compile is the request's
@@ -246,11 +250,17 @@ class LLMEngine(HandoffMixin):
         """One engine step. A request whose sampling, detokenizing or model step fails ends alone
         with `error` set; the other requests of the step go on with unchanged outputs."""
         self._propose()
+        if self.tiers is not None:
+            self.tiers.poll()  # disk reads done, files written: before the schedule looks them up
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.ep is not None:  # the other replicas' MoE layers wait for this one's
                 self.runner.idle_step()
+            if self.tiers is not None and self.tiers.busy:  # a request waits on its prefix's disk read
+                self.tiers.wait(0.01)
             return []
+        if self.tiers is not None:
+            self.tiers.load(self.runner.cache, batch.load_blocks, batch.load_states)
         now = time.monotonic()
         self.iteration_tokens.add(sum(s.num_tokens for s in batch.seqs))
         for seq in batch.seqs:  # queue time ends when a request is first scheduled
@@ -270,6 +280,8 @@ class LLMEngine(HandoffMixin):
             why = f"the model step failed for this request ({type(e).__name__})"
             return [self._fail(self._owner[r.request_id], why) for r in culprits if r.request_id in self._owner]
         self.scheduler.update(batch, out)
+        if self.tiers is not None:  # before the next step may reuse the rows just published
+            self.tiers.store(self.runner.cache, *self.cache.drain_fresh())
         failed: dict[str, RequestOutput] = {}
         touched: dict[str, Group] = {}
         for seq in batch.seqs:

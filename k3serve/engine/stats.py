@@ -39,6 +39,8 @@ class EngineStats:
     # tokens a step scheduled: cumulative counts per ITERATION_BUCKETS upper bound (+inf last), and their sum
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # prefix-cache tiers (cache/tiers.py): for each of TIERS, TIER_FIELDS in order (empty: no tiers)
+    tier_stats: tuple[float, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -49,6 +51,21 @@ class EngineStats:
     def state_slot_usage(self) -> float:
         """Share of KDA state slots in use, 0..1."""
         return self.state_slots_used / max(1, self.state_slots_total)
+
+
+TIER_FIELDS = ("queries", "hits", "hit_tokens", "bytes_read", "bytes_written", "evictions", "rejected",
+               "load_seconds", "bytes_held")
+
+
+def tier_values(tiers) -> tuple[float, ...]:
+    """PrefixTiers' counters and bytes held, flat: TIERS x TIER_FIELDS."""
+    from k3serve.cache.tiers import TIERS
+
+    out = []
+    for t in TIERS:
+        st, lru = tiers.index.stats[t], getattr(tiers.index, t)
+        out += [getattr(st, f) for f in TIER_FIELDS[:-1]] + [lru.used if lru is not None else 0]
+    return tuple(out)
 
 
 # vLLM's vllm:iteration_tokens_total buckets (tokens in one engine step)
@@ -85,6 +102,7 @@ def snapshot(engine) -> EngineStats:
         spec_accepted_tokens=spec.accepted_tokens if spec else 0,
         spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
         iteration_tokens=tuple(engine.iteration_tokens.counts), iteration_tokens_sum=engine.iteration_tokens.total,
+        tier_stats=tier_values(engine.tiers) if getattr(engine, "tiers", None) is not None else (),
         **_parallel(engine))
 
 

@@ -42,6 +42,9 @@ class ScheduledBatch:
     restore_states: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, live slot) before
     save_states: list[tuple[int, int]] = field(default_factory=list)  # (live slot, checkpoint slot) after
     pinned: list[bytes] = field(default_factory=list)  # checkpoints read this step
+    # from the host tier before the step (k3serve/offload): (block hash, block), (state key, slot)
+    load_blocks: list[tuple[bytes, int]] = field(default_factory=list)
+    load_states: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

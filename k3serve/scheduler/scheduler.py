@@ -266,6 +266,8 @@ class Scheduler:
             return None
         # prompt logprobs need every prompt position computed: no prefix-cache hit for them (vLLM too)
         hit = self.cache.lookup(req.cache_token_ids) if req.params.prompt_logprobs is None else PrefixHit()
+        if hit.pending:  # its longer prefix is being read from disk (k3serve/offload): next step
+            return None
         req.num_computed_tokens = hit.num_tokens
         req.checkpoint_at = self._save_points(req, hit)
         n = self._chunk(req, budget)
@@ -277,6 +279,9 @@ class Scheduler:
         if alloc.restore_from is not None:
             batch.restore_states.append((alloc.restore_from, alloc.state_slot))
             batch.pinned.append(hit.checkpoint)
+        batch.load_blocks.extend(alloc.loads)
+        if alloc.load_state is not None:
+            batch.load_states.append((alloc.load_state, alloc.state_slot))
         if self.cache.prefix_caching:
             self.cache.record_query(len(req.prompt_token_ids), min(hit.num_tokens, len(req.prompt_token_ids)))
         req.num_cached_tokens = hit.num_tokens

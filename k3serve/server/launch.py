@@ -144,6 +144,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also checkpoint KDA state every N prompt tokens (0: prompt ends and junctions only)")
     p.add_argument("--prefix-cache-state-fraction", type=float, default=0.1,
                    help="share of the cache memory reserved for KDA checkpoints")
+    p.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory for prefix-cache entries below the device pools (latent blocks and "
+                        "exact KDA states; default off, or 1 with --kv-offloading-dir)")
+    p.add_argument("--kv-offloading-backend", default="native", choices=("native",),
+                   help="the tiers' implementation (k3serve/offload)")
+    p.add_argument("--kv-offloading-dir", default=None,
+                   help="directory tier below host memory: kept across restarts, shareable by engines of one model")
+    p.add_argument("--kv-offloading-dir-size", type=float, default=16.0, help="GiB the directory tier may hold")
     p.add_argument("--speculative-config", help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", choices=("kimi_k3", "kimi_k2"))
@@ -271,6 +279,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, speculative_config=spec,
                 prefix_cache_state_interval=args.prefix_cache_state_interval,
                 prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+                kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
+                kv_offloading_dir=args.kv_offloading_dir, kv_offloading_dir_size=args.kv_offloading_dir_size,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
                 quantization=args.quantization, mm_encoder_cache=args.mm_encoder_cache,

@@ -183,6 +183,8 @@ class _EngineCollector:
             yield from (secs, nbytes, calls)
         yield gauge("k3serve:kda_state_slot_usage_perc", "KDA state slots in use; 1 means 100 percent",
                     s.state_slot_usage)
+        if s.tier_stats:
+            yield from self._tiers(s.tier_stats)
         # the k3serve: series of the first release, unlabelled, kept for existing scrapers
         mean_accept = 1 + s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0
         plain = {
@@ -213,3 +215,26 @@ class _EngineCollector:
             })
         for name, (doc, value) in plain.items():
             yield gauge(f"k3serve:{name}", doc, value, labelled=False)
+
+    def _tiers(self, values):
+        """Per tier (label tier="cpu" | "disk"): the prefix-cache tiers' counters and bytes held."""
+        from k3serve.cache.tiers import TIERS
+        from k3serve.engine.stats import TIER_FIELDS
+
+        docs = {"queries": "Lookups that ran past the device pools into this tier",
+                "hits": "Entries this tier gave (cpu: loaded into the device pools; disk: read into host memory)",
+                "hit_tokens": "Prompt tokens of prefix hits that loaded from host memory",
+                "bytes_read": "Bytes read from this tier", "bytes_written": "Bytes written to this tier",
+                "evictions": "Entries evicted from this tier to stay within its budget",
+                "rejected": "Entries dropped as torn, corrupt or another model's (then recomputed)",
+                "load_seconds": "Seconds spent loading entries from this tier"}
+        n = len(TIER_FIELDS)
+        for i, field in enumerate(TIER_FIELDS):
+            if field == "bytes_held":
+                fam = GaugeMetricFamily("k3serve:prefix_cache_tier_bytes", "Bytes this tier holds now",
+                                        labels=[*LABELS, "tier"])
+            else:
+                fam = CounterMetricFamily(f"k3serve:prefix_cache_tier_{field}", docs[field], labels=[*LABELS, "tier"])
+            for j, tier in enumerate(TIERS):
+                fam.add_metric([*self.lv, tier], values[j * n + i])
+            yield fam

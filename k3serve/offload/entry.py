@@ -1,0 +1,101 @@
+"""One tier entry on disk: a safetensors file whose metadata carries the format version, the
+model fingerprint, the entry's key and a SHA-256 over its tensors' bytes. A file that is torn
+or truncated (no parse), bit-flipped (checksum), from another model or cache layout
+(fingerprint), or whose tensors are not the ones the cache expects (names, shapes, dtypes) is
+refused with an `EntryError` naming the file and the tensor: it is dropped and recomputed,
+never served. Writes go to a temporary file renamed into place, so a reader never sees a
+partial one under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT = "k3serve-prefix-entry-1"
+
+
+class EntryError(ValueError):
+    pass
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).reshape(-1).numpy().data)
+    return h.hexdigest()
+
+
+def write_entry(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str, key: str) -> int:
+    """Write atomically; the file's size in bytes."""
+    cpu = {n: t.contiguous().cpu() for n, t in tensors.items()}
+    meta = {"format": FORMAT, "fingerprint": fingerprint, "key": key, "sha256": checksum(cpu)}
+    data = st_save(cpu, metadata=meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return len(data)
+
+
+def read_entry(path: Path, fingerprint: str, key: str, expect: dict[str, tuple[tuple[int, ...], torch.dtype]]
+               ) -> dict[str, torch.Tensor]:
+    """The entry's tensors, checked against everything above; EntryError otherwise."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise EntryError(f"{path}: unreadable ({e})") from e
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        tensors = st_load(data)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a torn or foreign file
+        raise EntryError(f"{path}: not a complete safetensors file ({type(e).__name__}: {e})") from e
+    if meta.get("format") != FORMAT or meta.get("fingerprint") != fingerprint or meta.get("key") != key:
+        raise EntryError(f"{path}: written for another model, cache layout or key "
+                         f"(fingerprint {meta.get('fingerprint')!r}, this engine's {fingerprint!r})")
+    for name, (shape, dtype) in expect.items():
+        t = tensors.get(name)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise EntryError(f"{path}: tensor {name!r} is {got}, the cache needs {tuple(shape)} {dtype}")
+    if set(tensors) != set(expect):
+        raise EntryError(f"{path}: unexpected tensors {sorted(set(tensors) - set(expect))}")
+    if checksum(tensors) != meta.get("sha256"):
+        raise EntryError(f"{path}: checksum mismatch (a flipped bit or a partial write)")
+    return tensors
+
+
+def model_fingerprint(model_dir: str | Path, **layout) -> str:
+    """What an entry must match to be served: the checkpoint (config, every shard's size and
+    header, and 64 KiB samples of its data at the start, middle and end: a retrained model of
+    the same shapes differs there) and the cache layout (dtype, cache dtype, block size, tensor
+    parallel size, ...). 16 hex digits."""
+    root = Path(model_dir)
+    h = hashlib.sha256(FORMAT.encode())
+    h.update(json.dumps(layout, sort_keys=True, default=str).encode())
+    cfg = root / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for shard in sorted(root.glob("*.safetensors")):
+        size = shard.stat().st_size
+        h.update(f"{shard.name}:{size}".encode())
+        with open(shard, "rb") as f:
+            head = f.read(8)
+            h.update(head)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                h.update(f.read(min(n, 1 << 24)))
+            for at in (0.0, 0.5, 1.0):
+                f.seek(max(0, int((size - 65536) * at)))
+                h.update(f.read(65536))
+    return h.hexdigest()[:16]

@@ -1,0 +1,34 @@
+"""The engine's prefix-cache tiers from its config (EngineConfig.kv_offloading_*), or None."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("k3serve.offload")
+HOST_DEFAULT_GIB = 1.0  # host memory when only a directory is given
+
+
+def make_tiers(config, engine):
+    """PrefixTiers for this engine, attached to its cache manager; None when none are asked."""
+    if config.kv_offloading_size is None and config.kv_offloading_dir is None:
+        return None
+    if not config.enable_prefix_caching:
+        raise ValueError("kv offloading tiers hold prefix-cache entries: enable prefix caching")
+    if engine.executor is not None or engine.remote is not None:
+        raise ValueError("kv offloading tiers run with one rank for now (no tensor parallelism or DP-attention)")
+    from k3serve.offload.entry import model_fingerprint
+    from k3serve.offload.store import PrefixTiers
+
+    cache = engine.runner.cache
+    gib = config.kv_offloading_size if config.kv_offloading_size is not None else HOST_DEFAULT_GIB
+    fp = model_fingerprint(engine.model_path, dtype=str(engine.model.dtype), kv=engine.kv_dtype_name,
+                           block_size=engine.plan.block_size, tp=config.tensor_parallel_size,
+                           state=str(next(t for t in cache.recurrent if t is not None).dtype))
+    tiers = PrefixTiers(cache, engine.plan.block_size, int(gib * 2**30), config.kv_offloading_dir,
+                        int(config.kv_offloading_dir_size * 2**30), fp)
+    engine.cache.attach_tiers(tiers.index, tiers.prefetch)
+    line = (f"prefix cache tiers: {gib:g} GiB host memory"
+            + (f", {config.kv_offloading_dir_size:g} GiB in {tiers.dir}" if tiers.dir else ""))
+    engine.startup_log.append(line)
+    log.info(line)
+    return tiers

@@ -1,0 +1,242 @@
+"""PrefixTiers: the prefix cache's host-memory and disk tiers for one engine (one rank).
+
+Write-through, as vLLM's CPU offloading and LMCache store: after each step the blocks the
+pools published and the KDA checkpoints they committed are copied to host memory (pinned, with
+non-blocking copies, on a GPU) before the next step can reuse their rows; a writer thread
+persists each new entry to the directory. Host memory and the directory each keep an LRU
+under their byte budget (cache/tiers.py); the directory's survives restarts (scanned at start,
+oldest first) and may be shared by engines of the same model (same fingerprint).
+
+Reading: a lookup that needs disk entries asks for them (`prefetch`); a reader thread loads and
+verifies them (offload/entry.py) while other requests' steps run, and `poll` (at each step's
+start, on the engine thread, which alone changes the index) moves them into host memory or
+drops a rejected file with a warning naming it. `load` copies host entries into the device
+pools before the step that uses them. Threads do file I/O only.
+
+Shapes: a block entry is `latent.{l}` [block_size, c + r] per MLA layer in the cache dtype; a
+state entry `recurrent.{l}` [H, D, D] and `conv.{l}` [K-1, 3P] per KDA layer (this rank's heads).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from k3serve.cache.tiers import Key, TierIndex, TierLRU
+from k3serve.offload.entry import EntryError, read_entry, write_entry
+
+log = logging.getLogger("k3serve.offload")
+
+
+class PrefixTiers:
+    def __init__(self, cache, block_size: int, cpu_bytes: int, disk_dir: str | None, disk_bytes: int,
+                 fingerprint: str):
+        self.bs, self.fingerprint = block_size, fingerprint
+        self.mla = [l for l, t in enumerate(cache.latent) if t is not None]
+        self.kda = [l for l, t in enumerate(cache.recurrent) if t is not None]
+        self.expect = {
+            "block": {f"latent.{l}": ((block_size, cache.latent[l].shape[1]), cache.latent[l].dtype) for l in self.mla},
+            "state": {**{f"recurrent.{l}": (tuple(cache.recurrent[l].shape[1:]), cache.recurrent[l].dtype)
+                         for l in self.kda},
+                      **{f"conv.{l}": (tuple(cache.conv[l].shape[1:]), cache.conv[l].dtype) for l in self.kda}},
+        }
+        self.entry_bytes = {kind: sum(torch.Size(s).numel() * d.itemsize for s, d in e.values())
+                            for kind, e in self.expect.items()}
+        self.pin = cache_device(cache).type == "cuda"
+        self.dir = Path(disk_dir) / fingerprint if disk_dir else None
+        self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.dir else None)
+        self.host: dict[Key, dict[str, torch.Tensor]] = {}
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()  # (op, key, payload) back to the engine thread
+        self._arrived = threading.Event()
+        self._threads = []
+        if self.dir is not None:
+            self._scan()
+            for target, name in ((self._read_loop, "reader"), (self._write_loop, "writer")):
+                t = threading.Thread(target=target, daemon=True, name=f"k3serve-tier-{name}")
+                t.start()
+                self._threads.append(t)
+        # at close, garbage collection or interpreter exit: queued writes reach the directory
+        self._finalizer = weakref.finalize(self, _stop, self._reads, self._writes, self._threads)
+
+    # ---- files -------------------------------------------------------------------------------
+    def path(self, key: Key) -> Path:
+        kind, h = key
+        return self.dir / kind / h.hex()[:2] / f"{h.hex()}.safetensors"
+
+    def _scan(self) -> None:
+        """Index the directory's entries, oldest first; remove temporary files of dead writers."""
+        found = []
+        for kind in ("block", "state"):
+            for p in (self.dir / kind).glob("*/*"):
+                if p.name.endswith(".tmp"):
+                    p.unlink(missing_ok=True)
+                elif p.suffix == ".safetensors" and len(p.stem) == 32:
+                    st = p.stat()
+                    found.append((st.st_mtime, (kind, bytes.fromhex(p.stem)), st.st_size))
+        for _, key, size in sorted(found):
+            for old in self.index.disk.add(key, size):
+                self._writes.put(("delete", old, None))
+        if found:
+            log.info("prefix cache directory %s: %d entries, %.1f MiB", self.dir, len(found),
+                     self.index.disk.used / 2**20)
+
+    def _read_loop(self) -> None:
+        while True:
+            key = self._reads.get()
+            if key is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                tensors = read_entry(self.path(key), self.fingerprint, key[1].hex(), self.expect[key[0]])
+                if self.pin:
+                    tensors = {n: t.pin_memory() for n, t in tensors.items()}
+                self._done.put(("read", key, (tensors, time.perf_counter() - t0)))
+            except EntryError as e:
+                self._done.put(("reject", key, str(e)))
+            self._arrived.set()
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._writes.get()
+            if job is None:
+                self._writes.task_done()
+                return
+            op, key, payload = job
+            try:
+                if op == "delete":
+                    self.path(key).unlink(missing_ok=True)
+                else:
+                    tensors, ready = payload
+                    if ready is not None:
+                        ready.synchronize()  # the device-to-host copies of this entry are done
+                    n = write_entry(self.path(key), tensors, self.fingerprint, key[1].hex())
+                    self._done.put(("written", key, n))
+            except OSError as e:
+                log.warning("prefix cache: could not write %s: %s", self.path(key), e)
+            finally:
+                self._writes.task_done()
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Disk entries are being read for a waiting request."""
+        return bool(self.index.prefetching)
+
+    def wait(self, timeout: float) -> None:
+        self._arrived.wait(timeout)
+        self._arrived.clear()
+
+    def prefetch(self, keys: list[Key]) -> None:
+        for key in keys:
+            if key not in self.index.prefetching and self.index.where(key) == "disk":
+                self.index.prefetching.add(key)
+                self._reads.put(key)
+
+    def poll(self) -> None:
+        """Take the threads' results: written files join the disk index, read ones host memory,
+        rejected ones are deleted (and so recomputed)."""
+        stats = self.index.stats
+        while True:
+            try:
+                op, key, payload = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if op == "written":
+                stats["disk"].bytes_written += payload
+                for old in self.index.disk.add(key, payload):
+                    stats["disk"].evictions += 1
+                    self._writes.put(("delete", old, None))
+            elif op == "read":
+                tensors, seconds = payload
+                self.index.prefetching.discard(key)
+                stats["disk"].hits += 1
+                stats["disk"].bytes_read += self.entry_bytes[key[0]]
+                stats["disk"].load_seconds += seconds
+                self.index.disk.touch(key)
+                self._put_host(key, tensors)
+            else:  # reject
+                self.index.prefetching.discard(key)
+                stats["disk"].rejected += 1
+                log.warning("prefix cache: dropped a bad entry, recomputing instead: %s", payload)
+                self.index.disk.remove(key)
+                self._writes.put(("delete", key, None))
+
+    def _put_host(self, key: Key, tensors: dict[str, torch.Tensor]) -> None:
+        self.host[key] = tensors
+        for old in self.index.cpu.add(key, self.entry_bytes[key[0]]):
+            self.host.pop(old, None)
+            self.index.stats["cpu"].evictions += 1
+
+    def store(self, cache, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
+        """Copy what the pools published this step into host memory (and queue it for the disk)."""
+        new = []
+        for h, block in blocks:
+            rows = slice(block * self.bs, (block + 1) * self.bs)
+            new.append((("block", h), {f"latent.{l}": cache.latent[l][rows] for l in self.mla}))
+        for h, slot in states:
+            new.append((("state", h), {**{f"recurrent.{l}": cache.recurrent[l][slot] for l in self.kda},
+                                       **{f"conv.{l}": cache.conv[l][slot] for l in self.kda}}))
+        for key, views in new:
+            if self.index.where(key) is not None:
+                continue
+            if self.pin:
+                host = {n: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                        for n, v in views.items()}
+            else:
+                host = {n: v.clone() for n, v in views.items()}
+            self.index.stats["cpu"].bytes_written += self.entry_bytes[key[0]]
+            self._put_host(key, host)
+            if self.dir is not None:
+                ready = None
+                if self.pin:
+                    ready = torch.cuda.Event()
+                    ready.record()
+                self._writes.put(("write", key, (host, ready)))
+
+    def load(self, cache, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
+        """Fill fresh blocks and live slots from host memory, before the step that reads them."""
+        t0 = time.perf_counter()
+        st = self.index.stats["cpu"]
+        for h, block in blocks:
+            entry = self.host[("block", h)]
+            rows = slice(block * self.bs, (block + 1) * self.bs)
+            for l in self.mla:
+                cache.latent[l][rows].copy_(entry[f"latent.{l}"], non_blocking=self.pin)
+            self.index.cpu.touch(("block", h))
+        for h, slot in states:
+            entry = self.host[("state", h)]
+            for l in self.kda:
+                cache.recurrent[l][slot].copy_(entry[f"recurrent.{l}"], non_blocking=self.pin)
+                cache.conv[l][slot].copy_(entry[f"conv.{l}"], non_blocking=self.pin)
+            self.index.cpu.touch(("state", h))
+        n = len(blocks) + len(states)
+        if n:
+            st.hits += n
+            st.bytes_read += len(blocks) * self.entry_bytes["block"] + len(states) * self.entry_bytes["state"]
+            st.load_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Finish queued writes (a restart then finds them) and stop the threads."""
+        self._finalizer()
+
+
+def _stop(reads: queue.Queue, writes: queue.Queue, threads: list, timeout: float = 30.0) -> None:
+    if threads:
+        reads.put(None)
+        writes.put(None)
+        for t in threads:
+            t.join(timeout)
+        threads.clear()
+
+
+def cache_device(cache) -> torch.device:
+    t = next(t for t in cache.latent + cache.recurrent if t is not None)
+    return t.device

