@@ -41,6 +41,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                                               "with each request's hand-off (latent rows + KDA state) and its time")
     p.add_argument("--pd-cached-tokens", type=int, default=0,
                    help="prompt tokens the decode side already holds (prefix-aware hand-off sends only the rest)")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory for prefix-cache tiers: how many conversations it holds")
+    p.add_argument("--kv-offloading-dir-size", type=float, default=0.0, help="GiB of the directory tier, likewise")
+    p.add_argument("--turns", type=int, default=4, help="KDA checkpoints a conversation keeps in the tiers")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")
@@ -95,6 +99,12 @@ def run_plan(args: argparse.Namespace) -> int:
         best = report.best()
         report.pd = pd_layout(cfg, best.gpu, best.layout.num_gpus, *parse_pd(args.pd), args.context,
                               args.kv_cache_dtype, args.pd_cached_tokens)
+    if args.kv_offloading_size or args.kv_offloading_dir_size:
+        from k3serve.planner.tiers import tier_capacity
+
+        token_bytes = report.token_bytes_fp8 if args.kv_cache_dtype == "fp8" else report.token_bytes
+        report.tiers = tier_capacity(token_bytes, report.state_bytes, args.context, args.turns,
+                                     args.kv_offloading_size, args.kv_offloading_dir_size)
     if args.json:
         print(to_json(report, args.top))
     elif args.markdown:

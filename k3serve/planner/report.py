@@ -50,6 +50,7 @@ def report_dict(rep: PlanReport, top: int = 10) -> dict:
         "layouts": [result_dict(r) for r in shown(rep, top)],
         "best_per_gpu": [result_dict(r) for r in rep.best_per_gpu()],
         "disaggregation": rep.pd.to_dict() if rep.pd else None,
+        "prefix_cache_tiers": rep.tiers.to_dict() if rep.tiers else None,
         "assumed": rep.assumed,
         "assumptions": assumption_lines(rep)[len(rep.assumed):],
     }
@@ -103,7 +104,7 @@ def summary_lines(rep: PlanReport) -> list[str]:
     if rep.optimize == "cost":
         prices = ", ".join(f"{g.name} ${g.usd_per_hour:g}" for g in rep.gpus)
         lines.append(f"price per GPU-hour: {prices} (illustrative; --price GPU=USD overrides)")
-    return lines + pd_lines(rep)
+    return lines + pd_lines(rep) + ([rep.tiers.line()] if rep.tiers is not None else [])
 
 
 def pd_lines(rep: PlanReport) -> list[str]:

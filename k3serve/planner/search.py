@@ -76,6 +76,7 @@ class PlanReport:
     gpus: list[GPU] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)  # workload questions not asked: what was assumed
     pd: "PDLayout | None" = None  # --pd: the best layout as P prefill + D decode instances (disagg.py)
+    tiers: "TierCapacity | None" = None  # --kv-offloading-size / -dir-size (tiers.py)
 
     def best(self) -> LayoutResult | None:
         return next((r for r in self.results if r.fits), None)

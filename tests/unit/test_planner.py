@@ -355,3 +355,20 @@ def test_k3serves_launch_line_is_a_layout_it_runs(capsys):
     assert line.split("  #")[0] == flat.commands["k3serve"].split("  #")[0]
     assert "--enable-expert-parallel" in line and "--nnodes 2" in line
     assert rep.launch()["vllm"] == best.commands["vllm"]
+
+
+def test_tier_capacity_counts_the_bytes_the_engine_stores(tiny_k3_dir, capsys):
+    """The planner's bytes per conversation == what an engine's host tier holds after one
+    (4 blocks of latent rows + 1 KDA checkpoint), and the CLI reports the tiers."""
+    from k3serve import LLM, SamplingParams
+    from k3serve.planner.tiers import tier_capacity
+
+    llm = LLM(str(tiny_k3_dir), kernels="torch", cache_memory="8MiB", max_model_len=256, kv_offloading_size=0.01)
+    llm.generate([{"prompt_token_ids": list(range(1, 66))}], SamplingParams(temperature=0, max_tokens=1))
+    plan = llm.engine.plan
+    cap = tier_capacity(plan.token_bytes, plan.slot_bytes, 64, 1, 0.01, 0.0)
+    assert cap.bytes_per_conversation == llm.engine.tiers.index.cpu.used
+    assert main(["plan", "--gpu", "H200", "--num-gpus", "16", "--context", "32768", "--kv-offloading-size", "512",
+                 "--kv-offloading-dir-size", "4096", "--json"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["prefix_cache_tiers"]
+    assert tiers["host_conversations"] == 512 * 2**30 // tiers["bytes_per_conversation"] > 0
