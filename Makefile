@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-slow bench inspect clean
+.PHONY: serve test test-slow lint bench inspect clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)  # ruff's settings are in pyproject.toml; `ruff format k3serve tests bench` fixes the layout
+	$(PY) -m ruff check k3serve tests bench
+	$(PY) -m ruff format --check k3serve tests bench
 
 bench: $(STAMP)
 	$(PY) bench/kda_prefill.py

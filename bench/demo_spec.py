@@ -30,18 +30,24 @@ N = 8
 def prompt_sets(llm: LLM) -> dict[str, list[list[int]]]:
     r = ChatRenderer("kimi_k3", llm.get_tokenizer(), llm.engine.model_path)
     rng = random.Random(99)
-    tools = [r.render([{"role": "user", "content": tool_case(rng)[0]}], ChatOptions(tools=TOOLS)).token_ids
-             for _ in range(N)]
-    arith = [r.render([{"role": "user", "content": arithmetic(rng, held_out=True)[0]}], ChatOptions()).token_ids
-             for _ in range(N)]
+    tools = [
+        r.render([{"role": "user", "content": tool_case(rng)[0]}], ChatOptions(tools=TOOLS)).token_ids for _ in range(N)
+    ]
+    arith = [
+        r.render([{"role": "user", "content": arithmetic(rng, held_out=True)[0]}], ChatOptions()).token_ids
+        for _ in range(N)
+    ]
     return {"tool-call": tools, "templated-answer": arith}
 
 
 def timed(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     """(seconds, tokens) of one greedy chat answer."""
     t = time.perf_counter()
-    n = len(llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=160))[0]
-            .outputs[0].token_ids)
+    n = len(
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=160))[0]
+        .outputs[0]
+        .token_ids
+    )
     return time.perf_counter() - t, n
 
 
@@ -55,11 +61,19 @@ def main() -> None:
     if path is None:
         raise SystemExit("no bundled demo model in this install")
     kw = dict(cache_memory="256MiB", max_model_len=2048)
-    engines = {"off": LLM(str(path), **kw),
-               "dspark": LLM(str(path), speculative_config={"method": "dspark", "model": "dspark",
-                                                            "num_speculative_tokens": args.k}, **kw),
-               "ngram": LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": args.k,
-                                                           "prompt_lookup_min": 2}, **kw)}
+    engines = {
+        "off": LLM(str(path), **kw),
+        "dspark": LLM(
+            str(path),
+            speculative_config={"method": "dspark", "model": "dspark", "num_speculative_tokens": args.k},
+            **kw,
+        ),
+        "ngram": LLM(
+            str(path),
+            speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2},
+            **kw,
+        ),
+    }
     results = {}
     for name, prompts in prompt_sets(engines["off"]).items():
         times = {k: [[] for _ in prompts] for k in engines}  # [prompt][repeat] seconds
@@ -75,15 +89,23 @@ def main() -> None:
                     tokens[k] += n if rep == 0 else 0
         best_run = {k: tokens[k] / min(map(sum, zip(*v))) for k, v in times.items()}
         per_prompt = {k: tokens[k] / sum(map(min, v)) for k, v in times.items()}
-        results[name] = {k: {"tok_per_s": per_prompt[k], "ratio_vs_off": per_prompt[k] / per_prompt["off"],
-                             "best_run_tok_per_s": best_run[k], "best_run_ratio_vs_off": best_run[k] / best_run["off"],
-                             "mean_acceptance_length": e.engine.spec.stats.mean_acceptance_length if e.engine.spec
-                             else None} for k, e in engines.items()}
+        results[name] = {
+            k: {
+                "tok_per_s": per_prompt[k],
+                "ratio_vs_off": per_prompt[k] / per_prompt["off"],
+                "best_run_tok_per_s": best_run[k],
+                "best_run_ratio_vs_off": best_run[k] / best_run["off"],
+                "mean_acceptance_length": e.engine.spec.stats.mean_acceptance_length if e.engine.spec else None,
+            }
+            for k, e in engines.items()
+        }
         print(f"{name} ({N} prompts, greedy, single user; per-prompt best | best run):")
         for k, r in results[name].items():
             acc = f"  mean acceptance length {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else ""
-            print(f"  {k:7s} {r['tok_per_s']:7.1f} tok/s  x{r['ratio_vs_off']:.2f} | {r['best_run_tok_per_s']:7.1f} "
-                  f"tok/s  x{r['best_run_ratio_vs_off']:.2f}{acc}")
+            print(
+                f"  {k:7s} {r['tok_per_s']:7.1f} tok/s  x{r['ratio_vs_off']:.2f} | {r['best_run_tok_per_s']:7.1f} "
+                f"tok/s  x{r['best_run_ratio_vs_off']:.2f}{acc}"
+            )
     out = Path(__file__).parent / "results" / "demo_spec.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

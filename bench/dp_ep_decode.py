@@ -44,8 +44,15 @@ def measure(name: str, path: Path, streams: list[int], tokens: int, setups: list
     dps = {}
     for setup in setups:  # "<data-parallel backend>/<all2all backend>[/tp<N>]"
         dp_backend, a2a, *tp = setup.split("/")
-        dps[setup] = LLM(str(path), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=a2a,
-                         data_parallel_backend=dp_backend, tensor_parallel_size=int(tp[0][2:]) if tp else 1, **kw)
+        dps[setup] = LLM(
+            str(path),
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+            all2all_backend=a2a,
+            data_parallel_backend=dp_backend,
+            tensor_parallel_size=int(tp[0][2:]) if tp else 1,
+            **kw,
+        )
     res: dict = {}
     for n in streams:
         run(one, n, 4)
@@ -61,14 +68,24 @@ def measure(name: str, path: Path, streams: list[int], tokens: int, setups: list
                 after = comm(dp)
                 same &= t1 == t2
                 if s2 > best[b]:
-                    per[b] = {k: {"per_step_per_replica": (c - before.get(k, (0, 0))[0]) / tokens / 2,
-                                  "bytes_per_token": (v - before.get(k, (0, 0))[1]) / (tokens * n)}
-                              for k, (c, v) in after.items()}
+                    per[b] = {
+                        k: {
+                            "per_step_per_replica": (c - before.get(k, (0, 0))[0]) / tokens / 2,
+                            "bytes_per_token": (v - before.get(k, (0, 0))[1]) / (tokens * n),
+                        }
+                        for k, (c, v) in after.items()
+                    }
                 best[b] = max(best[b], s2)
-        res[n] = {"one_tok_s": best1, "greedy_identical": same,
-                  **{b: {"tok_s": best[b], "ratio": best[b] / best1, "collectives": per[b]} for b in dps}}
-        line = "  ".join(f"{b} {best[b]:7.1f} tok/s ({best[b] / best1:.2f}x, "
-                         f"{sum(v['bytes_per_token'] for v in per[b].values()):,.0f} B/token)" for b in dps)
+        res[n] = {
+            "one_tok_s": best1,
+            "greedy_identical": same,
+            **{b: {"tok_s": best[b], "ratio": best[b] / best1, "collectives": per[b]} for b in dps},
+        }
+        line = "  ".join(
+            f"{b} {best[b]:7.1f} tok/s ({best[b] / best1:.2f}x, "
+            f"{sum(v['bytes_per_token'] for v in per[b].values()):,.0f} B/token)"
+            for b in dps
+        )
         print(f"{name:18s} {n:2d} streams: one {best1:7.1f} tok/s  DP2+EP2 {line}  greedy identical: {same}")
     res["planner_bytes_per_token"] = planner_bytes_per_token(path, 2)
     print(f"{'':18s} planner's model per token: {res['planner_bytes_per_token']}")
@@ -81,13 +98,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--setups", nargs="+", default=["threads/allgather_reducescatter", "mp/allgather_reducescatter",
-                                                    "mp/alltoall"],
-                    help="<--data-parallel-backend>/<--all2all-backend>[/tp<N>] setups to measure (tp2: TP inside "
-                         "each DP-attention rank, 2 x N worker processes)")
+    ap.add_argument(
+        "--setups",
+        nargs="+",
+        default=["threads/allgather_reducescatter", "mp/allgather_reducescatter", "mp/alltoall"],
+        help="<--data-parallel-backend>/<--all2all-backend>[/tp<N>] setups to measure (tp2: TP inside "
+        "each DP-attention rank, 2 x N worker processes)",
+    )
     args = ap.parse_args()
-    results = {name: measure(name, path, args.streams, args.tokens, args.setups)
-               for name, (path, _) in checkpoints("tiny").items()}
+    results = {
+        name: measure(name, path, args.streams, args.tokens, args.setups)
+        for name, (path, _) in checkpoints("tiny").items()
+    }
     out = Path(__file__).parent / "results" / "dp_ep_decode.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

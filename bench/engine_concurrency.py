@@ -23,8 +23,9 @@ NUM_REQUESTS, PROMPT_LEN, NEW_TOKENS = 16, 16, 64
 
 def prompts() -> list[dict]:
     g = torch.Generator().manual_seed(0)
-    return [{"prompt_token_ids": torch.randint(1, 500, (PROMPT_LEN,), generator=g).tolist()}
-            for _ in range(NUM_REQUESTS)]
+    return [
+        {"prompt_token_ids": torch.randint(1, 500, (PROMPT_LEN,), generator=g).tolist()} for _ in range(NUM_REQUESTS)
+    ]
 
 
 def tok_per_s(llm: LLM, concurrent: bool) -> float:
@@ -59,9 +60,21 @@ def main() -> None:
     print(f"  ratio      : {ratio:8.2f}x (target >= 5x)")
     out = Path(__file__).parent / "results" / "engine_concurrency.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"model": str(ensure_default_model()), "startup_log": lines, "tok_per_s": best,
-                               "ratio": ratio, "all": runs, "num_requests": NUM_REQUESTS,
-                               "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "model": str(ensure_default_model()),
+                "startup_log": lines,
+                "tok_per_s": best,
+                "ratio": ratio,
+                "all": runs,
+                "num_requests": NUM_REQUESTS,
+                "prompt_len": PROMPT_LEN,
+                "new_tokens": NEW_TOKENS,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

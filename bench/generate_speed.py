@@ -19,15 +19,15 @@ NEW_TOKENS = 64
 
 def run(llm: LLM) -> float:
     t = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": PROMPT}],
-                       SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    out = llm.generate(
+        [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    )
     return len(out[0].outputs[0].token_ids) / (time.perf_counter() - t)
 
 
 def main() -> None:
     path = ensure_default_model()
-    gens = {name: LLM(str(path), dtype=name, cache_memory="64MiB", max_num_seqs=1)
-            for name in ("float32", "bfloat16")}
+    gens = {name: LLM(str(path), dtype=name, cache_memory="64MiB", max_num_seqs=1) for name in ("float32", "bfloat16")}
     speeds: dict[str, list[float]] = {k: [] for k in gens}
     for _ in range(3):
         for name, gen in gens.items():

@@ -34,8 +34,12 @@ def main() -> None:
         t = time.perf_counter()
         figures = vs_llamacpp.k3serve_numbers(ckpt, (8, 16))
         out["results"][name] = figures
-        print(f"{name:14s} " + "  ".join(f"{k} {v:8.1f} tok/s" for k, v in figures.items())
-              + f"  ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(
+            f"{name:14s} "
+            + "  ".join(f"{k} {v:8.1f} tok/s" for k, v in figures.items())
+            + f"  ({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
     path = Path(__file__).parent / "results" / "gpu_decode.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -37,9 +37,18 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEv
 def engine(ckpt: Path, streams: list[int], kernels: str, compile_backend: str, eager: bool = False):
     from k3serve import LLM
 
-    return LLM(str(ckpt), dtype="bfloat16", kernels=kernels, enforce_eager=eager, cache_memory="512MiB",
-               max_num_seqs=max(streams), max_model_len=256, block_size=64, enable_prefix_caching=False,
-               compilation_config={"backend": compile_backend, "cudagraph_capture_sizes": sorted(set(streams))})
+    return LLM(
+        str(ckpt),
+        dtype="bfloat16",
+        kernels=kernels,
+        enforce_eager=eager,
+        cache_memory="512MiB",
+        max_num_seqs=max(streams),
+        max_model_len=256,
+        block_size=64,
+        enable_prefix_caching=False,
+        compilation_config={"backend": compile_backend, "cudagraph_capture_sizes": sorted(set(streams))},
+    )
 
 
 def prompts(n: int) -> list[dict]:
@@ -100,18 +109,32 @@ def main() -> None:
             graph = engine(ckpt, streams + buckets, kernels, args.compile_backend)
             eager = engine(ckpt, streams + buckets, kernels, args.compile_backend, eager=True)
             greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-            same = {n: [o.outputs[0].token_ids for o in graph.generate(prompts(n), greedy)]
-                    == [o.outputs[0].token_ids for o in eager.generate(prompts(n), greedy)] for n in buckets}
+            same = {
+                n: [o.outputs[0].token_ids for o in graph.generate(prompts(n), greedy)]
+                == [o.outputs[0].token_ids for o in eager.generate(prompts(n), greedy)]
+                for n in buckets
+            }
             del eager
-            f = {"replay_equals_eager": same, "tok_s": {n: tok_s(graph, n) for n in streams},
-                 "waits_per_step": waits_per_step(graph), "compiles": graph.engine.runner.rank.graphs.compiles}
+            f = {
+                "replay_equals_eager": same,
+                "tok_s": {n: tok_s(graph, n) for n in streams},
+                "waits_per_step": waits_per_step(graph),
+                "compiles": graph.engine.runner.rank.graphs.compiles,
+            }
             del graph
             f["speedup_vs_torch"] = {n: f["tok_s"][n] / fig["torch_tok_s"][n] for n in streams}
             fig[kernels] = f
-            print(f"{name} [{kernels}]: replay == eager {same}; " + ", ".join(
-                f"{n} streams {f['tok_s'][n]:.0f} tok/s vs {fig['torch_tok_s'][n]:.0f} torch "
-                f"({f['speedup_vs_torch'][n]:.1f}x)" for n in streams) + f"; waits a step {f['waits_per_step']}; "
-                f"{f['compiles']} compiles", flush=True)
+            print(
+                f"{name} [{kernels}]: replay == eager {same}; "
+                + ", ".join(
+                    f"{n} streams {f['tok_s'][n]:.0f} tok/s vs {fig['torch_tok_s'][n]:.0f} torch "
+                    f"({f['speedup_vs_torch'][n]:.1f}x)"
+                    for n in streams
+                )
+                + f"; waits a step {f['waits_per_step']}; "
+                f"{f['compiles']} compiles",
+                flush=True,
+            )
         fig["seconds"] = time.perf_counter() - t0
         out["results"][name] = fig
     path = Path(__file__).parent / "results" / "graph_decode.json"

@@ -20,7 +20,7 @@ SHAPES = [("tiny K3 (H=4, D=16)", 4, 16), ("H=2, D=128 (K3 head size)", 2, 128),
 
 def inputs(T: int, H: int, D: int):
     g = torch.Generator().manual_seed(0)
-    q = l2_normalize(torch.randn(T, H, D, generator=g)) * D ** -0.5
+    q = l2_normalize(torch.randn(T, H, D, generator=g)) * D**-0.5
     k = l2_normalize(torch.randn(T, H, D, generator=g))
     v = torch.randn(T, H, D, generator=g)
     gate = -5.0 * torch.sigmoid(torch.randn(T, H, D, generator=g))
@@ -44,10 +44,13 @@ def main(T: int = 2048) -> None:
         args = inputs(T, H, D)
         with flush_denormals():  # as the KDA layer runs both paths; applies to both algorithms
             chunked, recurrent = best_of(kda_chunked, args), best_of(kda_recurrent, args)
-        rows.append({"shape": name, "tokens": T, "chunked_s": chunked, "recurrent_s": recurrent,
-                     "speedup": recurrent / chunked})
-        print(f"{name:28s} chunked {chunked * 1e3:8.1f} ms  recurrent {recurrent * 1e3:8.1f} ms  "
-              f"speedup {recurrent / chunked:5.2f}x")
+        rows.append(
+            {"shape": name, "tokens": T, "chunked_s": chunked, "recurrent_s": recurrent, "speedup": recurrent / chunked}
+        )
+        print(
+            f"{name:28s} chunked {chunked * 1e3:8.1f} ms  recurrent {recurrent * 1e3:8.1f} ms  "
+            f"speedup {recurrent / chunked:5.2f}x"
+        )
     out = Path(__file__).parent / "results" / "kda_prefill.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": rows}, indent=2))

@@ -34,8 +34,17 @@ def prefill(llm: LLM) -> float:
 
 def main() -> None:
     path = ensure_default_model()
-    llms = {mode: LLM(str(path), dtype="bfloat16", cache_memory="64MiB", max_num_seqs=16, kernels=mode,
-                      enable_prefix_caching=False) for mode in ("torch", "cpp")}
+    llms = {
+        mode: LLM(
+            str(path),
+            dtype="bfloat16",
+            cache_memory="64MiB",
+            max_num_seqs=16,
+            kernels=mode,
+            enable_prefix_caching=False,
+        )
+        for mode in ("torch", "cpp")
+    }
     cases = {"decode_1": lambda l: decode(l, 1), "decode_16": lambda l: decode(l, 16), "prefill_512": prefill}
     result = {}
     for name, fn in cases.items():
@@ -45,8 +54,10 @@ def main() -> None:
                 runs[mode].append(fn(llm))
         best = {mode: max(v) for mode, v in runs.items()}
         result[name] = {"tok_per_s": best, "ratio_cpp_over_torch": best["cpp"] / best["torch"], "all": runs}
-        print(f"{name:12s} torch {best['torch']:8.1f} tok/s   kernels {best['cpp']:8.1f} tok/s   "
-              f"x{best['cpp'] / best['torch']:.2f}")
+        print(
+            f"{name:12s} torch {best['torch']:8.1f} tok/s   kernels {best['cpp']:8.1f} tok/s   "
+            f"x{best['cpp'] / best['torch']:.2f}"
+        )
     out = Path(__file__).parent / "results" / "moe_kernels.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"model": str(path), **result}, indent=2))

@@ -24,8 +24,17 @@ from pathlib import Path
 import httpx
 
 EXE = [sys.executable, "-m", "k3serve"]
-COMMON = ["--cache-memory", "256MiB", "--max-model-len", "2048", "--block-size", "16", "--disable-log-stats",
-          "--uvicorn-log-level", "warning"]
+COMMON = [
+    "--cache-memory",
+    "256MiB",
+    "--max-model-len",
+    "2048",
+    "--block-size",
+    "16",
+    "--disable-log-stats",
+    "--uvicorn-log-level",
+    "warning",
+]
 
 
 def free_port() -> int:
@@ -36,8 +45,12 @@ def free_port() -> int:
 
 def start(args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen(EXE + args + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = subprocess.Popen(
+        EXE + args + ["--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -75,18 +88,45 @@ def main() -> None:
         rt_p, router = start(["router", "--prefill", prefill, "--decode", decode, "--uvicorn-log-level", "warning"])
         procs.append(rt_p)
         result_file = out.with_name(f"pd_router_{connector}_ablation.json")
-        subprocess.run(EXE + ["bench", "--ablate", colocated, router, "--ablate-rounds", "2", "--num-prompts", "12",
-                              "--random-input-len", "512", "--random-output-len", "32", "--max-concurrency", "1",
-                              "--ignore-eos", "--no-progress", "--save-result", "--result-filename", str(result_file)],
-                       check=True)
+        subprocess.run(
+            EXE
+            + [
+                "bench",
+                "--ablate",
+                colocated,
+                router,
+                "--ablate-rounds",
+                "2",
+                "--num-prompts",
+                "12",
+                "--random-input-len",
+                "512",
+                "--random-output-len",
+                "32",
+                "--max-concurrency",
+                "1",
+                "--ignore-eos",
+                "--no-progress",
+                "--save-result",
+                "--result-filename",
+                str(result_file),
+            ],
+            check=True,
+        )
         ablation = json.loads(result_file.read_text())
         pulls = metric(decode, "k3serve:kv_pulls_total")
-        result = {"connector": connector, "ablation": ablation, "pulls": pulls,
-                  "bytes_per_request": metric(decode, "k3serve:kv_transfer_bytes_total") / max(pulls, 1),
-                  "pull_ms_per_request": 1000 * metric(decode, "k3serve:kv_pull_seconds_total") / max(pulls, 1)}
+        result = {
+            "connector": connector,
+            "ablation": ablation,
+            "pulls": pulls,
+            "bytes_per_request": metric(decode, "k3serve:kv_transfer_bytes_total") / max(pulls, 1),
+            "pull_ms_per_request": 1000 * metric(decode, "k3serve:kv_pull_seconds_total") / max(pulls, 1),
+        }
         out.write_text(json.dumps(result, indent=2))
-        print(f"hand-off: {result['bytes_per_request'] / 1e6:.2f} MB and {result['pull_ms_per_request']:.1f} ms "
-              f"per request ({pulls:.0f} pulls)")
+        print(
+            f"hand-off: {result['bytes_per_request'] / 1e6:.2f} MB and {result['pull_ms_per_request']:.1f} ms "
+            f"per request ({pulls:.0f} pulls)"
+        )
     finally:
         for p in procs:
             p.terminate()

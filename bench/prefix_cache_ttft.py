@@ -42,9 +42,11 @@ def ttft(llm: LLM, prompt: list[int]) -> float:
 def main() -> None:
     path = str(ensure_default_model())
     kw = dict(cache_memory="512MiB", max_model_len=4096, max_num_batched_tokens=4096)
-    engines = {"off": LLM(path, enable_prefix_caching=False, **kw),
-               "interval256": LLM(path, prefix_cache_state_interval=256, **kw),
-               "default": LLM(path, **kw)}
+    engines = {
+        "off": LLM(path, enable_prefix_caching=False, **kw),
+        "interval256": LLM(path, prefix_cache_state_interval=256, **kw),
+        "default": LLM(path, **kw),
+    }
     times: dict[str, list[float]] = {k: [] for k in engines}
     for rep in range(3):
         base = tokens(PROMPT, seed=rep)
@@ -66,10 +68,19 @@ def main() -> None:
     print(f"hit tokens over the run: {hit}")
     out = Path(__file__).parent / "results" / "prefix_cache_ttft.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"ttft_ms": best, "all_s": times, "ratio_interval256": best["off"] / best["interval256"],
-                               "ratio_default_second_sharer": best["off"] / best["default"],
-                               "checkpoint_bytes": {"tiny_k3": tiny_ckpt, "kimi_k3": k3_ckpt},
-                               "hit_tokens": hit}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "ttft_ms": best,
+                "all_s": times,
+                "ratio_interval256": best["off"] / best["interval256"],
+                "ratio_default_second_sharer": best["off"] / best["default"],
+                "checkpoint_bytes": {"tiny_k3": tiny_ckpt, "kimi_k3": k3_ckpt},
+                "hit_tokens": hit,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ from k3serve.testing.builder import build_tiny_checkpoint
 def conversations(args):
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(1, 500, (n,), generator=g).tolist()  # noqa: E731
-    return [rand(args.history) for _ in range(args.conversations)], \
-        [[rand(args.turn_tokens) for _ in range(args.turns)] for _ in range(args.conversations)]
+    return [rand(args.history) for _ in range(args.conversations)], [
+        [rand(args.turn_tokens) for _ in range(args.turns)] for _ in range(args.conversations)
+    ]
 
 
 def serve(llm, docs, turns, answer, replay=None):
@@ -70,10 +71,15 @@ def summary(rows, seconds):
     later = [r for r in rows if r[0] >= 2]
     ttft = sorted(r[1] for r in later)
     computed = sum(r[2] - r[3] for r in rows)
-    return {"requests": len(rows), "ttft_p50_ms": 1e3 * statistics.median(ttft),
-            "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "cached_tokens": sum(r[3] for r in later), "prompt_tokens": sum(r[2] for r in later),
-            "prefill_tok_s": computed / max(1e-9, sum(r[1] for r in rows)), "seconds": seconds}
+    return {
+        "requests": len(rows),
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "cached_tokens": sum(r[3] for r in later),
+        "prompt_tokens": sum(r[2] for r in later),
+        "prefill_tok_s": computed / max(1e-9, sum(r[1] for r in rows)),
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -96,15 +102,32 @@ def main() -> None:
     # a tenth of the working set, at least one whole request plus its checkpoints
     device = max(working_set // 10, 2 * (final + 64) * token_bytes + 8 * slot_bytes)
     host_gib = 2 * (working_set + args.conversations * args.turns * 2 * slot_bytes) / 2**30
-    base = dict(kernels=args.kernels, cache_memory=int(device), max_model_len=final + 64, max_num_seqs=4,
-                max_num_batched_tokens=2048, seed=0)
+    base = dict(
+        kernels=args.kernels,
+        cache_memory=int(device),
+        max_model_len=final + 64,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        seed=0,
+    )
     disk = work / "tiers"
-    modes = {"off": {}, "cpu": dict(kv_offloading_size=host_gib),
-             "cpu+disk": dict(kv_offloading_size=host_gib, kv_offloading_dir=str(disk))}
-    out = {"args": vars(args), "working_set_MiB": working_set / 2**20, "device_pool_MiB": device / 2**20,
-           "host_GiB": host_gib, "results": {}}
-    print(f"working set {working_set / 2**20:.1f} MiB, device pool {device / 2**20:.1f} MiB "
-          f"({working_set / device:.1f}x), host tier {host_gib * 1024:.0f} MiB", flush=True)
+    modes = {
+        "off": {},
+        "cpu": dict(kv_offloading_size=host_gib),
+        "cpu+disk": dict(kv_offloading_size=host_gib, kv_offloading_dir=str(disk)),
+    }
+    out = {
+        "args": vars(args),
+        "working_set_MiB": working_set / 2**20,
+        "device_pool_MiB": device / 2**20,
+        "host_GiB": host_gib,
+        "results": {},
+    }
+    print(
+        f"working set {working_set / 2**20:.1f} MiB, device pool {device / 2**20:.1f} MiB "
+        f"({working_set / device:.1f}x), host tier {host_gib * 1024:.0f} MiB",
+        flush=True,
+    )
     last = None
     for name, kw in modes.items():
         llm = LLM(str(ckpt), **base, **kw)

@@ -35,8 +35,12 @@ def prompt_sets() -> dict[str, tuple[list[dict], SamplingParams]]:
     low = [{"prompt_token_ids": torch.randint(1, 500, (6,), generator=g).tolist() * 5} for _ in range(N_PROMPTS)]
     high = [{"prompt_token_ids": torch.randint(1, 500, (30,), generator=g).tolist()} for _ in range(N_PROMPTS)]
     return {
-        "low-entropy": (low, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True,
-                                            logit_bias={11: 6.0, 22: 6.0, 33: 6.0, 44: 6.0})),
+        "low-entropy": (
+            low,
+            SamplingParams(
+                temperature=0, max_tokens=NEW, ignore_eos=True, logit_bias={11: 6.0, 22: 6.0, 33: 6.0, 44: 6.0}
+            ),
+        ),
         "high-entropy": (high, SamplingParams(temperature=1.0, seed=0, max_tokens=NEW, ignore_eos=True)),
     }
 
@@ -52,16 +56,23 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     cfg = load_model_config(path)
     torch.manual_seed(0)
-    untrained = save_dspark(DSparkModel(DSparkConfig((1, 4, 6), K, cfg.pad_token_id, cfg.vocab_size,
-                                                     cfg.hidden_size, markov_rank=16)), tmp / "untrained")
+    untrained = save_dspark(
+        DSparkModel(DSparkConfig((1, 4, 6), K, cfg.pad_token_id, cfg.vocab_size, cfg.hidden_size, markov_rank=16)),
+        tmp / "untrained",
+    )
     distilled = distill_dspark(path, str(tmp / "distilled"), block_size=K, steps=300, num_seqs=96, seq_len=64)["out"]
-    engines = {"off": LLM(path, **KW),
-               "ngram": LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": K,
-                                                      "prompt_lookup_min": 2}, **KW),
-               "dspark-untrained": LLM(path, speculative_config={"method": "dspark", "model": str(untrained),
-                                                                 "num_speculative_tokens": K}, **KW),
-               "dspark-distilled": LLM(path, speculative_config={"method": "dspark", "model": distilled,
-                                                                 "num_speculative_tokens": K}, **KW)}
+    engines = {
+        "off": LLM(path, **KW),
+        "ngram": LLM(
+            path, speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2}, **KW
+        ),
+        "dspark-untrained": LLM(
+            path, speculative_config={"method": "dspark", "model": str(untrained), "num_speculative_tokens": K}, **KW
+        ),
+        "dspark-distilled": LLM(
+            path, speculative_config={"method": "dspark", "model": distilled, "num_speculative_tokens": K}, **KW
+        ),
+    }
     results = {}
     for set_name, (prompts, sp) in prompt_sets().items():
         speeds = {k: [] for k in engines}
@@ -75,9 +86,12 @@ def main() -> None:
         row = {}
         for name, llm in engines.items():
             st = llm.engine.spec.stats if llm.engine.spec else None
-            row[name] = {"tok_per_s": best[name], "ratio_vs_off": best[name] / best["off"],
-                         "mean_acceptance_length": st.mean_acceptance_length if st else None,
-                         "accepted_per_position": st.accepted_per_position if st else None}
+            row[name] = {
+                "tok_per_s": best[name],
+                "ratio_vs_off": best[name] / best["off"],
+                "mean_acceptance_length": st.mean_acceptance_length if st else None,
+                "accepted_per_position": st.accepted_per_position if st else None,
+            }
         results[set_name] = row
         print(f"{set_name} ({N_PROMPTS} prompts x {NEW} tokens, single user):")
         for name, r in row.items():

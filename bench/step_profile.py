@@ -64,8 +64,11 @@ class OpsByModule(TorchDispatchMode):
 def decode_steps(llm: LLM, steps: int) -> Iterator[None]:
     """One request: its prefill and first decode step, (a pause), then `steps` decode steps."""
     eng = llm.engine
-    eng.add_request("profiled", {"prompt_token_ids": list(range(1, 33))},
-                    SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    eng.add_request(
+        "profiled",
+        {"prompt_token_ids": list(range(1, 33))},
+        SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True),
+    )
     eng.step(), eng.step()
     yield
     for _ in range(steps):
@@ -75,8 +78,15 @@ def decode_steps(llm: LLM, steps: int) -> Iterator[None]:
 
 
 def profile_backend(args, kernels: str, **engine) -> dict:
-    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, kernels=kernels,
-              cache_memory="64MiB", max_num_seqs=1, enable_prefix_caching=False, **engine)
+    llm = LLM(
+        str(args.model or ensure_default_model()),
+        dtype=args.dtype,
+        kernels=kernels,
+        cache_memory="64MiB",
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        **engine,
+    )
     device = llm.engine.runner.device
     llm.generate([{"prompt_token_ids": list(range(1, 33))}], SamplingParams(temperature=0, max_tokens=8))  # warm-up
 
@@ -104,7 +114,10 @@ def profile_backend(args, kernels: str, **engine) -> dict:
     n, layers = args.steps, llm.engine.model.cfg.num_layers
     ops = sum(counter.counts.values()) / n
     return {
-        "device": str(device), "dtype": args.dtype, "kernels": kernels, "backend": llm.engine.model.model.backend.name,
+        "device": str(device),
+        "dtype": args.dtype,
+        "kernels": kernels,
+        "backend": llm.engine.model.model.backend.name,
         "ms_per_step_profiled": wall / n * 1e3,
         "ops_per_step": ops,
         # the layers' own (what the budget counts): all but the engine's (inputs, sampling, bookkeeping)
@@ -117,9 +130,15 @@ def profile_backend(args, kernels: str, **engine) -> dict:
 
 def time_compiled(args) -> float:
     """ms a decode step of the graph backend compiled (the first steps compile; not timed)."""
-    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, kernels="graph", cache_memory="64MiB",
-              max_num_seqs=1, enable_prefix_caching=False,
-              compilation_config={"backend": args.compile_backend, "cudagraph_capture_sizes": [1]})
+    llm = LLM(
+        str(args.model or ensure_default_model()),
+        dtype=args.dtype,
+        kernels="graph",
+        cache_memory="64MiB",
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        compilation_config={"backend": args.compile_backend, "cudagraph_capture_sizes": [1]},
+    )
     llm.generate([{"prompt_token_ids": list(range(1, 33))}], SamplingParams(temperature=0, max_tokens=40))
     run = decode_steps(llm, args.steps)
     next(run)
@@ -133,7 +152,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny K3)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="torch,auto,graph", help="backends, comma-separated (torch, auto, cpp, graph)")
-    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend the graph backend is timed with")
+    ap.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend the graph backend is timed with"
+    )
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
     results = {}
@@ -141,17 +162,28 @@ def main() -> None:
         r = results[kernels] = profile_backend(args, kernels, **({"enforce_eager": True} if kernels == "graph" else {}))
         if kernels == "graph":
             r["ms_per_step_compiled"] = time_compiled(args)
-        print(f"{r['device']} {args.dtype} --kernels {kernels} ({r['backend']}): "
-              f"{r['ms_per_step_profiled']:.2f} ms a step under the profiler, {r['ops_per_step']:.0f} ops a step, "
-              f"{r['ops_per_layer']:.1f} a layer in the model" + (f"; compiled ({args.compile_backend}) "
-                                                    f"{r['ms_per_step_compiled']:.2f} ms a step" if kernels == "graph" else ""))
+        print(
+            f"{r['device']} {args.dtype} --kernels {kernels} ({r['backend']}): "
+            f"{r['ms_per_step_profiled']:.2f} ms a step under the profiler, {r['ops_per_step']:.0f} ops a step, "
+            f"{r['ops_per_layer']:.1f} a layer in the model"
+            + (
+                f"; compiled ({args.compile_backend}) {r['ms_per_step_compiled']:.2f} ms a step"
+                if kernels == "graph"
+                else ""
+            )
+        )
         print("  ops a step by module: " + ", ".join(f"{k} {v:.0f}" for k, v in r["ops_per_step_by_module"].items()))
-        print("  host/device waits a step: " + (", ".join(f"{k} {v:.1f}" for k, v in r["waits_per_step"].items()) or "none"))
+        print(
+            "  host/device waits a step: "
+            + (", ".join(f"{k} {v:.1f}" for k, v in r["waits_per_step"].items()) or "none")
+        )
         for row in r["top_ops"][:8]:
             print(f"    {row['op']:32s} {row['calls_per_step']:6.1f} calls  {row['us_per_step']:8.1f} us a step")
     if "torch" in results and "graph" in results:
-        print(f"ops a layer: torch {results['torch']['ops_per_layer']:.0f}, graph {results['graph']['ops_per_layer']:.0f} "
-              f"({results['torch']['ops_per_layer'] / results['graph']['ops_per_layer']:.1f}x fewer)")
+        print(
+            f"ops a layer: torch {results['torch']['ops_per_layer']:.0f}, graph {results['graph']['ops_per_layer']:.0f} "
+            f"({results['torch']['ops_per_layer'] / results['graph']['ops_per_layer']:.1f}x fewer)"
+        )
     (OUT / "step_profile.json").write_text(json.dumps(results, indent=2))
 
 

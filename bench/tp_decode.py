@@ -55,8 +55,10 @@ def run(llm: LLM, streams: int, tokens: int) -> tuple[float, list[list[int]]]:
 def planner_bytes_per_token(path: Path, tp: int) -> dict[str, float]:
     cfg = load_model_config(path)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    return {"tp_allreduce_bf16": 2 * cfg.num_layers * cfg.hidden_size * 2 * 2 * (tp - 1) / tp,
-            "ep_alltoall_fp8": 2 * moe_layers * cfg.moe.top_k * cfg.hidden_size / tp}
+    return {
+        "tp_allreduce_bf16": 2 * cfg.num_layers * cfg.hidden_size * 2 * 2 * (tp - 1) / tp,
+        "ep_alltoall_fp8": 2 * moe_layers * cfg.moe.top_k * cfg.hidden_size / tp,
+    }
 
 
 def measure(name: str, path: Path, ep: bool, streams: list[int], tokens: int) -> dict:
@@ -77,22 +79,35 @@ def measure(name: str, path: Path, ep: bool, streams: list[int], tokens: int) ->
                 wall = time.perf_counter() - began
                 same &= t1 == t2
                 if s2 > best2:
-                    comm = {k: (stats.calls[k] - before[0].get(k, 0), stats.bytes[k] - before[1].get(k, 0),
-                                stats.seconds[k] - before[2].get(k, 0.0)) for k in stats.calls}
+                    comm = {
+                        k: (
+                            stats.calls[k] - before[0].get(k, 0),
+                            stats.bytes[k] - before[1].get(k, 0),
+                            stats.seconds[k] - before[2].get(k, 0.0),
+                        )
+                        for k in stats.calls
+                    }
                     comm_wall = wall
                 best1, best2 = max(best1, s1), max(best2, s2)
             steps = tokens  # one decode step per generated token (prefill steps counted in too)
-            row = {"tp1_tok_s": best1, "tp2_tok_s": best2, "ratio": best2 / best1, "greedy_identical": same,
-                   "collectives_per_step": {k: c / steps for k, (c, _, _) in comm.items()},
-                   "collective_share_of_wall": sum(s for _, _, s in comm.values()) / comm_wall,
-                   "allreduce_us_per_step": comm["all_reduce"][2] / steps * 1e6,
-                   "payload_bytes_per_token": {k: b / (steps * n) for k, (_, b, _) in comm.items()}}
+            row = {
+                "tp1_tok_s": best1,
+                "tp2_tok_s": best2,
+                "ratio": best2 / best1,
+                "greedy_identical": same,
+                "collectives_per_step": {k: c / steps for k, (c, _, _) in comm.items()},
+                "collective_share_of_wall": sum(s for _, _, s in comm.values()) / comm_wall,
+                "allreduce_us_per_step": comm["all_reduce"][2] / steps * 1e6,
+                "payload_bytes_per_token": {k: b / (steps * n) for k, (_, b, _) in comm.items()},
+            }
             res["streams"][n] = row
-            print(f"{name:18s} {n:2d} streams: TP1 {best1:7.1f} tok/s  TP2{'+EP' if ep else '   '} {best2:7.1f} tok/s"
-                  f"  ({best2 / best1:.2f}x)  greedy identical: {same}  all-reduce "
-                  f"{row['allreduce_us_per_step']:.0f} us/step ({row['collective_share_of_wall']:.0%} of wall), "
-                  f"{row['collectives_per_step'].get('all_reduce', 0):.1f} per step, "
-                  f"{row['payload_bytes_per_token'].get('all_reduce', 0):,.0f} B/token (fp32)")
+            print(
+                f"{name:18s} {n:2d} streams: TP1 {best1:7.1f} tok/s  TP2{'+EP' if ep else '   '} {best2:7.1f} tok/s"
+                f"  ({best2 / best1:.2f}x)  greedy identical: {same}  all-reduce "
+                f"{row['allreduce_us_per_step']:.0f} us/step ({row['collective_share_of_wall']:.0%} of wall), "
+                f"{row['collectives_per_step'].get('all_reduce', 0):.1f} per step, "
+                f"{row['payload_bytes_per_token'].get('all_reduce', 0):,.0f} B/token (fp32)"
+            )
         res["planner_bytes_per_token"] = planner_bytes_per_token(path, 2)
         print(f"{'':18s} planner's model per token: {res['planner_bytes_per_token']}")
     finally:
@@ -106,8 +121,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--size", choices=("tiny", "400m"), default="tiny")
     args = ap.parse_args()
-    results = {name: measure(name, path, ep, args.streams, args.tokens)
-               for name, (path, ep) in checkpoints(args.size).items()}
+    results = {
+        name: measure(name, path, ep, args.streams, args.tokens) for name, (path, ep) in checkpoints(args.size).items()
+    }
     out = Path(__file__).parent / "results" / f"tp_decode_{args.size}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -97,13 +97,17 @@ def moe_case(s, B, device):
     w = torch.ones(B, k, device=device) / k
     z = torch.randn(B, d, device=device, dtype=torch.bfloat16)
     if s["mxfp4"]:
-        mats = [torch.randint(0, 256, (E, o, i // 2), dtype=torch.uint8, device=device) for o, i in
-                ((inter, d), (d, inter), (inter, d))]
+        mats = [
+            torch.randint(0, 256, (E, o, i // 2), dtype=torch.uint8, device=device)
+            for o, i in ((inter, d), (d, inter), (inter, d))
+        ]
         scales = [torch.full((E, m.shape[1], m.shape[2] // 16), 120, dtype=torch.uint8, device=device) for m in mats]
         per_param = 0.53125
     else:
-        mats = [torch.randn(E, o, i, device=device, dtype=torch.bfloat16) * 0.02 for o, i in
-                ((inter, d), (d, inter), (inter, d))]
+        mats = [
+            torch.randn(E, o, i, device=device, dtype=torch.bfloat16) * 0.02
+            for o, i in ((inter, d), (d, inter), (inter, d))
+        ]
         scales, per_param = [None] * 3, 2.0
     nbytes = int(touched * 3 * inter * d * per_param)
     return lambda: moe.moe_experts(z, ids, w, *mats, *scales, True, 4.0, 25.0), nbytes
@@ -120,21 +124,29 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
     device = torch.device("cuda" if cuda else "cpu")
     bw = copy_bandwidth(device)
-    out = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)", "copy_GBps": bw / 1e9,
-           "results": {}}
+    out = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)",
+        "copy_GBps": bw / 1e9,
+        "results": {},
+    }
     print(f"{out['device']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     for name in args.shapes.split(","):
         s = SHAPES[name]
         for B in (int(b) for b in args.batches.split(",")):
-            for kernel, (fn, nbytes) in (("kda_decode", kda_case(s, B, device)),
-                                         ("mla_decode", mla_case(s, B, device, args.context)),
-                                         ("moe_experts", moe_case(s, B, device))):
+            for kernel, (fn, nbytes) in (
+                ("kda_decode", kda_case(s, B, device)),
+                ("mla_decode", mla_case(s, B, device, args.context)),
+                ("moe_experts", moe_case(s, B, device)),
+            ):
                 with torch.inference_mode():
                     t = timed(fn, device)
                 row = {"us": t * 1e6, "MB": nbytes / 1e6, "GBps": nbytes / t / 1e9, "fraction": nbytes / t / bw}
                 out["results"][f"{name}/{kernel}/B{B}"] = row
-                print(f"{name:7s} {kernel:12s} B={B:3d}: {row['us']:9.1f} us, {row['MB']:8.2f} MB, "
-                      f"{row['GBps']:7.1f} GB/s = {row['fraction']:.0%} of copy", flush=True)
+                print(
+                    f"{name:7s} {kernel:12s} B={B:3d}: {row['us']:9.1f} us, {row['MB']:8.2f} MB, "
+                    f"{row['GBps']:7.1f} GB/s = {row['fraction']:.0%} of copy",
+                    flush=True,
+                )
     path = Path(__file__).parent / "results" / "triton_kernels.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

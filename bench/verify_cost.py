@@ -42,7 +42,7 @@ def measure(path: Path, ks=(1, 2, 4, 8)) -> dict:
         model.compute_logits(model(ForwardBatch(prompt, [PROMPT], [0], [0], [list(range(16))], BS), cache).hidden)
         # state slot 0 now holds the prompt; every timed step rewrites the same next positions
         decode = step_ms(model, cache, prompt[:1], PROMPT, False)
-        verify = {k: step_ms(model, cache, prompt[:1 + k], PROMPT, True) for k in ks}
+        verify = {k: step_ms(model, cache, prompt[: 1 + k], PROMPT, True) for k in ks}
     return {"decode_ms": decode, "verify_ms": verify, "verify_over_decode": {k: v / decode for k, v in verify.items()}}
 
 
@@ -63,8 +63,10 @@ def main() -> None:
     result = {}
     for name, path in models.items():
         r = result[name] = measure(Path(path))
-        print(f"{name}: decode {r['decode_ms']:.2f} ms; verify 1+k: " + ", ".join(
-            f"k={k} {v:.2f} ms ({r['verify_over_decode'][k]:.2f}x)" for k, v in r["verify_ms"].items()))
+        print(
+            f"{name}: decode {r['decode_ms']:.2f} ms; verify 1+k: "
+            + ", ".join(f"k={k} {v:.2f} ms ({r['verify_over_decode'][k]:.2f}x)" for k, v in r["verify_ms"].items())
+        )
     out = Path(__file__).parent / "results" / "verify_cost.json"
     out.write_text(json.dumps(result, indent=2))
 

@@ -51,16 +51,20 @@ def main() -> None:
     out = Path("bench/results")
     out.mkdir(parents=True, exist_ok=True)
     ckpt = build_tiny_checkpoint(Path.home() / ".cache" / "k3serve" / "bench-tiny-vision-k3", "k3")
-    llm = LLM(str(ckpt), cache_memory="256MiB", max_model_len=4096, enable_prefix_caching=False,
-              max_num_batched_tokens=4096)
+    llm = LLM(
+        str(ckpt), cache_memory="256MiB", max_model_len=4096, enable_prefix_caching=False, max_num_batched_tokens=4096
+    )
     eng = llm.engine
     spec = ImageSpec(patch_size=eng.model.cfg.vision.patch_size)
     img = load_image(image_bytes(), spec)
     vm = eng.media.model
     encode_s = best(lambda: vm.encode(img.pixel_values, [img.grid]))
     small = load_image(image_bytes(), ImageSpec(patch_size=spec.patch_size, in_patch_limit=4096))
-    segs = (message("user", [Seg("What is in this picture?")] + media_block(small))
-            + open_tag("message", [("role", "assistant")]) + open_tag("response"))
+    segs = (
+        message("user", [Seg("What is in this picture?")] + media_block(small))
+        + open_tag("message", [("role", "assistant")])
+        + open_tag("response")
+    )
     ids = encode_segments(eng.tokenizer, segs)
     prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [small]}}
     runs = {}
@@ -70,14 +74,25 @@ def main() -> None:
         eng.media.used = 0
         llm.generate([prompt], ONE)  # first sight of the image (fills the cache when on)
         runs[name] = best(lambda: llm.generate([prompt], ONE))
-    result = {"image": "448x448 PNG", "patches": img.grid[1] * img.grid[2], "tokens": img.num_tokens,
-              "encode_s": encode_s, "encoder_tokens_per_s": img.num_tokens / encode_s,
-              "ttft_image_tokens": small.num_tokens, "prompt_tokens": len(ids), "ttft_s": runs,
-              "ttft_ratio_off_over_on": runs["encoder_cache_off"] / runs["encoder_cache_on"]}
-    print(f"vision encoder: {img.grid[1]}x{img.grid[2]} patches -> {img.num_tokens} tokens in {encode_s * 1000:.0f} ms "
-          f"= {result['encoder_tokens_per_s']:,.0f} tokens/s")
-    print(f"TTFT, repeated image, {len(ids)}-token prompt: encoder cache off {runs['encoder_cache_off'] * 1000:.0f} ms, "
-          f"on {runs['encoder_cache_on'] * 1000:.0f} ms ({result['ttft_ratio_off_over_on']:.2f}x)")
+    result = {
+        "image": "448x448 PNG",
+        "patches": img.grid[1] * img.grid[2],
+        "tokens": img.num_tokens,
+        "encode_s": encode_s,
+        "encoder_tokens_per_s": img.num_tokens / encode_s,
+        "ttft_image_tokens": small.num_tokens,
+        "prompt_tokens": len(ids),
+        "ttft_s": runs,
+        "ttft_ratio_off_over_on": runs["encoder_cache_off"] / runs["encoder_cache_on"],
+    }
+    print(
+        f"vision encoder: {img.grid[1]}x{img.grid[2]} patches -> {img.num_tokens} tokens in {encode_s * 1000:.0f} ms "
+        f"= {result['encoder_tokens_per_s']:,.0f} tokens/s"
+    )
+    print(
+        f"TTFT, repeated image, {len(ids)}-token prompt: encoder cache off {runs['encoder_cache_off'] * 1000:.0f} ms, "
+        f"on {runs['encoder_cache_on'] * 1000:.0f} ms ({result['ttft_ratio_off_over_on']:.2f}x)"
+    )
     result["video"] = video_figures(vm, spec.patch_size)
     (out / "vision_encoder.json").write_text(json.dumps(result, indent=2))
 
@@ -88,11 +103,20 @@ def video_figures(vm, patch_size: int) -> dict:
     process_s = best(lambda: load_video(data, spec))
     v = load_video(data, spec)
     encode_s = best(lambda: [vm.encode(c.pixel_values, [c.grid]) for c in v.chunks])
-    r = {"clip": "5 s, 30 fps, 448x448 MPEG-4", "bytes": len(data), "sampled_frames": len(v.indices),
-         "chunks": [list(c.grid) for c in v.chunks], "tokens": v.num_tokens, "process_s": process_s,
-         "encode_s": encode_s, "encoder_tokens_per_s": v.num_tokens / encode_s}
-    print(f"video: {len(v.indices)} frames sampled of 150, {len(v.chunks)} chunks {r['chunks']}, {v.num_tokens} "
-          f"tokens; decode + preprocess {process_s * 1000:.0f} ms, encode {encode_s * 1000:.0f} ms")
+    r = {
+        "clip": "5 s, 30 fps, 448x448 MPEG-4",
+        "bytes": len(data),
+        "sampled_frames": len(v.indices),
+        "chunks": [list(c.grid) for c in v.chunks],
+        "tokens": v.num_tokens,
+        "process_s": process_s,
+        "encode_s": encode_s,
+        "encoder_tokens_per_s": v.num_tokens / encode_s,
+    }
+    print(
+        f"video: {len(v.indices)} frames sampled of 150, {len(v.chunks)} chunks {r['chunks']}, {v.num_tokens} "
+        f"tokens; decode + preprocess {process_s * 1000:.0f} ms, encode {encode_s * 1000:.0f} ms"
+    )
     return r
 
 

@@ -52,8 +52,22 @@ def llama_tree() -> Path:
     # the source archive of llama-cpp-python alone: `--no-binary :all:` also built its build
     # requirements (CMake among them) from source to prepare its metadata, 20+ minutes before
     # the first figure; they come as wheels now, and llama.cpp builds below with the system cmake
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", SDIST.split("==")[0],
-                    SDIST, "-d", str(CACHE)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            SDIST.split("==")[0],
+            SDIST,
+            "-d",
+            str(CACHE),
+        ],
+        check=True,
+    )
     with tarfile.open(next(CACHE.glob("llama_cpp_python-*.tar.gz"))) as tar:
         tar.extractall(CACHE, filter="data")
     return sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
@@ -64,10 +78,24 @@ def llama_bin(name: str) -> Path:
     exe = build / "bin" / name
     if not all((build / "bin" / t).exists() for t in TARGETS):
         tree = llama_tree()
-        subprocess.run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True)
-        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
-                       check=True)
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(tree),
+                "-B",
+                str(build),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF",
+            ],
+            check=True,
+        )
+        subprocess.run(
+            ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS], check=True
+        )
     return exe
 
 
@@ -99,8 +127,11 @@ runpy.run_path(tree + "/convert_hf_to_gguf.py", run_name="__main__")
 
 def convert(ckpt: Path, out: Path) -> Path:
     if not out.exists():
-        subprocess.run([sys.executable, "-c", _CONVERT, str(llama_tree()), str(ckpt), str(out)], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-c", _CONVERT, str(llama_tree()), str(ckpt), str(out)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return out
 
 
@@ -113,10 +144,24 @@ def convert_mxfp4_moe(ckpt: Path, out: Path) -> Path:
         from k3serve.testing.builder import write_bf16_twin
 
         twin = convert(write_bf16_twin(ckpt, ckpt.with_name(ckpt.name + "-bf16-twin")), out.with_suffix(".bf16.gguf"))
-        keep = [a for pat in ("attn", "shexp", "ssm", r"ffn_(gate|up|down)\.") for a in ("--tensor-type", f"{pat}=bf16")]
-        subprocess.run([str(llama_bin("llama-quantize")), *keep, "--output-tensor-type", "bf16",
-                        "--token-embedding-type", "bf16", str(twin), str(out), "MXFP4_MOE"], check=True,
-                       capture_output=True)
+        keep = [
+            a for pat in ("attn", "shexp", "ssm", r"ffn_(gate|up|down)\.") for a in ("--tensor-type", f"{pat}=bf16")
+        ]
+        subprocess.run(
+            [
+                str(llama_bin("llama-quantize")),
+                *keep,
+                "--output-tensor-type",
+                "bf16",
+                "--token-embedding-type",
+                "bf16",
+                str(twin),
+                str(out),
+                "MXFP4_MOE",
+            ],
+            check=True,
+            capture_output=True,
+        )
     return out
 
 
@@ -128,9 +173,11 @@ NO_REPACK: set[str] = set()
 
 def llama_run(tool: str, gguf: Path, args: list[str], no_repack: str) -> subprocess.CompletedProcess:
     """Run a llama.cpp tool on `gguf`; if it dies of a signal with repacking on, again without."""
+
     def once() -> subprocess.CompletedProcess:
         extra = no_repack.split() if str(gguf) in NO_REPACK else []
         return subprocess.run([str(llama_bin(tool)), "-m", str(gguf), *args, *extra], capture_output=True, text=True)
+
     r = once()
     if r.returncode < 0 and str(gguf) not in NO_REPACK:
         print(f"{tool} died of signal {-r.returncode} on {gguf.name} with weight repacking: rerun without it")
@@ -142,8 +189,9 @@ def llama_run(tool: str, gguf: Path, args: list[str], no_repack: str) -> subproc
 
 
 def llama_prefill_decode(gguf: Path, threads: int) -> tuple[float, float]:
-    r = llama_run("llama-bench", gguf, ["-p", "512", "-n", str(NEW), "-t", str(threads), "-r", "3", "-o", "json"],
-                  "--repack 0")
+    r = llama_run(
+        "llama-bench", gguf, ["-p", "512", "-n", str(NEW), "-t", str(threads), "-r", "3", "-o", "json"], "--repack 0"
+    )
     rows = json.loads(r.stdout)
     pp = next(x["avg_ts"] for x in rows if x["n_prompt"] == 512 and x["n_gen"] == 0)
     tg = next(x["avg_ts"] for x in rows if x["n_gen"] == NEW and x["n_prompt"] == 0)
@@ -164,11 +212,34 @@ def llama_parallel(gguf: Path, threads: int, streams: int, tries: int = 6) -> fl
 
 
 def _batched_once(gguf: Path, threads: int, streams: int) -> float:
-    r = llama_run("llama-batched-bench", gguf, ["-c", str(streams * (PROMPT + NEW)), "-b", "2048", "-ub", "512",
-                                                "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(streams),
-                                                "-t", str(threads), "--output-format", "jsonl"], "-nr")
-    rows = [json.loads(line[line.index("{"):]) for line in (r.stdout + "\n" + r.stderr).splitlines()
-            if '"speed_tg"' in line]
+    r = llama_run(
+        "llama-batched-bench",
+        gguf,
+        [
+            "-c",
+            str(streams * (PROMPT + NEW)),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            str(PROMPT),
+            "-ntg",
+            str(NEW),
+            "-npl",
+            str(streams),
+            "-t",
+            str(threads),
+            "--output-format",
+            "jsonl",
+        ],
+        "-nr",
+    )
+    rows = [
+        json.loads(line[line.index("{") :])
+        for line in (r.stdout + "\n" + r.stderr).splitlines()
+        if '"speed_tg"' in line
+    ]
     if not rows:
         raise RuntimeError(f"llama-batched-bench printed no result:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     return rows[-1]["speed_tg"]
@@ -178,8 +249,15 @@ def _batched_once(gguf: Path, threads: int, streams: int) -> float:
 def k3serve_numbers(ckpt: Path, streams: tuple[int, ...]) -> dict[str, float]:
     from k3serve import LLM, SamplingParams
 
-    llm = LLM(str(ckpt), dtype="bfloat16", cache_memory="256MiB", max_num_seqs=max(streams), max_model_len=1024,
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    llm = LLM(
+        str(ckpt),
+        dtype="bfloat16",
+        cache_memory="256MiB",
+        max_num_seqs=max(streams),
+        max_model_len=1024,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+    )
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
     def run(n: int) -> float:
@@ -201,8 +279,10 @@ def k3serve_numbers(ckpt: Path, streams: tuple[int, ...]) -> dict[str, float]:
 
     def prefill(offset: int) -> float:  # a fresh 512-token prompt each time (no prefix caching anyway)
         t = time.perf_counter()
-        llm.generate({"prompt_token_ids": [(j + offset) % 500 + 1 for j in range(512)]},
-                     SamplingParams(temperature=0, max_tokens=1))
+        llm.generate(
+            {"prompt_token_ids": [(j + offset) % 500 + 1 for j in range(512)]},
+            SamplingParams(temperature=0, max_tokens=1),
+        )
         return 512 / (time.perf_counter() - t)
 
     prefill(0)  # warm-up, as llama-bench warms up before pp512
@@ -251,6 +331,7 @@ def bandwidth(threads: int, nbytes: int = 512 << 20) -> dict[str, float]:
             f()
             times.append(time.perf_counter() - t)
         return min(times)
+
     return {"read_GBps": nbytes / best(src.sum) / 1e9, "copy_GBps": 2 * nbytes / best(lambda: dst.copy_(src)) / 1e9}
 
 
@@ -277,24 +358,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default="k3-mxfp4,kl-bf16",
-                    help="comma list of k3-mxfp4, kl-bf16, kl-400m, kl-400m-mxfp4")
+    ap.add_argument(
+        "--only", default="k3-mxfp4,kl-bf16", help="comma list of k3-mxfp4, kl-bf16, kl-400m, kl-400m-mxfp4"
+    )
     args = ap.parse_args()
     import torch
+
     torch.set_num_threads(args.threads)
     streams = (8, 16)
     from k3serve import kernels
+
     module = kernels.get("auto")
     result: dict = {"machine": {**bandwidth(args.threads), "kernels": module.simd() if module else "torch"}}
-    print(f"memory bandwidth, {args.threads} threads: read {result['machine']['read_GBps']:.1f} GB/s, "
-          f"copy {result['machine']['copy_GBps']:.1f} GB/s; k3serve kernels: {result['machine']['kernels']}")
+    print(
+        f"memory bandwidth, {args.threads} threads: read {result['machine']['read_GBps']:.1f} GB/s, "
+        f"copy {result['machine']['copy_GBps']:.1f} GB/s; k3serve kernels: {result['machine']['kernels']}"
+    )
     for name, ckpt in checkpoints(set(args.only.split(","))).items():
         gguf = (convert_mxfp4_moe if name.endswith("-mxfp4") else convert)(ckpt, CACHE / f"{name}.gguf")
         best: dict[str, dict[str, float]] = {"k3serve": {}, "llama.cpp": {}}
         for _ in range(args.repeats):  # alternate the engines: this machine is noisy
             pp, tg = llama_prefill_decode(gguf, args.threads)
-            ll = {"prefill_512": pp, "decode_1": tg, **{f"streams_{n}": llama_parallel(gguf, args.threads, n)
-                                                        for n in streams}}
+            ll = {
+                "prefill_512": pp,
+                "decode_1": tg,
+                **{f"streams_{n}": llama_parallel(gguf, args.threads, n) for n in streams},
+            }
             ks = k3serve_numbers(ckpt, streams)
             for who, nums in (("k3serve", ks), ("llama.cpp", ll)):
                 for k, v in nums.items():
@@ -302,20 +391,26 @@ def main() -> None:
                         best[who][k] = max(best[who].get(k, 0.0), v)
                     else:
                         best[who].setdefault(k, 0.0)
-        ratios = {k: best["k3serve"][k] / best["llama.cpp"][k] if best["llama.cpp"][k] else None
-                  for k in best["k3serve"]}
-        result[name] = {**best, "ratio": ratios, "checkpoint": str(ckpt),
-                        "llama_repack": str(gguf) not in NO_REPACK}
+        ratios = {
+            k: best["k3serve"][k] / best["llama.cpp"][k] if best["llama.cpp"][k] else None for k in best["k3serve"]
+        }
+        result[name] = {**best, "ratio": ratios, "checkpoint": str(ckpt), "llama_repack": str(gguf) not in NO_REPACK}
         per_token = bytes_per_token(ckpt)
         share = {who: best[who]["decode_1"] * per_token / 1e9 / result["machine"]["read_GBps"] for who in best}
         result[name].update(bytes_per_token=per_token, decode_bandwidth_share=share)
-        print(f"\n{name} ({ckpt.name}), {args.threads} threads, tok/s (best of {args.repeats})"
-              + ("" if result[name]["llama_repack"] else "; llama.cpp without weight repacking (it crashed with)"))
+        print(
+            f"\n{name} ({ckpt.name}), {args.threads} threads, tok/s (best of {args.repeats})"
+            + ("" if result[name]["llama_repack"] else "; llama.cpp without weight repacking (it crashed with)")
+        )
         for k in best["k3serve"]:
-            print(f"  {k:12s} k3serve {best['k3serve'][k]:9.1f}   llama.cpp {best['llama.cpp'][k]:9.1f}   "
-                  + (f"ratio {ratios[k]:.2f}x" if ratios[k] is not None else "ratio n/a"))
-        print(f"  decode reads {per_token / 1e6:.1f} MB/token: k3serve {share['k3serve']:.0%}, llama.cpp "
-              f"{share['llama.cpp']:.0%} of the read bandwidth")
+            print(
+                f"  {k:12s} k3serve {best['k3serve'][k]:9.1f}   llama.cpp {best['llama.cpp'][k]:9.1f}   "
+                + (f"ratio {ratios[k]:.2f}x" if ratios[k] is not None else "ratio n/a")
+            )
+        print(
+            f"  decode reads {per_token / 1e6:.1f} MB/token: k3serve {share['k3serve']:.0%}, llama.cpp "
+            f"{share['llama.cpp']:.0%} of the read bandwidth"
+        )
     path = Path(__file__).parent / "results" / "vs_llamacpp.json"
     path.parent.mkdir(exist_ok=True)
     kept = json.loads(path.read_text()) if path.exists() else {}  # checkpoints not rerun keep their figures

@@ -11,8 +11,10 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     if name == "LLM":
         from k3serve.engine.llm import LLM
+
         return LLM
     if name == "SamplingParams":
         from k3serve.sampling.params import SamplingParams
+
         return SamplingParams
     raise AttributeError(f"module 'k3serve' has no attribute {name!r}")

@@ -22,8 +22,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_build_tiny(args: argparse.Namespace) -> int:
     from k3serve.testing.builder import build_tiny_checkpoint
-    from k3serve.testing.tiny_configs import (kimi_linear_400m_config, tiny_k3_config, tiny_kimi_linear_config,
-                                              with_mxfp4_experts)
+    from k3serve.testing.tiny_configs import (
+        kimi_linear_400m_config,
+        tiny_k3_config,
+        tiny_kimi_linear_config,
+        with_mxfp4_experts,
+    )
 
     if args.size == "400m" and args.kind != "kimi_linear":
         raise SystemExit("build-tiny: --size 400m is a Kimi-Linear layout (use --kind kimi_linear)")
@@ -59,16 +63,37 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompts = args.prompt
     else:
         raise ValueError("give --prompt TEXT (repeatable) or --prompt-token-ids 1,2,3")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [])
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, **backend_kwargs(args),
-              max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, cache_memory=args.cache_memory, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop or [],
+    )
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        **backend_kwargs(args),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        cache_memory=args.cache_memory,
+        seed=args.seed,
+    )
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    out = [{"prompt_token_ids": r.prompt_token_ids, "token_ids": r.outputs[0].token_ids,
-            "text": r.outputs[0].text, "finish_reason": r.outputs[0].finish_reason} for r in results]
+    out = [
+        {
+            "prompt_token_ids": r.prompt_token_ids,
+            "token_ids": r.outputs[0].token_ids,
+            "text": r.outputs[0].text,
+            "finish_reason": r.outputs[0].finish_reason,
+        }
+        for r in results
+    ]
     if args.json:
         print(json.dumps(out if len(out) > 1 else out[0]))
     else:
@@ -104,15 +129,29 @@ def _cmd_train_demo(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
         import torch
+
         torch.set_num_threads(args.threads)
     if not args.draft_only:  # unset flags keep train_demo's own defaults (the shipped recipe)
-        given = {"steps": args.steps, "num_conversations": args.num_conversations, "drill_steps": args.drill_steps,
-                 "batch": args.batch, "lr": args.lr}
-        r = train_demo(args.out, seed=args.seed, time_limit_s=args.time_limit, device=args.device,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume,
-                       **{k: v for k, v in given.items() if v is not None})
-        print(f"wrote the demo model to {r['out']}: {r['steps']} steps, loss {r['first_loss']:.3f} -> "
-              f"{r['last_loss']:.3f}, {r['seconds']:.0f}s")
+        given = {
+            "steps": args.steps,
+            "num_conversations": args.num_conversations,
+            "drill_steps": args.drill_steps,
+            "batch": args.batch,
+            "lr": args.lr,
+        }
+        r = train_demo(
+            args.out,
+            seed=args.seed,
+            time_limit_s=args.time_limit,
+            device=args.device,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            **{k: v for k, v in given.items() if v is not None},
+        )
+        print(
+            f"wrote the demo model to {r['out']}: {r['steps']} steps, loss {r['first_loss']:.3f} -> "
+            f"{r['last_loss']:.3f}, {r['seconds']:.0f}s"
+        )
     if args.no_draft:
         return 0
     d = train_demo_draft(args.out, seed=args.seed)
@@ -127,9 +166,17 @@ def _cmd_train_dspark(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     from k3serve.demo import default_model
+
     target = args.target or str(default_model())
-    r = distill_dspark(target, args.out, block_size=args.block_size, steps=args.steps, num_seqs=args.num_seqs,
-                       seq_len=args.seq_len, seed=args.seed)
+    r = distill_dspark(
+        target,
+        args.out,
+        block_size=args.block_size,
+        steps=args.steps,
+        num_seqs=args.num_seqs,
+        seq_len=args.seq_len,
+        seed=args.seed,
+    )
     print(f"wrote dspark draft to {r['out']} (loss {r['first_loss']:.3f} -> {r['last_loss']:.3f})")
     return 0
 
@@ -182,9 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(p)
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("inspect", help="layer schedule, params, bytes, cache sizes of a model")
-    p.add_argument("model", nargs="?", help="checkpoint dir, config.json, or bundled name "
-                   "(moonshotai/Kimi-K3, moonshotai/Kimi-Linear-48B-A3B-Instruct); "
-                   "default: the bundled tiny model")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="checkpoint dir, config.json, or bundled name "
+        "(moonshotai/Kimi-K3, moonshotai/Kimi-Linear-48B-A3B-Instruct); "
+        "default: the bundled tiny model",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("generate", help="offline generation through the engine (continuous batching)")
@@ -237,13 +288,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-tiny", help="write a tiny random-weight checkpoint in the real layout")
     p.add_argument("out")
     p.add_argument("--kind", choices=("k3", "kimi_linear"), default="k3")
-    p.add_argument("--size", choices=("tiny", "400m"), default="tiny",
-                   help="400m: a ~408 M-param Kimi-Linear (110 M active) for bandwidth-bound benchmarks")
-    p.add_argument("--mxfp4", action="store_true",
-                   help="kimi_linear: routed experts packed MXFP4 (K3's compressed-tensors layout)")
-    p.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
-                   help="K3: write the tiny vision tower + projector in the release layout (the default); "
-                        "--no-vision: text only")
+    p.add_argument(
+        "--size",
+        choices=("tiny", "400m"),
+        default="tiny",
+        help="400m: a ~408 M-param Kimi-Linear (110 M active) for bandwidth-bound benchmarks",
+    )
+    p.add_argument(
+        "--mxfp4", action="store_true", help="kimi_linear: routed experts packed MXFP4 (K3's compressed-tensors layout)"
+    )
+    p.add_argument(
+        "--vision",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="K3: write the tiny vision tower + projector in the release layout (the default); --no-vision: text only",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_build_tiny)
     for command in sub.choices.values():  # argparse reads it at parse time; subcommands do not inherit it

@@ -50,7 +50,7 @@ def pytest_configure(config):
 
     dtype, kernels = os.environ.get("K3SERVE_TEST_DTYPE"), os.environ.get("K3SERVE_TEST_KERNELS")
     if not (dtype or kernels):  # import nothing of the engine at configure time otherwise (the Ray
-        return                  # test's cluster then timed out the next TP server's rendezvous)
+        return  # test's cluster then timed out the next TP server's rendezvous)
     from k3serve.engine import llm_engine, setup
 
     if dtype:
@@ -61,6 +61,7 @@ def pytest_configure(config):
 
         llm_engine.placement = placement
     if kernels:
+
         def kernel_mode(mode, device, enforce_eager=False, _orig=setup.kernel_mode):
             return _orig(kernels if mode == "auto" else mode, device, enforce_eager)
 

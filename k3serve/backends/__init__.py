@@ -63,8 +63,9 @@ class Backend:
         """The experts' input [N, L]: the latent down projection, or x itself."""
         return layer.routed_expert_down_proj(x) if layer.cfg.latent_size is not None else x
 
-    def moe_local_experts(self, layer, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                          counted: slice) -> torch.Tensor:
+    def moe_local_experts(
+        self, layer, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counted: slice
+    ) -> torch.Tensor:
         """Expert parallelism: the routed sum over this rank's experts, FP32 [N, L] (the layer's
         row selection: the (token, slot) pairs routed here, one row each, added back per token)."""
         return layer.select_local_experts(z, ids, weights, self, counted)

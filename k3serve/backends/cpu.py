@@ -47,7 +47,6 @@ class CpuKernels(Backend):
         self._stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.stack_enabled = True  # False: every step layer by layer (the stack's reference in tests)
 
-
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and not torch.is_grad_enabled()
@@ -76,13 +75,30 @@ class CpuKernels(Backend):
         the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
         pack = self._packs.get(layer)
         if pack is None:
-            g = ([layer.g_proj.weight, _NONE] if hasattr(layer, "g_proj")
-                 else [layer.g_a_proj.weight, layer.g_b_proj.weight])
-            proj = [layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight, layer.f_a_proj.weight,
-                    layer.f_b_proj.weight, layer.b_proj.weight, *g, layer.o_proj.weight]
-            pack = self._packs[layer] = [*(kernel_matrix(w, self.kernels) for w in proj), layer.q_conv1d.weight,
-                                         layer.k_conv1d.weight, layer.v_conv1d.weight, layer.dt_bias, layer.A_log,
-                                         layer.o_norm.weight]
+            g = (
+                [layer.g_proj.weight, _NONE]
+                if hasattr(layer, "g_proj")
+                else [layer.g_a_proj.weight, layer.g_b_proj.weight]
+            )
+            proj = [
+                layer.q_proj.weight,
+                layer.k_proj.weight,
+                layer.v_proj.weight,
+                layer.f_a_proj.weight,
+                layer.f_b_proj.weight,
+                layer.b_proj.weight,
+                *g,
+                layer.o_proj.weight,
+            ]
+            pack = self._packs[layer] = [
+                *(kernel_matrix(w, self.kernels) for w in proj),
+                layer.q_conv1d.weight,
+                layer.k_conv1d.weight,
+                layer.v_conv1d.weight,
+                layer.dt_bias,
+                layer.A_log,
+                layer.o_norm.weight,
+            ]
         return pack
 
     @staticmethod
@@ -94,8 +110,17 @@ class CpuKernels(Backend):
         step, i = batch.step, layer.layer_idx
         rec, conv = cache.recurrent[i], cache.conv[i]
         bufs = self.kda_records(layer, batch, rec, conv)
-        y = self.kernels.kda_block(x if step.identity else x[step.rows], self.kda_weights(layer), conv, rec,
-                                   step.slots, step.starts, _lower_bound(layer), layer.eps, *bufs)
+        y = self.kernels.kda_block(
+            x if step.identity else x[step.rows],
+            self.kda_weights(layer),
+            conv,
+            rec,
+            step.slots,
+            step.starts,
+            _lower_bound(layer),
+            layer.eps,
+            *bufs,
+        )
         batch.keep_kda_records(i, bufs)
         return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
 
@@ -105,9 +130,23 @@ class CpuKernels(Backend):
         rec, conv = cache.recurrent[i], cache.conv[i]
         bufs = self.kda_records(layer, batch, rec, conv)
         r = step.rows
-        y = self.kernels.kda_decode(u[r], conv_w, z[r], b[r], gate[r], layer.dt_bias, layer.A_log,
-                                    layer.o_norm.weight, conv, rec, step.slots, step.starts, _lower_bound(layer),
-                                    layer.eps, *bufs)
+        y = self.kernels.kda_decode(
+            u[r],
+            conv_w,
+            z[r],
+            b[r],
+            gate[r],
+            layer.dt_bias,
+            layer.A_log,
+            layer.o_norm.weight,
+            conv,
+            rec,
+            step.slots,
+            step.starts,
+            _lower_bound(layer),
+            layer.eps,
+            *bufs,
+        )
         batch.keep_kda_records(i, bufs)
         return y
 
@@ -124,9 +163,24 @@ class CpuKernels(Backend):
         rows = batch.index(("prefill rows", key), [r for j in seqs for r in range(*bounds[j])])
         starts = batch.index(("prefill starts", key), [0, *itertools.accumulate(batch.seq_lens[j] for j in seqs)])
         slots = batch.index(("prefill slots", key), [batch.state_slots[j] for j in seqs])
-        y = self.kernels.kda_decode(u[rows], conv_w, z[rows], b[rows], gate[rows], layer.dt_bias, layer.A_log,
-                                    layer.o_norm.weight, conv, rec, slots, starts, _lower_bound(layer), layer.eps,
-                                    None, None)
+        y = self.kernels.kda_decode(
+            u[rows],
+            conv_w,
+            z[rows],
+            b[rows],
+            gate[rows],
+            layer.dt_bias,
+            layer.A_log,
+            layer.o_norm.weight,
+            conv,
+            rec,
+            slots,
+            starts,
+            _lower_bound(layer),
+            layer.eps,
+            None,
+            None,
+        )
         return rows, y
 
     def kda_records(self, layer, batch, rec: torch.Tensor, conv: torch.Tensor):
@@ -159,9 +213,17 @@ class CpuKernels(Backend):
         store = cache.latent[layer.layer_idx]
         out = torch.empty(x.shape[0], m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
         store[step.cache_rows] = to_cache(latent[step.rows], store.dtype)
-        out[step.rows] = self.kernels.mla_decode(q[step.rows], m.qk_nope_head_dim, store,
-                                                 layer.kv_b_proj.weight.view(m.num_heads, -1, m.kv_lora_rank),
-                                                 step.table, step.seq, step.positions, batch.block_size, layer.scale)
+        out[step.rows] = self.kernels.mla_decode(
+            q[step.rows],
+            m.qk_nope_head_dim,
+            store,
+            layer.kv_b_proj.weight.view(m.num_heads, -1, m.kv_lora_rank),
+            step.table,
+            step.seq,
+            step.positions,
+            batch.block_size,
+            layer.scale,
+        )
         layer.attend_rest(q, latent, batch, store, out, done=set(step.seqs))  # the prefill chunks
         return layer.output(out, x)
 
@@ -172,11 +234,19 @@ class CpuKernels(Backend):
         if pack is None:
             m = layer.cfg
             mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731 - the projections; norms and kv_b as they are
-            q = ([mat(layer.q_a_proj.weight), layer.q_a_layernorm.weight, mat(layer.q_b_proj.weight)]
-                 if m.q_lora_rank is not None else [mat(layer.q_proj.weight), _NONE, _NONE])
-            pack = self._packs[layer] = [*q, mat(layer.kv_a_proj_with_mqa.weight), layer.kv_a_layernorm.weight,
-                                         layer.kv_b_proj.weight, mat(layer.g_proj.weight) if m.use_output_gate
-                                         else _NONE, mat(layer.o_proj.weight)]
+            q = (
+                [mat(layer.q_a_proj.weight), layer.q_a_layernorm.weight, mat(layer.q_b_proj.weight)]
+                if m.q_lora_rank is not None
+                else [mat(layer.q_proj.weight), _NONE, _NONE]
+            )
+            pack = self._packs[layer] = [
+                *q,
+                mat(layer.kv_a_proj_with_mqa.weight),
+                layer.kv_a_layernorm.weight,
+                layer.kv_b_proj.weight,
+                mat(layer.g_proj.weight) if m.use_output_gate else _NONE,
+                mat(layer.o_proj.weight),
+            ]
         return pack
 
     @staticmethod
@@ -188,12 +258,22 @@ class CpuKernels(Backend):
         """Projections, latent norm and cache write, absorbed attention, gate and o_proj in one
         compiled call (kernels/cpu/blocks.cpp mla_block)."""
         m, step = layer.cfg, batch.step
-        y = self.kernels.mla_block(x if step.identity else x[step.rows], self.mla_weights(layer),
-                                   cache.latent[layer.layer_idx], step.cache_rows, step.table, step.seq,
-                                   step.positions, batch.block_size, layer.scale, m.num_heads, m.qk_nope_head_dim,
-                                   m.kv_lora_rank, MLA_NORM_EPS)
+        y = self.kernels.mla_block(
+            x if step.identity else x[step.rows],
+            self.mla_weights(layer),
+            cache.latent[layer.layer_idx],
+            step.cache_rows,
+            step.table,
+            step.seq,
+            step.positions,
+            batch.block_size,
+            layer.scale,
+            m.num_heads,
+            m.qk_nope_head_dim,
+            m.kv_lora_rank,
+            MLA_NORM_EPS,
+        )
         return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
-
 
     # ---- norms, dense MLPs ----------------------------------------------------------------
     def rms_norm(self, layer, x):
@@ -214,16 +294,19 @@ class CpuKernels(Backend):
         """gate, up, down in the kernels' form (layers/common.py kernel_matrix), built once."""
         pack = self._packs.get(layer)
         if pack is None:
-            pack = self._packs[layer] = [kernel_matrix(w, self.kernels) for w in
-                                         (layer.gate_proj.weight, layer.up_proj.weight, layer.down_proj.weight)]
+            pack = self._packs[layer] = [
+                kernel_matrix(w, self.kernels)
+                for w in (layer.gate_proj.weight, layer.up_proj.weight, layer.down_proj.weight)
+            ]
         return pack
 
     # ---- the MoE block ---------------------------------------------------------------------
     def moe(self, layer, x):
         if not self.takes(x) or x.dtype not in _DTYPES:
             return super().moe(layer, x)
-        if layer.ep is None and (layer.tp.size == 1 or (layer.cfg.latent_size is None
-                                                        and not layer.tp.expert_parallel)):
+        if layer.ep is None and (
+            layer.tp.size == 1 or (layer.cfg.latent_size is None and not layer.tp.expert_parallel)
+        ):
             # one rank, or channel-split experts + shared experts (already this rank's partial sum)
             if layer.tp.size > 1 or self.moe_takes_block(layer, x):
                 return self._moe_block(layer, x)
@@ -234,16 +317,29 @@ class CpuKernels(Backend):
         """Whether the block kernel runs this layer at x's rows (one rank, and experts the
         kernel takes at this many rows: past DENSE_KERNEL_ROWS big dense experts go to torch's
         GEMM, layers/moe.py)."""
-        return (layer.ep is None and layer.tp.size == 1 and self.takes(x) and x.dtype in _DTYPES
-                and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts()))
+        return (
+            layer.ep is None
+            and layer.tp.size == 1
+            and self.takes(x)
+            and x.dtype in _DTYPES
+            and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts())
+        )
 
     def moe_route(self, layer, x):
         if not (self.takes(x) and x.dtype in _DTYPES):
             return super().moe_route(layer, x)
         m = layer.cfg
-        return self.kernels.moe_route(x, layer.gate.weight, layer.gate.e_score_correction_bias, m.top_k,
-                                      m.router_activation == "sigmoid", m.renormalize, m.routed_scaling_factor,
-                                      m.num_expert_group, m.topk_group)
+        return self.kernels.moe_route(
+            x,
+            layer.gate.weight,
+            layer.gate.e_score_correction_bias,
+            m.top_k,
+            m.router_activation == "sigmoid",
+            m.renormalize,
+            m.routed_scaling_factor,
+            m.num_expert_group,
+            m.topk_group,
+        )
 
     def moe_down(self, layer, x):
         if layer.cfg.latent_size is not None and self.takes(x) and x.dtype in _DTYPES:
@@ -257,13 +353,22 @@ class CpuKernels(Backend):
             return self._grouped_experts(layer, z, ids, weights)
         ws = self.moe_weights(layer)[5:11]  # the experts in the form moe_block takes them (the same bits)
         beta, linear_beta = layer.situ or (0.0, 0.0)
-        return self.kernels.moe_experts(z.float().contiguous(), ids.contiguous(), weights.contiguous(), *ws,
-                                        int(layer.situ is not None), beta, linear_beta, z.dtype == torch.bfloat16)
+        return self.kernels.moe_experts(
+            z.float().contiguous(),
+            ids.contiguous(),
+            weights.contiguous(),
+            *ws,
+            int(layer.situ is not None),
+            beta,
+            linear_beta,
+            z.dtype == torch.bfloat16,
+        )
 
     def _grouped_experts(self, layer, z, ids, weights):
         """torch's experts, packed MXFP4 through the grouped kernels (layers/experts.py)."""
-        return experts_forward(z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act,
-                               kernels=self.kernels)
+        return experts_forward(
+            z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act, kernels=self.kernels
+        )
 
     def moe_weights(self, layer) -> list:
         """moe_block's 14 weights (None where absent), built once; with layer.block_scalars, what
@@ -277,20 +382,24 @@ class CpuKernels(Backend):
                 experts += kernel_experts(w, self.kernels, layer.gate.weight.dtype == torch.float32)
             shared = self.glu_weights(layer.shared_experts) if m.num_shared_experts else [None] * 3
             mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731
-            pack = self._packs[layer] = [layer.gate.weight, layer.gate.e_score_correction_bias,
-                                         mat(layer.routed_expert_down_proj.weight) if latent else None,
-                                         layer.routed_expert_norm.weight if latent and m.latent_use_norm else None,
-                                         mat(layer.routed_expert_up_proj.weight) if latent else None, *experts,
-                                         *shared]
+            pack = self._packs[layer] = [
+                layer.gate.weight,
+                layer.gate.e_score_correction_bias,
+                mat(layer.routed_expert_down_proj.weight) if latent else None,
+                layer.routed_expert_norm.weight if latent and m.latent_use_norm else None,
+                mat(layer.routed_expert_up_proj.weight) if latent else None,
+                *experts,
+                *shared,
+            ]
         return pack
 
     def _moe_block(self, layer, x):
         """Router, routed experts, latent norm / up projection and shared experts in one compiled
         call (kernels/cpu/blocks.cpp moe_block), for any number of rows."""
         ints, floats = layer.block_scalars()
-        return self.kernels.moe_block(x, self.moe_weights(layer), ints[0], bool(ints[1]), bool(ints[2]), floats[0],
-                                      *ints[3:], *floats[1:])
-
+        return self.kernels.moe_block(
+            x, self.moe_weights(layer), ints[0], bool(ints[1]), bool(ints[2]), floats[0], *ints[3:], *floats[1:]
+        )
 
     # ---- the model around the layers --------------------------------------------------------
     def attnres_mix(self, bank, w, eps):
@@ -323,8 +432,15 @@ class CpuKernels(Backend):
         runs as the layers would: decode and verify rows only (no media), in step order, every
         block on its block kernel; else None. Built once per model."""
         step = batch.step
-        if (not self.stack_enabled or not self.takes(h) or h.dtype not in _DTYPES or model.tp.size > 1 or not step.seqs
-                or not (step.covers_all and step.identity) or batch.media_rows is not None):
+        if (
+            not self.stack_enabled
+            or not self.takes(h)
+            or h.dtype not in _DTYPES
+            or model.tp.size > 1
+            or not step.seqs
+            or not (step.covers_all and step.identity)
+            or batch.media_rows is not None
+        ):
             return None
         held = self._stacks.get(model)
         if held is None:
@@ -348,8 +464,9 @@ class CpuKernels(Backend):
         from k3serve.layers.kda import KimiDeltaAttention
 
         vectors = self.attnres_vectors(model) if model.cfg.use_attnres else []
-        stack = self.kernels.DecodeStack(model.cfg.rms_norm_eps, model.cfg.attn_res_block_size if vectors else 1,
-                                         vectors)
+        stack = self.kernels.DecodeStack(
+            model.cfg.rms_norm_eps, model.cfg.attn_res_block_size if vectors else 1, vectors
+        )
         for layer in model.layers:
             attn = layer.self_attn
             mla = not isinstance(attn, KimiDeltaAttention)
@@ -360,8 +477,18 @@ class CpuKernels(Backend):
                 return None
             ffn = self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
-            stack.add_layer(int(mla), layer.input_layernorm.weight, attn_w, attn_i, attn_f,
-                            int(moe is None), layer.post_attention_layernorm.weight, ffn, ffn_i, ffn_f)
+            stack.add_layer(
+                int(mla),
+                layer.input_layernorm.weight,
+                attn_w,
+                attn_i,
+                attn_f,
+                int(moe is None),
+                layer.post_attention_layernorm.weight,
+                ffn,
+                ffn_i,
+                ffn_f,
+            )
         return stack
 
     def run_stack(self, model, stack, h, batch, cache, capture):
@@ -371,17 +498,33 @@ class CpuKernels(Backend):
 
         step, held = batch.step, self._stacks[model]
         if held["states"] is None or held["states"][0] is not cache:  # listed once per cache
-            kdas = [(i, l.self_attn) for i, l in enumerate(model.layers)
-                    if isinstance(l.self_attn, KimiDeltaAttention)]
-            states = [t for i in range(len(model.layers))
-                      for t in ((cache.conv[i], cache.recurrent[i]) if cache.latent[i] is None else (cache.latent[i],))]
+            kdas = [(i, l.self_attn) for i, l in enumerate(model.layers) if isinstance(l.self_attn, KimiDeltaAttention)]
+            states = [
+                t
+                for i in range(len(model.layers))
+                for t in ((cache.conv[i], cache.recurrent[i]) if cache.latent[i] is None else (cache.latent[i],))
+            ]
             held["states"] = (cache, states, kdas)
         _, states, kdas = held["states"]
-        bufs = ([self.kda_records(attn, batch, cache.recurrent[i], cache.conv[i]) for i, attn in kdas]
-                if batch.verify else [])
+        bufs = (
+            [self.kda_records(attn, batch, cache.recurrent[i], cache.conv[i]) for i, attn in kdas]
+            if batch.verify
+            else []
+        )
         taps = list(capture) if capture else []
-        out = stack.run(h, states, [t for b in bufs for t in b], step.slots, step.starts, step.cache_rows, step.table,
-                        step.seq, step.positions, batch.block_size, taps)
+        out = stack.run(
+            h,
+            states,
+            [t for b in bufs for t in b],
+            step.slots,
+            step.starts,
+            step.cache_rows,
+            step.table,
+            step.seq,
+            step.positions,
+            batch.block_size,
+            taps,
+        )
         for (i, _), b in zip(kdas, bufs):
             batch.keep_kda_records(i, b)
         for i, t in zip(taps, out[1:]):

@@ -50,8 +50,12 @@ class GraphBackend(Backend):
 
         for m in model.modules():
             if isinstance(m, KimiDeltaAttention):
-                self.kda_w[m.layer_idx] = (m.conv_weight(), m.A_log.float().exp().repeat_interleave(m.head_dim),
-                                           m.dt_bias.float(), m.o_norm.weight.float())
+                self.kda_w[m.layer_idx] = (
+                    m.conv_weight(),
+                    m.A_log.float().exp().repeat_interleave(m.head_dim),
+                    m.dt_bias.float(),
+                    m.o_norm.weight.float(),
+                )
             elif isinstance(m, GatedMLA):
                 self.kv_b[m.layer_idx] = m.kv_b_proj.weight.float().view(m.cfg.num_heads, -1, m.cfg.kv_lora_rank)
         if model.cfg.use_attnres:
@@ -74,8 +78,9 @@ class GraphBackend(Backend):
         state = (conv_w, decay, dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
         if batch.T == 1:
             return self.ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
-        o, rec, conv = self.ops.kda_verify(u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound,
-                                           layer.eps)
+        o, rec, conv = self.ops.kda_verify(
+            u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound, layer.eps
+        )
         batch.kda_records[i] = (rec, conv)
         return o
 
@@ -84,16 +89,28 @@ class GraphBackend(Backend):
             return layer.reference(x, batch, cache)
         m, N = layer.cfg, x.shape[0]
         q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x))) if m.q_lora_rank is not None else layer.q_proj(x)
-        out = self.mla_core(layer, q.view(N, m.num_heads, m.qk_head_dim).float(), layer.kv_a_proj_with_mqa(x),
-                            batch, cache)
+        out = self.mla_core(
+            layer, q.view(N, m.num_heads, m.qk_head_dim).float(), layer.kv_a_proj_with_mqa(x), batch, cache
+        )
         return layer.output(out, x)
 
     def mla_core(self, layer, q, ckv, batch, cache):
         """q [N, H, nope + r] fp32, ckv [N, c + r] -> [N, H, v] fp32, the latent row written."""
         m = layer.cfg
-        return self.ops.mla_decode(q, ckv, layer.kv_a_layernorm.weight, cache.latent[layer.layer_idx],
-                                   batch.cache_rows, batch.context_rows, batch.lens, self.kv_b[layer.layer_idx],
-                                   m.qk_nope_head_dim, m.v_head_dim, layer.scale, MLA_NORM_EPS)
+        return self.ops.mla_decode(
+            q,
+            ckv,
+            layer.kv_a_layernorm.weight,
+            cache.latent[layer.layer_idx],
+            batch.cache_rows,
+            batch.context_rows,
+            batch.lens,
+            self.kv_b[layer.layer_idx],
+            m.qk_nope_head_dim,
+            m.v_head_dim,
+            layer.scale,
+            MLA_NORM_EPS,
+        )
 
     # ---- norms, MLPs and the MoE block: any row count, no host sync
     def rms_norm(self, layer, x):
@@ -101,8 +118,15 @@ class GraphBackend(Backend):
 
     def glu(self, layer, x):
         beta, linear_beta = layer.situ or (0.0, 0.0)
-        return self.ops.glu_mlp(x, layer.gate_proj.weight, layer.up_proj.weight, layer.down_proj.weight,
-                                layer.situ is not None, beta, linear_beta)
+        return self.ops.glu_mlp(
+            x,
+            layer.gate_proj.weight,
+            layer.up_proj.weight,
+            layer.down_proj.weight,
+            layer.situ is not None,
+            beta,
+            linear_beta,
+        )
 
     def moe(self, layer, x):
         if layer.ep is not None:
@@ -111,14 +135,23 @@ class GraphBackend(Backend):
             return Backend.moe(TORCH, layer, x)
         if layer.tp.size > 1:  # this rank's channels of every expert; the all-reduces trace (group.py)
             return layer.partial_forward(x, self)
-        return layer.single_rank(x, lambda z, ids, w: self.moe_experts(layer, z, ids, w),
-                                 lambda x: self.moe_route(layer, x))
+        return layer.single_rank(
+            x, lambda z, ids, w: self.moe_experts(layer, z, ids, w), lambda x: self.moe_route(layer, x)
+        )
 
     def moe_route(self, layer, x):
         m = layer.cfg
-        return self.ops.moe_route(x, layer.gate.weight, layer.gate.e_score_correction_bias, m.top_k,
-                                  m.router_activation == "sigmoid", m.renormalize, m.num_expert_group, m.topk_group,
-                                  m.routed_scaling_factor)
+        return self.ops.moe_route(
+            x,
+            layer.gate.weight,
+            layer.gate.e_score_correction_bias,
+            m.top_k,
+            m.router_activation == "sigmoid",
+            m.renormalize,
+            m.num_expert_group,
+            m.topk_group,
+            m.routed_scaling_factor,
+        )
 
     def moe_local_experts(self, layer, z, ids, weights, counted):
         """Expert parallelism with every row on every rank (TP + EP): this rank's experts' share of
@@ -136,8 +169,22 @@ class GraphBackend(Backend):
         ws = [(w.packed, w.scale) if w.is_packed else (w.value, None) for w in (layer.w1, layer.w2, layer.w3)]
         packed = ws[0][1] is not None
         pair, scale = self.luts if packed else (None, None)
-        return self.ops.moe_experts(z, ids, weights, ws[0][0], ws[1][0], ws[2][0], ws[0][1], ws[1][1], ws[2][1],
-                                    pair, scale, layer.situ is not None, beta, linear_beta)
+        return self.ops.moe_experts(
+            z,
+            ids,
+            weights,
+            ws[0][0],
+            ws[1][0],
+            ws[2][0],
+            ws[0][1],
+            ws[1][1],
+            ws[2][1],
+            pair,
+            scale,
+            layer.situ is not None,
+            beta,
+            linear_beta,
+        )
 
     # ---- the model around the layers
     def attnres_mix(self, bank, w, eps):

@@ -43,7 +43,7 @@ def _kda_position(u, g, beta, conv_w, conv_state, state, H: int, D: int):
     arithmetic (short_conv_step, per-head l2 norm with q * D^-1/2, kda_step)."""
     c, conv_state = short_conv_step(u, conv_w, conv_state)
     q, k, v = c.view(u.shape[0], 3, H, D).unbind(1)
-    o, state = kda_step(l2_normalize(q) * D ** -0.5, l2_normalize(k), v, g, beta, state)
+    o, state = kda_step(l2_normalize(q) * D**-0.5, l2_normalize(k), v, g, beta, state)
     return o, conv_state, state
 
 
@@ -55,27 +55,57 @@ def _kda_gates(z, b, gate, decay, dt_bias, o_norm, H, D, lower_bound, eps):
 
     def gated(o):  # [N, H, D] -> RMSNorm_D(o) * sigmoid(gate) [N, P] fp32
         return (_rms_norm(o, o_norm, eps) * torch.sigmoid(gate.view(N, H, D))).reshape(N, H * D)
+
     return g.view(N, H, D), torch.sigmoid(b), gated
 
 
-def kda_decode(u: Tensor, z: Tensor, b: Tensor, gate: Tensor, conv_w: Tensor, decay: Tensor, dt_bias: Tensor,
-               o_norm: Tensor, rec: Tensor, conv: Tensor, slots: Tensor, head_dim: int,
-               lower_bound: Optional[float], eps: float) -> Tensor:
+def kda_decode(
+    u: Tensor,
+    z: Tensor,
+    b: Tensor,
+    gate: Tensor,
+    conv_w: Tensor,
+    decay: Tensor,
+    dt_bias: Tensor,
+    o_norm: Tensor,
+    rec: Tensor,
+    conv: Tensor,
+    slots: Tensor,
+    head_dim: int,
+    lower_bound: Optional[float],
+    eps: float,
+) -> Tensor:
     """One KDA decode step per row, state read and written through `slots` [N].
     u [N, 3P] (q|k|v before the conv), z [N, P] (decay logits before dt_bias), b [N, H] (beta
     logits), gate [N, P]: fp32. conv_w [3P, K]; decay [P] = exp(A_log) per channel; dt_bias [P];
     o_norm [D]. rec [S, H, D, D], conv [S, K-1, 3P] updated in place. -> gated-normed o [N, P] fp32."""
     H, D = b.shape[1], head_dim
     g, beta, gated = _kda_gates(z, b, gate, decay, dt_bias, o_norm, H, D, lower_bound, eps)
-    o, conv_new, state = _kda_position(u, g, beta, conv_w, conv.index_select(0, slots), rec.index_select(0, slots), H, D)
+    o, conv_new, state = _kda_position(
+        u, g, beta, conv_w, conv.index_select(0, slots), rec.index_select(0, slots), H, D
+    )
     conv.index_copy_(0, slots, conv_new)
     rec.index_copy_(0, slots, state)
     return gated(o)
 
 
-def kda_verify(u: Tensor, z: Tensor, b: Tensor, gate: Tensor, conv_w: Tensor, decay: Tensor, dt_bias: Tensor,
-               o_norm: Tensor, rec: Tensor, conv: Tensor, slots: Tensor, last: Tensor, head_dim: int,
-               lower_bound: Optional[float], eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def kda_verify(
+    u: Tensor,
+    z: Tensor,
+    b: Tensor,
+    gate: Tensor,
+    conv_w: Tensor,
+    decay: Tensor,
+    dt_bias: Tensor,
+    o_norm: Tensor,
+    rec: Tensor,
+    conv: Tensor,
+    slots: Tensor,
+    last: Tensor,
+    head_dim: int,
+    lower_bound: Optional[float],
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """A verify pass: B sequences of T positions each (rows b * T + t, N = B * T; the inputs as
     `kda_decode`'s), run as T consecutive decode steps from the states at `slots` [B]. Returns
     o [N, P] and the state after every position, rec [B, T, H, D, D] and conv [B, T, K-1, 3P]
@@ -99,8 +129,20 @@ def kda_verify(u: Tensor, z: Tensor, b: Tensor, gate: Tensor, conv_w: Tensor, de
     return gated(torch.stack(outs, 1).view(B * T, H, D)), rec_rec, conv_rec
 
 
-def mla_decode(q: Tensor, ckv: Tensor, kv_norm: Tensor, store: Tensor, cache_rows: Tensor, context_rows: Tensor,
-               lens: Tensor, kv_b: Tensor, nope: int, v_dim: int, scale: float, eps: float) -> Tensor:
+def mla_decode(
+    q: Tensor,
+    ckv: Tensor,
+    kv_norm: Tensor,
+    store: Tensor,
+    cache_rows: Tensor,
+    context_rows: Tensor,
+    lens: Tensor,
+    kv_b: Tensor,
+    nope: int,
+    v_dim: int,
+    scale: float,
+    eps: float,
+) -> Tensor:
     """One absorbed-attention decode per row. q [N, H, nope + r] fp32; ckv [N, c + r] (the
     kv_a projection: latent before its norm | k_pe); kv_norm [c]; store [rows, c + r] written at
     cache_rows [N] in place; context_rows [N, L] and lens [N] the rows each attends; kv_b
@@ -113,12 +155,26 @@ def mla_decode(q: Tensor, ckv: Tensor, kv_norm: Tensor, store: Tensor, cache_row
     return out.contiguous()  # the strides the fake implementation states
 
 
-def moe_route(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, sigmoid: bool, renormalize: bool,
-              groups: int, topk_group: int, scaling: float) -> tuple[Tensor, Tensor]:
+def moe_route(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    sigmoid: bool,
+    renormalize: bool,
+    groups: int,
+    topk_group: int,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
     """x [N, d] -> expert ids [N, k] int64, weights [N, k] fp32 (layers/router.py)."""
-    cfg = SimpleNamespace(router_activation="sigmoid" if sigmoid else "softmax", num_expert_group=groups,
-                          topk_group=topk_group, top_k=top_k, renormalize=renormalize,
-                          routed_scaling_factor=scaling)
+    cfg = SimpleNamespace(
+        router_activation="sigmoid" if sigmoid else "softmax",
+        num_expert_group=groups,
+        topk_group=topk_group,
+        top_k=top_k,
+        renormalize=renormalize,
+        routed_scaling_factor=scaling,
+    )
     return route(x, weight, bias, cfg)
 
 
@@ -127,9 +183,22 @@ def _glu(gate: Tensor, up: Tensor, situ: bool, beta: float, linear_beta: float) 
     return situ_and_mul(gate, up, beta, linear_beta or None) if situ else silu_and_mul(gate, up)
 
 
-def moe_experts(z: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-                s1: Optional[Tensor], s2: Optional[Tensor], s3: Optional[Tensor], pair_lut: Optional[Tensor],
-                scale_lut: Optional[Tensor], situ: bool, beta: float, linear_beta: float) -> Tensor:
+def moe_experts(
+    z: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    s1: Optional[Tensor],
+    s2: Optional[Tensor],
+    s3: Optional[Tensor],
+    pair_lut: Optional[Tensor],
+    scale_lut: Optional[Tensor],
+    situ: bool,
+    beta: float,
+    linear_beta: float,
+) -> Tensor:
     """Routed sum, FP32 [N, out], shapes fixed by N. w* [E, out, in] dense, or with scales s*
     packed MXFP4 ([E, out, in/2] codes, [E, out, in/32] E8M0) decoded by the lookup tables
     (pair_lut [256, 2], scale_lut [256] in z's dtype). When the N * k assignments are fewer than
@@ -149,13 +218,23 @@ def moe_experts(z: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w2: Tensor,
     if N * k <= E:
         flat = ids.reshape(-1)
         xs = z.repeat_interleave(k, 0).unsqueeze(1)  # [N*k, 1, in]
-        h = _glu(torch.bmm(xs, select(w1, s1, flat).transpose(1, 2)), torch.bmm(xs, select(w3, s3, flat).transpose(1, 2)),
-                 situ, beta, linear_beta)
+        h = _glu(
+            torch.bmm(xs, select(w1, s1, flat).transpose(1, 2)),
+            torch.bmm(xs, select(w3, s3, flat).transpose(1, 2)),
+            situ,
+            beta,
+            linear_beta,
+        )
         y = torch.bmm(h, select(w2, s2, flat).transpose(1, 2)).view(N, k, -1)  # [N, k, out]
         return (y.float() * weights.float().unsqueeze(-1)).sum(1)
     every = torch.arange(E, device=z.device)
-    h = _glu(torch.einsum("ni,eoi->eno", z, select(w1, s1, every)), torch.einsum("ni,eoi->eno", z, select(w3, s3, every)),
-             situ, beta, linear_beta)
+    h = _glu(
+        torch.einsum("ni,eoi->eno", z, select(w1, s1, every)),
+        torch.einsum("ni,eoi->eno", z, select(w3, s3, every)),
+        situ,
+        beta,
+        linear_beta,
+    )
     y = torch.einsum("eni,eoi->eno", h, select(w2, s2, every))  # [E, N, out]
     # scatter_add: a row's ids may repeat (expert parallelism maps other ranks' experts to local
     # expert 0 with weight 0), and a plain scatter would let such a 0 overwrite a real weight
@@ -163,8 +242,9 @@ def moe_experts(z: Tensor, ids: Tensor, weights: Tensor, w1: Tensor, w2: Tensor,
     return torch.einsum("ne,eno->no", dense_w, y.float()).contiguous()
 
 
-def glu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, situ: bool, beta: float,
-            linear_beta: float) -> Tensor:
+def glu_mlp(
+    x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, situ: bool, beta: float, linear_beta: float
+) -> Tensor:
     """down(act(gate x, up x)): x [N, d] -> [N, d] (the dense MLP and the shared experts)."""
     return dense(_glu(dense(x, gate_w), dense(x, up_w), situ, beta, linear_beta), down_w)
 
@@ -174,8 +254,16 @@ def attnres_mix(bank: list[Tensor], w: Tensor, eps: float) -> Tensor:
     return _attnres_mix(bank, w, eps)
 
 
-BODIES = SimpleNamespace(rms_norm=rms_norm, kda_decode=kda_decode, kda_verify=kda_verify, mla_decode=mla_decode, moe_route=moe_route,
-                         moe_experts=moe_experts, glu_mlp=glu_mlp, attnres_mix=attnres_mix)
+BODIES = SimpleNamespace(
+    rms_norm=rms_norm,
+    kda_decode=kda_decode,
+    kda_verify=kda_verify,
+    mla_decode=mla_decode,
+    moe_route=moe_route,
+    moe_experts=moe_experts,
+    glu_mlp=glu_mlp,
+    attnres_mix=attnres_mix,
+)
 
 
 # fake (meta) implementations: output shapes only. The Triton ops (kernels/triton/ops.py) share
@@ -186,11 +274,15 @@ FAKES = SimpleNamespace(
     kda_verify=lambda u, z, b, gate, conv_w, decay, dt_bias, o_norm, rec, conv, slots, *rest: (
         z.new_empty(z.shape, dtype=torch.float32),
         rec.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *rec.shape[1:]),
-        conv.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *conv.shape[1:])),
-    mla_decode=lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest:
-        q.new_empty(q.shape[0], q.shape[1], v_dim, dtype=torch.float32),
-    moe_route=lambda x, weight, bias, top_k, *rest: (x.new_empty(x.shape[0], top_k, dtype=torch.long),
-                                                     x.new_empty(x.shape[0], top_k, dtype=torch.float32)),
+        conv.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *conv.shape[1:]),
+    ),
+    mla_decode=lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest: q.new_empty(
+        q.shape[0], q.shape[1], v_dim, dtype=torch.float32
+    ),
+    moe_route=lambda x, weight, bias, top_k, *rest: (
+        x.new_empty(x.shape[0], top_k, dtype=torch.long),
+        x.new_empty(x.shape[0], top_k, dtype=torch.float32),
+    ),
     moe_experts=lambda z, ids, weights, w1, w2, *rest: z.new_empty(z.shape[0], w2.shape[1], dtype=torch.float32),
     glu_mlp=lambda x, gate_w, up_w, down_w, *rest: x.new_empty(x.shape[0], down_w.shape[0]),
     attnres_mix=lambda bank, w, eps: torch.empty_like(bank[0]),

@@ -42,29 +42,54 @@ class TritonBackend(GraphBackend):
         state = (conv_w, self.a_log[i], dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
         if batch.T == 1:
             return self.kernels_ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
-        o, rec, conv = self.kernels_ops.kda_verify(u, z, b, gate, *state, batch.last, layer.head_dim,
-                                                   layer.lower_bound, layer.eps)
+        o, rec, conv = self.kernels_ops.kda_verify(
+            u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound, layer.eps
+        )
         batch.kda_records[i] = (rec, conv)
         return o
 
     def mla_core(self, layer, q, ckv, batch, cache):
         m = layer.cfg
-        return self.kernels_ops.mla_decode(q, ckv, layer.kv_a_layernorm.weight, cache.latent[layer.layer_idx],
-                                           batch.cache_rows, batch.table, batch.lens, self.kv_b[layer.layer_idx],
-                                           m.qk_nope_head_dim, m.v_head_dim, layer.scale, MLA_NORM_EPS,
-                                           batch.block_size)
+        return self.kernels_ops.mla_decode(
+            q,
+            ckv,
+            layer.kv_a_layernorm.weight,
+            cache.latent[layer.layer_idx],
+            batch.cache_rows,
+            batch.table,
+            batch.lens,
+            self.kv_b[layer.layer_idx],
+            m.qk_nope_head_dim,
+            m.v_head_dim,
+            layer.scale,
+            MLA_NORM_EPS,
+            batch.block_size,
+        )
 
     def moe(self, layer, x):
         if layer.ep is not None:
             raise NotImplementedError("DP-attention's token exchange is not fixed-shape: it uses 'torch' or 'cpp'")
         if layer.tp.size > 1:
             return layer.partial_forward(x, self)
-        return layer.single_rank(x, lambda z, ids, w: self.moe_experts(layer, z, ids, w),
-                                 lambda x: self.moe_route(layer, x))
+        return layer.single_rank(
+            x, lambda z, ids, w: self.moe_experts(layer, z, ids, w), lambda x: self.moe_route(layer, x)
+        )
 
     def moe_experts(self, layer, z, ids, weights):
         """Routed sum, FP32 [N, L]: the grouped GEMM kernels, packed experts read packed."""
         beta, linear_beta = layer.situ or (0.0, 0.0)
         ws = [(w.packed, w.scale) if w.is_packed else (w.value, None) for w in (layer.w1, layer.w2, layer.w3)]
-        return self.kernels_ops.moe_experts(z, ids, weights, ws[0][0], ws[1][0], ws[2][0], ws[0][1], ws[1][1], ws[2][1],
-                                            layer.situ is not None, beta, linear_beta)
+        return self.kernels_ops.moe_experts(
+            z,
+            ids,
+            weights,
+            ws[0][0],
+            ws[1][0],
+            ws[2][0],
+            ws[0][1],
+            ws[1][1],
+            ws[2][1],
+            layer.situ is not None,
+            beta,
+            linear_beta,
+        )

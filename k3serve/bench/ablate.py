@@ -12,12 +12,18 @@ from k3serve.bench.datasets import BenchRequest
 from k3serve.bench.metrics import summarize
 from k3serve.bench.runner import LoadSettings, run_load
 
-RATIO_KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
-              "mean_e2el_ms")
+RATIO_KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms")
 
 
-def ablate(requests: list[BenchRequest], settings: LoadSettings, url_a: str, url_b: str, rounds: int,
-           metrics: list[str], ps: list[float]) -> dict:
+def ablate(
+    requests: list[BenchRequest],
+    settings: LoadSettings,
+    url_a: str,
+    url_b: str,
+    rounds: int,
+    metrics: list[str],
+    ps: list[float],
+) -> dict:
     per_round = {"A": [], "B": []}
     for _ in range(rounds):
         for tag, url in (("A", url_a), ("B", url_b)):
@@ -27,6 +33,10 @@ def ablate(requests: list[BenchRequest], settings: LoadSettings, url_a: str, url
     for key in RATIO_KEYS:
         pairs = [b[key] / a[key] for a, b in zip(per_round["A"], per_round["B"]) if a.get(key)]
         if pairs:
-            ratios[key] = {"mean": float(np.mean(pairs)), "min": float(min(pairs)), "max": float(max(pairs)),
-                           "rounds": pairs}
+            ratios[key] = {
+                "mean": float(np.mean(pairs)),
+                "min": float(min(pairs)),
+                "max": float(max(pairs)),
+                "rounds": pairs,
+            }
     return {"A": url_a, "B": url_b, "rounds": rounds, "summaries": per_round, "ratios_B_over_A": ratios}

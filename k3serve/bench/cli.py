@@ -18,8 +18,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", help="default: http://HOST:PORT")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", default="openai", choices=BACKENDS,
-                   help="openai / vllm / k3serve: /v1/completions (recorded as backend and endpoint_type)")
+    p.add_argument(
+        "--backend",
+        default="openai",
+        choices=BACKENDS,
+        help="openai / vllm / k3serve: /v1/completions (recorded as backend and endpoint_type)",
+    )
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--tokenizer", help="recorded as tokenizer_id (prompts are sent as token ids)")
     p.add_argument("--label", help="recorded in the result (default: the backend)")
@@ -27,9 +31,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", help="folder for --result-filename")
     p.add_argument("--extra-body", type=json.loads, help="JSON merged into every request body")
     p.add_argument("--model", help="model name sent in requests (default: the server's)")
-    p.add_argument("--dataset-name", default="random", choices=("random", "shared-prefix", "low-entropy",
-                                                                 "high-entropy", "jsonl", "sharegpt", "sonnet",
-                                                                 "random-mm"))
+    p.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=("random", "shared-prefix", "low-entropy", "high-entropy", "jsonl", "sharegpt", "sonnet", "random-mm"),
+    )
     p.add_argument("--dataset-path", help="local file for jsonl, sharegpt (JSON) and sonnet (text lines)")
     p.add_argument("--sharegpt-output-len", type=int, help="fixed output length (default: the reply's tokens)")
     p.add_argument("--random-mm-images-per-request", type=int, default=1)
@@ -60,7 +66,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablate-rounds", type=int, default=2)
     p.add_argument("--api-key")
     p.add_argument("--save-result", action="store_true")
-    p.add_argument("--result-filename", help="default: {backend}-{request_rate}qps-{model}-{date}.json as vLLM names it")
+    p.add_argument(
+        "--result-filename", help="default: {backend}-{request_rate}qps-{model}-{date}.json as vLLM names it"
+    )
     p.add_argument("--plot", help="PNG file: latency CDFs (+ throughput vs concurrency for sweeps)")
     p.add_argument("--precision", default="", help="recorded in the result (e.g. bf16, mxfp4-w4a8)")
     p.add_argument("--engine", default="k3serve", help="recorded in the result")
@@ -75,17 +83,25 @@ def build_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
     if a.dataset_name == "random":
         return ds.random_requests(n, a.random_input_len, a.random_output_len, a.random_range_ratio, (lo, hi), seed)
     if a.dataset_name == "shared-prefix":
-        return ds.shared_prefix_requests(n, a.shared_prefix_len, a.shared_prefix_ratio, a.random_input_len,
-                                         a.random_output_len, (lo, hi), seed)
+        return ds.shared_prefix_requests(
+            n, a.shared_prefix_len, a.shared_prefix_ratio, a.random_input_len, a.random_output_len, (lo, hi), seed
+        )
     if a.dataset_name in ("low-entropy", "high-entropy"):
-        return ds.entropy_requests(n, a.random_input_len, a.random_output_len, a.dataset_name == "low-entropy",
-                                   (lo, hi), seed)
+        return ds.entropy_requests(
+            n, a.random_input_len, a.random_output_len, a.dataset_name == "low-entropy", (lo, hi), seed
+        )
     if a.dataset_name == "random-mm":
         if not a.endpoint.endswith("/chat/completions"):
             raise ValueError("--dataset-name random-mm sends images: use --endpoint /v1/chat/completions")
         w, _, h = a.random_mm_image_size.partition("x")
-        return ds.random_mm_requests(n, max(1, a.random_input_len // 2), a.random_output_len,
-                                     a.random_mm_images_per_request, (int(w), int(h)), seed)
+        return ds.random_mm_requests(
+            n,
+            max(1, a.random_input_len // 2),
+            a.random_output_len,
+            a.random_mm_images_per_request,
+            (int(w), int(h)),
+            seed,
+        )
     if not a.dataset_path:
         raise ValueError(f"--dataset-name {a.dataset_name} needs --dataset-path (a local file)")
     if a.dataset_name == "jsonl":
@@ -95,8 +111,9 @@ def build_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
     count = td.token_counter(a.tokenizer, a.base_url, a.api_key)
     if a.dataset_name == "sharegpt":
         return td.sharegpt_requests(a.dataset_path, n, count, seed, a.sharegpt_output_len)
-    return td.sonnet_requests(a.dataset_path, n, count, seed, a.sonnet_input_len, a.sonnet_output_len,
-                              a.sonnet_prefix_len)
+    return td.sonnet_requests(
+        a.dataset_path, n, count, seed, a.sonnet_input_len, a.sonnet_output_len, a.sonnet_prefix_len
+    )
 
 
 def served_model(base_url: str, api_key: str | None) -> str | None:
@@ -104,8 +121,9 @@ def served_model(base_url: str, api_key: str | None) -> str | None:
     import httpx
 
     try:
-        r = httpx.get(base_url + "/v1/models", timeout=10,
-                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        r = httpx.get(
+            base_url + "/v1/models", timeout=10, headers={"Authorization": f"Bearer {api_key}"} if api_key else None
+        )
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         return None
@@ -123,8 +141,9 @@ def metadata(items: list[str]) -> dict[str, str]:
 
 def result_path(a: argparse.Namespace, concurrency: int | None, sweep: bool = False) -> Path:
     rate = "inf" if a.request_rate == float("inf") else f"{a.request_rate:g}"
-    name = a.result_filename or (f"{a.backend}-{rate}qps-{(a.model or 'model').replace('/', '_')}-"
-                                 f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    name = a.result_filename or (
+        f"{a.backend}-{rate}qps-{(a.model or 'model').replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     if sweep:
         name = f"{Path(name).stem}-c{concurrency or 'inf'}{Path(name).suffix or '.json'}"
     return Path(a.result_dir or ".") / name
@@ -153,42 +172,91 @@ def run_bench(a: argparse.Namespace) -> int:
     metrics = [m for m in a.percentile_metrics.split(",") if m]
     ps = [float(x) for x in a.metric_percentiles.split(",")]
     goodput = parse_goodput(a.goodput)
-    sampling = {k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("seed", a.seed)) if v is not None}
+    sampling = {
+        k: v for k, v in (("temperature", a.temperature), ("top_p", a.top_p), ("seed", a.seed)) if v is not None
+    }
     sampling.update(a.extra_body or {})
-    settings = LoadSettings(a.base_url, a.endpoint, a.model, a.request_rate, a.burstiness, a.max_concurrency,
-                            a.num_warmups, a.ignore_eos, a.seed, sampling, a.api_key, progress=not a.no_progress)
-    meta = {"engine": a.engine, "precision": a.precision, "devices": a.devices, "interconnect": a.interconnect,
-            "model": a.model, "base_url": a.base_url, "endpoint": a.endpoint, "dataset": a.dataset_name,
-            "num_prompts": len(requests), "input_len": a.random_input_len, "output_len": a.random_output_len,
-            "request_rate": a.request_rate, "burstiness": a.burstiness, "sampling": sampling,
-            "ignore_eos": a.ignore_eos, "seed": a.seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    settings = LoadSettings(
+        a.base_url,
+        a.endpoint,
+        a.model,
+        a.request_rate,
+        a.burstiness,
+        a.max_concurrency,
+        a.num_warmups,
+        a.ignore_eos,
+        a.seed,
+        sampling,
+        a.api_key,
+        progress=not a.no_progress,
+    )
+    meta = {
+        "engine": a.engine,
+        "precision": a.precision,
+        "devices": a.devices,
+        "interconnect": a.interconnect,
+        "model": a.model,
+        "base_url": a.base_url,
+        "endpoint": a.endpoint,
+        "dataset": a.dataset_name,
+        "num_prompts": len(requests),
+        "input_len": a.random_input_len,
+        "output_len": a.random_output_len,
+        "request_rate": a.request_rate,
+        "burstiness": a.burstiness,
+        "sampling": sampling,
+        "ignore_eos": a.ignore_eos,
+        "seed": a.seed,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     if a.ablate:
         result = ablate(requests, settings, a.ablate[0], a.ablate[1], a.ablate_rounds, metrics, ps)
         for key, r in result["ratios_B_over_A"].items():
             print(f"{key:<24} B/A {r['mean']:.3f}  (min {r['min']:.3f}, max {r['max']:.3f}, {len(r['rounds'])} rounds)")
-        payload = {**meta, "max_concurrency": a.max_concurrency, "ablation": result,
-                   "requests": [r.to_dict() for r in requests]}
+        payload = {
+            **meta,
+            "max_concurrency": a.max_concurrency,
+            "ablation": result,
+            "requests": [r.to_dict() for r in requests],
+        }
         if a.save_result:
             save_result(result_path(a, a.max_concurrency), payload)
         return 0
-    concurrencies = [int(x) for x in a.sweep_max_concurrency.split(",")] if a.sweep_max_concurrency else \
-        [a.max_concurrency]
+    concurrencies = (
+        [int(x) for x in a.sweep_max_concurrency.split(",")] if a.sweep_max_concurrency else [a.max_concurrency]
+    )
     runs = []
     for c in concurrencies:
         s = settings if c == a.max_concurrency else type(settings)(**{**settings.__dict__, "max_concurrency": c})
         results, duration, server = asyncio.run(run_load(requests, s))
         summary = summarize(results, duration, metrics, ps, goodput)
         print(format_summary(f"Serving Benchmark Result (max concurrency {c or 'inf'})", summary, server))
-        runs.append({"label": f"concurrency {c or 'inf'}", "concurrency": c, "results": results, "summary": summary,
-                     "server": server})
+        runs.append(
+            {
+                "label": f"concurrency {c or 'inf'}",
+                "concurrency": c,
+                "results": results,
+                "summary": summary,
+                "server": server,
+            }
+        )
     model_id = a.model or served_model(a.base_url, a.api_key)
     if a.save_result:  # vLLM's flat layout, one file per run
         for r in runs:
-            info = {"date": meta["date"], "endpoint_type": a.backend, "backend": a.backend,
-                    "label": a.label or a.backend, "model_id": model_id,
-                    "tokenizer_id": a.tokenizer or model_id, "num_prompts": len(requests),
-                    "request_rate": a.request_rate, "burstiness": a.burstiness, "max_concurrency": r["concurrency"],
-                    **metadata(a.metadata), "k3serve": {**meta, "server": r["server"]}}
+            info = {
+                "date": meta["date"],
+                "endpoint_type": a.backend,
+                "backend": a.backend,
+                "label": a.label or a.backend,
+                "model_id": model_id,
+                "tokenizer_id": a.tokenizer or model_id,
+                "num_prompts": len(requests),
+                "request_rate": a.request_rate,
+                "burstiness": a.burstiness,
+                "max_concurrency": r["concurrency"],
+                **metadata(a.metadata),
+                "k3serve": {**meta, "server": r["server"]},
+            }
             save_result(result_path(a, r["concurrency"], len(runs) > 1), vllm_result(r["summary"], r["results"], info))
     if a.plot:
         plot(a.plot, runs, plot_title(model_id, a.devices, a.engine, a.dataset_name, meta["date"]))

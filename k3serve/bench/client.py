@@ -21,12 +21,15 @@ def request_body(endpoint: str, model: str | None, req: BenchRequest, sampling: 
         body["ignore_eos"] = True
     if endpoint.endswith("/chat/completions"):
         if req.prompt is None:
-            raise ValueError("the chat endpoint needs text prompts (use a jsonl dataset with 'prompt', "
-                             "or /v1/completions for token ids)")
+            raise ValueError(
+                "the chat endpoint needs text prompts (use a jsonl dataset with 'prompt', "
+                "or /v1/completions for token ids)"
+            )
         content = req.prompt
         if req.images:
             content = [{"type": "text", "text": req.prompt}] + [
-                {"type": "image_url", "image_url": {"url": url}} for url in req.images]
+                {"type": "image_url", "image_url": {"url": url}} for url in req.images
+            ]
         body["messages"] = [{"role": "user", "content": content}]
     else:
         body["prompt"] = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
@@ -44,8 +47,9 @@ def _chunk_text(chunk: dict) -> str:
     return "".join(parts)
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict, index: int, clock0: float,
-               headers: dict | None = None) -> RequestResult:
+async def send(
+    client: httpx.AsyncClient, url: str, body: dict, index: int, clock0: float, headers: dict | None = None
+) -> RequestResult:
     res = RequestResult(index, False, prompt_tokens=len(body["prompt"]) if isinstance(body.get("prompt"), list) else 0)
     start = time.perf_counter()
     res.start = start - clock0

@@ -34,15 +34,17 @@ def _lens(rng, n: int, mean: int, ratio: float) -> list[int]:
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)] if ratio else [mean] * n
 
 
-def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab: tuple[int, int],
-                    seed: int) -> list[BenchRequest]:
+def random_requests(
+    n: int, input_len: int, output_len: int, range_ratio: float, vocab: tuple[int, int], seed: int
+) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     ins, outs = _lens(rng, n, input_len, range_ratio), _lens(rng, n, output_len, range_ratio)
     return [BenchRequest(rng.integers(*vocab, size=i).tolist(), None, o) for i, o in zip(ins, outs)]
 
 
-def shared_prefix_requests(n: int, prefix_len: int, share_ratio: float, input_len: int, output_len: int,
-                           vocab: tuple[int, int], seed: int) -> list[BenchRequest]:
+def shared_prefix_requests(
+    n: int, prefix_len: int, share_ratio: float, input_len: int, output_len: int, vocab: tuple[int, int], seed: int
+) -> list[BenchRequest]:
     """`share_ratio` of the requests start with the same `prefix_len` tokens."""
     rng = np.random.default_rng(seed)
     prefix = rng.integers(*vocab, size=prefix_len).tolist()
@@ -50,13 +52,17 @@ def shared_prefix_requests(n: int, prefix_len: int, share_ratio: float, input_le
     for i in range(n):
         tail = rng.integers(*vocab, size=input_len).tolist()
         shared = i < round(n * share_ratio)
-        out.append(BenchRequest((prefix if shared else rng.integers(*vocab, size=prefix_len).tolist()) + tail,
-                                None, output_len))
+        out.append(
+            BenchRequest(
+                (prefix if shared else rng.integers(*vocab, size=prefix_len).tolist()) + tail, None, output_len
+            )
+        )
     return out
 
 
-def entropy_requests(n: int, input_len: int, output_len: int, low: bool, vocab: tuple[int, int],
-                     seed: int) -> list[BenchRequest]:
+def entropy_requests(
+    n: int, input_len: int, output_len: int, low: bool, vocab: tuple[int, int], seed: int
+) -> list[BenchRequest]:
     """low: a short random segment repeated (code-like, predictable); high: uniform random ids."""
     rng = np.random.default_rng(seed)
     out = []
@@ -70,8 +76,9 @@ def entropy_requests(n: int, input_len: int, output_len: int, low: bool, vocab: 
     return out
 
 
-def random_mm_requests(n: int, input_words: int, output_len: int, images: int, size: tuple[int, int],
-                       seed: int) -> list[BenchRequest]:
+def random_mm_requests(
+    n: int, input_words: int, output_len: int, images: int, size: tuple[int, int], seed: int
+) -> list[BenchRequest]:
     """vLLM's random-mm: random words plus `images` random-pixel PNGs of `size` per request."""
     import base64
     import io

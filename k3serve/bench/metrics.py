@@ -51,22 +51,35 @@ def is_good(r: RequestResult, slo_ms: dict[str, float]) -> bool:
     return r.success and all(vals[k] * 1000 <= v for k, v in slo_ms.items())
 
 
-def summarize(results: list[RequestResult], duration: float, metrics: list[str], ps: list[float],
-              goodput: dict[str, float] | None = None) -> dict:
+def summarize(
+    results: list[RequestResult],
+    duration: float,
+    metrics: list[str],
+    ps: list[float],
+    goodput: dict[str, float] | None = None,
+) -> dict:
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    per_metric = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-                  "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
+    per_metric = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok if r.tpot is not None],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
     summary = {
-        "completed": len(ok), "failed": len(results) - len(ok),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "success_rate": len(ok) / len(results) if results else 0.0,
-        "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": out_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
-        "peak_output_throughput": peak_per_second([t for r in ok for t in r.chunk_times[1:]] +
-                                                  [r.chunk_times[0] for r in ok if r.chunk_times]),
+        "peak_output_throughput": peak_per_second(
+            [t for r in ok for t in r.chunk_times[1:]] + [r.chunk_times[0] for r in ok if r.chunk_times]
+        ),
     }
     for m in metrics:
         vals = [v * 1000 for v in per_metric[m]]  # ms, as vLLM prints

@@ -11,16 +11,18 @@ from k3serve.bench.metrics import RequestResult
 
 
 def format_summary(title: str, s: dict, server: dict) -> str:
-    lines = [f"{'=' * 18} {title} {'=' * 18}",
-             f"Successful requests:                     {s['completed']}",
-             f"Failed requests:                         {s['failed']}",
-             f"Benchmark duration (s):                  {s['duration_s']:.2f}",
-             f"Total input tokens:                      {s['total_input_tokens']}",
-             f"Total generated tokens:                  {s['total_output_tokens']}",
-             f"Request throughput (req/s):              {s['request_throughput']:.2f}",
-             f"Output token throughput (tok/s):         {s['output_throughput']:.2f}",
-             f"Peak output token throughput (tok/s):    {s['peak_output_throughput']:.2f}",
-             f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}"]
+    lines = [
+        f"{'=' * 18} {title} {'=' * 18}",
+        f"Successful requests:                     {s['completed']}",
+        f"Failed requests:                         {s['failed']}",
+        f"Benchmark duration (s):                  {s['duration_s']:.2f}",
+        f"Total input tokens:                      {s['total_input_tokens']}",
+        f"Total generated tokens:                  {s['total_output_tokens']}",
+        f"Request throughput (req/s):              {s['request_throughput']:.2f}",
+        f"Output token throughput (tok/s):         {s['output_throughput']:.2f}",
+        f"Peak output token throughput (tok/s):    {s['peak_output_throughput']:.2f}",
+        f"Total token throughput (tok/s):          {s['total_token_throughput']:.2f}",
+    ]
     if "request_goodput" in s:
         lines.append(f"Request goodput (req/s):                 {s['request_goodput']:.2f}")
     for m in ("ttft", "tpot", "itl", "e2el"):
@@ -34,9 +36,21 @@ def format_summary(title: str, s: dict, server: dict) -> str:
 
 
 def per_request(results: list[RequestResult]) -> list[dict]:
-    return [{"index": r.index, "success": r.success, "error": r.error, "prompt_tokens": r.prompt_tokens,
-             "output_tokens": r.output_tokens, "start_s": r.start, "ttft_s": r.ttft, "tpot_s": r.tpot,
-             "e2el_s": r.latency, "itl_s": r.itl} for r in results]
+    return [
+        {
+            "index": r.index,
+            "success": r.success,
+            "error": r.error,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "start_s": r.start,
+            "ttft_s": r.ttft,
+            "tpot_s": r.tpot,
+            "e2el_s": r.latency,
+            "itl_s": r.itl,
+        }
+        for r in results
+    ]
 
 
 def save_result(path: str | Path, payload: dict) -> None:
@@ -61,19 +75,30 @@ def vllm_result(summary: dict, results: list[RequestResult], info: dict) -> dict
     per-request arrays; `info` carries date, backend, label, model_id, tokenizer_id,
     num_prompts, request_rate, burstiness, max_concurrency and --metadata pairs."""
     rate = info.get("request_rate")
-    out = {**info, "request_rate": "inf" if rate is None or rate == float("inf") else rate,
-           "duration": summary["duration_s"], "completed": summary["completed"], "failed": summary["failed"],
-           "total_input_tokens": summary["total_input_tokens"], "total_output_tokens": summary["total_output_tokens"],
-           "request_throughput": summary["request_throughput"], "request_goodput": summary.get("request_goodput"),
-           "output_throughput": summary["output_throughput"],
-           "total_token_throughput": summary["total_token_throughput"],
-           "max_output_tokens_per_s": summary["peak_output_throughput"],
-           "max_concurrent_requests": max_concurrent(results),
-           "input_lens": [r.prompt_tokens for r in results], "output_lens": [r.output_tokens for r in results],
-           "ttfts": [r.ttft for r in results], "itls": [list(r.itl) for r in results],
-           "generated_texts": ["" for _ in results], "errors": [r.error for r in results]}
-    out.update({k: v for k, v in summary.items() if k.startswith(("mean_", "median_", "std_", "p"))
-                and k.endswith("_ms")})
+    out = {
+        **info,
+        "request_rate": "inf" if rate is None or rate == float("inf") else rate,
+        "duration": summary["duration_s"],
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "total_input_tokens": summary["total_input_tokens"],
+        "total_output_tokens": summary["total_output_tokens"],
+        "request_throughput": summary["request_throughput"],
+        "request_goodput": summary.get("request_goodput"),
+        "output_throughput": summary["output_throughput"],
+        "total_token_throughput": summary["total_token_throughput"],
+        "max_output_tokens_per_s": summary["peak_output_throughput"],
+        "max_concurrent_requests": max_concurrent(results),
+        "input_lens": [r.prompt_tokens for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [list(r.itl) for r in results],
+        "generated_texts": ["" for _ in results],
+        "errors": [r.error for r in results],
+    }
+    out.update(
+        {k: v for k, v in summary.items() if k.startswith(("mean_", "median_", "std_", "p")) and k.endswith("_ms")}
+    )
     return out
 
 
@@ -95,12 +120,14 @@ def plot_title(model: str | None, devices: str, engine: str, dataset: str, date:
 def plot(path: str | Path, runs: list[dict], title: str = "") -> None:
     """runs: [{"label", "concurrency", "results": [RequestResult], "summary": {...}}]."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4 if len(runs) > 1 else 3, figsize=(16 if len(runs) > 1 else 12, 3.6))
-    for ax, (metric, getter) in zip(axes, [("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot),
-                                           ("E2EL", lambda r: r.latency)]):
+    for ax, (metric, getter) in zip(
+        axes, [("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot), ("E2EL", lambda r: r.latency)]
+    ):
         for run in runs:
             vals = sorted(getter(r) * 1000 for r in run["results"] if r.success and getter(r) is not None)
             if vals:

@@ -103,6 +103,7 @@ async def run_load(requests: list[BenchRequest], s: LoadSettings) -> tuple[list[
         bar = None
         if s.progress:
             from tqdm import tqdm
+
             bar = tqdm(total=len(bodies), desc="requests")
         clock0 = time.perf_counter()
 

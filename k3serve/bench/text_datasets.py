@@ -40,12 +40,16 @@ def _conversations(path: Path) -> list[dict]:
             raise ValueError(f"{path}: neither a JSON list nor JSON lines ({e})") from None
     if not isinstance(rows, list):
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}}")
-    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("conversations"), list)
-            and len(r["conversations"]) >= 2]
+    return [
+        r
+        for r in rows
+        if isinstance(r, dict) and isinstance(r.get("conversations"), list) and len(r["conversations"]) >= 2
+    ]
 
 
-def sharegpt_requests(path: str | Path, n: int, count: Counter, seed: int,
-                      output_len: int | None = None) -> list[BenchRequest]:
+def sharegpt_requests(
+    path: str | Path, n: int, count: Counter, seed: int, output_len: int | None = None
+) -> list[BenchRequest]:
     rows = _conversations(Path(path))
     random.Random(seed).shuffle(rows)
     out = []
@@ -60,13 +64,22 @@ def sharegpt_requests(path: str | Path, n: int, count: Counter, seed: int,
             continue
         out.append(BenchRequest(None, prompt, out_len, prompt_len))
     if len(out) < n:
-        raise ValueError(f"{path}: only {len(out)} usable conversations for --num-prompts {n} "
-                         f"(need two turns, 4..1024 prompt tokens, 2048 in all)")
+        raise ValueError(
+            f"{path}: only {len(out)} usable conversations for --num-prompts {n} "
+            f"(need two turns, 4..1024 prompt tokens, 2048 in all)"
+        )
     return out
 
 
-def sonnet_requests(path: str | Path, n: int, count: Counter, seed: int, input_len: int = 550,
-                    output_len: int = 150, prefix_len: int = 200) -> list[BenchRequest]:
+def sonnet_requests(
+    path: str | Path,
+    n: int,
+    count: Counter,
+    seed: int,
+    input_len: int = 550,
+    output_len: int = 150,
+    prefix_len: int = 200,
+) -> list[BenchRequest]:
     lines = [line + "\n" for line in Path(path).read_text().splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{path}: no poem lines")
@@ -94,8 +107,9 @@ def token_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> 
         return lambda text: len(tok.encode(text))
     import httpx
 
-    client = httpx.Client(base_url=base_url, timeout=60,
-                          headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+    client = httpx.Client(
+        base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else None
+    )
 
     def count(text: str) -> int:
         try:
@@ -103,6 +117,9 @@ def token_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> 
             r.raise_for_status()
             return int(r.json()["count"])
         except (httpx.HTTPError, KeyError, ValueError) as e:
-            raise ValueError(f"cannot count tokens with {base_url}/tokenize ({e}); "
-                             f"give --tokenizer DIR (a checkpoint or tokenizer folder)") from None
+            raise ValueError(
+                f"cannot count tokens with {base_url}/tokenize ({e}); "
+                f"give --tokenizer DIR (a checkpoint or tokenizer folder)"
+            ) from None
+
     return count

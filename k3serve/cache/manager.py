@@ -57,8 +57,16 @@ class CacheUsage:
 
 
 class HybridCacheManager:
-    def __init__(self, num_blocks: int, num_slots: int, block_size: int, slot_bytes: int = 0,
-                 token_bytes: int = 0, enable_prefix_caching: bool = False, num_checkpoints: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        num_slots: int,
+        block_size: int,
+        slot_bytes: int = 0,
+        token_bytes: int = 0,
+        enable_prefix_caching: bool = False,
+        num_checkpoints: int = 0,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -124,8 +132,11 @@ class HybridCacheManager:
         return len(self._slot_of)
 
     def usage(self, req_id: str, num_tokens: int) -> CacheUsage:
-        return CacheUsage(self.slot_bytes, num_tokens * self.token_bytes,
-                          len(self._tables[req_id]) * self.block_size * self.token_bytes)
+        return CacheUsage(
+            self.slot_bytes,
+            num_tokens * self.token_bytes,
+            len(self._tables[req_id]) * self.block_size * self.token_bytes,
+        )
 
     # ---- prefix caching --------------------------------------------------------------------
     def lookup(self, token_ids: list[int]) -> PrefixHit:
@@ -162,7 +173,7 @@ class HybridCacheManager:
             state = "dev" if self.checkpoints.get(key) is not None else tiers.where(("state", key))
             if state is None:
                 continue
-            on_disk = state == "disk" or "disk" in where[:max(0, k - cached)]
+            on_disk = state == "disk" or "disk" in where[: max(0, k - cached)]
             if not on_disk:
                 now = max(now, k)
                 break
@@ -177,9 +188,15 @@ class HybridCacheManager:
             return PrefixHit(junction=junction, pending=later > now)
         key = hashes[now - 1]
         device_state = self.checkpoints.get(key) is not None
-        return PrefixHit(now * bs, tuple(self.blocks.cached[h] for h in hashes[:min(now, cached)]),
-                         key if device_state else None, junction, tuple(hashes[cached:now]),
-                         None if device_state else key, pending=later > now)
+        return PrefixHit(
+            now * bs,
+            tuple(self.blocks.cached[h] for h in hashes[: min(now, cached)]),
+            key if device_state else None,
+            junction,
+            tuple(hashes[cached:now]),
+            None if device_state else key,
+            pending=later > now,
+        )
 
     def held_prefix(self, token_ids: list[int]) -> tuple[int, ...]:
         """Cached blocks of the longest block prefix of `token_ids` (no KDA checkpoint needed):
@@ -187,7 +204,7 @@ class HybridCacheManager:
         if not self.prefix_caching:
             return ()
         hashes = block_hashes(token_ids, self.block_size)
-        return tuple(self.blocks.cached[h] for h in hashes[:self._cached_run(hashes)])
+        return tuple(self.blocks.cached[h] for h in hashes[: self._cached_run(hashes)])
 
     def _cached_run(self, hashes: list[bytes]) -> int:
         """How many leading block hashes have a cached block."""
@@ -198,8 +215,11 @@ class HybridCacheManager:
 
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
         st = self.checkpoints.stats
-        st.queries, st.query_tokens, st.hit_tokens = st.queries + 1, st.query_tokens + query_tokens, \
-            st.hit_tokens + hit_tokens
+        st.queries, st.query_tokens, st.hit_tokens = (
+            st.queries + 1,
+            st.query_tokens + query_tokens,
+            st.hit_tokens + hit_tokens,
+        )
 
     def checkpoint_key(self, req_id: str, token_ids: list[int], position: int) -> bytes:
         """Hash of the block ending at `position` (a multiple of block_size)."""
@@ -263,7 +283,7 @@ class HybridCacheManager:
         self._slot_of[req_id], self._tables[req_id] = slot, blocks
         # tier blocks fill the fresh blocks after the shared ones; they are published (and so
         # shared) once the step that loads them has run, as computed blocks are
-        loads = tuple(zip(hit.loads, blocks[len(shared):])) if hit is not None else ()
+        loads = tuple(zip(hit.loads, blocks[len(shared) :])) if hit is not None else ()
         if self.tiers is not None and (loads or hit.load_state is not None):
             self.tiers.stats["cpu"].hit_tokens += hit.num_tokens
         return CacheAllocation(slot, list(blocks), restore, loads, hit.load_state if hit is not None else None)
@@ -293,6 +313,7 @@ class HybridCacheManager:
         have = self._hashes.setdefault(req_id, [])
         if len(have) < n_blocks:
             parent = have[-1] if have else None
-            have += block_hashes(token_ids[:n_blocks * self.block_size], self.block_size, start=len(have),
-                                 parent=parent)
+            have += block_hashes(
+                token_ids[: n_blocks * self.block_size], self.block_size, start=len(have), parent=parent
+            )
         return have

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from k3serve.cache.block_pool import CacheAccountingError
 
 
-def block_hashes(token_ids: list[int], block_size: int, extra: bytes = b"", start: int = 0,
-                 parent: bytes | None = None) -> list[bytes]:
+def block_hashes(
+    token_ids: list[int], block_size: int, extra: bytes = b"", start: int = 0, parent: bytes | None = None
+) -> list[bytes]:
     """Chained hashes of the full blocks of `token_ids` from block `start` on:
     h_i = blake2b(h_{i-1} | tokens of block i); h_{-1} = blake2b(extra) (media hashes etc.)."""
     h = parent if parent is not None else hashlib.blake2b(b"k3serve-root" + extra, digest_size=16).digest()
     out = []
     for i in range(start, len(token_ids) // block_size):
-        block = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
+        block = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
         h = hashlib.blake2b(h + block, digest_size=16).digest()
         out.append(h)
     return out

@@ -14,8 +14,17 @@ from dataclasses import dataclass
 
 from k3serve.config.model_config import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-               "fp8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1}
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "float8_e4m3fn": 1,
+}
 
 
 def dtype_bytes(name: str) -> int:
@@ -48,8 +57,7 @@ def kda_conv_bytes_per_layer(cfg: ModelConfig, conv_dtype: str = "float32") -> i
     return (k.conv_kernel - 1) * 3 * k.proj_dim * dtype_bytes(conv_dtype)
 
 
-def kda_state_bytes_per_request(cfg: ModelConfig, state_dtype: str = "float32",
-                                conv_dtype: str = "float32") -> int:
+def kda_state_bytes_per_request(cfg: ModelConfig, state_dtype: str = "float32", conv_dtype: str = "float32") -> int:
     """One state slot: recurrent + conv state of every KDA layer."""
     per_layer = kda_recurrent_bytes_per_layer(cfg, state_dtype) + kda_conv_bytes_per_layer(cfg, conv_dtype)
     return len(cfg.kda_layers) * per_layer
@@ -57,8 +65,22 @@ def kda_state_bytes_per_request(cfg: ModelConfig, state_dtype: str = "float32",
 
 # ---- splitting a cache budget between the two pools ------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -67,7 +89,7 @@ def parse_bytes(text: str | int) -> int:
         return text
     s = str(text).strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if not num or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 1GiB, 512MiB or 2GB")
     return int(float(num) * _UNITS[unit])
@@ -103,8 +125,7 @@ class CachePlan:
         return min(self.num_slots, self.requests_by_tokens(context_len))
 
 
-def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 16,
-                       kv_dtype: str = "bfloat16") -> int:
+def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 16, kv_dtype: str = "bfloat16") -> int:
     """Cache bytes of one request at max_model_len: its state slot plus whole latent blocks."""
     blocks = -(-max_model_len // block_size)
     return kda_state_bytes_per_request(cfg) + blocks * latent_block_bytes(cfg, block_size, kv_dtype)
@@ -114,10 +135,20 @@ def _share(nbytes: int, share: float) -> int:
     return nbytes if share == 1.0 else math.ceil(nbytes * share)
 
 
-def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_num_seqs: int,
-               block_size: int = 16, kv_dtype: str = "bfloat16", num_slots: int | None = None,
-               checkpoint_fraction: float = 0.0, state_shards: int = 1, kda_share: float = 1.0,
-               mla_share: float = 1.0) -> CachePlan:
+def plan_cache(
+    cfg: ModelConfig,
+    cache_bytes: int,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    block_size: int = 16,
+    kv_dtype: str = "bfloat16",
+    num_slots: int | None = None,
+    checkpoint_fraction: float = 0.0,
+    state_shards: int = 1,
+    kda_share: float = 1.0,
+    mla_share: float = 1.0,
+) -> CachePlan:
     """Split `cache_bytes` by the expected request shape.
 
     Default: as many slots as requests of `max_model_len` tokens fit whole (slot + latent
@@ -144,14 +175,16 @@ def plan_cache(cfg: ModelConfig, cache_bytes: int, *, max_model_len: int, max_nu
         raise ValueError(
             f"cache memory {cache_bytes:,} B cannot hold one request of max_model_len {max_model_len:,}: "
             f"it needs {per_request:,} B (KDA state {slot_bytes:,} B + latent KV {blocks_per_req * block_bytes:,} B); "
-            f"lower --max-model-len or raise --cache-memory")
+            f"lower --max-model-len or raise --cache-memory"
+        )
     if num_slots is None:
         num_slots = max(1, min(max_num_seqs, cache_bytes // per_request))
     elif num_slots < 1 or num_slots * slot_bytes + blocks_per_req * block_bytes > cache_bytes:
-        raise ValueError(f"{num_slots} state slots ({num_slots * slot_bytes:,} B) leave no room for one "
-                         f"request of max_model_len {max_model_len:,} in {cache_bytes:,} B")
+        raise ValueError(
+            f"{num_slots} state slots ({num_slots * slot_bytes:,} B) leave no room for one "
+            f"request of max_model_len {max_model_len:,} in {cache_bytes:,} B"
+        )
     rest = cache_bytes - num_slots * slot_bytes
     # Without MLA layers blocks cost nothing; keep enough for every slot at max_model_len.
     num_blocks = rest // block_bytes if block_bytes else num_slots * blocks_per_req
-    return CachePlan(block_size, num_blocks, num_slots, block_bytes, slot_bytes, token_bytes, max_model_len,
-                     num_ckpt)
+    return CachePlan(block_size, num_blocks, num_slots, block_bytes, slot_bytes, token_bytes, max_model_len, num_ckpt)

@@ -56,20 +56,28 @@ def as_template_dicts(messages: list[Message]) -> list[dict]:
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls
+            ]
         out.append(d)
     return out
 
 
-def render_jinja(template: str, messages: list[Message], tools: list[dict] | None = None,
-                 add_generation_prompt: bool = True, **kwargs) -> str:
+def render_jinja(
+    template: str,
+    messages: list[Message],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **kwargs,
+) -> str:
     normalize_tool_ids(messages)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
     try:
-        return env.from_string(template).render(messages=as_template_dicts(messages), tools=tools,
-                                                add_generation_prompt=add_generation_prompt, **kwargs)
+        return env.from_string(template).render(
+            messages=as_template_dicts(messages), tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
     except TemplateError as e:
         raise ChatInputError(f"chat template failed: {e}") from None
 

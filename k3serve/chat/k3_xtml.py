@@ -118,13 +118,19 @@ def tool_results(results: list[Message], calls: list[ToolCall]) -> list[Seg]:
     return segs
 
 
-def render_k3(messages: list[Message], tools: list[dict] | None = None, *, thinking: bool = True,
-              effort: str | None = None, tool_choice: Any = None, response_format: dict | None = None,
-              add_generation_prompt: bool = True) -> list[Seg]:
+def render_k3(
+    messages: list[Message],
+    tools: list[dict] | None = None,
+    *,
+    thinking: bool = True,
+    effort: str | None = None,
+    tool_choice: Any = None,
+    response_format: dict | None = None,
+    add_generation_prompt: bool = True,
+) -> list[Seg]:
     segs: list[Seg] = []
     if tools:
-        segs += message("system", [Seg(TOOL_DECLARE_HEAD + compact_json(tools) + "\n```")],
-                        [("type", "tool-declare")])
+        segs += message("system", [Seg(TOOL_DECLARE_HEAD + compact_json(tools) + "\n```")], [("type", "tool-declare")])
     last_calls: list[ToolCall] = []
     i = 0
     while i < len(messages):
@@ -161,8 +167,11 @@ def media_block(item) -> list[Seg]:
 
 
 def _media(header: str, pads: int) -> list[Seg]:
-    return ([Seg("<|media_begin|>", True), Seg(header), Seg("<|media_content|>", True)]
-            + [Seg("<|media_pad|>", True)] * pads + [Seg("<|media_end|>", True)])
+    return (
+        [Seg("<|media_begin|>", True), Seg(header), Seg("<|media_content|>", True)]
+        + [Seg("<|media_pad|>", True)] * pads
+        + [Seg("<|media_end|>", True)]
+    )
 
 
 def content_segs(m: Message) -> list[Seg]:

@@ -111,10 +111,17 @@ def normalize(messages: list[dict], load_media: Callable | None = None) -> list[
             raise ChatInputError(f"{where}.role must be one of {ROLES}, got {role!r}")
         reasoning = m.get("reasoning_content", m.get("reasoning"))
         text, media = content_text(m.get("content"), where, load_media if role == "user" else None)
-        out.append(Message("system" if role == "developer" else role, text,
-                           _text(reasoning, f"{where}.reasoning_content"), _tool_calls(m, where),
-                           _text(m.get("tool_call_id"), f"{where}.tool_call_id"),
-                           _text(m.get("name"), f"{where}.name"), media))
+        out.append(
+            Message(
+                "system" if role == "developer" else role,
+                text,
+                _text(reasoning, f"{where}.reasoning_content"),
+                _tool_calls(m, where),
+                _text(m.get("tool_call_id"), f"{where}.tool_call_id"),
+                _text(m.get("name"), f"{where}.name"),
+                media,
+            )
+        )
     return out
 
 

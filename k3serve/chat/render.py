@@ -48,10 +48,18 @@ class ChatRenderer:
         specials = getattr(tokenizer, "special_tokens", {})
         self.missing_xtml = [t for t in XTML_SPECIALS if t not in specials] if model_type == "kimi_k3" else []
         self.xtml = model_type == "kimi_k3" and not self.missing_xtml and chat_template is None
-        self.template = chat_template if chat_template is not None else (
-            None if self.xtml else load_chat_template(model_dir))
-        self.source = ("--chat-template" if chat_template is not None else "K3 XTML" if self.xtml
-                       else "the checkpoint's chat template" if self.template else None)
+        self.template = (
+            chat_template if chat_template is not None else (None if self.xtml else load_chat_template(model_dir))
+        )
+        self.source = (
+            "--chat-template"
+            if chat_template is not None
+            else "K3 XTML"
+            if self.xtml
+            else "the checkpoint's chat template"
+            if self.template
+            else None
+        )
 
     @property
     def available(self) -> bool:
@@ -62,9 +70,11 @@ class ChatRenderer:
         if self.available:
             return None
         if self.missing_xtml:
-            return (f"this K3 checkpoint's tokenizer lacks K3's XTML special tokens ({', '.join(self.missing_xtml)}) "
-                    f"and ships no chat template (chat_template.jinja or tokenizer_config.json); "
-                    f"pass --chat-template FILE")
+            return (
+                f"this K3 checkpoint's tokenizer lacks K3's XTML special tokens ({', '.join(self.missing_xtml)}) "
+                f"and ships no chat template (chat_template.jinja or tokenizer_config.json); "
+                f"pass --chat-template FILE"
+            )
         return None  # a base model without a template serves /v1/completions; chat gets a 400
 
     def render(self, messages: list[dict], opts: ChatOptions, load_media=None) -> RenderedPrompt:
@@ -72,13 +82,18 @@ class ChatRenderer:
         history = sum(len(m.tool_calls) for m in msgs)
         media = tuple(item for m in msgs for item in m.media)
         if self.xtml:
-            segs = render_k3(msgs, opts.tools, thinking=opts.thinking, effort=opts.effort,
-                             tool_choice=opts.tool_choice, response_format=opts.response_format,
-                             add_generation_prompt=opts.add_generation_prompt)
+            segs = render_k3(
+                msgs,
+                opts.tools,
+                thinking=opts.thinking,
+                effort=opts.effort,
+                tool_choice=opts.tool_choice,
+                response_format=opts.response_format,
+                add_generation_prompt=opts.add_generation_prompt,
+            )
             channel = ("think" if opts.thinking else "response") if opts.add_generation_prompt else None
             return RenderedPrompt(encode_segments(self.tokenizer, segs), segments_text(segs), channel, history, media)
         if self.template is None:
             raise ChatInputError("this model ships no chat template; use /v1/completions")
-        text = render_jinja(self.template, msgs, opts.tools, opts.add_generation_prompt,
-                            **(opts.template_kwargs or {}))
+        text = render_jinja(self.template, msgs, opts.tools, opts.add_generation_prompt, **(opts.template_kwargs or {}))
         return RenderedPrompt(self.tokenizer.encode(text, allow_special=True), text, None, history)

@@ -29,8 +29,10 @@ def resolve_config_path(path_or_name: str | Path) -> Path:
     for name, path in BUNDLED_MODELS.items():
         if str(path_or_name).lower() == name.lower():
             return path
-    raise ConfigError("model", f"{path_or_name!r} is neither a directory, a config file, nor a "
-                      f"bundled model ({', '.join(BUNDLED_MODELS)})")
+    raise ConfigError(
+        "model",
+        f"{path_or_name!r} is neither a directory, a config file, nor a bundled model ({', '.join(BUNDLED_MODELS)})",
+    )
 
 
 def load_model_config(path_or_name: str | Path) -> ModelConfig:

@@ -48,8 +48,9 @@ class CompilationConfig:
         known = {f.name for f in fields(cls)} - {"extra"}
         # vLLM keys that do not apply to this engine's single static step are kept, not refused
         # (a shared launch line must not die here), and reported by the startup log
-        return cls(**{k: v for k, v in value.items() if k in known},
-                   extra={k: v for k, v in value.items() if k not in known})
+        return cls(
+            **{k: v for k, v in value.items() if k in known}, extra={k: v for k, v in value.items() if k not in known}
+        )
 
     def capture_sizes(self, max_num_seqs: int) -> list[int]:
         top = min(self.max_cudagraph_capture_size or max_num_seqs, max_num_seqs)

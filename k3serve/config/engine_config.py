@@ -83,9 +83,11 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization {self.quantization!r} is not supported: k3serve serves the checkpoint's "
-                             f"own format ({' / '.join(QUANTIZATIONS)} for MXFP4 checkpoints, or none) and "
-                             f"never requantizes at load time; convert the checkpoint offline")
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported: k3serve serves the checkpoint's "
+                f"own format ({' / '.join(QUANTIZATIONS)} for MXFP4 checkpoints, or none) and "
+                f"never requantizes at load time; convert the checkpoint offline"
+            )
         if self.cache_memory_fraction is not None and not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -95,22 +97,29 @@ class EngineConfig:
         if self.prefix_cache_state_interval % self.block_size:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
         if self.kv_offloading_backend != "native":
-            raise ValueError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not available: k3serve's "
-                             "tiers are 'native' (host memory and --kv-offloading-dir)")
+            raise ValueError(
+                f"kv_offloading_backend {self.kv_offloading_backend!r} is not available: k3serve's "
+                "tiers are 'native' (host memory and --kv-offloading-dir)"
+            )
         if (self.kv_offloading_size is not None and self.kv_offloading_size <= 0) or self.kv_offloading_dir_size <= 0:
             raise ValueError("kv_offloading_size and kv_offloading_dir_size are GiB and must be > 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_backend not in ("mp", "threads"):
-            raise ValueError(f"data_parallel_backend must be 'mp' (a worker process per DP-attention rank) or "
-                             f"'threads' (in this process), got {self.data_parallel_backend!r}")
+            raise ValueError(
+                f"data_parallel_backend must be 'mp' (a worker process per DP-attention rank) or "
+                f"'threads' (in this process), got {self.data_parallel_backend!r}"
+            )
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
         if self.distributed_executor_backend not in ("mp", "ray"):
-            raise ValueError(f"distributed_executor_backend must be 'mp' (worker processes started here) or "
-                             f"'ray' (Ray actors on the cluster), got {self.distributed_executor_backend!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be 'mp' (worker processes started here) or "
+                f"'ray' (Ray actors on the cluster), got {self.distributed_executor_backend!r}"
+            )
         if self.speculative_config:
             from k3serve.spec.config import SpeculativeConfig
+
             SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
         if self.extra:
             raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")

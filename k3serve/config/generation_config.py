@@ -12,8 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-          "max_new_tokens": int}
+FIELDS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+    "max_new_tokens": int,
+}
 
 
 def load_generation_defaults(spec: str, model_dir: str | Path | None) -> dict[str, Any]:
@@ -26,8 +32,9 @@ def load_generation_defaults(spec: str, model_dir: str | Path | None) -> dict[st
     else:
         path = Path(spec) / "generation_config.json"
         if not path.is_file():
-            raise ValueError(f"--generation-config {spec!r}: expected 'auto', 'vllm' or a folder holding "
-                             f"generation_config.json")
+            raise ValueError(
+                f"--generation-config {spec!r}: expected 'auto', 'vllm' or a folder holding generation_config.json"
+            )
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -196,8 +196,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         arch = _architecture(raw)
         vision, quant_raw, media_id = None, raw.get("quantization_config"), None
     else:
-        raise ConfigError("model_type", f"unsupported model_type {top_type!r}; "
-                          "expected 'kimi_k3' or 'kimi_linear'")
+        raise ConfigError("model_type", f"unsupported model_type {top_type!r}; expected 'kimi_k3' or 'kimi_linear'")
     num_layers = text.int("num_hidden_layers", minimum=1)
     lac = Fields(text.obj("linear_attn_config"), text.prefix + "linear_attn_config.")
     kinds = _layer_kinds(lac, num_layers)
@@ -259,8 +258,7 @@ def _layer_kinds(lac: Fields, num_layers: int) -> tuple[LayerKind, ...]:
         raise ConfigError(lac.prefix + "kda_layers", f"layers {both} are also in full_attn_layers")
     missing = sorted(set(range(1, num_layers + 1)) - set(full) - set(kda))
     if missing:
-        raise ConfigError(lac.prefix + "kda_layers",
-                          f"layers {missing} are in neither kda_layers nor full_attn_layers")
+        raise ConfigError(lac.prefix + "kda_layers", f"layers {missing} are in neither kda_layers nor full_attn_layers")
     return tuple(LayerKind.MLA if i + 1 in set(full) else LayerKind.KDA for i in range(num_layers))
 
 
@@ -276,13 +274,16 @@ def _kda(lac: Fields) -> KDAConfig:
 
 def _mla(text: Fields) -> MLAConfig:
     if not text.bool("mla_use_nope", default=True):
-        raise ConfigError(text.prefix + "mla_use_nope",
-                          "RoPE MLA is not part of Kimi-K3/Kimi-Linear; only mla_use_nope=true is supported")
+        raise ConfigError(
+            text.prefix + "mla_use_nope",
+            "RoPE MLA is not part of Kimi-K3/Kimi-Linear; only mla_use_nope=true is supported",
+        )
     heads = text.int("num_attention_heads", minimum=1)
     kv_heads = text.int("num_key_value_heads", default=heads)
     if kv_heads != heads:
-        raise ConfigError(text.prefix + "num_key_value_heads",
-                          f"MLA decompresses per-head K/V; expected {heads}, got {kv_heads}")
+        raise ConfigError(
+            text.prefix + "num_key_value_heads", f"MLA decompresses per-head K/V; expected {heads}, got {kv_heads}"
+        )
     return MLAConfig(
         num_heads=heads,
         q_lora_rank=text.opt_int("q_lora_rank", default=None, minimum=1),
@@ -298,14 +299,12 @@ def _moe(text: Fields) -> MoEConfig:
     num_experts = text.int("num_experts", minimum=0)
     top_k = text.int("num_experts_per_token", minimum=1)
     if num_experts and top_k > num_experts:
-        raise ConfigError(text.prefix + "num_experts_per_token",
-                          f"top-k {top_k} exceeds num_experts {num_experts}")
+        raise ConfigError(text.prefix + "num_experts_per_token", f"top-k {top_k} exceeds num_experts {num_experts}")
     grouped = text.bool("use_grouped_topk", default=False)
     groups = text.int("num_expert_group", default=1, minimum=1) if grouped else 1
     topk_group = text.int("topk_group", default=1, minimum=1) if grouped else 1
     if num_experts % groups:
-        raise ConfigError(text.prefix + "num_expert_group",
-                          f"{groups} groups do not divide {num_experts} experts")
+        raise ConfigError(text.prefix + "num_expert_group", f"{groups} groups do not divide {num_experts} experts")
     if topk_group > groups:
         raise ConfigError(text.prefix + "topk_group", f"{topk_group} > num_expert_group {groups}")
     return MoEConfig(
@@ -315,8 +314,7 @@ def _moe(text: Fields) -> MoEConfig:
         expert_intermediate_size=text.int("moe_intermediate_size", minimum=1),
         latent_size=text.opt_int("routed_expert_hidden_size", default=None, minimum=1),
         latent_use_norm=text.bool("latent_moe_use_norm", default=False),
-        router_activation=text.choice("moe_router_activation_func", ("sigmoid", "softmax"),
-                                      default="sigmoid"),
+        router_activation=text.choice("moe_router_activation_func", ("sigmoid", "softmax"), default="sigmoid"),
         renormalize=text.bool("moe_renormalize", default=True),
         routed_scaling_factor=text.float("routed_scaling_factor", default=1.0),
         num_expert_group=groups,
@@ -331,13 +329,16 @@ def _check_consistency(cfg: ModelConfig) -> None:
     if cfg.hidden_act == "situ" and cfg.situ_beta <= 0:
         raise ConfigError(p + "activation_situ_beta", "must be > 0")
     if cfg.vision is not None and cfg.vision.text_hidden_size != cfg.hidden_size:
-        raise ConfigError("vision_config.text_hidden_size",
-                          f"{cfg.vision.text_hidden_size} != text hidden_size {cfg.hidden_size}")
+        raise ConfigError(
+            "vision_config.text_hidden_size", f"{cfg.vision.text_hidden_size} != text hidden_size {cfg.hidden_size}"
+        )
     if cfg.quant is not None and cfg.quant.group_size:
         g = cfg.quant.group_size
         inner = cfg.moe.latent_size or cfg.hidden_size
-        for name, dim in (("routed_expert_hidden_size", inner),
-                          ("moe_intermediate_size", cfg.moe.expert_intermediate_size)):
+        for name, dim in (
+            ("routed_expert_hidden_size", inner),
+            ("moe_intermediate_size", cfg.moe.expert_intermediate_size),
+        ):
             if dim % g:
                 raise ConfigError(p + name, f"{dim} is not a multiple of the MXFP4 group size {g}")
     if cfg.eos_token_id >= cfg.vocab_size:

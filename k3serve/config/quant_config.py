@@ -32,12 +32,16 @@ def parse_quant_config(raw: Any) -> QuantConfig | None:
     if not groups:
         raise ConfigError("quantization_config.config_groups", "is empty")
     name, group = next(iter(groups.items()))
-    w = Fields(Fields(group, f"quantization_config.config_groups.{name}.").obj("weights"),
-               f"quantization_config.config_groups.{name}.weights.")
+    w = Fields(
+        Fields(group, f"quantization_config.config_groups.{name}.").obj("weights"),
+        f"quantization_config.config_groups.{name}.weights.",
+    )
     num_bits = w.int("num_bits")
     group_size = w.int("group_size")
     if (num_bits, group_size, w.raw.get("type")) != (4, 32, "float"):
-        raise ConfigError(w.prefix + "num_bits",
-                          f"only MXFP4 (4-bit float, group 32) is supported, got "
-                          f"{num_bits}-bit {w.raw.get('type')} group {group_size}")
+        raise ConfigError(
+            w.prefix + "num_bits",
+            f"only MXFP4 (4-bit float, group 32) is supported, got "
+            f"{num_bits}-bit {w.raw.get('type')} group {group_size}",
+        )
     return QuantConfig(method, fmt, num_bits, group_size, tuple(raw.get("ignore") or ()))

@@ -39,16 +39,26 @@ def parse_vision_config(raw: Any) -> VisionConfig | None:
         return None
     f = Fields(raw, "vision_config.")
     merge = raw.get("merge_kernel_size", [2, 2])
-    fixed = {"norm_type": "rmsnorm", "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
-             "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh", "projector_hidden_act": "gelu",
-             "pos_emb_type": "divided_fixed", "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False}
+    fixed = {
+        "norm_type": "rmsnorm",
+        "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmergerv2",
+        "mlp_type": "mlp2",
+        "activation_func": "gelu_pytorch_tanh",
+        "projector_hidden_act": "gelu",
+        "pos_emb_type": "divided_fixed",
+        "attn_bias": False,
+        "linear_bias": False,
+        "patch_embed_proj_bias": False,
+    }
     for key, want in fixed.items():
         if key in raw and raw[key] != want:
             raise ConfigError(f"vision_config.{key}", f"is {raw[key]!r}; the MoonViT3d tower implements {want!r}")
     heads, qkv = f.int("vt_num_attention_heads", minimum=1), f.int("qkv_hidden_size", minimum=1)
     if qkv % heads or (qkv // heads) % 4:
-        raise ConfigError("vision_config.qkv_hidden_size",
-                          f"{qkv} must split into {heads} heads of a multiple of 4 (2-D RoPE pairs)")
+        raise ConfigError(
+            "vision_config.qkv_hidden_size", f"{qkv} must split into {heads} heads of a multiple of 4 (2-D RoPE pairs)"
+        )
     if tuple(merge) != (2, 2):
         raise ConfigError("vision_config.merge_kernel_size", f"is {merge}; sd2_tpool merges 2x2")
     return VisionConfig(

@@ -22,24 +22,77 @@ from k3serve.chat.k3_xtml import assistant_body, encode_segments, message, open_
 from k3serve.chat.messages import Message, ToolCall
 
 TOOLS = [  # schemas kept short: every tool prompt carries them
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "calculator", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}},
-    {"type": "function", "function": {"name": "unit_converter", "parameters": {
-        "type": "object", "properties": {"value": {"type": "number"}, "from_unit": {"type": "string"},
-                                         "to_unit": {"type": "string"}},
-        "required": ["value", "from_unit", "to_unit"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "unit_converter",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "value": {"type": "number"},
+                    "from_unit": {"type": "string"},
+                    "to_unit": {"type": "string"},
+                },
+                "required": ["value", "from_unit", "to_unit"],
+            },
+        },
+    },
 ]
-CITIES = ["Paris", "Tokyo", "Berlin", "Lima", "Oslo", "Cairo", "Delhi", "Rome", "Quito", "Seoul", "Madrid",
-          "Dublin", "Nairobi", "Hanoi", "Austin", "Perth"]
+CITIES = [
+    "Paris",
+    "Tokyo",
+    "Berlin",
+    "Lima",
+    "Oslo",
+    "Cairo",
+    "Delhi",
+    "Rome",
+    "Quito",
+    "Seoul",
+    "Madrid",
+    "Dublin",
+    "Nairobi",
+    "Hanoi",
+    "Austin",
+    "Perth",
+]
 WEATHER = ["sunny", "cloudy", "rainy", "windy", "snowy", "foggy"]
-UNITS = {("km", "miles"): 0.621371, ("miles", "km"): 1.609344, ("kg", "lb"): 2.204623, ("lb", "kg"): 0.453592,
-         ("m", "ft"): 3.28084, ("ft", "m"): 0.3048}
-FACTS = [("What is the capital of France?", "Paris"), ("What is the capital of Japan?", "Tokyo"),
-         ("What is the capital of Italy?", "Rome"), ("What is the capital of Peru?", "Lima"),
-         ("What colour is the sky on a clear day?", "Blue"), ("How many days are in a week?", "Seven"),
-         ("How many legs does a spider have?", "Eight"), ("What is the opposite of hot?", "Cold")]
+UNITS = {
+    ("km", "miles"): 0.621371,
+    ("miles", "km"): 1.609344,
+    ("kg", "lb"): 2.204623,
+    ("lb", "kg"): 0.453592,
+    ("m", "ft"): 3.28084,
+    ("ft", "m"): 0.3048,
+}
+FACTS = [
+    ("What is the capital of France?", "Paris"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("What is the capital of Italy?", "Rome"),
+    ("What is the capital of Peru?", "Lima"),
+    ("What colour is the sky on a clear day?", "Blue"),
+    ("How many days are in a week?", "Seven"),
+    ("How many legs does a spider have?", "Eight"),
+    ("What is the opposite of hot?", "Cold"),
+]
 
 
 @dataclass
@@ -76,8 +129,9 @@ def tool_case(rng: random.Random) -> tuple[str, ToolCall, str, str, str]:
     kind = rng.choice(["get_weather", "calculator", "unit_converter"])
     if kind == "get_weather":
         city, w, t = rng.choice(CITIES), rng.choice(WEATHER), rng.randint(-5, 35)
-        user = rng.choice([f"What's the weather in {city}?", f"How is the weather in {city} today?",
-                           f"Weather for {city}, please."])
+        user = rng.choice(
+            [f"What's the weather in {city}?", f"How is the weather in {city} today?", f"Weather for {city}, please."]
+        )
         call = ToolCall("", "get_weather", json.dumps({"city": city}))
         result = json.dumps({"city": city, "condition": w, "temp_c": t})
         return user, call, result, f"The tool says {w} and {t} C.", f"It is {w} and {t} C in {city}."
@@ -104,9 +158,9 @@ class Renderer:
         prompt = encode_segments(self.tok, render_k3(history, tools, thinking=thinking))
         full = encode_segments(self.tok, message("assistant", assistant_body(answer, thinking)))
         head = self._generation_prompt(thinking)
-        if prompt[-len(head):] != head or full[:len(head)] != head:
+        if prompt[-len(head) :] != head or full[: len(head)] != head:
             raise AssertionError("the generation prompt is not a prefix of the rendered assistant message")
-        return Sample(prompt, full[len(head):], kind)
+        return Sample(prompt, full[len(head) :], kind)
 
     def _generation_prompt(self, thinking: bool) -> list[int]:
         segs = open_tag("message", [("role", "assistant")]) + open_tag("think" if thinking else "response")
@@ -120,18 +174,35 @@ def conversations(tokenizer, n: int, seed: int) -> list[Sample]:
         u = rng.random()
         if u < 0.12:  # copying drill: the skill tool arguments and answers need
             words = " ".join(rng.choice(CITIES + [str(rng.randint(0, 999))]) for _ in range(rng.randint(1, 4)))
-            out.append(r.sample([Message("user", f"Repeat after me: {words}")], Message("assistant", words),
-                                False, None, "no-think"))
+            out.append(
+                r.sample(
+                    [Message("user", f"Repeat after me: {words}")], Message("assistant", words), False, None, "no-think"
+                )
+            )
         elif u < 0.47:
             q, thought, ans = arithmetic(rng)
             thinking = rng.random() < 0.8
-            out.append(r.sample([Message("user", q)], Message("assistant", ans, thought if thinking else None),
-                                thinking, None, "arithmetic" if thinking else "no-think"))
+            out.append(
+                r.sample(
+                    [Message("user", q)],
+                    Message("assistant", ans, thought if thinking else None),
+                    thinking,
+                    None,
+                    "arithmetic" if thinking else "no-think",
+                )
+            )
         elif u < 0.5:
             q, a = rng.choice(FACTS)
             thinking = rng.random() < 0.5
-            out.append(r.sample([Message("user", q)], Message("assistant", f"{a}.", "A known fact."), thinking,
-                                None, "facts" if thinking else "no-think"))
+            out.append(
+                r.sample(
+                    [Message("user", q)],
+                    Message("assistant", f"{a}.", "A known fact."),
+                    thinking,
+                    None,
+                    "facts" if thinking else "no-think",
+                )
+            )
         else:
             user, call, result, thought2, answer = tool_case(rng)
             call.id = "c1"
@@ -153,23 +224,40 @@ def drills(tokenizer, n: int, seed: int) -> list[Sample]:
         u = rng.random()
         if u < 0.3:
             words = " ".join(rng.choice(CITIES + [str(rng.randint(0, 999))]) for _ in range(rng.randint(1, 6)))
-            out.append(r.sample([Message("user", f"Repeat after me: {words}")], Message("assistant", words),
-                                False, None, "copy"))
+            out.append(
+                r.sample(
+                    [Message("user", f"Repeat after me: {words}")], Message("assistant", words), False, None, "copy"
+                )
+            )
         elif u < 0.55:
             keys = rng.sample(["a", "b", "c", "d", "x", "y", "z", "k"], rng.randint(2, 4))
             vals = {k: rng.choice([str(rng.randint(0, 999)), rng.choice(CITIES)]) for k in keys}
             key = rng.choice(keys)
             facts = ", ".join(f"{k} is {v}" for k, v in vals.items())
-            out.append(r.sample([Message("user", f"Remember: {facts}. What is {key}?")],
-                                Message("assistant", f"{vals[key]}."), False, None, "lookup"))
+            out.append(
+                r.sample(
+                    [Message("user", f"Remember: {facts}. What is {key}?")],
+                    Message("assistant", f"{vals[key]}."),
+                    False,
+                    None,
+                    "lookup",
+                )
+            )
         elif u < 0.8:
             q, thought, ans = arithmetic(rng)
             out.append(r.sample([Message("user", q)], Message("assistant", ans, thought), True, None, "arithmetic"))
         else:
             user, call, _, _, _ = tool_case(rng)
             call.id = "c1"
-            out.append(r.sample([Message("user", user)], Message("assistant", "", f"I should call {call.name}.", [call]),
-                                True, TOOLS, "tool-call"))
+            out.append(
+                r.sample(
+                    [Message("user", user)],
+                    Message("assistant", "", f"I should call {call.name}.", [call]),
+                    True,
+                    TOOLS,
+                    "tool-call",
+                )
+            )
     return out
 
 
@@ -196,12 +284,16 @@ def tokenizer_corpus(n: int, seed: int, stdlib_chars: int) -> str:
     for _ in range(n):
         user, call, result, thought2, answer = tool_case(rng)
         q, thought, ans = arithmetic(rng)
-        msgs = [Message("user", user), Message("assistant", "", "I should call.", [call]),
-                Message("tool", result, tool_call_id=call.id), Message("assistant", answer, thought2),
-                Message("user", q), Message("assistant", ans, thought)]
+        msgs = [
+            Message("user", user),
+            Message("assistant", "", "I should call.", [call]),
+            Message("tool", result, tool_call_id=call.id),
+            Message("assistant", answer, thought2),
+            Message("user", q),
+            Message("assistant", ans, thought),
+        ]
         parts.append(segments_text(render_k3(msgs, TOOLS, add_generation_prompt=False)))
     return "".join(parts) + stdlib_text(stdlib_chars, seed)
 
 
-__all__ = ["Sample", "conversations", "drills", "stdlib_text", "tokenizer_corpus", "arithmetic", "tool_case",
-           "TOOLS"]
+__all__ = ["Sample", "conversations", "drills", "stdlib_text", "tokenizer_corpus", "arithmetic", "tool_case", "TOOLS"]

@@ -25,8 +25,9 @@ def run_tool(name: str, arguments: str, rng: random.Random) -> str:
     if not isinstance(args, dict):
         raise ValueError(f"{name}: arguments must be a JSON object")
     if name == "get_weather":
-        return json.dumps({"city": _field(args, "city", str), "condition": rng.choice(WEATHER),
-                           "temp_c": rng.randint(-5, 35)})
+        return json.dumps(
+            {"city": _field(args, "city", str), "condition": rng.choice(WEATHER), "temp_c": rng.randint(-5, 35)}
+        )
     if name == "calculator":
         m = _EXPR.match(_field(args, "expression", str))
         if not m:
@@ -34,7 +35,11 @@ def run_tool(name: str, arguments: str, rng: random.Random) -> str:
         a, op, b = int(m[1]), m[2], int(m[3])
         return str(a + b if op == "+" else a - b if op == "-" else a * b)
     if name == "unit_converter":
-        value, src, dst = _field(args, "value", (int, float)), _field(args, "from_unit", str), _field(args, "to_unit", str)
+        value, src, dst = (
+            _field(args, "value", (int, float)),
+            _field(args, "from_unit", str),
+            _field(args, "to_unit", str),
+        )
         if (src, dst) not in UNITS:
             raise ValueError(f"unit_converter: cannot convert {src} to {dst}")
         return str(round(value * UNITS[(src, dst)], 2))

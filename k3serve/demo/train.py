@@ -33,8 +33,17 @@ def demo_config(base_vocab: int = BASE_VOCAB) -> dict:
 
     raw = tiny_k3_config(num_layers=8, hidden_size=128, base_vocab=base_vocab)
     t = raw["text_config"]
-    t.update(intermediate_size=256, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-             v_head_dim=32, moe_intermediate_size=64, routed_expert_hidden_size=64, max_position_embeddings=4096)
+    t.update(
+        intermediate_size=256,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        moe_intermediate_size=64,
+        routed_expert_hidden_size=64,
+        max_position_embeddings=4096,
+    )
     # MLA on every other layer (1-based 2, 4, 6, 8) instead of K3's 3:1: with the 3:1 layout
     # (MLA at 4, 7, 8) a copying drill stayed at chance for 200 steps, with 1:1 it reached 94%
     # in 75 (both measured on the demo tokenizer); every K3 feature is still on.
@@ -65,7 +74,7 @@ def export_tensors(model, cfg) -> dict[str, torch.Tensor]:
     out, prefix = {}, cfg.tensor_prefix
     dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "U8": torch.uint8}
     for spec in model_tensor_specs(cfg):
-        name = spec.name[len(prefix):] if spec.name.startswith(prefix) else spec.name
+        name = spec.name[len(prefix) :] if spec.name.startswith(prefix) else spec.name
         if spec.vision or name.startswith("mm_projector"):
             out[spec.name] = vision[spec.name]
         elif spec.routed_expert:
@@ -91,14 +100,28 @@ def sequences(samples, plain: list[int], chunk: int) -> list[tuple[list[int], li
     exactly as the server sees a request: packed rows let NoPE attention pick up words of an
     earlier sample in the row. Plain text comes in `chunk`-token pieces with loss everywhere."""
     out = [(s.prompt + s.completion, [0] * len(s.prompt) + [1] * len(s.completion)) for s in samples]
-    out += [(plain[i:i + chunk], [1] * chunk) for i in range(0, len(plain) - chunk, chunk)]
+    out += [(plain[i : i + chunk], [1] * chunk) for i in range(0, len(plain) - chunk, chunk)]
     return out
 
 
-def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128, batch: int = 12, lr: float = 3e-3,
-               num_conversations: int = 12000, seed: int = 0, time_limit_s: float | None = None,
-               tokenizer_conversations: int = 400, text_chars: int = 100_000, drill_steps: int = 0,
-               num_drills: int = 20000, device: str = "cpu", checkpoint_every: int = 0, resume: bool = False) -> dict:
+def train_demo(
+    out_dir: str | Path,
+    *,
+    steps: int = 1000,
+    text_chunk: int = 128,
+    batch: int = 12,
+    lr: float = 3e-3,
+    num_conversations: int = 12000,
+    seed: int = 0,
+    time_limit_s: float | None = None,
+    tokenizer_conversations: int = 400,
+    text_chars: int = 100_000,
+    drill_steps: int = 0,
+    num_drills: int = 20000,
+    device: str = "cpu",
+    checkpoint_every: int = 0,
+    resume: bool = False,
+) -> dict:
     """Train and export the demo. `drill_steps` > 0 puts a retrieval-first phase (copy / lookup
     drills, data.drills) before the conversations. With `checkpoint_every`, the whole training
     state (weights, optimizer, schedule, data RNG) is saved to OUT/train_state.pt that often, and
@@ -114,8 +137,12 @@ def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128,
     t0 = time.time()
     state_file = out / "train_state.pt"
     if not (resume and state_file.is_file()):
-        write_tokenizer(out, base_vocab=BASE_VOCAB, k3_names=True,
-                        corpus=tokenizer_corpus(tokenizer_conversations, seed, text_chars * 2 // 3))
+        write_tokenizer(
+            out,
+            base_vocab=BASE_VOCAB,
+            k3_names=True,
+            corpus=tokenizer_corpus(tokenizer_conversations, seed, text_chars * 2 // 3),
+        )
         (out / "config.json").write_text(json.dumps(demo_config(), indent=2))
     cfg = load_model_config(out)
     tok = Tokenizer.from_dir(out)
@@ -144,8 +171,13 @@ def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128,
         sched.step()
         losses.append(float(loss.detach()))
         if step % 20 == 0:
-            log.info("step %d%s loss %.3f (%.0fs)", step, " (drills)" if step < drill_steps else "",
-                     sum(losses[-20:]) / len(losses[-20:]), time.time() - t0)
+            log.info(
+                "step %d%s loss %.3f (%.0fs)",
+                step,
+                " (drills)" if step < drill_steps else "",
+                sum(losses[-20:]) / len(losses[-20:]),
+                time.time() - t0,
+            )
         if checkpoint_every and (step + 1) % checkpoint_every == 0:
             _save_state(state_file, step + 1, model, opt, sched, g, losses)
         if time_limit_s and time.time() - t0 > time_limit_s:
@@ -154,8 +186,13 @@ def train_demo(out_dir: str | Path, *, steps: int = 1000, text_chunk: int = 128,
                 _save_state(state_file, step + 1, model, opt, sched, g, losses)
             break
     _export(out, model.cpu().eval(), cfg)
-    return {"steps": len(losses), "first_loss": losses[0], "last_loss": sum(losses[-20:]) / min(20, len(losses)),
-            "seconds": time.time() - t0, "out": str(out)}
+    return {
+        "steps": len(losses),
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-20:]) / min(20, len(losses)),
+        "seconds": time.time() - t0,
+        "out": str(out),
+    }
 
 
 def _export(out: Path, model, cfg) -> None:
@@ -167,8 +204,18 @@ def _export(out: Path, model, cfg) -> None:
 def _save_state(path: Path, step: int, model, opt, sched, g: torch.Generator, losses: list[float]) -> None:
     """Atomically: a crash mid-write leaves the previous checkpoint."""
     tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                "data_rng": g.get_state(), "torch_rng": torch.get_rng_state(), "losses": losses}, tmp)
+    torch.save(
+        {
+            "step": step,
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "data_rng": g.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "losses": losses,
+        },
+        tmp,
+    )
     tmp.replace(path)
 
 
@@ -187,8 +234,9 @@ def _init_(model, seed: int) -> None:
     from k3serve.testing.builder import random_weights
     from k3serve.weights.loader import _canonicalize
 
-    text = {k: v for k, v in random_weights(model.cfg, seed).items()
-            if not k.startswith(("vision_tower.", "mm_projector."))}
+    text = {
+        k: v for k, v in random_weights(model.cfg, seed).items() if not k.startswith(("vision_tower.", "mm_projector."))
+    }
     model.load_weights(_canonicalize(text, model.cfg))
 
 
@@ -198,8 +246,14 @@ def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]], device: str = "cp
     blocks = [-(-n // 16) for n in lens]
     starts = [sum(blocks[:i]) for i in range(len(seqs))]
     cache = CacheTensors.allocate(cfg, len(seqs), sum(blocks), 16, device=device)
-    fb = ForwardBatch(torch.tensor([t for ids, _ in seqs for t in ids], device=device), lens, [0] * len(seqs),
-                      list(range(len(seqs))), [list(range(s, s + b)) for s, b in zip(starts, blocks)], 16)
+    fb = ForwardBatch(
+        torch.tensor([t for ids, _ in seqs for t in ids], device=device),
+        lens,
+        [0] * len(seqs),
+        list(range(len(seqs))),
+        [list(range(s, s + b)) for s, b in zip(starts, blocks)],
+        16,
+    )
     logits = model.compute_logits(model(fb, cache).hidden).float()  # [sum(lens), V]
     # target of position t is token t+1 of the same sequence; a sequence's last position has none
     targets = torch.tensor([t for ids, _ in seqs for t in ids[1:] + [0]], device=device)
@@ -208,8 +262,9 @@ def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]], device: str = "cp
     return (nll * weight).sum() / weight.sum().clamp_min(1)
 
 
-def train_demo_draft(model_dir: str | Path, *, steps: int = 8000, num_seqs: int = 4000, seed: int = 0,
-                     block_size: int = 4) -> dict:
+def train_demo_draft(
+    model_dir: str | Path, *, steps: int = 8000, num_seqs: int = 4000, seed: int = 0, block_size: int = 4
+) -> dict:
     """Distil the demo's DSpark draft on the demo model's own greedy chat completions. 4000
     completions for 8000 steps with a cosine learning rate (~7 min on 2 cores, 7.4 GB peak: the
     target's distributions are kept in memory) against 480 for 800 at a constant rate: mean
@@ -220,5 +275,15 @@ def train_demo_draft(model_dir: str | Path, *, steps: int = 8000, num_seqs: int 
 
     tok = Tokenizer.from_dir(model_dir)
     prompts = [s.prompt for s in conversations(tok, num_seqs, seed + 1)]
-    return distill_dspark(str(model_dir), str(Path(model_dir) / "dspark"), block_size=block_size, steps=steps,
-                          num_seqs=num_seqs, seq_len=96, prompts=prompts, temperature=0.0, seed=seed, cosine=True)
+    return distill_dspark(
+        str(model_dir),
+        str(Path(model_dir) / "dspark"),
+        block_size=block_size,
+        steps=steps,
+        num_seqs=num_seqs,
+        seq_len=96,
+        prompts=prompts,
+        temperature=0.0,
+        seed=seed,
+        cosine=True,
+    )

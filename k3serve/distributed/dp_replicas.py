@@ -51,7 +51,9 @@ class RemoteRank:
 
     def forward(self, inputs, taps: tuple[int, ...] = ()):
         ranks = list(self.workers.ranks_of(self.rank))
-        answers = self.workers.call_ranks(ranks, "dp_forward", [(inputs, taps)] + [(inputs, (), False)] * (len(ranks) - 1))
+        answers = self.workers.call_ranks(
+            ranks, "dp_forward", [(inputs, taps)] + [(inputs, (), False)] * (len(ranks) - 1)
+        )
         (result, self._stats), others = answers[0], answers[1:]
         if others:  # each TP rank counted the expert load of the rows it dispatched
             self._stats = merge_tp_stats(self._stats, [o[1] for o in others])
@@ -103,24 +105,41 @@ def start_dp_workers(config, m: int) -> list[RemoteRank]:
 
     where, model_path = placement(config), str(config.model or default_model())
     if where.device.type != "cpu":
-        raise ValueError(f"DP-attention worker processes on {where.device}: the NCCL group is not built yet; "
-                         f"the gloo (CPU) one is")
+        raise ValueError(
+            f"DP-attention worker processes on {where.device}: the NCCL group is not built yet; the gloo (CPU) one is"
+        )
     n = config.tensor_parallel_size
-    workers = DPAttentionWorkers(model_path, m, all2all=config.all2all_backend, dtype=where.dtype,
-                                 load_format=config.load_format, kernels=config.kernels, device=where.device,
-                                 timeout_s=config.distributed_timeout, tp_size=n,
-                                 nodes=NodeLayout(config.nnodes, config.node_rank, config.master_addr,
-                                                  config.master_port))
+    workers = DPAttentionWorkers(
+        model_path,
+        m,
+        all2all=config.all2all_backend,
+        dtype=where.dtype,
+        load_format=config.load_format,
+        kernels=config.kernels,
+        device=where.device,
+        timeout_s=config.distributed_timeout,
+        tp_size=n,
+        nodes=NodeLayout(config.nnodes, config.node_rank, config.master_addr, config.master_port),
+    )
     try:
         workers.wait_ready()
     except BaseException:
         workers.shutdown()
         raise
     cfg = load_model_config(model_path)
-    return [RemoteRank(workers, r, RemoteModel(cfg, where.dtype, workers.weight_bytes(r * n),
-                                               TPGroup(r, m, True, size_flag="--data-parallel-size",
-                                                       all2all=config.all2all_backend)))
-            for r in range(m)]
+    return [
+        RemoteRank(
+            workers,
+            r,
+            RemoteModel(
+                cfg,
+                where.dtype,
+                workers.weight_bytes(r * n),
+                TPGroup(r, m, True, size_flag="--data-parallel-size", all2all=config.all2all_backend),
+            ),
+        )
+        for r in range(m)
+    ]
 
 
 def replica_kwargs(config, dp: int, dp_attention: bool) -> list[dict]:
@@ -128,14 +147,18 @@ def replica_kwargs(config, dp: int, dp_attention: bool) -> list[dict]:
     DP-attention + EP, a RemoteRank each (mp) or an in-process expert group each (threads)."""
     if not dp_attention:
         if dp > 1 and config.nnodes > 1:
-            raise ValueError("--data-parallel-size across --nnodes is built for DP-attention ranks "
-                             "(--enable-expert-parallel); plain replicas run on one node")
+            raise ValueError(
+                "--data-parallel-size across --nnodes is built for DP-attention ranks "
+                "(--enable-expert-parallel); plain replicas run on one node"
+            )
         return [{}] * dp
     if config.data_parallel_backend == "mp":
         return [{"remote": r} for r in start_dp_workers(config, dp)]
     if config.tensor_parallel_size > 1 or config.nnodes > 1:
-        raise ValueError("--data-parallel-backend threads runs each DP-attention rank's whole model in this "
-                         "process: TP inside the DP ranks and several nodes need --data-parallel-backend mp (the default)")
+        raise ValueError(
+            "--data-parallel-backend threads runs each DP-attention rank's whole model in this "
+            "process: TP inside the DP ranks and several nodes need --data-parallel-backend mp (the default)"
+        )
     from k3serve.distributed.expert_group import expert_groups
 
     return [{"ep": g} for g in expert_groups(dp, config.distributed_timeout, config.all2all_backend)]

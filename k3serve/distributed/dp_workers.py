@@ -42,22 +42,44 @@ class DPAttentionWorkers(MultiprocExecutor):
 
     kind = "DP-attention"
 
-    def __init__(self, model_path: str, dp_size: int, *, all2all: str, dtype: torch.dtype, load_format: str,
-                 kernels: str, device: torch.device, timeout_s: float = 120.0, tp_size: int = 1,
-                 nodes: NodeLayout = NodeLayout()):
+    def __init__(
+        self,
+        model_path: str,
+        dp_size: int,
+        *,
+        all2all: str,
+        dtype: torch.dtype,
+        load_format: str,
+        kernels: str,
+        device: torch.device,
+        timeout_s: float = 120.0,
+        tp_size: int = 1,
+        nodes: NodeLayout = NodeLayout(),
+    ):
         world = dp_size * tp_size
         check_dp_nodes(nodes, world, tp_size)
         self.size, self.tp_size, self.timeout_s, self.nodes = world, tp_size, timeout_s, nodes
         self.error: str | None = None
         host, port = (nodes.master_addr, nodes.master_port) if nodes.multi else ("127.0.0.1", 0)
-        self._store = dist.TCPStore(host, port, world, True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self._store = dist.TCPStore(
+            host, port, world, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         local = nodes.ranks(world)
         self._shm_path = None if nodes.multi else create_segment(world)  # the expert group's: one host only
         self._tp_shm = tp_segments(local, tp_size)
-        base = worker_base(model_path, world, nodes, self._store.port, expert_parallel=True, dtype=dtype,
-                           load_format=load_format, kernels=kernels, device=device, timeout_s=timeout_s,
-                           shm_path=self._shm_path)
+        base = worker_base(
+            model_path,
+            world,
+            nodes,
+            self._store.port,
+            expert_parallel=True,
+            dtype=dtype,
+            load_format=load_format,
+            kernels=kernels,
+            device=device,
+            timeout_s=timeout_s,
+            shm_path=self._shm_path,
+        )
         base.update(dp_attention=True, all2all=all2all, tp_size=tp_size, tp_shm_paths=self._tp_shm)
         self._listener = CommandListener(self._store, base["prefix"], host, world) if nodes.multi else None
         self._driver_threads = None  # the driver runs no forward: its threads stay as they are
@@ -91,8 +113,10 @@ class DPAttentionWorkers(MultiprocExecutor):
                     if rank in pending and not p.is_alive() and not (self._conns[rank] and self._conns[rank].poll()):
                         raise WorkerDied(f"{self.kind} worker {p.name} exited with code {p.exitcode} while loading")
                 if time.monotonic() > deadline:
-                    raise WorkerDied(f"{self.kind} workers not ready after {self.timeout_s:.0f} s: ranks "
-                                     f"{sorted(pending)}" + (" (did every node start?)" if self.nodes.multi else ""))
+                    raise WorkerDied(
+                        f"{self.kind} workers not ready after {self.timeout_s:.0f} s: ranks "
+                        f"{sorted(pending)}" + (" (did every node start?)" if self.nodes.multi else "")
+                    )
                 wait([c for r, c in enumerate(self._conns) if c is not None and r in pending], timeout=0.05)
         except BaseException:
             self.shutdown()
@@ -195,8 +219,11 @@ class DPAttentionWorkers(MultiprocExecutor):
         p = self._proc_of.get(rank)
         if p is not None:
             p.join(1.0)
-        why = (f"{self.kind} worker {p.name} died (exit code {p.exitcode})" if p is not None else
-               f"{self.kind} worker rank {rank} (another node) closed its connection")
+        why = (
+            f"{self.kind} worker {p.name} died (exit code {p.exitcode})"
+            if p is not None
+            else f"{self.kind} worker rank {rank} (another node) closed its connection"
+        )
         self.error = self.error or why
         raise WorkerDied(self.error) from None
 
@@ -205,12 +232,16 @@ def check_dp_nodes(nodes: NodeLayout, world: int, tp_size: int) -> None:
     """DP-attention ranks split evenly over the nodes, each DP rank's TP ranks on one node."""
     nodes.check(world)
     if nodes.torchrun or nodes.ray:
-        raise ValueError("DP-attention across nodes is launched with --nnodes / --node-rank / --master-addr / "
-                         "--master-port (each node runs `k3serve serve` itself), not torchrun or Ray")
+        raise ValueError(
+            "DP-attention across nodes is launched with --nnodes / --node-rank / --master-addr / "
+            "--master-port (each node runs `k3serve serve` itself), not torchrun or Ray"
+        )
     if (world // nodes.nnodes) % tp_size:
-        raise ValueError(f"--data-parallel-size x --tensor-parallel-size = {world} ranks over --nnodes "
-                         f"{nodes.nnodes} puts {world // nodes.nnodes} on a node, not a multiple of "
-                         f"--tensor-parallel-size {tp_size}: a DP rank's TP ranks must share a node")
+        raise ValueError(
+            f"--data-parallel-size x --tensor-parallel-size = {world} ranks over --nnodes "
+            f"{nodes.nnodes} puts {world // nodes.nnodes} on a node, not a multiple of "
+            f"--tensor-parallel-size {tp_size}: a DP rank's TP ranks must share a node"
+        )
 
 
 def tp_segments(local: list[int], tp_size: int) -> tuple[str, ...]:

@@ -36,38 +36,6 @@ class WorkerDied(RuntimeError):
     """A tensor-parallel worker is gone: the engine cannot run another step."""
 
 
-def start_executor(config, model_path: str, where) -> "MultiprocExecutor | None":
-    """The workers of `config.tensor_parallel_size` > 1 (started now, loading beside the driver)."""
-    if config.tensor_parallel_size == 1:
-        return None
-    if where.device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size > 1 on {where.device}: the NCCL group is not built yet; "
-                         f"the gloo (CPU) executor is")
-    check_layout(model_path, TPGroup(0, config.tensor_parallel_size, config.enable_expert_parallel))
-    if config.distributed_executor_backend == "ray":
-        from k3serve.distributed.ray_executor import RayExecutor, ray_layout
-
-        return RayExecutor(model_path, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
-                           dtype=where.dtype, load_format=config.load_format, kernels=config.kernels,
-                           device=where.device, timeout_s=config.distributed_timeout, nodes=ray_layout())
-    return MultiprocExecutor(model_path, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel,
-                             dtype=where.dtype, load_format=config.load_format, kernels=config.kernels,
-                             device=where.device, timeout_s=config.distributed_timeout, nodes=node_layout(config))
-
-
-def node_layout(config) -> NodeLayout:
-    """The engine's nodes: torchrun's environment when it started us, else the static flags."""
-    from k3serve.distributed.multinode import torchrun_layout, torchrun_rank
-
-    if torchrun_rank() is not None:
-        rank, world = torchrun_rank()
-        if world != config.tensor_parallel_size:
-            raise ValueError(f"torchrun started {world} processes; --tensor-parallel-size is "
-                             f"{config.tensor_parallel_size}: they must be equal (one process per rank)")
-        return torchrun_layout()
-    return NodeLayout(config.nnodes, config.node_rank, config.master_addr, config.master_port)
-
-
 def check_layout(model_path: str, tp: TPGroup) -> None:
     """Refuse a layout the model cannot split before any worker starts: build rank 0's model on
     the meta device (no memory) and check the MXFP4 expert split, naming the dimension."""
@@ -81,16 +49,39 @@ def check_layout(model_path: str, tp: TPGroup) -> None:
     check_expert_split(cfg, tp)
 
 
-def worker_base(model_path: str, tp_size: int, nodes: NodeLayout, port: int, *, expert_parallel: bool,
-                dtype: torch.dtype, load_format: str, kernels: str, device: torch.device, timeout_s: float,
-                shm_path: str | None) -> dict:
+def worker_base(
+    model_path: str,
+    tp_size: int,
+    nodes: NodeLayout,
+    port: int,
+    *,
+    expert_parallel: bool,
+    dtype: torch.dtype,
+    load_format: str,
+    kernels: str,
+    device: torch.device,
+    timeout_s: float,
+    shm_path: str | None,
+) -> dict:
     """The WorkerSpec fields every rank of one engine shares (all but `rank`)."""
     threads = max(1, (os.cpu_count() or 1) // len(nodes.ranks(tp_size)))  # this node's share of its cores
     prefix = f"k3serve-tp-{port}" if nodes.multi else f"k3serve-{uuid.uuid4().hex}"  # nodes must agree
-    return dict(shm_path=shm_path, world=tp_size, port=port, prefix=prefix, timeout_s=timeout_s,
-                expert_parallel=expert_parallel, model_path=model_path, dtype=str(dtype).removeprefix("torch."),
-                load_format=load_format, kernels=kernels, device=str(device), threads=threads,
-                master_addr=nodes.master_addr if nodes.multi else "127.0.0.1", control=nodes.multi)
+    return dict(
+        shm_path=shm_path,
+        world=tp_size,
+        port=port,
+        prefix=prefix,
+        timeout_s=timeout_s,
+        expert_parallel=expert_parallel,
+        model_path=model_path,
+        dtype=str(dtype).removeprefix("torch."),
+        load_format=load_format,
+        kernels=kernels,
+        device=str(device),
+        threads=threads,
+        master_addr=nodes.master_addr if nodes.multi else "127.0.0.1",
+        control=nodes.multi,
+    )
 
 
 def worker_name(base: dict, rank: int) -> str:
@@ -105,8 +96,9 @@ def spawn_workers(base: dict, ranks: list[int], pipes: bool) -> tuple[list, list
     procs, conns = [], []
     for rank in ranks:
         ours, theirs = ctx.Pipe() if pipes else (None, None)
-        p = ctx.Process(target=worker_main, args=(WorkerSpec(rank=rank, **base), theirs), daemon=True,
-                        name=worker_name(base, rank))
+        p = ctx.Process(
+            target=worker_main, args=(WorkerSpec(rank=rank, **base), theirs), daemon=True, name=worker_name(base, rank)
+        )
         p.start()
         if pipes:
             theirs.close()
@@ -128,9 +120,19 @@ def run_headless(model_path: str, tp_size: int, nodes: NodeLayout, **kw) -> int:
 class MultiprocExecutor:
     kind = "tensor-parallel"  # how errors name a worker
 
-    def __init__(self, model_path: str, tp_size: int, *, expert_parallel: bool, dtype: torch.dtype,
-                 load_format: str, kernels: str, device: torch.device, timeout_s: float = 120.0,
-                 nodes: NodeLayout = NodeLayout()):
+    def __init__(
+        self,
+        model_path: str,
+        tp_size: int,
+        *,
+        expert_parallel: bool,
+        dtype: torch.dtype,
+        load_format: str,
+        kernels: str,
+        device: torch.device,
+        timeout_s: float = 120.0,
+        nodes: NodeLayout = NodeLayout(),
+    ):
         nodes.check(tp_size)
         self.size, self.timeout_s, self.nodes = tp_size, timeout_s, nodes
         self.error: str | None = None
@@ -141,9 +143,19 @@ class MultiprocExecutor:
             host, port = (nodes.master_addr, nodes.master_port) if nodes.multi else ("127.0.0.1", 0)
             self._store = dist.TCPStore(host, port, tp_size, True, wait_for_workers=False, timeout=timeout)
         self._shm_path = None if nodes.multi else create_segment(tp_size)  # ranks on one host only
-        base = worker_base(model_path, tp_size, nodes, self._store.port, expert_parallel=expert_parallel, dtype=dtype,
-                           load_format=load_format, kernels=kernels, device=device, timeout_s=timeout_s,
-                           shm_path=self._shm_path)
+        base = worker_base(
+            model_path,
+            tp_size,
+            nodes,
+            self._store.port,
+            expert_parallel=expert_parallel,
+            dtype=dtype,
+            load_format=load_format,
+            kernels=kernels,
+            device=device,
+            timeout_s=timeout_s,
+            shm_path=self._shm_path,
+        )
         # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
         # spinning on a core a peer needs makes every collective wait for the scheduler
         self._driver_threads = torch.get_num_threads()
@@ -289,8 +301,7 @@ class MultiprocExecutor:
         if self.error is not None:
             raise WorkerDied(self.error)
         if not self.local:
-            raise ValueError(f"{method} needs the tensor-parallel workers on this node (no torchrun, Ray or "
-                             f"--nnodes)")
+            raise ValueError(f"{method} needs the tensor-parallel workers on this node (no torchrun, Ray or --nnodes)")
 
     @property
     def alive(self) -> bool:

@@ -65,5 +65,7 @@ def expert_groups(world: int, timeout_s: float = 120.0, all2all: str = "auto") -
             shms = [ShmComm(path, r, world, module, timeout_s) for r in range(world)]
         finally:
             Path(path).unlink(missing_ok=True)  # the mappings stay
-    return [TPGroup(r, world, True, pgs[r], shms[r], size_flag="--data-parallel-size", all2all=all2all)
-            for r in range(world)]
+    return [
+        TPGroup(r, world, True, pgs[r], shms[r], size_flag="--data-parallel-size", all2all=all2all)
+        for r in range(world)
+    ]

@@ -151,14 +151,21 @@ class TPGroup:
             return x
         x, n, me = x.contiguous(), self.size, self.rank
         row = x.element_size() * math.prod(x.shape[1:])  # bytes per row
-        send = counts[me * n:(me + 1) * n]
+        send = counts[me * n : (me + 1) * n]
         recv = [counts[r * n + me] for r in range(n)]
         away = (sum(send) - send[me]) * row
-        if self.shm is not None and max(sum(counts[r * n:(r + 1) * n]) for r in range(n)) * row <= self.shm.slot_bytes:
+        if (
+            self.shm is not None
+            and max(sum(counts[r * n : (r + 1) * n]) for r in range(n)) * row <= self.shm.slot_bytes
+        ):
             return _collective(self.stats, "all_to_all", away, lambda: self.shm.all_to_all(x, counts))
         out = x.new_empty(sum(recv), *x.shape[1:])
-        _collective(self.stats, "all_to_all", away,
-                    lambda: self.pg.alltoall_base(out, x, recv, send, dist.AllToAllOptions()).wait())
+        _collective(
+            self.stats,
+            "all_to_all",
+            away,
+            lambda: self.pg.alltoall_base(out, x, recv, send, dist.AllToAllOptions()).wait(),
+        )
         return out
 
 

@@ -70,10 +70,14 @@ def torchrun_rank() -> tuple[int, int] | None:
 
 
 def torchrun_layout() -> NodeLayout:
-    return NodeLayout(nnodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
-                      node_rank=int(os.environ.get("GROUP_RANK", "0")),
-                      master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
-                      torchrun=True, agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    return NodeLayout(
+        nnodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+        node_rank=int(os.environ.get("GROUP_RANK", "0")),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=int(os.environ["MASTER_PORT"]),
+        torchrun=True,
+        agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    )
 
 
 class ControlChannel:
@@ -145,8 +149,7 @@ class CommandListener:
         self._lock = threading.Lock()
         store.set(f"{prefix}/dp-driver", f"{host}:{self._listener.address[1]}")
         store.set(f"{prefix}/dp-authkey", key)
-        self._thread = threading.Thread(target=self._accept, args=(world,), daemon=True,
-                                        name="k3serve-dp-listener")
+        self._thread = threading.Thread(target=self._accept, args=(world,), daemon=True, name="k3serve-dp-listener")
         self._thread.start()
 
     def _accept(self, world: int) -> None:

@@ -27,20 +27,38 @@ from k3serve.distributed.group import TPGroup, vocab_shard
 from k3serve.weights.mxfp4 import GROUP, PackedMXFP4
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts\.)(\d+)(\.w[123]\.weight)$")
-_ROWS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "conv1d.weight",
-         "self_attn.f_b_proj.weight", "self_attn.dt_bias", "self_attn.A_log", "self_attn.b_proj.weight",
-         "self_attn.g_proj.weight", "self_attn.g_b_proj.weight", "self_attn.q_b_proj.weight",
-         "self_attn.kv_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-         "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")
-_COLUMNS = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
-            "routed_expert_up_proj.weight")
+_ROWS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "conv1d.weight",
+    "self_attn.f_b_proj.weight",
+    "self_attn.dt_bias",
+    "self_attn.A_log",
+    "self_attn.b_proj.weight",
+    "self_attn.g_proj.weight",
+    "self_attn.g_b_proj.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_b_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "shared_experts.gate_proj.weight",
+    "shared_experts.up_proj.weight",
+)
+_COLUMNS = (
+    "self_attn.o_proj.weight",
+    "mlp.down_proj.weight",
+    "shared_experts.down_proj.weight",
+    "routed_expert_up_proj.weight",
+)
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 Weight = torch.Tensor | PackedMXFP4
 
 
-def shard_weights(weights: dict[str, Weight], cfg: ModelConfig, tp: TPGroup,
-                  ep: TPGroup | None = None) -> dict[str, Weight]:
+def shard_weights(
+    weights: dict[str, Weight], cfg: ModelConfig, tp: TPGroup, ep: TPGroup | None = None
+) -> dict[str, Weight]:
     """Canonical name -> this rank's slice (names of kept experts renumbered locally). With
     DP-attention's expert group `ep`, routed experts are split by id over `ep` and the rest by `tp`."""
     if tp.size == 1 and (ep is None or ep.size == 1):
@@ -70,9 +88,11 @@ def check_expert_split(cfg: ModelConfig, tp: TPGroup) -> None:
     inter = cfg.moe.expert_intermediate_size
     if tp.expert_parallel or tp.size == 1 or cfg.quant is None or (inter // tp.size) % GROUP == 0:
         return
-    raise ValueError(f"moe_intermediate_size = {inter} split over --tensor-parallel-size {tp.size} gives "
-                     f"{inter // tp.size} channels per rank, not a multiple of the MXFP4 group of {GROUP}: the "
-                     f"experts' w2 scales cannot be split; add --enable-expert-parallel (whole experts per rank)")
+    raise ValueError(
+        f"moe_intermediate_size = {inter} split over --tensor-parallel-size {tp.size} gives "
+        f"{inter // tp.size} channels per rank, not a multiple of the MXFP4 group of {GROUP}: the "
+        f"experts' w2 scales cannot be split; add --enable-expert-parallel (whole experts per rank)"
+    )
 
 
 def _chunk(w: torch.Tensor, dim: int, tp: TPGroup, name: str) -> torch.Tensor:
@@ -82,7 +102,7 @@ def _chunk(w: torch.Tensor, dim: int, tp: TPGroup, name: str) -> torch.Tensor:
 
 def _vocab(w: torch.Tensor, vocab: int, tp: TPGroup) -> torch.Tensor:
     start, rows = vocab_shard(vocab, tp)
-    part = w[start:start + rows]
+    part = w[start : start + rows]
     if part.shape[0] < rows:  # the last shard: zero rows up to the common width
         part = torch.cat((part, part.new_zeros(rows - part.shape[0], *part.shape[1:])))
     return part
@@ -104,5 +124,6 @@ def _expert(name: str, m: re.Match, w: Weight, cfg: ModelConfig, tp: TPGroup) ->
         check_expert_split(cfg, tp)
     if dim == 0:
         return name, PackedMXFP4(w.packed.narrow(0, tp.rank * n, n), w.scale.narrow(0, tp.rank * n, n))
-    return name, PackedMXFP4(w.packed.narrow(1, tp.rank * n // 2, n // 2),
-                             w.scale.narrow(1, tp.rank * n // GROUP, n // GROUP))
+    return name, PackedMXFP4(
+        w.packed.narrow(1, tp.rank * n // 2, n // 2), w.scale.narrow(1, tp.rank * n // GROUP, n // GROUP)
+    )

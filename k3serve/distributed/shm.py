@@ -36,8 +36,7 @@ def create_segment(world: int, slot_bytes: int = SLOT_BYTES) -> str:
 class ShmComm:
     """This rank's view of the segment; `seq` numbers its collectives (every rank in the same order)."""
 
-    def __init__(self, path: str, rank: int, world: int, kernels, timeout_s: float,
-                 slot_bytes: int = SLOT_BYTES):
+    def __init__(self, path: str, rank: int, world: int, kernels, timeout_s: float, slot_bytes: int = SLOT_BYTES):
         self.rank, self.world, self.kernels, self.timeout_s = rank, world, kernels, timeout_s
         self.slot_bytes, self.seq = slot_bytes, 0
         self.seg = torch.from_file(path, shared=True, size=segment_bytes(world, slot_bytes), dtype=torch.uint8)
@@ -45,31 +44,36 @@ class ShmComm:
 
     def fits(self, x: torch.Tensor, sums: bool = True) -> bool:
         """Whether x goes through a slot; `sums`: a reduction, which takes fp32 / bf16 only."""
-        return x.numel() * x.element_size() <= self.slot_bytes and (not sums or x.dtype in (torch.float32,
-                                                                                              torch.bfloat16))
+        return x.numel() * x.element_size() <= self.slot_bytes and (
+            not sums or x.dtype in (torch.float32, torch.bfloat16)
+        )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x [...] contiguous, summed over the ranks in place (rank order: the same bits everywhere)."""
         self.seq += 1
-        return self.kernels.shm_all_reduce(x, self.seg, self.rank, self.world, self.seq, self.slot_bytes,
-                                           self.timeout_s)
+        return self.kernels.shm_all_reduce(
+            x, self.seg, self.rank, self.world, self.seq, self.slot_bytes, self.timeout_s
+        )
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] -> [..., world * n] in rank order."""
         self.seq += 1
-        parts = self.kernels.shm_all_gather(x, self.seg, self.rank, self.world, self.seq, self.slot_bytes,
-                                            self.timeout_s)  # [world, ..., n]
+        parts = self.kernels.shm_all_gather(
+            x, self.seg, self.rank, self.world, self.seq, self.slot_bytes, self.timeout_s
+        )  # [world, ..., n]
         return torch.cat(parts.unbind(0), -1)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """x [world * n, ...] -> chunk `rank` [n, ...] of the sum over the ranks (rank order)."""
         self.seq += 1
-        return self.kernels.shm_reduce_scatter(x, self.seg, self.rank, self.world, self.seq, self.slot_bytes,
-                                               self.timeout_s)
+        return self.kernels.shm_reduce_scatter(
+            x, self.seg, self.rank, self.world, self.seq, self.slot_bytes, self.timeout_s
+        )
 
     def all_to_all(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [rows, ...] grouped by destination; counts [world * world] rows src -> dst (row-major):
         the rows every rank sends this one, in source order."""
         self.seq += 1
-        return self.kernels.shm_all_to_all(x, self.seg, self.rank, self.world, self.seq, self.slot_bytes,
-                                           self.timeout_s, counts)
+        return self.kernels.shm_all_to_all(
+            x, self.seg, self.rank, self.world, self.seq, self.slot_bytes, self.timeout_s, counts
+        )

@@ -69,8 +69,9 @@ def make_dp_tp_group(spec: WorkerSpec, store):
         return NO_TP
     replica, t = divmod(spec.rank, spec.tp_size)
     paths = spec.tp_shm_paths
-    pg, shm = _gloo_group(spec, store, f"{spec.prefix}/tp{replica}", t, spec.tp_size,
-                          paths[replica] or None if paths else None)
+    pg, shm = _gloo_group(
+        spec, store, f"{spec.prefix}/tp{replica}", t, spec.tp_size, paths[replica] or None if paths else None
+    )
     return TPGroup(t, spec.tp_size, False, pg, shm)
 
 
@@ -122,16 +123,18 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         from k3serve.runner.model_runner import weight_bytes
 
         torch.set_num_threads(spec.threads)
-        store = dist.TCPStore(spec.master_addr, spec.port, spec.world, False,
-                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        store = dist.TCPStore(
+            spec.master_addr, spec.port, spec.world, False, timeout=datetime.timedelta(seconds=spec.timeout_s)
+        )
         if conn is None and spec.dp_attention:  # DP-attention across nodes: a connection to the driver
             conn = dial_driver(store, spec.prefix, spec.rank)
         tp = make_group(spec, store, spec.rank)
         if conn is None:
             channel = ControlChannel(control_group(store, spec.prefix, spec.rank, spec.world), spec.rank)
         groups = {"ep": tp, "tp": make_dp_tp_group(spec, store)} if spec.dp_attention else {"tp": tp}
-        model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format,
-                           progress=False, **groups).to(spec.device)
+        model = load_model(
+            spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format, progress=False, **groups
+        ).to(spec.device)
         model.use_kernels(kernel_mode(spec.kernels, torch.device(spec.device)))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         why = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -177,8 +180,16 @@ def serve(conn, model, spec: WorkerSpec) -> None:
                 if graph is not None:
                     from k3serve.runner.graph_step import GraphSteps
 
-                    graphs = GraphSteps(model, cache, device, graph.config, graph.max_num_seqs, graph.eager,
-                                        (), graph.num_speculative_tokens)
+                    graphs = GraphSteps(
+                        model,
+                        cache,
+                        device,
+                        graph.config,
+                        graph.max_num_seqs,
+                        graph.eager,
+                        (),
+                        graph.num_speculative_tokens,
+                    )
                 runner = RankRunner(model, cache, device, graphs)
             else:
                 result = getattr(runner, method)(*args)

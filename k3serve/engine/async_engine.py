@@ -101,9 +101,15 @@ class AsyncEngine:
     def from_args(cls, model: str | None = None, **kwargs) -> "AsyncEngine":
         return cls(LLMEngine.from_args(model, **kwargs))
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0, keep_cache: bool = False,
-                       handoff=None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        keep_cache: bool = False,
+        handoff=None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request until it finishes. `keep_cache`: a prefill
         whose state a decode engine pulls afterwards (`pull_handoff`); `handoff`: a KVHandoff
         pulled from a prefill engine, decoded from its first token on (`add_prefilled`)."""

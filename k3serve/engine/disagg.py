@@ -37,9 +37,11 @@ class HandoffMixin:
 
     def _check_handoff(self) -> None:
         if self.executor is not None and not self.executor.local:
-            raise ValueError("prefill/decode hand-offs under tensor parallelism need every rank on this node "
-                             "(their KDA heads are read and written over the workers' pipes): not with torchrun, "
-                             "Ray or --nnodes")
+            raise ValueError(
+                "prefill/decode hand-offs under tensor parallelism need every rank on this node "
+                "(their KDA heads are read and written over the workers' pipes): not with torchrun, "
+                "Ray or --nnodes"
+            )
         if self.ep is not None:
             raise ValueError("prefill/decode hand-offs with DP-attention replicas are not built")
 
@@ -57,23 +59,38 @@ class HandoffMixin:
         self._check_handoff()
         if h.request_id in self._groups:
             raise ValueError(f"request id {h.request_id!r} is already in use")
-        held = self.cache.held_prefix(h.cache_ids or h.prompt_token_ids)[:h.start // h.block_size]
+        held = self.cache.held_prefix(h.cache_ids or h.prompt_token_ids)[: h.start // h.block_size]
         if len(held) * h.block_size != h.start:
-            raise ValueError(f"this engine no longer holds the {h.start} prompt tokens the hand-off left out; "
-                             f"pull it again with held_tokens={len(held) * h.block_size}")
+            raise ValueError(
+                f"this engine no longer holds the {h.start} prompt tokens the hand-off left out; "
+                f"pull it again with held_tokens={len(held) * h.block_size}"
+            )
         first = self._first_token(h, params)
         constraint = self._constraint(params.structured) if params.structured else None
         if constraint is not None and not constraint.accept(h.first_token):
-            raise ParamError("kv_transfer_params", "the prefilled first token breaks this request's output grammar: "
-                                                   "send the prefill server the same structured-output request")
-        req = Request(h.request_id, list(h.prompt_token_ids), params, self.model.cfg.eos_token_id,
-                      self.max_model_len, arrival=next(self._arrivals))
+            raise ParamError(
+                "kv_transfer_params",
+                "the prefilled first token breaks this request's output grammar: "
+                "send the prefill server the same structured-output request",
+            )
+        req = Request(
+            h.request_id,
+            list(h.prompt_token_ids),
+            params,
+            self.model.cfg.eos_token_id,
+            self.max_model_len,
+            arrival=next(self._arrivals),
+        )
         req.prompt_cache_ids = h.cache_ids
         ended = req.append_token(h.first_token)  # as if sampled here (its rows come with the next step)
-        group = Group(h.request_id, None, list(h.prompt_token_ids),
-                      [Sample(req, IncrementalDetokenizer(self.tokenizer, params),
-                              [] if params.logprobs is not None else None)],
-                      {"arrival_time": time.monotonic()}, prompt_logprobs=h.prompt_logprobs)
+        group = Group(
+            h.request_id,
+            None,
+            list(h.prompt_token_ids),
+            [Sample(req, IncrementalDetokenizer(self.tokenizer, params), [] if params.logprobs is not None else None)],
+            {"arrival_time": time.monotonic()},
+            prompt_logprobs=h.prompt_logprobs,
+        )
         alloc = self.scheduler.adopt(req, held)
         self._install(h, alloc.blocks, alloc.state_slot)
         if h.rng_state is not None:  # the prefill's random stream goes on where its first draw left it
@@ -102,13 +119,17 @@ class HandoffMixin:
     def _first_token(h: KVHandoff, params: SamplingParams) -> SampledToken:
         """The prefill's first token, with the logprobs it was sampled with when they are asked."""
         if params.prompt_logprobs is not None and h.prompt_logprobs is None:
-            raise ParamError("prompt_logprobs", "the prefill carried no prompt logprobs: send prompt_logprobs to "
-                                                "the prefill server too")
+            raise ParamError(
+                "prompt_logprobs",
+                "the prefill carried no prompt logprobs: send prompt_logprobs to the prefill server too",
+            )
         if params.logprobs is None:
             return SampledToken(h.first_token)
         if h.first_logprobs is None or h.first_token not in h.first_logprobs:
-            raise ParamError("logprobs", "the prefill carried no logprobs for the first token: send logprobs to the "
-                                         "prefill server too")
+            raise ParamError(
+                "logprobs",
+                "the prefill carried no logprobs for the first token: send logprobs to the prefill server too",
+            )
         top = tuple((t, lp) for t, lp in h.first_logprobs.items() if t != h.first_token)
         return SampledToken(h.first_token, h.first_logprobs[h.first_token], top)
 
@@ -117,12 +138,18 @@ class HandoffMixin:
         its sampler's random stream, the first token's logprobs, prompt logprobs, media keys."""
         rid, group = req.request_id, self._owner[req.request_id]
         sample, slot = group.samples[0], self.cache.state_slot(rid)
-        h = capture(self.runner.cache, rid, req.prompt_token_ids, req.output_token_ids[0],
-                    self.cache.block_table(rid), slot, cache_ids=req.prompt_cache_ids,
-                    rng_state=self.runner.rng_state(rid),
-                    first_logprobs=dict(sample.logprobs[0]) if sample.logprobs else None,
-                    prompt_logprobs=dict(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
+        h = capture(
+            self.runner.cache,
+            rid,
+            req.prompt_token_ids,
+            req.output_token_ids[0],
+            self.cache.block_table(rid),
+            slot,
+            cache_ids=req.prompt_cache_ids,
+            rng_state=self.runner.rng_state(rid),
+            first_logprobs=dict(sample.logprobs[0]) if sample.logprobs else None,
+            prompt_logprobs=dict(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+        )
         if self.executor is not None:  # every head: this rank's, then each worker's (engine/handoff.py)
             h.recurrent, h.conv = merge_heads([(h.recurrent, h.conv), *self.executor.call("read_state", slot)])
         return h
-

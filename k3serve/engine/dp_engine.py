@@ -72,11 +72,20 @@ class DPEngine:
             self.routed_by_prefix += 1
         return best
 
-    async def generate(self, prompt, params=None, request_id: str | None = None, priority: int = 0,
-                       keep_cache: bool = False, handoff=None) -> AsyncIterator:
+    async def generate(
+        self,
+        prompt,
+        params=None,
+        request_id: str | None = None,
+        priority: int = 0,
+        keep_cache: bool = False,
+        handoff=None,
+    ) -> AsyncIterator:
         if keep_cache or handoff is not None:
-            raise ValueError("prefill/decode hand-offs with --data-parallel-size > 1 are not built; "
-                             "run each P/D engine with one replica")
+            raise ValueError(
+                "prefill/decode hand-offs with --data-parallel-size > 1 are not built; "
+                "run each P/D engine with one replica"
+            )
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         i = await self.pick(ids if isinstance(ids, list) else [])
         replica = self.replicas[i]

@@ -43,8 +43,9 @@ class DataParallelEngine:
     def tokenizer(self):
         return self.replicas[0].tokenizer
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None, priority: int = 0
+    ) -> None:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.replicas[0].cache_ids(prompt)

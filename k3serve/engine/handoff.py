@@ -59,16 +59,18 @@ class KVHandoff:
         return self.latent_bytes + self.state_bytes
 
 
-def rows_of(table: list[int], start: int, end: int, block_size: int,
-            device: torch.device | None = None) -> torch.Tensor:
+def rows_of(
+    table: list[int], start: int, end: int, block_size: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Latent-cache rows of positions [start, end) under a block table, on `device`: beside the
     cache they index."""
     pos = torch.arange(start, end)
     return (torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size).to(device)
 
 
-def capture(cache: CacheTensors, request_id: str, prompt: list[int], first_token: int, table: list[int],
-            slot: int, **carried) -> KVHandoff:
+def capture(
+    cache: CacheTensors, request_id: str, prompt: list[int], first_token: int, table: list[int], slot: int, **carried
+) -> KVHandoff:
     """Copy a finished prefill's rows (every prompt position) and state out of the cache;
     `carried`: the KVHandoff fields beside the cache (cache_ids, rng_state, logprobs)."""
     rows = rows_of(table, 0, len(prompt), cache.block_size, cache.device)
@@ -111,8 +113,10 @@ def split_heads(rec: dict, conv: dict, size: int) -> list[tuple[dict, dict]]:
     out = []
     for r in range(size):
         mine_rec = {i: t.chunk(size)[r].contiguous() for i, t in rec.items()}
-        mine_conv = {i: t.view(t.shape[0], 3, -1).chunk(size, -1)[r].reshape(t.shape[0], -1).contiguous()
-                     for i, t in conv.items()}
+        mine_conv = {
+            i: t.view(t.shape[0], 3, -1).chunk(size, -1)[r].reshape(t.shape[0], -1).contiguous()
+            for i, t in conv.items()
+        }
         out.append((mine_rec, mine_conv))
     return out
 
@@ -120,6 +124,7 @@ def split_heads(rec: dict, conv: dict, size: int) -> list[tuple[dict, dict]]:
 @dataclass
 class HandoffStore:
     """Captured prefills waiting for their decode engine, dropped after `ttl_s`."""
+
     ttl_s: float = 60.0
     held: dict[str, tuple[KVHandoff, float]] = field(default_factory=dict)
 
@@ -152,9 +157,14 @@ def to_bytes(h: KVHandoff) -> bytes:
     tensors.update({f"conv.{i}": t.contiguous() for i, t in h.conv.items()})
     if h.rng_state is not None:
         tensors["rng.0"] = h.rng_state.contiguous()
-    meta = {"request_id": h.request_id, "prompt_token_ids": json.dumps(h.prompt_token_ids),
-            "first_token": str(h.first_token), "block_size": str(h.block_size), "start": str(h.start),
-            "carried": json.dumps(_carried_json(h))}
+    meta = {
+        "request_id": h.request_id,
+        "prompt_token_ids": json.dumps(h.prompt_token_ids),
+        "first_token": str(h.first_token),
+        "block_size": str(h.block_size),
+        "start": str(h.start),
+        "carried": json.dumps(_carried_json(h)),
+    }
     return save(tensors, metadata=meta)
 
 
@@ -164,8 +174,9 @@ def _carried_json(h: KVHandoff) -> dict:
     if h.first_logprobs is not None:
         out["first_logprobs"] = [[t, lp] for t, lp in h.first_logprobs.items()]
     if h.prompt_logprobs is not None:
-        out["prompt_logprobs"] = [[i, e.token_id, e.logprob, e.rank, [list(x) for x in e.top]]
-                                  for i, e in h.prompt_logprobs.items()]
+        out["prompt_logprobs"] = [
+            [i, e.token_id, e.logprob, e.rank, [list(x) for x in e.top]] for i, e in h.prompt_logprobs.items()
+        ]
     return out
 
 
@@ -176,7 +187,8 @@ def _carried_fields(raw: dict) -> dict:
     if "prompt_logprobs" in raw:
         out["prompt_logprobs"] = {
             int(i): PromptLogprob(int(t), float(lp), int(r), tuple((int(a), float(b)) for a, b in top))
-            for i, t, lp, r, top in raw["prompt_logprobs"]}
+            for i, t, lp, r, top in raw["prompt_logprobs"]
+        }
     return out
 
 
@@ -186,13 +198,22 @@ def from_bytes(data: bytes) -> KVHandoff:
     try:
         tensors = load(data)  # checks the header and the offsets
         n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + n])["__metadata__"]
+        meta = json.loads(data[8 : 8 + n])["__metadata__"]
         parts: dict[str, dict[int, torch.Tensor]] = {"latent": {}, "recurrent": {}, "conv": {}, "rng": {}}
         for name, t in tensors.items():
             kind, layer = name.split(".")
             parts[kind][int(layer)] = t
-        return KVHandoff(meta["request_id"], json.loads(meta["prompt_token_ids"]), int(meta["first_token"]),
-                         int(meta["block_size"]), int(meta["start"]), parts["latent"], parts["recurrent"],
-                         parts["conv"], rng_state=parts["rng"].get(0), **_carried_fields(json.loads(meta["carried"])))
+        return KVHandoff(
+            meta["request_id"],
+            json.loads(meta["prompt_token_ids"]),
+            int(meta["first_token"]),
+            int(meta["block_size"]),
+            int(meta["start"]),
+            parts["latent"],
+            parts["recurrent"],
+            parts["conv"],
+            rng_state=parts["rng"].get(0),
+            **_carried_fields(json.loads(meta["carried"])),
+        )
     except Exception as e:  # safetensors' own error, a missing key, a malformed value
         raise ValueError(f"not a k3serve hand-off ({type(e).__name__}: {e})") from None

@@ -1,8 +1,8 @@
 """Offline API in the shape vLLM users know:
 
-    llm = k3serve.LLM(model, max_model_len=..., max_num_seqs=..., cache_memory="1GiB", seed=0)
-    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
-    outs[0].outputs[0].token_ids, outs[0].outputs[0].text
+llm = k3serve.LLM(model, max_model_len=..., max_num_seqs=..., cache_memory="1GiB", seed=0)
+outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+outs[0].outputs[0].token_ids, outs[0].outputs[0].text
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """All prompts run together under continuous batching; results in input order."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -58,6 +61,7 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
+
             bar = tqdm(total=len(ids), desc="requests")
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

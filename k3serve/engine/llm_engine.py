@@ -26,10 +26,18 @@ from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.engine.stats import IterationTokens
 from k3serve.offload.setup import make_tiers
-from k3serve.distributed.executor import WorkerDied, start_executor
+from k3serve.distributed.executor import WorkerDied
+from k3serve.distributed.start import start_executor
 from k3serve.distributed.group import NO_TP, CollectiveError
-from k3serve.engine.setup import (check_quantization, kernel_mode, make_plan, placement, resolve_max_model_len,
-                                  seq_limit_note, startup_lines)
+from k3serve.engine.setup import (
+    check_quantization,
+    kernel_mode,
+    make_plan,
+    placement,
+    resolve_max_model_len,
+    seq_limit_note,
+    startup_lines,
+)
 from k3serve.sampling.detokenizer import IncrementalDetokenizer
 from k3serve.sampling.params import ParamError, SamplingParams
 from k3serve.scheduler.batch import SampledToken
@@ -73,16 +81,24 @@ class LLMEngine(HandoffMixin):
             self.model = self.remote.model  # its config and weight bytes; the weights are in the worker
         else:
             tp = self.executor.join_group() if self.executor is not None else NO_TP
-            self.model = load_model(self.model_path, dtype=where.dtype, load_format=config.load_format,
-                                    progress=config.load_progress, tp=tp, ep=self.ep).to(where.device)
+            self.model = load_model(
+                self.model_path,
+                dtype=where.dtype,
+                load_format=config.load_format,
+                progress=config.load_progress,
+                tp=tp,
+                ep=self.ep,
+            ).to(where.device)
             if self.executor is not None:
                 self.executor.wait_ready()
         check_quantization(config, self.model)
         mode = kernel_mode(config.kernels, where.device, config.enforce_eager)
         if mode in STATIC and (self.ep is not None or self.remote is not None):
             if config.kernels in STATIC:
-                raise ValueError(f"kernels={config.kernels!r} runs one rank or tensor(+expert)-parallel ranks; "
-                                 "DP-attention engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)")
+                raise ValueError(
+                    f"kernels={config.kernels!r} runs one rank or tensor(+expert)-parallel ranks; "
+                    "DP-attention engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)"
+                )
             mode = "torch"  # auto on a GPU with DP-attention replicas: their dispatch is eager
         self.kernels = self.model.use_kernels(mode)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
@@ -97,52 +113,84 @@ class LLMEngine(HandoffMixin):
             self.startup_log.append(
                 f"tokenizer decodes {self.model.cfg.vocab_size - len(self.unmapped_ids):,} of the model's "
                 f"{self.model.cfg.vocab_size:,} vocabulary ids; the other {len(self.unmapped_ids):,} (first "
-                f"{self.unmapped_ids[0]}) are masked out of sampling and refused in prompts")
+                f"{self.unmapped_ids[0]}) are masked out of sampling and refused in prompts"
+            )
         for line in self.startup_log:
             log.info(line)
-        self.cache = HybridCacheManager(self.plan.num_blocks, self.plan.num_slots, self.plan.block_size,
-                                        self.plan.slot_bytes, self.plan.token_bytes,
-                                        config.enable_prefix_caching, self.plan.num_checkpoints)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.scheduling_policy,
-                                                   checkpoint_interval=config.prefix_cache_state_interval),
-                                   self.cache)
+        self.cache = HybridCacheManager(
+            self.plan.num_blocks,
+            self.plan.num_slots,
+            self.plan.block_size,
+            self.plan.slot_bytes,
+            self.plan.token_bytes,
+            config.enable_prefix_caching,
+            self.plan.num_checkpoints,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                config.scheduling_policy,
+                checkpoint_interval=config.prefix_cache_state_interval,
+            ),
+            self.cache,
+        )
         self.spec = None
         if config.speculative_config:
             from k3serve.spec.config import SpeculativeConfig
             from k3serve.spec.decoder import SpecDecoder
+
             spec_cfg = SpeculativeConfig.from_dict(config.speculative_config).resolve_model(self.model_path)
             self.spec = SpecDecoder(spec_cfg, self.model, self.max_model_len, config.max_num_seqs, where.device)
-            log.info("speculative decoding: %s, %d tokens, %s drafting, %s verification", self.spec.cfg.method,
-                     self.spec.cfg.num_speculative_tokens, self.spec.cfg.draft_sample_method,
-                     self.spec.cfg.rejection_sample_method)
+            log.info(
+                "speculative decoding: %s, %d tokens, %s drafting, %s verification",
+                self.spec.cfg.method,
+                self.spec.cfg.num_speculative_tokens,
+                self.spec.cfg.draft_sample_method,
+                self.spec.cfg.rejection_sample_method,
+            )
         kv_name = self.kv_dtype_name = str(where.kv_dtype).removeprefix("torch.")
         if self.remote is not None:  # the worker allocates the cache tensors of the same plan
             self.remote.allocate(self.plan, kv_name)
         elif self.executor is not None:  # every rank allocates its share of the same plan, runs the same backend
             self.executor.send("allocate", self.plan, kv_name, mode, self._graph_settings(config, mode, self.spec))
-        self.runner = ModelRunner(self.model, self.plan, where.kv_dtype, config.seed, where.device, self.spec,
-                                  masked_ids=self.unmapped_ids, workers=None if self.remote else self.executor,
-                                  rank=self.remote, graph=self._graph_settings(config, mode, self.spec))
+        self.runner = ModelRunner(
+            self.model,
+            self.plan,
+            where.kv_dtype,
+            config.seed,
+            where.device,
+            self.spec,
+            masked_ids=self.unmapped_ids,
+            workers=None if self.remote else self.executor,
+            rank=self.remote,
+            graph=self._graph_settings(config, mode, self.spec),
+        )
         self.tiers = make_tiers(config, self)  # prefix-cache tiers in host memory and on disk, or None
         graphs = getattr(self.runner.rank, "graphs", None)
         if graphs is not None:
             cc = config.compilation_config
-            line = (f"graph backend: decode steps of {graphs.sizes[0]}..{graphs.sizes[-1]} rows run compiled "
-                    f"({'eager, --enforce-eager' if graphs.eager else cc.backend}"
-                    f"{', captured as CUDA graphs' if where.device.type == 'cuda' and not graphs.eager else ''}); "
-                    f"each new batch bucket compiles on its first step")
+            line = (
+                f"graph backend: decode steps of {graphs.sizes[0]}..{graphs.sizes[-1]} rows run compiled "
+                f"({'eager, --enforce-eager' if graphs.eager else cc.backend}"
+                f"{', captured as CUDA graphs' if where.device.type == 'cuda' and not graphs.eager else ''}); "
+                f"each new batch bucket compiles on its first step"
+            )
             if cc.extra:
                 line += f"; compilation-config keys without effect here: {', '.join(sorted(cc.extra))}"
             self.startup_log.append(line)
             log.info(line)
         if self.ep is not None and self.remote is None:  # the replicas step at once: each takes its share of the cores
             self.runner.threads = max(1, (os.cpu_count() or 1) // self.ep.size)
-        self.media = MediaEncoder(self.model_path, self.model.cfg, where.dtype, where.device,
-                                  parse_bytes(config.mm_encoder_cache))
+        self.media = MediaEncoder(
+            self.model_path, self.model.cfg, where.dtype, where.device, parse_bytes(config.mm_encoder_cache)
+        )
         if self.model.cfg.vision is not None:
-            line = (f"vision encoder cache: {self.media.cache_bytes:,} B beside the cache budget "
-                    f"(tower rows by image / video-chunk digest)")
+            line = (
+                f"vision encoder cache: {self.media.cache_bytes:,} B beside the cache budget "
+                f"(tower rows by image / video-chunk digest)"
+            )
             self.startup_log.append(line)
             log.info(line)
         self._groups: dict[str, Group] = {}
@@ -160,16 +208,26 @@ class LLMEngine(HandoffMixin):
             return None
         from k3serve.runner.graph_step import GraphSettings
 
-        return GraphSettings(config.compilation_config, config.max_num_seqs, config.enforce_eager,
-                             spec.cfg.num_speculative_tokens if spec is not None else 0)
+        return GraphSettings(
+            config.compilation_config,
+            config.max_num_seqs,
+            config.enforce_eager,
+            spec.cfg.num_speculative_tokens if spec is not None else 0,
+        )
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
         return cls(EngineConfig.from_kwargs(model, **kwargs))
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    priority: int = 0, keep_cache: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        keep_cache: bool = False,
+    ) -> None:
         """`keep_cache`: a prefill for another engine to decode (engine/handoff.py): when it
         finishes, its latent rows and KDA state wait in `handoffs` for `pull_handoff`."""
         params = params or SamplingParams()
@@ -187,18 +245,36 @@ class LLMEngine(HandoffMixin):
         mm = (prompt.get("multi_modal_data") or {}) if isinstance(prompt, dict) else {}
         images, videos = list(mm.get("image", [])), list(mm.get("video", []))
         text, ids = self._tokenize(prompt)
-        media = (self.media.prepare(ids, images, videos, self.tokenizer)
-                 if images or videos or self.media.needs_images(ids) else None)
+        media = (
+            self.media.prepare(ids, images, videos, self.tokenizer)
+            if images or videos or self.media.needs_images(ids)
+            else None
+        )
         constraints = [self._constraint(params.structured) for _ in range(params.n)] if params.structured else None
-        group = Group(request_id, text, ids, [], {"arrival_time": time.monotonic()},
-                      prompt_logprobs={} if params.prompt_logprobs is not None else None)
+        group = Group(
+            request_id,
+            text,
+            ids,
+            [],
+            {"arrival_time": time.monotonic()},
+            prompt_logprobs={} if params.prompt_logprobs is not None else None,
+        )
         for i in range(params.n):
             p = params.for_sample(i) if params.n > 1 else params
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
-            req = Request(rid, list(ids), p, self.model.cfg.eos_token_id, self.max_model_len,
-                          arrival=next(self._arrivals), priority=priority, keep_cache=keep_cache)
-            group.samples.append(Sample(req, IncrementalDetokenizer(self.tokenizer, p),
-                                        [] if p.logprobs is not None else None))
+            req = Request(
+                rid,
+                list(ids),
+                p,
+                self.model.cfg.eos_token_id,
+                self.max_model_len,
+                arrival=next(self._arrivals),
+                priority=priority,
+                keep_cache=keep_cache,
+            )
+            group.samples.append(
+                Sample(req, IncrementalDetokenizer(self.tokenizer, p), [] if p.logprobs is not None else None)
+            )
             if constraints:
                 self.runner.constraints[rid] = constraints[i]
             if media is not None:
@@ -274,8 +350,13 @@ class LLMEngine(HandoffMixin):
                 self.executor.fail(str(e))
             raise
         except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart
-            log.warning("model step over %d requests raised %s: %s; retrying them apart", len(batch.seqs),
-                        type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            log.warning(
+                "model step over %d requests raised %s: %s; retrying them apart",
+                len(batch.seqs),
+                type(e).__name__,
+                e,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             culprits = self.scheduler.retry_apart(batch)
             why = f"the model step failed for this request ({type(e).__name__})"
             return [self._fail(self._owner[r.request_id], why) for r in culprits if r.request_id in self._owner]
@@ -377,17 +458,31 @@ class LLMEngine(HandoffMixin):
         outs = []
         for i, s in enumerate(group.samples):
             done = s.req.finished
-            outs.append(CompletionOutput(
-                i, s.detok.visible_text(done), list(s.req.output_token_ids),
-                s.cumulative_logprob if s.logprobs is not None else None,
-                [dict(d) for d in s.logprobs] if s.logprobs is not None else None,
-                s.req.finish_reason if done else None, s.req.stop_reason if done else None))
+            outs.append(
+                CompletionOutput(
+                    i,
+                    s.detok.visible_text(done),
+                    list(s.req.output_token_ids),
+                    s.cumulative_logprob if s.logprobs is not None else None,
+                    [dict(d) for d in s.logprobs] if s.logprobs is not None else None,
+                    s.req.finish_reason if done else None,
+                    s.req.stop_reason if done else None,
+                )
+            )
         plp = None
         if group.prompt_logprobs is not None:
             plp = [None] + [group.prompt_logprobs.get(i) for i in range(1, len(group.prompt_token_ids))]
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outs,
-                             group.finished, dict(group.metrics), group.samples[0].req.num_cached_tokens,
-                             group.error, plp)
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            list(group.prompt_token_ids),
+            outs,
+            group.finished,
+            dict(group.metrics),
+            group.samples[0].req.num_cached_tokens,
+            group.error,
+            plp,
+        )
 
     # ---- input checks ----------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -411,6 +506,8 @@ class LLMEngine(HandoffMixin):
             if bad is not None:
                 raise ValueError(f"prompt token id {bad} has no text in this model's tokenizer")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
-                             f"at least one position must be left to generate")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                f"at least one position must be left to generate"
+            )
         return text, ids

@@ -109,10 +109,13 @@ class MediaEncoder:
                 j = ids.index(content, i)
             except ValueError:
                 j = len(ids)
-            kinds.append("video" if tokenizer.decode(ids[i + 1:j]).strip().startswith("video") else "image")
+            kinds.append("video" if tokenizer.decode(ids[i + 1 : j]).strip().startswith("video") else "image")
         if kinds.count("image") != len(images) or kinds.count("video") != len(chunks):
-            raise ParamError("messages", f"the prompt has {kinds.count('image')} image and {kinds.count('video')} "
-                                         f"video blocks; the request brings {len(images)} images and "
-                                         f"{len(chunks)} video chunks")
+            raise ParamError(
+                "messages",
+                f"the prompt has {kinds.count('image')} image and {kinds.count('video')} "
+                f"video blocks; the request brings {len(images)} images and "
+                f"{len(chunks)} video chunks",
+            )
         it_img, it_vid = iter(images), iter(chunks)
         return [next(it_img) if k == "image" else next(it_vid) for k in kinds]

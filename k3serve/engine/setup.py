@@ -52,8 +52,10 @@ def kernel_mode(mode: str, device: torch.device, enforce_eager: bool = False) ->
     if device.type == "cpu" or mode in ("torch", "graph", "triton"):
         return mode
     if mode == "cpp":
-        raise ValueError(f"kernels='cpp': the compiled kernels are CPU-only and this engine runs on {device}; "
-                         "use 'auto', 'triton', 'graph' or 'torch'")
+        raise ValueError(
+            f"kernels='cpp': the compiled kernels are CPU-only and this engine runs on {device}; "
+            "use 'auto', 'triton', 'graph' or 'torch'"
+        )
     if enforce_eager:
         return "torch"
     return "graph" if unavailable(device.type) else "triton"
@@ -106,13 +108,17 @@ def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausa
         vision = vision_reserve(config, model)
         budget = int(total * f) - weights - act - vision
         if budget <= 0:
-            raise ValueError(f"--gpu-memory-utilization {f}: {f} x {total / 2**30:.1f} GiB leaves no cache after "
-                             f"{weights / 2**30:.2f} GiB of weights, {act / 2**30:.2f} GiB of activations and "
-                             f"{vision / 2**30:.2f} GiB for the vision tower and its encoder cache; raise it")
+            raise ValueError(
+                f"--gpu-memory-utilization {f}: {f} x {total / 2**30:.1f} GiB leaves no cache after "
+                f"{weights / 2**30:.2f} GiB of weights, {act / 2**30:.2f} GiB of activations and "
+                f"{vision / 2**30:.2f} GiB for the vision tower and its encoder cache; raise it"
+            )
         free = free_memory(device)
         if budget > free:
-            raise ValueError(f"--gpu-memory-utilization {f} asks for a {budget / 2**30:.2f} GiB cache, but only "
-                             f"{free / 2**30:.2f} GiB is free on {device}; lower it or free memory")
+            raise ValueError(
+                f"--gpu-memory-utilization {f} asks for a {budget / 2**30:.2f} GiB cache, but only "
+                f"{free / 2**30:.2f} GiB is free on {device}; lower it or free memory"
+            )
         return budget
     frac = config.cache_memory_fraction or (0.9 if device.type == "cuda" else 0.1)
     return int(free_memory(device) * frac)
@@ -123,9 +129,11 @@ def check_quantization(config: EngineConfig, model: KimiForCausalLM) -> None:
     if config.quantization is None:
         return
     if model.cfg.quant is None:
-        raise ValueError(f"--quantization {config.quantization}: this checkpoint is not quantized (no "
-                         f"quantization_config); k3serve does not quantize at load time: drop the flag or serve "
-                         f"an MXFP4 checkpoint")
+        raise ValueError(
+            f"--quantization {config.quantization}: this checkpoint is not quantized (no "
+            f"quantization_config); k3serve does not quantize at load time: drop the flag or serve "
+            f"an MXFP4 checkpoint"
+        )
 
 
 def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:
@@ -133,8 +141,7 @@ def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:
     if config.max_model_len is None:
         return min(limit, 8192)
     if config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings {limit}")
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {limit}")
     return config.max_model_len
 
 
@@ -147,24 +154,34 @@ def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, ma
         full = full_request_bytes(model.cfg, max_model_len, config.block_size, kv_name)
         # ... plus the checkpoint share taken off the top, or one slot of max_num_seqs goes missing
         budget = min(budget, math.ceil(config.max_num_seqs * full / (1.0 - frac)))
-    return plan_cache(model.cfg, budget, max_model_len=max_model_len,
-                      max_num_seqs=config.max_num_seqs, block_size=config.block_size, kv_dtype=kv_name,
-                      num_slots=config.num_state_slots,
-                      checkpoint_fraction=frac, state_shards=config.tensor_parallel_size)
+    return plan_cache(
+        model.cfg,
+        budget,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size,
+        kv_dtype=kv_name,
+        num_slots=config.num_state_slots,
+        checkpoint_fraction=frac,
+        state_shards=config.tensor_parallel_size,
+    )
 
 
 def seq_limit_note(plan: CachePlan, max_num_seqs: int) -> str | None:
     """Why fewer requests than --max-num-seqs can run at once, or None."""
     if plan.num_slots >= max_num_seqs:
         return None
-    return (f"--max-num-seqs {max_num_seqs}, but the cache holds {plan.num_slots} KDA state slots "
-            f"(each request of max_model_len {plan.max_model_len:,} needs {plan.slot_bytes:,} B of state + its "
-            f"latent blocks): at most {plan.num_slots} requests run at once; raise --cache-memory or lower "
-            f"--max-model-len")
+    return (
+        f"--max-num-seqs {max_num_seqs}, but the cache holds {plan.num_slots} KDA state slots "
+        f"(each request of max_model_len {plan.max_model_len:,} needs {plan.slot_bytes:,} B of state + its "
+        f"latent blocks): at most {plan.num_slots} requests run at once; raise --cache-memory or lower "
+        f"--max-model-len"
+    )
 
 
-def startup_lines(model_path: str, model: KimiForCausalLM, where: Placement, plan: CachePlan,
-                  max_num_seqs: int | None = None) -> list[str]:
+def startup_lines(
+    model_path: str, model: KimiForCausalLM, where: Placement, plan: CachePlan, max_num_seqs: int | None = None
+) -> list[str]:
     L = plan.max_model_len
     by_tokens = plan.requests_by_tokens(L)
     note = seq_limit_note(plan, max_num_seqs) if max_num_seqs else None
@@ -175,8 +192,11 @@ def startup_lines(model_path: str, model: KimiForCausalLM, where: Placement, pla
         f"cache budget {plan.total_bytes:,} B: latent KV {plan.num_blocks:,} blocks x {plan.block_size} tokens "
         f"= {plan.kv_tokens:,} tokens ({plan.token_bytes:,} B/token), "
         f"KDA state {plan.num_slots} slots x {plan.slot_bytes:,} B"
-        + (f" + {plan.num_checkpoints} prefix-cache checkpoints ({plan.num_checkpoints * plan.slot_bytes:,} B)"
-           if plan.num_checkpoints else ""),
+        + (
+            f" + {plan.num_checkpoints} prefix-cache checkpoints ({plan.num_checkpoints * plan.slot_bytes:,} B)"
+            if plan.num_checkpoints
+            else ""
+        ),
         f"max concurrency at max_model_len {L:,}: min({plan.num_slots} slots, {by_tokens} by latent tokens) "
         f"= {plan.max_concurrency(L)}",
     ]

@@ -53,8 +53,17 @@ class EngineStats:
         return self.state_slots_used / max(1, self.state_slots_total)
 
 
-TIER_FIELDS = ("queries", "hits", "hit_tokens", "bytes_read", "bytes_written", "evictions", "rejected",
-               "load_seconds", "bytes_held")
+TIER_FIELDS = (
+    "queries",
+    "hits",
+    "hit_tokens",
+    "bytes_read",
+    "bytes_written",
+    "evictions",
+    "rejected",
+    "load_seconds",
+    "bytes_held",
+)
 
 
 def tier_values(tiers) -> tuple[float, ...]:
@@ -91,19 +100,29 @@ def snapshot(engine) -> EngineStats:
     st = cache.checkpoints.stats
     spec = engine.spec.stats if engine.spec is not None else None
     return EngineStats(
-        num_running=len(sched.running), num_waiting=len(sched.waiting),
-        latent_blocks_used=cache.blocks.num_used, latent_blocks_total=plan.num_blocks,
-        state_slots_used=cache.slots.num_used, state_slots_total=plan.num_slots,
-        prefix_cached_free_blocks=cache.blocks.num_cached_free, prefix_checkpoints=cache.checkpoints.num_stored,
-        num_preemptions=sched.num_preemptions, prefix_queries=st.query_tokens, prefix_hits=st.hit_tokens,
-        prefix_lookups=st.queries, checkpoints_stored=st.checkpoints_stored,
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting),
+        latent_blocks_used=cache.blocks.num_used,
+        latent_blocks_total=plan.num_blocks,
+        state_slots_used=cache.slots.num_used,
+        state_slots_total=plan.num_slots,
+        prefix_cached_free_blocks=cache.blocks.num_cached_free,
+        prefix_checkpoints=cache.checkpoints.num_stored,
+        num_preemptions=sched.num_preemptions,
+        prefix_queries=st.query_tokens,
+        prefix_hits=st.hit_tokens,
+        prefix_lookups=st.queries,
+        checkpoints_stored=st.checkpoints_stored,
         checkpoints_evicted=st.checkpoints_evicted,
-        spec_drafts=spec.drafts if spec else 0, spec_draft_tokens=spec.draft_tokens if spec else 0,
+        spec_drafts=spec.drafts if spec else 0,
+        spec_draft_tokens=spec.draft_tokens if spec else 0,
         spec_accepted_tokens=spec.accepted_tokens if spec else 0,
         spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
-        iteration_tokens=tuple(engine.iteration_tokens.counts), iteration_tokens_sum=engine.iteration_tokens.total,
+        iteration_tokens=tuple(engine.iteration_tokens.counts),
+        iteration_tokens_sum=engine.iteration_tokens.total,
         tier_stats=tier_values(engine.tiers) if getattr(engine, "tiers", None) is not None else (),
-        **_parallel(engine))
+        **_parallel(engine),
+    )
 
 
 def _parallel(engine) -> dict:

@@ -49,8 +49,7 @@ class StepRows:
     @classmethod
     def build(cls, batch: "ForwardBatch") -> "StepRows":
         verify = set(batch.verify)
-        decodes = [i for i, n in enumerate(batch.seq_lens)
-                   if n == 1 and batch.context_lens[i] > 0 and i not in verify]
+        decodes = [i for i, n in enumerate(batch.seq_lens) if n == 1 and batch.context_lens[i] > 0 and i not in verify]
         rest = [i for i, n in enumerate(batch.seq_lens) if 1 <= n <= SHORT_PREFILL and i not in verify]
         seqs = list(batch.verify) + rest
         fresh = [batch.state_slots[i] for i, n in enumerate(batch.seq_lens) if n and batch.context_lens[i] == 0]
@@ -73,10 +72,21 @@ class StepRows:
         parts = (rows, starts, [batch.state_slots[i] for i in seqs], seq, pos, cache_rows, table, fresh)
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.long, device=batch.input_ids.device)
         rows_t, starts_t, slots_t, seq_t, pos_t, cache_t, table_t, fresh_t = flat.split([len(part) for part in parts])
-        return cls(seqs, decodes, fresh_t, rows_t, starts_t, slots_t, seq_t, pos_t,
-                   table_t.view(len(seqs), width), cache_t,
-                   max((starts[j + 1] - starts[j] for j in range(len(seqs))), default=0),
-                   covers_all=len(rows) == len(batch.input_ids), identity=rows == list(range(len(batch.input_ids))))
+        return cls(
+            seqs,
+            decodes,
+            fresh_t,
+            rows_t,
+            starts_t,
+            slots_t,
+            seq_t,
+            pos_t,
+            table_t.view(len(seqs), width),
+            cache_t,
+            max((starts[j + 1] - starts[j] for j in range(len(seqs))), default=0),
+            covers_all=len(rows) == len(batch.input_ids),
+            identity=rows == list(range(len(batch.input_ids))),
+        )
 
 
 @dataclass
@@ -136,36 +146,43 @@ class ForwardBatch:
 
     def seq_bounds(self) -> list[tuple[int, int]]:
         """[start, end) of each sequence in the flattened token stream (read-only: shared)."""
+
         def build():
             out, pos = [], 0
             for n in self.seq_lens:
                 out.append((pos, pos + n))
                 pos += n
             return out
+
         return self._once("bounds", build)
 
     def cache_rows(self, seq: int, start: int, end: int) -> torch.Tensor:
         """Latent-cache rows of positions [start, end) of sequence `seq`, end <= its context +
         new tokens: a slice of the rows of [0, end) built once a step."""
+
         def build():
             n = self.context_lens[seq] + self.seq_lens[seq]
             pos = torch.arange(n, device=self.device)
             table = torch.tensor(self.block_tables[seq], dtype=torch.long, device=self.device)
             return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
         return self._once(("rows", seq), build)[start:end]
 
     def padded_rows(self, seqs: list[int], lengths: list[int]) -> torch.Tensor:
         """Latent-cache rows of positions [0, lengths[j]) of sequences seqs[j], padded with row 0
         to [len(seqs), max(lengths)] (callers mask the padding); built once a step."""
+
         def build():
             L = max(lengths)
             pos = torch.arange(L, device=self.device)
             width = -(-L // self.block_size)
-            table = torch.tensor([(self.block_tables[i] + [0] * width)[:width] for i in seqs], dtype=torch.long,
-                                 device=self.device)
+            table = torch.tensor(
+                [(self.block_tables[i] + [0] * width)[:width] for i in seqs], dtype=torch.long, device=self.device
+            )
             rows = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
             lens = torch.tensor(lengths, device=self.device)
             return torch.where(pos.unsqueeze(0) < lens.unsqueeze(1), rows, 0)
+
         return self._once(("padded", tuple(seqs), tuple(lengths)), build)
 
     def last_token_indices(self) -> torch.Tensor:

@@ -34,9 +34,17 @@ class CacheTensors:
         return next(t for t in (*self.recurrent, *self.latent) if t is not None).device
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 tp_size: int = 1, scratch: bool = False) -> "CacheTensors":
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tp_size: int = 1,
+        scratch: bool = False,
+    ) -> "CacheTensors":
         """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole.
         `scratch`: one more slot and block for the static step's padding rows."""
         k, m = cfg.kda, cfg.mla

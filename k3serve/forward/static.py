@@ -62,8 +62,20 @@ class StaticStep:
         pos = torch.arange(W * bs, device=self.table.device)
         table = self.table if self.T == 1 else self.table.repeat_interleave(self.T, 0)  # [N, W]
         rows = table[:, pos // bs] * bs + pos % bs  # [N, W * bs]
-        return StaticStep(self.input_ids, self.positions, self.cache_rows, self.slots, self.last, self.table,
-                          self.gather, self.sampling, bs, self.T, rows, self.positions + 1)
+        return StaticStep(
+            self.input_ids,
+            self.positions,
+            self.cache_rows,
+            self.slots,
+            self.last,
+            self.table,
+            self.gather,
+            self.sampling,
+            bs,
+            self.T,
+            rows,
+            self.positions + 1,
+        )
 
     def sampling_params(self):
         """The rows' DeviceSamplingParams (sampling/device.py), read from the buffer."""
@@ -78,8 +90,9 @@ class StaticBuffers:
     """The persistent buffers of one (B, W, T) bucket and the host staging they are filled from
     (pinned when the device is a GPU, so the copy is asynchronous and the step's only input copy)."""
 
-    def __init__(self, B: int, W: int, block_size: int, device: torch.device, scratch_slot: int, scratch_block: int,
-                 T: int = 1):
+    def __init__(
+        self, B: int, W: int, block_size: int, device: torch.device, scratch_slot: int, scratch_block: int, T: int = 1
+    ):
         self.B, self.W, self.T, self.block_size = B, W, T, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
         N = B * T
@@ -87,16 +100,24 @@ class StaticBuffers:
         self.device_flat = torch.zeros(sum(self.sizes), dtype=torch.long, device=device)
         self.host = torch.zeros(sum(self.sizes), dtype=torch.long, pin_memory=device.type == "cuda")
         ids, pos, rows, slots, last, table, gather, sampling = self.device_flat.split(self.sizes)
-        self.step = StaticStep(ids, pos, rows, slots, last, table.view(B, W), gather, sampling.view(6, B),
-                               block_size, T)
+        self.step = StaticStep(
+            ids, pos, rows, slots, last, table.view(B, W), gather, sampling.view(6, B), block_size, T
+        )
         self.fill_padding()
 
     def fill_padding(self) -> None:
         """Every row a padding row (the state before warm-up and capture: they touch scratch only)."""
         self.fill([], [], [], [], [])
 
-    def fill(self, input_ids: list[int], seq_lens: list[int], slots: list[int], context_lens: list[int],
-             block_tables: list[list[int]], sampling: list[dict] | None = None) -> None:
+    def fill(
+        self,
+        input_ids: list[int],
+        seq_lens: list[int],
+        slots: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        sampling: list[dict] | None = None,
+    ) -> None:
         """Live sequences first (their tokens concatenated, seq_lens[j] <= T each), padding after;
         `sampling`: the rows' device sampling values (sampling/device.py row_values), or None
         when the step returns logits. One copy."""
@@ -106,7 +127,7 @@ class StaticBuffers:
         ids, pos, rows, gather = [], [], [], []
         flat = 0
         for j, (n, ctx, t) in enumerate(zip(seq_lens, context_lens, block_tables)):
-            ids += input_ids[flat:flat + n] + [0] * (T - n)
+            ids += input_ids[flat : flat + n] + [0] * (T - n)
             pos += [ctx + i for i in range(T)]
             rows += [t[(ctx + i) // bs] * bs + (ctx + i) % bs for i in range(n)] + [scratch_row] * (T - n)
             gather += [j * T + i for i in range(n)]
@@ -114,9 +135,22 @@ class StaticBuffers:
         table = []
         for t in block_tables:
             table += t[:W] + [self.scratch_block] * (W - len(t))
-        ints = (ids + [0] * (pad * T) + pos + [0] * (pad * T) + rows + [scratch_row] * (pad * T)
-                + list(slots) + [self.scratch_slot] * pad + [n - 1 for n in seq_lens] + [0] * pad
-                + table + [self.scratch_block] * (pad * W) + gather + [0] * (B * T - len(gather)))
+        ints = (
+            ids
+            + [0] * (pad * T)
+            + pos
+            + [0] * (pad * T)
+            + rows
+            + [scratch_row] * (pad * T)
+            + list(slots)
+            + [self.scratch_slot] * pad
+            + [n - 1 for n in seq_lens]
+            + [0] * pad
+            + table
+            + [self.scratch_block] * (pad * W)
+            + gather
+            + [0] * (B * T - len(gather))
+        )
         rows_s = list(sampling or []) + [PADDING_ROW] * (B - len(sampling or []))
         ints += [r[k] for k in SAMPLING_INTS for r in rows_s]
         floats = torch.tensor([r[k] for k in SAMPLING_FLOATS for r in rows_s], dtype=torch.float64)

@@ -80,9 +80,11 @@ def build_lock(directory: Path, timeout_s: float):
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"another process has held the CPU kernel build lock {path} for "
-                                       f"{timeout_s:.0f} s (K3SERVE_KERNEL_LOCK_TIMEOUT); if no build is "
-                                       "running, remove the file") from None
+                    raise TimeoutError(
+                        f"another process has held the CPU kernel build lock {path} for "
+                        f"{timeout_s:.0f} s (K3SERVE_KERNEL_LOCK_TIMEOUT); if no build is "
+                        "running, remove the file"
+                    ) from None
                 if not said:
                     log.info("waiting for another process building the CPU kernels (lock %s)", path)
                     said = True
@@ -111,13 +113,27 @@ def _build():
         with build_lock(directory, float(os.environ.get("K3SERVE_KERNEL_LOCK_TIMEOUT", "600"))):
             if not (directory / f"{name}.so").exists():
                 log.warning("building the CPU kernels in %s (about a minute on 2 cores, once per install)", directory)
-            module = load(name=name, sources=_SOURCES, verbose=False, build_directory=str(directory),
-                          extra_cflags=["-O3", f"-march={arch}", "-fopenmp", "-fvisibility=hidden",
-                                        "-fvisibility-inlines-hidden"], extra_ldflags=["-fopenmp"])
+            module = load(
+                name=name,
+                sources=_SOURCES,
+                verbose=False,
+                build_directory=str(directory),
+                extra_cflags=[
+                    "-O3",
+                    f"-march={arch}",
+                    "-fopenmp",
+                    "-fvisibility=hidden",
+                    "-fvisibility-inlines-hidden",
+                ],
+                extra_ldflags=["-fopenmp"],
+            )
         return module, None
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, an unknown ISA: use torch
-        log.warning("CPU kernels unavailable (%s: %s); using the torch reference paths", type(e).__name__,
-                    str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "CPU kernels unavailable (%s: %s); using the torch reference paths",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return None, e
     finally:
         os.environ["PATH"] = path

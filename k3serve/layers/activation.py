@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 
-def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0,
-                 linear_beta: float | None = 25.0) -> torch.Tensor:
+def situ_and_mul(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
+) -> torch.Tensor:
     """[beta*tanh(g/beta)*sigmoid(g)] * [linear_beta*tanh(u/linear_beta)], cast back."""
     g, u = gate.float(), up.float()
     act = beta * torch.tanh(g / beta) * torch.sigmoid(g)

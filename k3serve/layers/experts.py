@@ -45,9 +45,17 @@ def _one_expert(x, w1, w2, w3, act: Act, a8: bool) -> torch.Tensor:
     return dense(h, w2)
 
 
-def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    w1: ExpertWeight, w2: ExpertWeight, w3: ExpertWeight, act: Act,
-                    a8: bool = False, kernels=None) -> torch.Tensor:
+def experts_forward(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w1: ExpertWeight,
+    w2: ExpertWeight,
+    w3: ExpertWeight,
+    act: Act,
+    a8: bool = False,
+    kernels=None,
+) -> torch.Tensor:
     """x [N, h], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), FP32 [N, h_out].
 
     With `kernels` (k3serve.kernels) and packed CPU experts, the three matmuls run as grouped
@@ -65,9 +73,9 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     pos = 0
     for j, e in enumerate(used):
         n = counts[e]
-        sel = order[pos:pos + n]
-        y = _one_expert(x[token[pos:pos + n]], W1[j], W2[j], W3[j], act, a8)
-        out.index_add_(0, token[pos:pos + n], y.float() * weights.reshape(-1)[sel, None])
+        sel = order[pos : pos + n]
+        y = _one_expert(x[token[pos : pos + n]], W1[j], W2[j], W3[j], act, a8)
+        out.index_add_(0, token[pos : pos + n], y.float() * weights.reshape(-1)[sel, None])
         pos += n
     return out
 
@@ -93,6 +101,7 @@ def _experts_grouped_mxfp4(x, flat, order, token, weights, w1, w2, w3, act: Act,
 
 def experts_reference(x, ids, weights, w1, w2, w3, act: Act, a8: bool = False) -> torch.Tensor:
     """Plain loop over tokens and their selected experts, dequantize-then-matmul in FP32."""
+
     def deq(w, e):
         return w.select(e).dequantize(torch.float32) if isinstance(w, PackedMXFP4) else w[e].float()
 
@@ -100,7 +109,7 @@ def experts_reference(x, ids, weights, w1, w2, w3, act: Act, a8: bool = False) -
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            xt = fake_quantize_mxfp8(x[t:t + 1]) if a8 else x[t:t + 1]
+            xt = fake_quantize_mxfp8(x[t : t + 1]) if a8 else x[t : t + 1]
             h = act(xt.float() @ deq(w1, e).t(), xt.float() @ deq(w3, e).t())
             if a8:
                 h = fake_quantize_mxfp8(h)

@@ -22,6 +22,7 @@ from k3serve.layers.norm import l2_normalize, rms_norm
 from k3serve.layers.short_conv import short_conv, short_conv_step
 from k3serve.forward import CacheTensors, ForwardBatch
 
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = NO_TP):
         super().__init__()
@@ -123,7 +124,7 @@ class KimiDeltaAttention(nn.Module):
     def _qkv(self, c: torch.Tensor):
         """Post-conv [T, 3P] -> q (l2norm, * D^-1/2), k (l2norm), v, each [T, H, D]."""
         q, k, v = c.view(c.shape[0], 3, self.heads, self.head_dim).unbind(1)
-        return l2_normalize(q) * self.head_dim ** -0.5, l2_normalize(k), v
+        return l2_normalize(q) * self.head_dim**-0.5, l2_normalize(k), v
 
     def _decay(self, z: torch.Tensor) -> torch.Tensor:
         """Log decay g [N, P] (<= 0), FP32, from z = f_b(f_a x) [N, P]."""

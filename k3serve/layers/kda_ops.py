@@ -32,8 +32,9 @@ def flush_denormals() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
-def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for a batch. q,k,g [B,H,Dk], v [B,H,Dv], beta [B,H], state [B,H,Dk,Dv]."""
     s = state * g.exp().unsqueeze(-1)  # decay key rows
     pred = torch.einsum("bhk,bhkv->bhv", k, s)  # S^T k
@@ -41,18 +42,26 @@ def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return torch.einsum("bhk,bhkv->bhv", q, s), s
 
 
-def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: token-by-token. q,k,g [T,H,Dk], v [T,H,Dv], beta [T,H], state [H,Dk,Dv]."""
     outs, s = [], state.unsqueeze(0)
     for t in range(q.shape[0]):
-        o, s = kda_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+        o, s = kda_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
         outs.append(o)
     return torch.cat(outs, 0), s[0]
 
 
-def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked-parallel prefill (WY form), same contract as `kda_recurrent`.
 
     A ragged tail is padded with k = v = 0, g = 0, beta = 0: padded steps neither decay nor
@@ -79,8 +88,10 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             v_new = u[:, c] - w[:, c] @ s  # pseudo-values V' = U - W S
             outs.append(qg[:, c] @ s + qk[:, c] @ v_new)
             g_last = gam[:, c0 + c, -1:]  # [H, 1, Dk]
-            s = _exp(g_last, s.dtype).transpose(1, 2) * s + \
-                (_exp(g_last - gam[:, c0 + c], s.dtype) * k[:, c0 + c]).transpose(1, 2) @ v_new
+            s = (
+                _exp(g_last, s.dtype).transpose(1, 2) * s
+                + (_exp(g_last - gam[:, c0 + c], s.dtype) * k[:, c0 + c]).transpose(1, 2) @ v_new
+            )
     o = torch.stack(outs, 1).reshape(q.shape[0], n * chunk, -1).transpose(0, 1)  # [T+pad, H, Dv]
     return o[:T], s
 
@@ -98,8 +109,7 @@ def _intra_chunk(q, k, v, gam, beta):
     kk, qk = _decayed_dots(k, q, gam)
     lower = beta.unsqueeze(-1) * kk.tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(lower)
-    t = torch.linalg.solve_triangular(eye + lower, torch.diag_embed(beta), upper=False,
-                                      unitriangular=True)
+    t = torch.linalg.solve_triangular(eye + lower, torch.diag_embed(beta), upper=False, unitriangular=True)
     eg = _exp(gam, q.dtype)
     return t @ (eg * k), t @ v, qk.tril(), q * eg
 

@@ -109,7 +109,7 @@ class GatedMLA(nn.Module):
         # as the absorbed form needs; o_proj gives a partial sum the decoder layer all-reduces
         m = replace(m, num_heads=tp.split(m.num_heads, "num_attention_heads"))
         self.layer_idx, self.cfg = layer_idx, m
-        self.scale = m.qk_head_dim ** -0.5
+        self.scale = m.qk_head_dim**-0.5
         if m.q_lora_rank is not None:
             self.q_a_proj = linear(m.q_lora_rank, d)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, MLA_NORM_EPS)
@@ -141,16 +141,25 @@ class GatedMLA(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank is not None else self.q_proj(x)
         q = q.view(N, m.num_heads, m.qk_head_dim).float()
         ckv = self.kv_a_proj_with_mqa(x)
-        return q, torch.cat((self.kv_a_layernorm(ckv[:, : m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]), -1)
+        return q, torch.cat((self.kv_a_layernorm(ckv[:, : m.kv_lora_rank]), ckv[:, m.kv_lora_rank :]), -1)
 
-    def attend_rest(self, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch, store: torch.Tensor,
-                    out: torch.Tensor, done: set[int]) -> None:
+    def attend_rest(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        batch: ForwardBatch,
+        store: torch.Tensor,
+        out: torch.Tensor,
+        done: set[int],
+    ) -> None:
         """Write the latent rows and attend for every sequence not in `done` (those a backend ran
         itself): decodes batched (absorbed), verify passes absorbed per position, prefill chunks
         through torch's fused attention. out [N, H, v] fp32 is filled in place."""
         m = self.cfg
-        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
-        w_kv_b = self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank) if len(done) < batch.num_seqs else None
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
+        w_kv_b = (
+            self.kv_b_proj.weight.float().view(m.num_heads, -1, m.kv_lora_rank) if len(done) < batch.num_seqs else None
+        )
         decodes = [i for i in batch.step.decodes if i not in done]
         if len(decodes) > 1:
             self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out)
@@ -164,8 +173,16 @@ class GatedMLA(nn.Module):
             # verify passes use the decode algorithm for every drafted position (same arithmetic as
             # non-speculative decoding, so greedy outputs agree)
             attend = attend_absorbed if e - s == 1 or i in batch.verify else attend_fused
-            out[s:e] = attend(q_nope[s:e], q_pe[s:e], seq[:, : m.kv_lora_rank], seq[:, m.kv_lora_rank:],
-                              w_kv_b, m.v_head_dim, ctx, self.scale)
+            out[s:e] = attend(
+                q_nope[s:e],
+                q_pe[s:e],
+                seq[:, : m.kv_lora_rank],
+                seq[:, m.kv_lora_rank :],
+                w_kv_b,
+                m.v_head_dim,
+                ctx,
+                self.scale,
+            )
 
     def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Attention output [N, H, v] fp32 -> gate (K3) -> o_proj [N, d]."""
@@ -187,5 +204,13 @@ class GatedMLA(nn.Module):
         at = batch.index(("decode starts", tuple(idx)), starts)
         store[new] = to_cache(latent[at], store.dtype)
         seq = store[rows].float()  # [B, Lmax, c + r]
-        out[at] = attend_absorbed_batched(q_nope[at], q_pe[at], seq[..., : m.kv_lora_rank], seq[..., m.kv_lora_rank:],
-                                          lens_t, w_kv_b, m.v_head_dim, self.scale)
+        out[at] = attend_absorbed_batched(
+            q_nope[at],
+            q_pe[at],
+            seq[..., : m.kv_lora_rank],
+            seq[..., m.kv_lora_rank :],
+            lens_t,
+            w_kv_b,
+            m.v_head_dim,
+            self.scale,
+        )

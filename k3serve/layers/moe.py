@@ -42,7 +42,11 @@ class GluMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = linear(inter, hidden), linear(inter, hidden), linear(hidden, inter)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            linear(inter, hidden),
+            linear(inter, hidden),
+            linear(hidden, inter),
+        )
         self.act = glu_activation(cfg)
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
         self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
@@ -76,7 +80,7 @@ def gather_tp_rows(tp: TPGroup, rows: torch.Tensor, n: int) -> torch.Tensor:
     """Every TP rank's `tp_rows` share [rows, L] -> all n rows [n, L] in order, on every rank."""
     per = -(-n // tp.size)
     padded = rows.new_zeros(per, rows.shape[1])
-    padded[:rows.shape[0]] = rows
+    padded[: rows.shape[0]] = rows
     return tp.all_gather(padded.reshape(-1)).view(tp.size * per, -1)[:n]
 
 
@@ -91,8 +95,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         m, d = cfg.moe, cfg.hidden_size
         if ep is not None and not ep.expert_parallel:
-            raise ValueError("DP-attention splits the routed experts by id over every rank: it needs "
-                             "--enable-expert-parallel")
+            raise ValueError(
+                "DP-attention splits the routed experts by id over every rank: it needs --enable-expert-parallel"
+            )
         self.cfg, self.act, self.tp, self.ep = m, glu_activation(cfg), tp, ep
         xg = self.xg = ep if ep is not None else tp  # the group the routed experts are split over
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
@@ -119,7 +124,9 @@ class SparseMoE(nn.Module):
         self.w3 = ExpertWeights(experts, inter, inner)
         self.w2 = ExpertWeights(experts, inner, inter)
         if m.num_shared_experts:
-            self.shared_experts = GluMLP(cfg, d, tp.split(m.shared_intermediate_size, "shared experts' intermediate size"))
+            self.shared_experts = GluMLP(
+                cfg, d, tp.split(m.shared_intermediate_size, "shared experts' intermediate size")
+            )
         self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
         self.eps = cfg.rms_norm_eps
 
@@ -161,7 +168,7 @@ class SparseMoE(nn.Module):
             routed = self.tp.all_reduce(routed).to(x.dtype)
             y = self.routed_expert_norm(routed) if m.latent_use_norm else routed
             cols = self.routed_expert_up_proj.weight.shape[1]  # this rank's latent columns
-            y = self.routed_expert_up_proj(y[:, self.tp.rank * cols:(self.tp.rank + 1) * cols].contiguous())
+            y = self.routed_expert_up_proj(y[:, self.tp.rank * cols : (self.tp.rank + 1) * cols].contiguous())
         if m.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
@@ -191,7 +198,7 @@ class SparseMoE(nn.Module):
             y = gather_tp_rows(tp, routed, n).to(x.dtype)  # [n, L]
             y = self.routed_expert_norm(y) if m.latent_use_norm else y
             cols = self.routed_expert_up_proj.weight.shape[1]
-            y = self.routed_expert_up_proj(y[:, tp.rank * cols:(tp.rank + 1) * cols].contiguous())
+            y = self.routed_expert_up_proj(y[:, tp.rank * cols : (tp.rank + 1) * cols].contiguous())
         if m.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
@@ -199,8 +206,9 @@ class SparseMoE(nn.Module):
     def big_experts(self) -> bool:
         return self.w1.shape[1] * self.w1.shape[2] >= DENSE_GEMM_ELEMS
 
-    def local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops,
-                      counted: slice = slice(None)) -> torch.Tensor:
+    def local_experts(
+        self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops, counted: slice = slice(None)
+    ) -> torch.Tensor:
         """Routed sum over the experts this rank holds (`ops.moe_experts`), FP32 [N, L]. Expert
         parallelism keeps the (token, slot) pairs routed here, one row each, and adds them back
         per token. `counted`: the rows whose assignments this rank adds to `expert_load`
@@ -209,16 +217,18 @@ class SparseMoE(nn.Module):
             return ops.moe_experts(self, z, ids, weights)
         return ops.moe_local_experts(self, z, ids, weights, counted)
 
-    def select_local_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops,
-                             counted: slice = slice(None)) -> torch.Tensor:
+    def select_local_experts(
+        self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops, counted: slice = slice(None)
+    ) -> torch.Tensor:
         """`local_experts` under expert parallelism by row selection (the reference's)."""
         self.count_load(ids[counted])
         local = ids - self.first_expert
         tok, slot = ((local >= 0) & (local < self.w1.shape[0])).nonzero(as_tuple=True)
         out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)
         if tok.numel():
-            out.index_add_(0, tok, ops.moe_experts(self, z[tok], local[tok, slot][:, None],
-                                                   weights[tok, slot][:, None].float()))
+            out.index_add_(
+                0, tok, ops.moe_experts(self, z[tok], local[tok, slot][:, None], weights[tok, slot][:, None].float())
+            )
         return out
 
     def count_load(self, ids: torch.Tensor) -> None:
@@ -233,5 +243,14 @@ class SparseMoE(nn.Module):
         """ints {top_k, sigmoid, renormalize, groups, topk_group, situ}, floats {scaling, beta, linear_beta, eps}"""
         m = self.cfg
         beta, linear_beta = self.situ or (0.0, 0.0)
-        return ([m.top_k, int(m.router_activation == "sigmoid"), int(m.renormalize), m.num_expert_group, m.topk_group,
-                 int(self.situ is not None)], [m.routed_scaling_factor, beta, linear_beta, self.eps])
+        return (
+            [
+                m.top_k,
+                int(m.router_activation == "sigmoid"),
+                int(m.renormalize),
+                m.num_expert_group,
+                m.topk_group,
+                int(self.situ is not None),
+            ],
+            [m.routed_scaling_factor, beta, linear_beta, self.eps],
+        )

@@ -56,11 +56,11 @@ def gather_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
     ids, weights = ops.moe_route(moe, xs)
     z = ops.moe_down(moe, xs)
-    start = sum(counts[:ep.rank])
+    start = sum(counts[: ep.rank])
     routed = moe.local_experts(z, ids, weights, ops, counted=slice(start, start + n))  # [sum n, L]
     per_rank = torch.zeros(ep.size, most, routed.shape[1], dtype=torch.float32, device=x.device)
     for r, rows in enumerate(routed.split(counts)):
-        per_rank[r, :len(rows)] = rows
+        per_rank[r, : len(rows)] = rows
     return ep.reduce_scatter(per_rank.view(ep.size * most, -1))[:n]  # [n, L]: this rank's rows
 
 
@@ -86,8 +86,9 @@ def all_to_all_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     # one message per row: the expert input's bytes, then its k global expert ids and k weights
     widths = [m.shape[1] * m.element_size() for m in msg]
     got = ep.all_to_all(torch.cat([m.contiguous().view(torch.uint8) for m in msg], 1), counts)
-    z_in, ids_in, w_in = (part.contiguous().view(m.dtype) for part, m in
-                          zip(got.split(widths, 1), msg))  # [received, L], [received, k] x 2
+    z_in, ids_in, w_in = (
+        part.contiguous().view(m.dtype) for part, m in zip(got.split(widths, 1), msg)
+    )  # [received, L], [received, k] x 2
     # the experts this rank holds, as the TP-EP path runs them (its load was counted by the sender)
     partial = moe.local_experts(z_in, ids_in.long(), w_in, ops, counted=slice(0, 0))
     back = ep.all_to_all(partial, [counts[d * ep.size + s] for s in range(ep.size) for d in range(ep.size)])

@@ -8,8 +8,9 @@ import torch
 from k3serve.config.model_config import MoEConfig
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, d] -> (expert ids [N, k] int64, weights [N, k] fp32)."""
     logits = x.float() @ weight.float().t()  # [N, E]
     scores = torch.sigmoid(logits) if cfg.router_activation == "sigmoid" else torch.softmax(logits, -1)

@@ -17,7 +17,7 @@ def short_conv(u: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
     x = torch.cat((state, u), dim=0)  # [T+K-1, C]
     windows = x.unfold(0, k, 1)  # [T, C, K]
     out = (windows * weight).sum(-1)
-    return F.silu(out), x[x.shape[0] - (k - 1):].clone()
+    return F.silu(out), x[x.shape[0] - (k - 1) :].clone()
 
 
 def short_conv_step(u: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,8 +64,9 @@ class KimiModel(nn.Module):
             self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
             self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
 
-    def forward(self, batch: ForwardBatch, cache: CacheTensors,
-                capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, cache: CacheTensors, capture: dict[int, torch.Tensor | None] | None = None
+    ) -> torch.Tensor:
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
         [N, d] (the tap layers a DSpark drafter reads)."""
         h = self.embed(batch.input_ids)  # [N, d]
@@ -97,8 +98,9 @@ class KimiModel(nn.Module):
         h = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
         return self.tp.all_reduce(h.masked_fill(~inside[:, None], 0))
 
-    def _attnres_forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors,
-                         capture: dict | None = None) -> torch.Tensor:
+    def _attnres_forward(
+        self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, capture: dict | None = None
+    ) -> torch.Tensor:
         """Spec §6.3: B holds banked block vectors; P is the running intra-block partial sum."""
         eps, bank = self.cfg.rms_norm_eps, []
         mix = self.backend.attnres_mix
@@ -121,8 +123,9 @@ class KimiModel(nn.Module):
         """Fused score vectors [d] fp32 (attn, mlp per layer, then output), computed from the
         weights (a kernel backend keeps them; the reference recomputes them every forward, so
         training sees its updates)."""
-        pairs = [(l.self_attention_res_norm, l.self_attention_res_proj, l.mlp_res_norm, l.mlp_res_proj)
-                 for l in self.layers]
+        pairs = [
+            (l.self_attention_res_norm, l.self_attention_res_proj, l.mlp_res_norm, l.mlp_res_proj) for l in self.layers
+        ]
         mods = [w for p in pairs for w in p] + [self.output_attn_res_norm, self.output_attn_res_proj]
         return [attnres_vector(mods[j].weight, mods[j + 1].weight) for j in range(0, len(mods), 2)]
 

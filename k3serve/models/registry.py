@@ -19,8 +19,9 @@ MODEL_REGISTRY = {
 }
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = NO_TP,
-                ep: TPGroup | None = None) -> KimiForCausalLM:
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = NO_TP, ep: TPGroup | None = None
+) -> KimiForCausalLM:
     """`tp`: the tensor-parallel group this rank's model is built for (its share of the heads,
     channels or experts); `ep`: DP-attention's expert group (routed experts by id over the
     data-parallel ranks); the default is the whole single-process model."""
@@ -30,8 +31,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGrou
     return cls(cfg, tp, ep).to(dtype).eval()
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, load_format: str = "auto",
-               progress: bool = True, tp: TPGroup = NO_TP, ep: TPGroup | None = None) -> KimiForCausalLM:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    progress: bool = True,
+    tp: TPGroup = NO_TP,
+    ep: TPGroup | None = None,
+) -> KimiForCausalLM:
     from k3serve.distributed.shard import shard_weights
     from k3serve.weights.loader import load_weights
 

@@ -47,8 +47,10 @@ def _assign_experts(model, experts) -> None:
             per, count = experts.get((i, w), {}), moe.w1.shape[0]  # this rank's experts (all, without EP)
             if len(per) != count:
                 missing = min(set(range(count)) - set(per))
-                raise MissingTensorError("routed expert weight missing",
-                                         tensor=f"model.layers.{i}.block_sparse_moe.experts.{missing}.{w}.weight")
+                raise MissingTensorError(
+                    "routed expert weight missing",
+                    tensor=f"model.layers.{i}.block_sparse_moe.experts.{missing}.{w}.weight",
+                )
             mats = [per[e] for e in range(count)]
             if isinstance(mats[0], PackedMXFP4):
                 stacked = PackedMXFP4(torch.stack([m.packed for m in mats]), torch.stack([m.scale for m in mats]))

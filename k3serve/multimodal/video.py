@@ -41,13 +41,18 @@ class VideoSpec:
     max_pixels: int = 8_294_400  # per frame (3840 x 2160)
 
     def frame_spec(self) -> ImageSpec:
-        return ImageSpec(patch_size=self.patch_size, in_patch_limit=self.in_patch_limit_each_frame,
-                         patch_limit_on_one_side=self.patch_limit_on_one_side, max_pixels=self.max_pixels)
+        return ImageSpec(
+            patch_size=self.patch_size,
+            in_patch_limit=self.in_patch_limit_each_frame,
+            patch_limit_on_one_side=self.patch_limit_on_one_side,
+            max_pixels=self.max_pixels,
+        )
 
 
 @dataclass(frozen=True)
 class VideoChunk:
     """One media item for the tower: up to 4 frames of one size."""
+
     pixel_values: torch.Tensor  # [t * h * w, 3, p, p] float32
     grid: tuple[int, int, int]  # (t, h, w)
     timestamp: float  # seconds, of the chunk's first frame
@@ -138,7 +143,7 @@ def load_video(data: bytes, spec: VideoSpec = VideoSpec()) -> ProcessedVideo:
     frames = [preprocess(im, spec.frame_spec()) for im in images]
     chunks = []
     for start in range(0, len(frames), spec.temporal_merge):
-        group = frames[start:start + spec.temporal_merge]
+        group = frames[start : start + spec.temporal_merge]
         _, h, w = group[0].grid
         if any(f.grid != group[0].grid for f in group):
             raise MediaError(f"video frames change size within the chunk at {indices[start] / fps:.3f} s")

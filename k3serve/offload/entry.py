@@ -47,8 +47,9 @@ def write_entry(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str, 
     return len(data)
 
 
-def read_entry(path: Path, fingerprint: str, key: str, expect: dict[str, tuple[tuple[int, ...], torch.dtype]]
-               ) -> dict[str, torch.Tensor]:
+def read_entry(
+    path: Path, fingerprint: str, key: str, expect: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> dict[str, torch.Tensor]:
     """The entry's tensors, checked against everything above; EntryError otherwise."""
     try:
         data = path.read_bytes()
@@ -56,13 +57,15 @@ def read_entry(path: Path, fingerprint: str, key: str, expect: dict[str, tuple[t
         raise EntryError(f"{path}: unreadable ({e})") from e
     try:
         (n,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
         tensors = st_load(data)
     except Exception as e:  # noqa: BLE001 - any parse failure is a torn or foreign file
         raise EntryError(f"{path}: not a complete safetensors file ({type(e).__name__}: {e})") from e
     if meta.get("format") != FORMAT or meta.get("fingerprint") != fingerprint or meta.get("key") != key:
-        raise EntryError(f"{path}: written for another model, cache layout or key "
-                         f"(fingerprint {meta.get('fingerprint')!r}, this engine's {fingerprint!r})")
+        raise EntryError(
+            f"{path}: written for another model, cache layout or key "
+            f"(fingerprint {meta.get('fingerprint')!r}, this engine's {fingerprint!r})"
+        )
     for name, (shape, dtype) in expect.items():
         t = tensors.get(name)
         if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:

@@ -21,14 +21,26 @@ def make_tiers(config, engine):
 
     cache = engine.runner.cache
     gib = config.kv_offloading_size if config.kv_offloading_size is not None else HOST_DEFAULT_GIB
-    fp = model_fingerprint(engine.model_path, dtype=str(engine.model.dtype), kv=engine.kv_dtype_name,
-                           block_size=engine.plan.block_size, tp=config.tensor_parallel_size,
-                           state=str(next(t for t in cache.recurrent if t is not None).dtype))
-    tiers = PrefixTiers(cache, engine.plan.block_size, int(gib * 2**30), config.kv_offloading_dir,
-                        int(config.kv_offloading_dir_size * 2**30), fp)
+    fp = model_fingerprint(
+        engine.model_path,
+        dtype=str(engine.model.dtype),
+        kv=engine.kv_dtype_name,
+        block_size=engine.plan.block_size,
+        tp=config.tensor_parallel_size,
+        state=str(next(t for t in cache.recurrent if t is not None).dtype),
+    )
+    tiers = PrefixTiers(
+        cache,
+        engine.plan.block_size,
+        int(gib * 2**30),
+        config.kv_offloading_dir,
+        int(config.kv_offloading_dir_size * 2**30),
+        fp,
+    )
     engine.cache.attach_tiers(tiers.index, tiers.prefetch)
-    line = (f"prefix cache tiers: {gib:g} GiB host memory"
-            + (f", {config.kv_offloading_dir_size:g} GiB in {tiers.dir}" if tiers.dir else ""))
+    line = f"prefix cache tiers: {gib:g} GiB host memory" + (
+        f", {config.kv_offloading_dir_size:g} GiB in {tiers.dir}" if tiers.dir else ""
+    )
     engine.startup_log.append(line)
     log.info(line)
     return tiers

@@ -35,19 +35,20 @@ log = logging.getLogger("k3serve.offload")
 
 
 class PrefixTiers:
-    def __init__(self, cache, block_size: int, cpu_bytes: int, disk_dir: str | None, disk_bytes: int,
-                 fingerprint: str):
+    def __init__(self, cache, block_size: int, cpu_bytes: int, disk_dir: str | None, disk_bytes: int, fingerprint: str):
         self.bs, self.fingerprint = block_size, fingerprint
         self.mla = [l for l, t in enumerate(cache.latent) if t is not None]
         self.kda = [l for l, t in enumerate(cache.recurrent) if t is not None]
         self.expect = {
             "block": {f"latent.{l}": ((block_size, cache.latent[l].shape[1]), cache.latent[l].dtype) for l in self.mla},
-            "state": {**{f"recurrent.{l}": (tuple(cache.recurrent[l].shape[1:]), cache.recurrent[l].dtype)
-                         for l in self.kda},
-                      **{f"conv.{l}": (tuple(cache.conv[l].shape[1:]), cache.conv[l].dtype) for l in self.kda}},
+            "state": {
+                **{f"recurrent.{l}": (tuple(cache.recurrent[l].shape[1:]), cache.recurrent[l].dtype) for l in self.kda},
+                **{f"conv.{l}": (tuple(cache.conv[l].shape[1:]), cache.conv[l].dtype) for l in self.kda},
+            },
         }
-        self.entry_bytes = {kind: sum(torch.Size(s).numel() * d.itemsize for s, d in e.values())
-                            for kind, e in self.expect.items()}
+        self.entry_bytes = {
+            kind: sum(torch.Size(s).numel() * d.itemsize for s, d in e.values()) for kind, e in self.expect.items()
+        }
         self.pin = cache_device(cache).type == "cuda"
         self.dir = Path(disk_dir) / fingerprint if disk_dir else None
         self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.dir else None)
@@ -85,8 +86,9 @@ class PrefixTiers:
             for old in self.index.disk.add(key, size):
                 self._writes.put(("delete", old, None))
         if found:
-            log.info("prefix cache directory %s: %d entries, %.1f MiB", self.dir, len(found),
-                     self.index.disk.used / 2**20)
+            log.info(
+                "prefix cache directory %s: %d entries, %.1f MiB", self.dir, len(found), self.index.disk.used / 2**20
+            )
 
     def _read_loop(self) -> None:
         while True:
@@ -182,14 +184,23 @@ class PrefixTiers:
             rows = slice(block * self.bs, (block + 1) * self.bs)
             new.append((("block", h), {f"latent.{l}": cache.latent[l][rows] for l in self.mla}))
         for h, slot in states:
-            new.append((("state", h), {**{f"recurrent.{l}": cache.recurrent[l][slot] for l in self.kda},
-                                       **{f"conv.{l}": cache.conv[l][slot] for l in self.kda}}))
+            new.append(
+                (
+                    ("state", h),
+                    {
+                        **{f"recurrent.{l}": cache.recurrent[l][slot] for l in self.kda},
+                        **{f"conv.{l}": cache.conv[l][slot] for l in self.kda},
+                    },
+                )
+            )
         for key, views in new:
             if self.index.where(key) is not None:
                 continue
             if self.pin:
-                host = {n: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
-                        for n, v in views.items()}
+                host = {
+                    n: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                    for n, v in views.items()
+                }
             else:
                 host = {n: v.clone() for n, v in views.items()}
             self.index.stats["cpu"].bytes_written += self.entry_bytes[key[0]]

@@ -22,11 +22,20 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     # The four workload questions. Unasked ones are assumed, and every format says so.
     p.add_argument("--context", type=int, help=f"tokens per request, max_model_len (default {DEFAULTS['context']:,})")
     p.add_argument("--concurrency", type=int, help="requests the deployment must hold at once (default 1)")
-    p.add_argument("--latency-sensitive", action=argparse.BooleanOptionalAction, default=None,
-                   help="rank layouts by TPOT (default: no)")
+    p.add_argument(
+        "--latency-sensitive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rank layouts by TPOT (default: no)",
+    )
     p.add_argument("--optimize", choices=("min-hardware", "cost"), help="what to minimise (default min-hardware)")
-    p.add_argument("--price", action="append", default=[], metavar="GPU=USD",
-                   help="USD per GPU-hour for the cost column, repeatable (illustrative defaults otherwise)")
+    p.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="GPU=USD",
+        help="USD per GPU-hour for the cost column, repeatable (illustrative defaults otherwise)",
+    )
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -37,12 +46,24 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-params", type=float, default=0.0, help="draft model parameters (BF16, per rank)")
     p.add_argument("--cache-memory", help="cache bytes per rank; skips the GPU arithmetic (engine check)")
     p.add_argument("--mm-encoder-cache", default="256MiB", help="vision encoder cache per rank (models with a tower)")
-    p.add_argument("--pd", metavar="P:D", help="also the best layout disaggregated: P prefill + D decode instances, "
-                                              "with each request's hand-off (latent rows + KDA state) and its time")
-    p.add_argument("--pd-cached-tokens", type=int, default=0,
-                   help="prompt tokens the decode side already holds (prefix-aware hand-off sends only the rest)")
-    p.add_argument("--kv-offloading-size", type=float, default=0.0,
-                   help="GiB of host memory for prefix-cache tiers: how many conversations it holds")
+    p.add_argument(
+        "--pd",
+        metavar="P:D",
+        help="also the best layout disaggregated: P prefill + D decode instances, "
+        "with each request's hand-off (latent rows + KDA state) and its time",
+    )
+    p.add_argument(
+        "--pd-cached-tokens",
+        type=int,
+        default=0,
+        help="prompt tokens the decode side already holds (prefix-aware hand-off sends only the rest)",
+    )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=0.0,
+        help="GiB of host memory for prefix-cache tiers: how many conversations it holds",
+    )
     p.add_argument("--kv-offloading-dir-size", type=float, default=0.0, help="GiB of the directory tier, likewise")
     p.add_argument("--turns", type=int, default=4, help="KDA checkpoints a conversation keeps in the tiers")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
@@ -53,10 +74,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 DEFAULTS = {"context": 32768, "concurrency": 1, "latency_sensitive": False, "optimize": "min-hardware"}
-ASSUMED = {"context": "context not given: assuming {:,} tokens per request",
-           "concurrency": "concurrency not given: assuming {} request at a time",
-           "latency_sensitive": "latency sensitivity not given: assuming throughput-oriented (rank by GPU count)",
-           "optimize": "optimisation goal not given: assuming {} (fewest GPUs)"}
+ASSUMED = {
+    "context": "context not given: assuming {:,} tokens per request",
+    "concurrency": "concurrency not given: assuming {} request at a time",
+    "latency_sensitive": "latency sensitivity not given: assuming throughput-oriented (rank by GPU count)",
+    "optimize": "optimisation goal not given: assuming {} (fewest GPUs)",
+}
 
 
 def workload_questions(args: argparse.Namespace) -> list[str]:
@@ -83,28 +106,61 @@ def run_plan(args: argparse.Namespace) -> int:
     names = args.gpu or ([] if gpus else ["all"])
     gpus += list(GPUS.values()) if "all" in names else [get_gpu(n) for n in names]
     gpus = with_prices(gpus, args.price)
-    w = Workload(context=args.context, concurrency=args.concurrency, max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_cache_dtype,
-                 memory_fraction=args.memory_fraction, overhead_bytes=int(args.overhead_gib * GiB),
-                 prefix_cache_fraction=0.0 if args.no_prefix_caching else 0.1, spec_tokens=args.spec_tokens,
-                 draft_bytes=int(args.draft_params * 2), encoder_cache_bytes=parse_bytes(args.mm_encoder_cache))
-    report = plan(cfg, args.model, "checkpoint headers" if is_dir else "config + tensor schema", gpus,
-                  weight_split(cfg, args.model if is_dir else None), w, num_gpus=args.num_gpus, tp=args.tp,
-                  dp=args.dp, ep=args.ep, pp=args.pp, optimize=args.optimize,
-                  latency_sensitive=args.latency_sensitive,
-                  cache_bytes=parse_bytes(args.cache_memory) if args.cache_memory else None, assumed=assumed)
+    w = Workload(
+        context=args.context,
+        concurrency=args.concurrency,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_dtype=args.kv_cache_dtype,
+        memory_fraction=args.memory_fraction,
+        overhead_bytes=int(args.overhead_gib * GiB),
+        prefix_cache_fraction=0.0 if args.no_prefix_caching else 0.1,
+        spec_tokens=args.spec_tokens,
+        draft_bytes=int(args.draft_params * 2),
+        encoder_cache_bytes=parse_bytes(args.mm_encoder_cache),
+    )
+    report = plan(
+        cfg,
+        args.model,
+        "checkpoint headers" if is_dir else "config + tensor schema",
+        gpus,
+        weight_split(cfg, args.model if is_dir else None),
+        w,
+        num_gpus=args.num_gpus,
+        tp=args.tp,
+        dp=args.dp,
+        ep=args.ep,
+        pp=args.pp,
+        optimize=args.optimize,
+        latency_sensitive=args.latency_sensitive,
+        cache_bytes=parse_bytes(args.cache_memory) if args.cache_memory else None,
+        assumed=assumed,
+    )
     if args.pd and report.best():
         from k3serve.planner.disagg import parse_pd, pd_layout
 
         best = report.best()
-        report.pd = pd_layout(cfg, best.gpu, best.layout.num_gpus, *parse_pd(args.pd), args.context,
-                              args.kv_cache_dtype, args.pd_cached_tokens)
+        report.pd = pd_layout(
+            cfg,
+            best.gpu,
+            best.layout.num_gpus,
+            *parse_pd(args.pd),
+            args.context,
+            args.kv_cache_dtype,
+            args.pd_cached_tokens,
+        )
     if args.kv_offloading_size or args.kv_offloading_dir_size:
         from k3serve.planner.tiers import tier_capacity
 
         token_bytes = report.token_bytes_fp8 if args.kv_cache_dtype == "fp8" else report.token_bytes
-        report.tiers = tier_capacity(token_bytes, report.state_bytes, args.context, args.turns,
-                                     args.kv_offloading_size, args.kv_offloading_dir_size)
+        report.tiers = tier_capacity(
+            token_bytes,
+            report.state_bytes,
+            args.context,
+            args.turns,
+            args.kv_offloading_size,
+            args.kv_offloading_dir_size,
+        )
     if args.json:
         print(to_json(report, args.top))
     elif args.markdown:

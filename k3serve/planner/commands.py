@@ -7,14 +7,25 @@ from k3serve.planner.layout import Layout
 TOOLS = "--enable-auto-tool-choice --tool-call-parser kimi_k3 --reasoning-parser kimi_k3"
 
 
-def launch_commands(model: str, layout: Layout, context: int, max_num_seqs: int, cache_bytes: int,
-                    fraction: float, sglang_static: float, kv_dtype: str, scaleup_domain: int = 8) -> dict[str, str]:
+def launch_commands(
+    model: str,
+    layout: Layout,
+    context: int,
+    max_num_seqs: int,
+    cache_bytes: int,
+    fraction: float,
+    sglang_static: float,
+    kv_dtype: str,
+    scaleup_domain: int = 8,
+) -> dict[str, str]:
     """One line per engine; a multi-node layout names the node count (vLLM runs it on a Ray
     cluster, SGLang once per node with --node-rank)."""
     fp8 = kv_dtype in ("fp8", "fp8_e4m3")
     nodes = layout.nodes(scaleup_domain)
-    k3 = (f"k3serve serve {model} --tensor-parallel-size {layout.tp} --max-model-len {context} "
-          f"--max-num-seqs {max_num_seqs} --cache-memory {cache_bytes // 2**20}MiB {TOOLS}")
+    k3 = (
+        f"k3serve serve {model} --tensor-parallel-size {layout.tp} --max-model-len {context} "
+        f"--max-num-seqs {max_num_seqs} --cache-memory {cache_bytes // 2**20}MiB {TOOLS}"
+    )
     vllm = f"vllm serve {model} --tensor-parallel-size {layout.tp}"
     if layout.pp > 1:
         vllm += f" --pipeline-parallel-size {layout.pp}"
@@ -22,8 +33,10 @@ def launch_commands(model: str, layout: Layout, context: int, max_num_seqs: int,
         vllm += f" --data-parallel-size {layout.dp}"
     if layout.ep > 1:
         vllm += " --enable-expert-parallel"
-    vllm += (f" --gpu-memory-utilization {fraction:.2f} --max-model-len {context} --max-num-seqs {max_num_seqs}"
-             f"{' --kv-cache-dtype fp8' if fp8 else ''} --trust-remote-code {TOOLS}")
+    vllm += (
+        f" --gpu-memory-utilization {fraction:.2f} --max-model-len {context} --max-num-seqs {max_num_seqs}"
+        f"{' --kv-cache-dtype fp8' if fp8 else ''} --trust-remote-code {TOOLS}"
+    )
     sgl = f"python -m sglang.launch_server --model-path {model} --tp {layout.num_gpus // layout.pp}"
     if layout.pp > 1:
         sgl += f" --pp-size {layout.pp}"
@@ -33,9 +46,11 @@ def launch_commands(model: str, layout: Layout, context: int, max_num_seqs: int,
         sgl += f" --dp {layout.dp} --enable-dp-attention"
     if layout.ep > 1:
         sgl += f" --ep-size {layout.ep}"
-    sgl += (f" --mem-fraction-static {sglang_static:.2f} --context-length {context}"
-            f"{' --kv-cache-dtype fp8_e4m3' if fp8 else ''} --trust-remote-code --tool-call-parser kimi_k3 "
-            f"--reasoning-parser kimi_k3")
+    sgl += (
+        f" --mem-fraction-static {sglang_static:.2f} --context-length {context}"
+        f"{' --kv-cache-dtype fp8_e4m3' if fp8 else ''} --trust-remote-code --tool-call-parser kimi_k3 "
+        f"--reasoning-parser kimi_k3"
+    )
     if nodes > 1:
         vllm += f" --distributed-executor-backend ray  # on a {nodes}-node Ray cluster"
     if layout.dp > 1:

@@ -26,6 +26,7 @@ from k3serve.planner.hardware import GPU
 @dataclass(frozen=True)
 class Handoff:
     """What one request moves from its prefill engine to its decode engine."""
+
     prompt_tokens: int
     sent_tokens: int  # prompt tokens whose latent rows are sent (not already held by the decode side)
     latent_bytes: int
@@ -36,16 +37,18 @@ class Handoff:
         return self.latent_bytes + self.state_bytes
 
 
-def handoff(cfg: ModelConfig, prompt_tokens: int, kv_dtype: str = "bfloat16", cached_tokens: int = 0,
-            block_size: int = 16) -> Handoff:
+def handoff(
+    cfg: ModelConfig, prompt_tokens: int, kv_dtype: str = "bfloat16", cached_tokens: int = 0, block_size: int = 16
+) -> Handoff:
     """Bytes one request moves; `cached_tokens` of its prefix already on the decode side (only
     whole blocks of them count: a partly filled block is sent again)."""
     if not 0 <= cached_tokens <= prompt_tokens:
         raise ValueError(f"cached_tokens must be in [0, {prompt_tokens}], got {cached_tokens}")
     held = cached_tokens // block_size * block_size
     sent = prompt_tokens - held
-    return Handoff(prompt_tokens, sent, sent * mla_cache_bytes_per_token(cfg, kv_dtype),
-                   kda_state_bytes_per_request(cfg))
+    return Handoff(
+        prompt_tokens, sent, sent * mla_cache_bytes_per_token(cfg, kv_dtype), kda_state_bytes_per_request(cfg)
+    )
 
 
 @dataclass(frozen=True)
@@ -64,15 +67,32 @@ class PDLayout:
 
     def to_dict(self) -> dict:
         h = self.handoff
-        return {"prefill_instances": self.prefill, "decode_instances": self.decode,
-                "gpus_per_instance": self.gpus_per_instance, "num_gpus": self.num_gpus,
-                "prompt_tokens": h.prompt_tokens, "sent_tokens": h.sent_tokens, "latent_bytes": h.latent_bytes,
-                "kda_state_bytes": h.state_bytes, "transfer_bytes": h.total_bytes, "link": self.link,
-                "link_GBps_per_gpu": self.link_bytes_per_s / 1e9, "transfer_seconds": self.seconds}
+        return {
+            "prefill_instances": self.prefill,
+            "decode_instances": self.decode,
+            "gpus_per_instance": self.gpus_per_instance,
+            "num_gpus": self.num_gpus,
+            "prompt_tokens": h.prompt_tokens,
+            "sent_tokens": h.sent_tokens,
+            "latent_bytes": h.latent_bytes,
+            "kda_state_bytes": h.state_bytes,
+            "transfer_bytes": h.total_bytes,
+            "link": self.link,
+            "link_GBps_per_gpu": self.link_bytes_per_s / 1e9,
+            "transfer_seconds": self.seconds,
+        }
 
 
-def pd_layout(cfg: ModelConfig, gpu: GPU, gpus_per_instance: int, prefill: int, decode: int, prompt_tokens: int,
-              kv_dtype: str = "bfloat16", cached_tokens: int = 0) -> PDLayout:
+def pd_layout(
+    cfg: ModelConfig,
+    gpu: GPU,
+    gpus_per_instance: int,
+    prefill: int,
+    decode: int,
+    prompt_tokens: int,
+    kv_dtype: str = "bfloat16",
+    cached_tokens: int = 0,
+) -> PDLayout:
     if prefill < 1 or decode < 1:
         raise ValueError(f"--pd needs at least one prefill and one decode instance, got {prefill}:{decode}")
     h = handoff(cfg, prompt_tokens, kv_dtype, cached_tokens)

@@ -37,13 +37,33 @@ class GPU:
 
 # Illustrative on-demand USD per GPU-hour (late-2026 list prices vary by 2x between clouds;
 # an assumption, printed with every cost figure, overridden with --price GPU=USD).
-PRICES = {"H100": 2.5, "H200": 3.5, "B200": 5.0, "B300": 6.5, "GB200": 6.0, "GB300": 7.5, "MI300X": 2.5,
-          "MI325X": 3.0, "MI350X": 4.0, "MI355X": 4.5}
+PRICES = {
+    "H100": 2.5,
+    "H200": 3.5,
+    "B200": 5.0,
+    "B300": 6.5,
+    "GB200": 6.0,
+    "GB300": 7.5,
+    "MI300X": 2.5,
+    "MI325X": 3.0,
+    "MI350X": 4.0,
+    "MI355X": 4.5,
+}
 
 
 def _g(name, hbm_gb, bw_tbs, bf16_tf, fp8_tf, fp4_tf, nvl_gbs, domain, nic_gbs, usd=None) -> GPU:
-    return GPU(name, int(hbm_gb * GB), bw_tbs * TB, bf16_tf * TB, fp8_tf * TB, fp4_tf * TB, nvl_gbs * GB, domain,
-               nic_gbs * GB, PRICES.get(name, 0.0) if usd is None else usd)
+    return GPU(
+        name,
+        int(hbm_gb * GB),
+        bw_tbs * TB,
+        bf16_tf * TB,
+        fp8_tf * TB,
+        fp4_tf * TB,
+        nvl_gbs * GB,
+        domain,
+        nic_gbs * GB,
+        PRICES.get(name, 0.0) if usd is None else usd,
+    )
 
 
 def with_prices(gpus: list[GPU], overrides: list[str]) -> list[GPU]:
@@ -61,18 +81,21 @@ def with_prices(gpus: list[GPU], overrides: list[str]) -> list[GPU]:
     return [replace(g, usd_per_hour=prices.get(g.name.upper(), g.usd_per_hour)) for g in gpus]
 
 
-GPUS: dict[str, GPU] = {g.name: g for g in [
-    _g("H100", 80, 3.35, 989, 1979, 0, 900, 8, 50),  # S1, S2, S3; ConnectX-7 400 Gb/s (S12)
-    _g("H200", 141, 4.8, 989, 1979, 0, 900, 8, 50),  # S2, S3, S13
-    _g("B200", 180, 8.0, 2250, 4500, 9000, 1800, 8, 50),  # 180 GB usable of 192 (S4, S6, S8)
-    _g("B300", 288, 8.0, 2250, 4500, 13000, 1800, 8, 100),  # FP4 13-14 PF quoted (S5, S6, S8); CX-8
-    _g("GB200", 186, 8.0, 2500, 5000, 10000, 1800, 72, 50),  # NVL72: 13.4 TB / 72 (S4, S7)
-    _g("GB300", 279, 8.0, 2500, 5000, 15000, 1800, 72, 100),  # NVL72: ~20 TB / 72, lower bound (S5, S6)
-    _g("MI300X", 192, 5.3, 1307, 2615, 0, 896, 8, 50),  # IF point-to-point 7 x 128 GB/s (S3, S9, S11)
-    _g("MI325X", 256, 6.0, 1307, 2615, 0, 896, 8, 50),  # S9
-    _g("MI350X", 288, 8.0, 2300, 4600, 9200, 1075, 8, 50),  # ~7 x 153.6 GB/s (S10)
-    _g("MI355X", 288, 8.0, 2500, 5000, 10000, 1075, 8, 50),  # S10
-]}
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in [
+        _g("H100", 80, 3.35, 989, 1979, 0, 900, 8, 50),  # S1, S2, S3; ConnectX-7 400 Gb/s (S12)
+        _g("H200", 141, 4.8, 989, 1979, 0, 900, 8, 50),  # S2, S3, S13
+        _g("B200", 180, 8.0, 2250, 4500, 9000, 1800, 8, 50),  # 180 GB usable of 192 (S4, S6, S8)
+        _g("B300", 288, 8.0, 2250, 4500, 13000, 1800, 8, 100),  # FP4 13-14 PF quoted (S5, S6, S8); CX-8
+        _g("GB200", 186, 8.0, 2500, 5000, 10000, 1800, 72, 50),  # NVL72: 13.4 TB / 72 (S4, S7)
+        _g("GB300", 279, 8.0, 2500, 5000, 15000, 1800, 72, 100),  # NVL72: ~20 TB / 72, lower bound (S5, S6)
+        _g("MI300X", 192, 5.3, 1307, 2615, 0, 896, 8, 50),  # IF point-to-point 7 x 128 GB/s (S3, S9, S11)
+        _g("MI325X", 256, 6.0, 1307, 2615, 0, 896, 8, 50),  # S9
+        _g("MI350X", 288, 8.0, 2300, 4600, 9200, 1075, 8, 50),  # ~7 x 153.6 GB/s (S10)
+        _g("MI355X", 288, 8.0, 2500, 5000, 10000, 1075, 8, 50),  # S10
+    ]
+}
 ALIASES = {"H100-SXM": "H100", "H200-SXM": "H200"}
 
 
@@ -90,17 +113,27 @@ def load_gpu_file(path: str | Path) -> GPU:
     text = p.read_text()
     if p.suffix == ".toml":
         import tomllib
+
         raw = tomllib.loads(text)
     else:
         raw = json.loads(text)
     need = ["name", "hbm_gb", "hbm_bw_tbs", "bf16_tflops", "fp8_tflops"]
     missing = [k for k in need if k not in raw]
     if missing:
-        optional = ['fp4_tflops', 'scaleup_gbs', 'scaleup_domain', 'nic_gbs', 'usd_per_hour']
+        optional = ["fp4_tflops", "scaleup_gbs", "scaleup_domain", "nic_gbs", "usd_per_hour"]
         raise ValueError(f"{p}: missing {missing}; fields: {need + optional}")
-    return _g(raw["name"], raw["hbm_gb"], raw["hbm_bw_tbs"], raw["bf16_tflops"], raw["fp8_tflops"],
-              raw.get("fp4_tflops", 0), raw.get("scaleup_gbs", 900), raw.get("scaleup_domain", 8),
-              raw.get("nic_gbs", 50), raw.get("usd_per_hour", 0.0))
+    return _g(
+        raw["name"],
+        raw["hbm_gb"],
+        raw["hbm_bw_tbs"],
+        raw["bf16_tflops"],
+        raw["fp8_tflops"],
+        raw.get("fp4_tflops", 0),
+        raw.get("scaleup_gbs", 900),
+        raw.get("scaleup_domain", 8),
+        raw.get("nic_gbs", 50),
+        raw.get("usd_per_hour", 0.0),
+    )
 
 
 FIELD_NAMES = [f.name for f in fields(GPU)]

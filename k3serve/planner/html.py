@@ -8,8 +8,15 @@ from html import escape
 from k3serve.planner.report import assumption_lines, headers, not_fit_lines, row, shown, summary_lines
 from k3serve.planner.search import LayoutResult, PlanReport
 
-PARTS = [("weights", "#4c72b0"), ("draft_weights", "#8172b2"), ("activations", "#dd8452"),
-         ("overhead", "#937860"), ("encoder_cache", "#da8bc3"), ("cache", "#55a868"), ("free", "#dddddd")]
+PARTS = [
+    ("weights", "#4c72b0"),
+    ("draft_weights", "#8172b2"),
+    ("activations", "#dd8452"),
+    ("overhead", "#937860"),
+    ("encoder_cache", "#da8bc3"),
+    ("cache", "#55a868"),
+    ("free", "#dddddd"),
+]
 # The page must fit a 1,280 px window without horizontal scrolling (tested in Chromium):
 # compact cells that may wrap, and a narrow bar.
 CSS = """body{font-family:sans-serif;margin:1em;max-width:1248px}table{border-collapse:collapse;width:100%}
@@ -20,18 +27,26 @@ pre{background:#f6f6f6;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}l
 
 def _bar(r: LayoutResult, width: int = 120) -> str:
     rank = r.rank
-    vals = {"weights": rank.weights, "draft_weights": rank.draft_weights, "activations": rank.activations,
-            "overhead": rank.overhead, "encoder_cache": rank.encoder_cache, "cache": max(rank.cache_budget, 0)}
+    vals = {
+        "weights": rank.weights,
+        "draft_weights": rank.draft_weights,
+        "activations": rank.activations,
+        "overhead": rank.overhead,
+        "encoder_cache": rank.encoder_cache,
+        "cache": max(rank.cache_budget, 0),
+    }
     vals["free"] = max(rank.hbm - sum(vals.values()), 0)
     total = max(sum(vals.values()), rank.hbm)
     x, rects = 0.0, []
     for name, color in PARTS:
         w = width * vals[name] / total
         if w > 0:
-            rects.append(f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="18" fill="{color}">'
-                         f"<title>{name}: {vals[name] / 1e9:.1f} GB</title></rect>")
+            rects.append(
+                f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="18" fill="{color}">'
+                f"<title>{name}: {vals[name] / 1e9:.1f} GB</title></rect>"
+            )
         x += w
-    return (f'<svg width="{width}" height="18" role="img" aria-label="memory per rank">{"".join(rects)}</svg>')
+    return f'<svg width="{width}" height="18" role="img" aria-label="memory per rank">{"".join(rects)}</svg>'
 
 
 def _items(lines: list[str]) -> str:
@@ -57,9 +72,9 @@ def to_html(rep: PlanReport, top: int = 10) -> str:
 <h1>k3serve plan</h1>
 <ul>{_items(summary_lines(rep))}</ul>
 <p>{legend}</p>
-<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>
+<table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>
 <ul>{_items(not_fit_lines(rep, rows_shown))}</ul>
-<h2>Launch commands (best layout)</h2>{launch or '<p>no layout serves this workload</p>'}
+<h2>Launch commands (best layout)</h2>{launch or "<p>no layout serves this workload</p>"}
 <h2>Assumptions</h2>
 <ul>{_items(assumption_lines(rep))}</ul>
 </body>

@@ -76,8 +76,9 @@ class Layout:
         if links.get("tp_allreduce") == NIC:
             out.append(f"TP {self.tp} crosses the {scaleup_domain}-GPU scale-up domain: all-reduce over the NIC")
         if links.get("ep_alltoall") == NIC:
-            out.append(f"EP {self.ep} spans {-(-self.ep // scaleup_domain)} scale-up domains: "
-                       f"expert all-to-all over the NIC")
+            out.append(
+                f"EP {self.ep} spans {-(-self.ep // scaleup_domain)} scale-up domains: expert all-to-all over the NIC"
+            )
         return out
 
     def links_label(self, scaleup_domain: int) -> str:
@@ -120,6 +121,7 @@ def stage_shares(cfg: ModelConfig, pp: int) -> StageShares:
 
     def share(kind: set[int]) -> float:
         return max(len(kind & set(s)) for s in stages) / len(kind) if kind else 0.0
+
     return StageShares(share(kda), share(mla), share(moe), max(map(len, stages)) / cfg.num_layers)
 
 

@@ -72,8 +72,9 @@ def activation_bytes(cfg: ModelConfig, w: Workload, layout: Layout) -> int:
     return C * d * 2 * (12 + snapshots) + experts + w.max_num_seqs * cfg.vocab_size * 4
 
 
-def rank_memory(cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit, w: Workload,
-                cache_bytes: int | None = None) -> RankMemory:
+def rank_memory(
+    cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit, w: Workload, cache_bytes: int | None = None
+) -> RankMemory:
     """One rank's budget; `cache_bytes` skips the GPU arithmetic (what `--cache-memory` does)."""
     tp = layout.tp
     share = stage_shares(cfg, layout.pp)
@@ -81,17 +82,26 @@ def rank_memory(cfg: ModelConfig, gpu: GPU, layout: Layout, weights: WeightSplit
     act = activation_bytes(cfg, w, layout)
     usable = int(gpu.hbm_bytes * w.memory_fraction)
     encoder = w.encoder_cache_bytes if cfg.vision is not None else 0
-    budget = cache_bytes if cache_bytes is not None else \
-        usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder
+    budget = (
+        cache_bytes if cache_bytes is not None else usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder
+    )
     spec_states = w.spec_tokens * -(-int(kda_state_bytes_per_request(cfg) * share.kda) // tp)
     plan, why = None, None
     try:
         if budget <= 0:
             raise ValueError(f"weights and reserves exceed {w.memory_fraction:.2f} x HBM by {-budget / 1e9:.1f} GB")
-        plan = plan_cache(cfg, max(budget - spec_states * w.max_num_seqs, 0) if spec_states else budget,
-                          max_model_len=w.context, max_num_seqs=w.max_num_seqs, block_size=w.block_size,
-                          kv_dtype=w.kv_dtype, checkpoint_fraction=w.prefix_cache_fraction, state_shards=tp,
-                          kda_share=share.kda, mla_share=share.mla)
+        plan = plan_cache(
+            cfg,
+            max(budget - spec_states * w.max_num_seqs, 0) if spec_states else budget,
+            max_model_len=w.context,
+            max_num_seqs=w.max_num_seqs,
+            block_size=w.block_size,
+            kv_dtype=w.kv_dtype,
+            checkpoint_fraction=w.prefix_cache_fraction,
+            state_shards=tp,
+            kda_share=share.kda,
+            mla_share=share.mla,
+        )
     except ValueError as e:
         why = str(e)
     return RankMemory(gpu.hbm_bytes, usable, wbytes, w.draft_bytes, act, w.overhead_bytes, encoder, budget, plan, why)

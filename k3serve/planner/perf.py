@@ -67,8 +67,15 @@ def alltoall_s(gpu: GPU, nbytes: float, ep: int) -> float:
     return nbytes * inside / link_bw(gpu, NVLINK) + nbytes * (1 - inside) / link_bw(gpu, NIC)
 
 
-def estimate(cfg: ModelConfig, gpu: GPU, layout: Layout, w: WeightSplit, concurrency: int, context: int,
-             kv_dtype: str = "bfloat16") -> Perf:
+def estimate(
+    cfg: ModelConfig,
+    gpu: GPU,
+    layout: Layout,
+    w: WeightSplit,
+    concurrency: int,
+    context: int,
+    kv_dtype: str = "bfloat16",
+) -> Perf:
     B = max(1, concurrency)
     pp, tp, dp = layout.pp, layout.tp, layout.dp
     micro = -(-B // pp)  # requests in one micro-batch
@@ -91,8 +98,9 @@ def estimate(cfg: ModelConfig, gpu: GPU, layout: Layout, w: WeightSplit, concurr
     links = layout.links(gpu.scaleup_domain)
     comm = {}
     if "ep_alltoall" in links:  # FP8 dispatch + BF16-free combine: 1 B/element each way
-        comm["ep_alltoall"] = alltoall_s(gpu, 2 * stage_moe * micro / layout.stage_gpus * m.top_k * cfg.hidden_size,
-                                         layout.ep)
+        comm["ep_alltoall"] = alltoall_s(
+            gpu, 2 * stage_moe * micro / layout.stage_gpus * m.top_k * cfg.hidden_size, layout.ep
+        )
     if "tp_allreduce" in links:  # ring all-reduce of BF16 hidden states, 2 per layer
         stage_layers_n = round(cfg.num_layers * layer_share)
         nb = 2 * stage_layers_n * per_group * cfg.hidden_size * 2 * 2 * (tp - 1) / tp
@@ -105,5 +113,15 @@ def estimate(cfg: ModelConfig, gpu: GPU, layout: Layout, w: WeightSplit, concurr
     ttft = prefill_flops / (tp * peak * MFU_PREFILL) + w.per_rank(tp, layout.ep) / (gpu.hbm_bw * BW_EFF)
     tok_s = B / tpot
     gpu_h = layout.num_gpus / tok_s * 1e6 / 3600
-    return Perf(tpot, ttft, tok_s, gpu_h, gpu_h * gpu.usd_per_hour, "memory" if t_mem >= t_comp else "compute",
-                nbytes, touched, B, {k: pp * v for k, v in comm.items()})
+    return Perf(
+        tpot,
+        ttft,
+        tok_s,
+        gpu_h,
+        gpu_h * gpu.usd_per_hour,
+        "memory" if t_mem >= t_comp else "compute",
+        nbytes,
+        touched,
+        B,
+        {k: pp * v for k, v in comm.items()},
+    )

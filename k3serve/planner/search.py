@@ -8,6 +8,7 @@ from k3serve.cache.sizing import kda_state_bytes_per_request, mla_cache_bytes_pe
 from k3serve.config.model_config import ModelConfig
 from k3serve.planner.commands import launch_commands
 from k3serve.planner.disagg import PDLayout
+from k3serve.planner.tiers import TierCapacity
 from k3serve.planner.hardware import GPU
 from k3serve.planner.layout import Layout, candidate_layouts
 from k3serve.planner.memory import RankMemory, Workload, max_context_one_request, rank_memory
@@ -55,8 +56,10 @@ class LayoutResult:
             slots = self.layout.dp * plan.num_slots
             by_tokens = self.layout.dp * plan.requests_by_tokens(plan.max_model_len)
             limit = "KDA state slots" if slots <= by_tokens else "latent KV tokens"
-            return (f"holds {self.capacity} of the {self.wanted} requested at this context "
-                    f"({slots} state slots, latent KV for {by_tokens}; {limit} run out first)")
+            return (
+                f"holds {self.capacity} of the {self.wanted} requested at this context "
+                f"({slots} state slots, latent KV for {by_tokens}; {limit} run out first)"
+            )
         return ""
 
 
@@ -91,9 +94,11 @@ class PlanReport:
         if best.layout.pp > 1:
             flat = next((r for r in self.results if r.fits and r.layout.pp == 1), None)
             if flat is not None:
-                out["k3serve"] = (f"{flat.commands['k3serve'].split('  #')[0]}  # {flat.gpu.name} "
-                                  f"{flat.layout.label}: the best layout here without pipeline stages, which "
-                                  f"k3serve does not run yet")
+                out["k3serve"] = (
+                    f"{flat.commands['k3serve'].split('  #')[0]}  # {flat.gpu.name} "
+                    f"{flat.layout.label}: the best layout here without pipeline stages, which "
+                    f"k3serve does not run yet"
+                )
         return out
 
     def best_per_gpu(self) -> list[LayoutResult]:
@@ -106,8 +111,15 @@ class PlanReport:
         return out
 
 
-def evaluate(cfg: ModelConfig, model: str, gpu: GPU, layout: Layout, weights: WeightSplit, w: Workload,
-             cache_bytes: int | None = None) -> LayoutResult:
+def evaluate(
+    cfg: ModelConfig,
+    model: str,
+    gpu: GPU,
+    layout: Layout,
+    weights: WeightSplit,
+    w: Workload,
+    cache_bytes: int | None = None,
+) -> LayoutResult:
     problems = layout.problems(cfg, gpu.scaleup_domain)
     rank = rank_memory(cfg, gpu, layout, weights, w, cache_bytes)
     capacity = layout.dp * rank.plan.max_concurrency(w.context) if rank.plan else 0
@@ -116,10 +128,20 @@ def evaluate(cfg: ModelConfig, model: str, gpu: GPU, layout: Layout, weights: We
     if not problems and rank.fits:
         perf = estimate(cfg, gpu, layout, weights, min(w.concurrency, capacity), w.context, w.kv_dtype)
     static = min(0.99, (rank.weights + rank.draft_weights + max(rank.cache_budget, 0)) / gpu.hbm_bytes)
-    cmds = launch_commands(model, layout, w.context, w.max_num_seqs, max(rank.cache_budget, 0),
-                           w.memory_fraction, static, w.kv_dtype, gpu.scaleup_domain)
-    return LayoutResult(gpu, layout, rank, problems, layout.warnings(gpu.scaleup_domain), capacity, max_ctx, perf,
-                        w.concurrency, cmds)
+    cmds = launch_commands(
+        model,
+        layout,
+        w.context,
+        w.max_num_seqs,
+        max(rank.cache_budget, 0),
+        w.memory_fraction,
+        static,
+        w.kv_dtype,
+        gpu.scaleup_domain,
+    )
+    return LayoutResult(
+        gpu, layout, rank, problems, layout.warnings(gpu.scaleup_domain), capacity, max_ctx, perf, w.concurrency, cmds
+    )
 
 
 def rank_results(results: list[LayoutResult], optimize: str, latency: bool) -> list[LayoutResult]:
@@ -132,6 +154,7 @@ def rank_results(results: list[LayoutResult], optimize: str, latency: bool) -> l
         if optimize == "cost":
             return (*head, cost, r.layout.num_gpus)
         return (*head, r.layout.num_gpus, bool(r.warnings), r.layout.pp, -r.capacity, tpot)
+
     return sorted(results, key=key)
 
 
@@ -139,8 +162,9 @@ def counts_for(gpu: GPU) -> list[int]:
     return sorted(set(COUNTS) | ({72} if gpu.scaleup_domain >= 72 else set()))
 
 
-def smallest_count(cfg: ModelConfig, model: str, gpu: GPU, weights: WeightSplit, w: Workload,
-                   cache_bytes: int | None = None) -> int | None:
+def smallest_count(
+    cfg: ModelConfig, model: str, gpu: GPU, weights: WeightSplit, w: Workload, cache_bytes: int | None = None
+) -> int | None:
     """The fewest GPUs of this type with any layout that fits the workload: one search,
     whatever --num-gpus / --tp ask to be shown."""
     for n in counts_for(gpu):
@@ -152,8 +176,11 @@ def smallest_count(cfg: ModelConfig, model: str, gpu: GPU, weights: WeightSplit,
 def _layouts(n: int, tp: int | None, dp: int | None, ep: int | None, pp: int | None) -> list[Layout]:
     layouts = candidate_layouts(n)
     if tp or dp or ep or pp:
-        layouts = [lay for lay in layouts if (tp is None or lay.tp == tp) and (dp is None or lay.dp == dp)
-                   and (pp is None or lay.pp == pp)]
+        layouts = [
+            lay
+            for lay in layouts
+            if (tp is None or lay.tp == tp) and (dp is None or lay.dp == dp) and (pp is None or lay.pp == pp)
+        ]
         if ep:
             layouts = [Layout(lay.num_gpus, lay.tp, lay.dp, ep, lay.pp) for lay in layouts]
         if not layouts:  # an explicit layout the search would not try: evaluate it as given
@@ -163,10 +190,24 @@ def _layouts(n: int, tp: int | None, dp: int | None, ep: int | None, pp: int | N
     return layouts
 
 
-def plan(cfg: ModelConfig, model: str, source: str, gpus: list[GPU], weights: WeightSplit, w: Workload, *,
-         num_gpus: int | None = None, tp: int | None = None, dp: int | None = None, ep: int | None = None,
-         pp: int | None = None, optimize: str = "min-hardware", latency_sensitive: bool = False,
-         cache_bytes: int | None = None, assumed: list[str] | None = None) -> PlanReport:
+def plan(
+    cfg: ModelConfig,
+    model: str,
+    source: str,
+    gpus: list[GPU],
+    weights: WeightSplit,
+    w: Workload,
+    *,
+    num_gpus: int | None = None,
+    tp: int | None = None,
+    dp: int | None = None,
+    ep: int | None = None,
+    pp: int | None = None,
+    optimize: str = "min-hardware",
+    latency_sensitive: bool = False,
+    cache_bytes: int | None = None,
+    assumed: list[str] | None = None,
+) -> PlanReport:
     results, smallest = [], {}
     for gpu in gpus:
         smallest[gpu.name] = smallest_count(cfg, model, gpu, weights, w, cache_bytes)
@@ -178,6 +219,18 @@ def plan(cfg: ModelConfig, model: str, source: str, gpus: list[GPU], weights: We
         for n in counts:
             results += [evaluate(cfg, model, gpu, lay, weights, w, cache_bytes) for lay in _layouts(n, tp, dp, ep, pp)]
     ranked = rank_results(results, optimize, latency_sensitive)
-    return PlanReport(model, source, weights, w, mla_cache_bytes_per_token(cfg, "bfloat16"),
-                      mla_cache_bytes_per_token(cfg, "fp8"), kda_state_bytes_per_request(cfg), ranked, smallest,
-                      optimize, latency_sensitive, list(gpus), list(assumed or []))
+    return PlanReport(
+        model,
+        source,
+        weights,
+        w,
+        mla_cache_bytes_per_token(cfg, "bfloat16"),
+        mla_cache_bytes_per_token(cfg, "fp8"),
+        kda_state_bytes_per_request(cfg),
+        ranked,
+        smallest,
+        optimize,
+        latency_sensitive,
+        list(gpus),
+        list(assumed or []),
+    )

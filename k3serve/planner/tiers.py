@@ -29,17 +29,23 @@ class TierCapacity:
         return self.disk_bytes // self.bytes_per_conversation
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "host_conversations": self.host_conversations,
-                "disk_conversations": self.disk_conversations}
+        return {
+            **asdict(self),
+            "host_conversations": self.host_conversations,
+            "disk_conversations": self.disk_conversations,
+        }
 
     def line(self) -> str:
-        return (f"prefix-cache tiers: a conversation of {self.prefix_tokens:,} prefix tokens and {self.checkpoints} "
-                f"KDA checkpoints is {self.bytes_per_conversation / 2**20:,.1f} MiB; host memory "
-                f"{self.host_bytes / GiB:g} GiB holds {self.host_conversations:,}, the directory "
-                f"{self.disk_bytes / GiB:g} GiB {self.disk_conversations:,}")
+        return (
+            f"prefix-cache tiers: a conversation of {self.prefix_tokens:,} prefix tokens and {self.checkpoints} "
+            f"KDA checkpoints is {self.bytes_per_conversation / 2**20:,.1f} MiB; host memory "
+            f"{self.host_bytes / GiB:g} GiB holds {self.host_conversations:,}, the directory "
+            f"{self.disk_bytes / GiB:g} GiB {self.disk_conversations:,}"
+        )
 
 
-def tier_capacity(token_bytes: int, state_bytes: int, prefix_tokens: int, checkpoints: int, host_gib: float,
-                  disk_gib: float) -> TierCapacity:
+def tier_capacity(
+    token_bytes: int, state_bytes: int, prefix_tokens: int, checkpoints: int, host_gib: float, disk_gib: float
+) -> TierCapacity:
     per = prefix_tokens * token_bytes + checkpoints * state_bytes
     return TierCapacity(int(host_gib * GiB), int(disk_gib * GiB), prefix_tokens, checkpoints, per)

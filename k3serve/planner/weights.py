@@ -20,9 +20,28 @@ from pathlib import Path
 
 from k3serve.config.model_config import ModelConfig
 
-TP_SHARDED = ("q_proj.", "k_proj.", "v_proj.", "g_proj.", "g_b_proj.", "o_proj.", "b_proj.", "f_b_proj.", "q_conv1d.",
-              "k_conv1d.", "v_conv1d.", "dt_bias", "A_log", "q_b_proj.", "kv_b_proj.", "shared_experts.",
-              "mlp.", "routed_expert_up_proj.", "embed_tokens.", "lm_head.")
+TP_SHARDED = (
+    "q_proj.",
+    "k_proj.",
+    "v_proj.",
+    "g_proj.",
+    "g_b_proj.",
+    "o_proj.",
+    "b_proj.",
+    "f_b_proj.",
+    "q_conv1d.",
+    "k_conv1d.",
+    "v_conv1d.",
+    "dt_bias",
+    "A_log",
+    "q_b_proj.",
+    "kv_b_proj.",
+    "shared_experts.",
+    "mlp.",
+    "routed_expert_up_proj.",
+    "embed_tokens.",
+    "lm_head.",
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,7 @@ def weight_split(cfg: ModelConfig, checkpoint: str | Path | None = None) -> Weig
     nbytes = {s.name: s.nbytes for s in specs}
     if checkpoint is not None and Path(checkpoint).is_dir() and any(Path(checkpoint).glob("*.safetensors")):
         from k3serve.weights.checkpoint import CheckpointIndex
+
         actual = CheckpointIndex.open(checkpoint).tensors  # exact stored bytes from the headers
         nbytes = {n: actual[n].nbytes if n in actual else b for n, b in nbytes.items()}
     sums = {"expert": 0, "tp": 0, "replicated": 0}

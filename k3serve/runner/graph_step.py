@@ -76,8 +76,17 @@ class _Entry:
 
 
 class GraphSteps:
-    def __init__(self, model, cache: CacheTensors, device: torch.device, config: CompilationConfig,
-                 max_num_seqs: int, eager: bool = False, masked_ids: list[int] = (), num_speculative_tokens: int = 0):
+    def __init__(
+        self,
+        model,
+        cache: CacheTensors,
+        device: torch.device,
+        config: CompilationConfig,
+        max_num_seqs: int,
+        eager: bool = False,
+        masked_ids: list[int] = (),
+        num_speculative_tokens: int = 0,
+    ):
         """`eager` (--enforce-eager): the static step runs uncompiled and uncaptured.
         `masked_ids`: vocabulary ids never sampled (the tokenizer cannot decode them)."""
         if cache.scratch_slot is None:
@@ -99,8 +108,13 @@ class GraphSteps:
         """Whether a step is one the static step runs: a pure decode (one token a sequence), or a
         verify pass of every sequence (1 + drafts tokens each, at most 1 + k), every row sampled."""
         n = len(inp.seq_lens)
-        if not (0 < n <= self.sizes[-1] and inp.media_rows is None and not inp.prompt_rows
-                and all(c > 0 for c in inp.context_lens) and inp.logit_rows == list(range(sum(inp.seq_lens)))):
+        if not (
+            0 < n <= self.sizes[-1]
+            and inp.media_rows is None
+            and not inp.prompt_rows
+            and all(c > 0 for c in inp.context_lens)
+            and inp.logit_rows == list(range(sum(inp.seq_lens)))
+        ):
             return False
         if not inp.verify:
             return all(s == 1 for s in inp.seq_lens)
@@ -121,8 +135,9 @@ class GraphSteps:
         if entry is None:
             entry = self.entries[key] = self._build(*key)
         self.steps += 1
-        entry.buffers.fill(inp.input_ids, inp.seq_lens, inp.state_slots, inp.context_lens, inp.block_tables,
-                           inp.sampling)
+        entry.buffers.fill(
+            inp.input_ids, inp.seq_lens, inp.state_slots, inp.context_lens, inp.block_tables, inp.sampling
+        )
         out = entry.run()
         if inp.sampling is not None:
             ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
@@ -132,8 +147,9 @@ class GraphSteps:
 
     def _build(self, B: int, W: int, T: int, taps: tuple[int, ...], sampled: bool) -> _Entry:
         self.compiles += 1
-        buffers = StaticBuffers(B, W, self.cache.block_size, self.device, self.cache.scratch_slot,
-                                self.cache.scratch_block, T)
+        buffers = StaticBuffers(
+            B, W, self.cache.block_size, self.device, self.cache.scratch_slot, self.cache.scratch_block, T
+        )
         body = static_sample if sampled else static_forward
         fn = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_b{B}_w{W}_t{T}")
         if not self.eager:
@@ -142,6 +158,7 @@ class GraphSteps:
 
         def call():
             return fn(*args)
+
         if self.eager or self.device.type != "cuda":
             return _Entry(buffers, call)
         return _Entry(buffers, self._capture(call))
@@ -163,4 +180,5 @@ class GraphSteps:
         def replay():
             graph.replay()
             return out
+
         return replay

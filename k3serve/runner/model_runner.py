@@ -24,9 +24,19 @@ from k3serve.scheduler.request import Request
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, seed: int = 0,
-                 device: str | torch.device = "cpu", spec=None, masked_ids: list[int] = (), workers=None,
-                 rank=None, graph: "GraphSettings | None" = None):
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        plan: CachePlan,
+        kv_dtype: torch.dtype,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        spec=None,
+        masked_ids: list[int] = (),
+        workers=None,
+        rank=None,
+        graph: "GraphSettings | None" = None,
+    ):
         """`rank`: a RankRunner stand-in whose model and cache live elsewhere (a DP-attention
         worker process, distributed/dp_replicas.py RemoteRank); None: this process's own.
         `graph`: the graph backend's static decode step (runner/graph_step.py), or None."""
@@ -35,11 +45,21 @@ class ModelRunner:
         # vocabulary ids the tokenizer cannot decode: never sampled (their logits become -inf)
         self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
-        self.cache = allocate_cache(model, plan, kv_dtype, self.device, scratch=graph is not None) if rank is None else None
+        self.cache = (
+            allocate_cache(model, plan, kv_dtype, self.device, scratch=graph is not None) if rank is None else None
+        )
         graphs = None
         if graph is not None and rank is None:
-            graphs = GraphSteps(model, self.cache, self.device, graph.config, graph.max_num_seqs, graph.eager,
-                                masked_ids, graph.num_speculative_tokens)
+            graphs = GraphSteps(
+                model,
+                self.cache,
+                self.device,
+                graph.config,
+                graph.max_num_seqs,
+                graph.eager,
+                masked_ids,
+                graph.num_speculative_tokens,
+            )
         self.rank = rank if rank is not None else RankRunner(model, self.cache, self.device, graphs)
         # a graph engine samples on the device (sampling/device.py): fused into the static step when
         # every row can, else the same counter-based draws on the host logits; speculation keeps
@@ -82,12 +102,21 @@ class ModelRunner:
         asks = self._prompt_logprob_spans(seqs, bounds)
         media_rows, media_embeds = self._media_rows(seqs)
         inputs = StepInputs(
-            input_ids=[t for s in seqs for t in s.token_ids], seq_lens=[s.num_tokens for s in seqs],
-            context_lens=[s.start for s in seqs], state_slots=[s.state_slot for s in seqs],
-            block_tables=[s.block_table for s in seqs], block_size=self.plan.block_size,
-            verify=[i for i, s in enumerate(seqs) if s.drafts], restore=batch.restore_states,
-            save=batch.save_states, logit_rows=rows, prompt_rows=[(b, n) for _, _, b, n in asks],
-            media_rows=media_rows, media_embeds=media_embeds, sampling=self._fused_sampling(seqs, asks))
+            input_ids=[t for s in seqs for t in s.token_ids],
+            seq_lens=[s.num_tokens for s in seqs],
+            context_lens=[s.start for s in seqs],
+            state_slots=[s.state_slot for s in seqs],
+            block_tables=[s.block_table for s in seqs],
+            block_size=self.plan.block_size,
+            verify=[i for i, s in enumerate(seqs) if s.drafts],
+            restore=batch.restore_states,
+            save=batch.save_states,
+            logit_rows=rows,
+            prompt_rows=[(b, n) for _, _, b, n in asks],
+            media_rows=media_rows,
+            media_embeds=media_embeds,
+            sampling=self._fused_sampling(seqs, asks),
+        )
         taps = self.spec.tap_layers if self.spec is not None else ()
         if self.workers is not None:  # every rank runs the same forward (its collectives pair with ours)
             self.workers.send("forward", inputs)
@@ -123,17 +152,18 @@ class ModelRunner:
             if s.request_id in out.failed:
                 continue
             if s.drafts:
-                if any(model_fault_rows(logits[p:p + 1 + len(s.drafts)])):  # NaN / +inf: the model's fault
+                if any(model_fault_rows(logits[p : p + 1 + len(s.drafts)])):  # NaN / +inf: the model's fault
                     out.failed[s.request_id] = MODEL_FAULT
                     continue
                 drafts, c = s.drafts, self.constraints.get(s.request_id)
                 if c is not None:  # drafts the grammar refuses are cut, then each position masked
-                    drafts = drafts[:c.valid_prefix(drafts)]
+                    drafts = drafts[: c.valid_prefix(drafts)]
                     self.constraint_stats.drafts_cut += len(s.drafts) - len(drafts)
-                    self._mask(logits[p:p + 1 + len(drafts)], [(0, c, drafts)])
+                    self._mask(logits[p : p + 1 + len(drafts)], [(0, c, drafts)])
                 try:
-                    emitted, tau = self.spec.verify(s.request, logits[p:p + 1 + len(drafts)], drafts,
-                                                    self._generator(s.request))
+                    emitted, tau = self.spec.verify(
+                        s.request, logits[p : p + 1 + len(drafts)], drafts, self._generator(s.request)
+                    )
                 except Exception as e:  # this request's sampling values broke its verify: it fails alone
                     out.failed[s.request_id] = f"speculative verification failed for this request ({type(e).__name__})"
                     continue
@@ -173,8 +203,9 @@ class ModelRunner:
         result = SampleResult()
         host = [j for j in range(len(reqs)) if j not in set(dev)]
         if host:
-            sub = self.sampler(logits[torch.tensor(host)], [reqs[j] for j in host],
-                               [self._generator(reqs[j]) for j in host])
+            sub = self.sampler(
+                logits[torch.tensor(host)], [reqs[j] for j in host], [self._generator(reqs[j]) for j in host]
+            )
             result.tokens.update({host[k]: t for k, t in sub.tokens.items()})
             result.failed.update({host[k]: why for k, why in sub.failed.items()})
         x = logits[torch.tensor(dev)].float()
@@ -214,7 +245,7 @@ class ModelRunner:
             s = seqs[i]
             n_top = s.request.params.prompt_logprobs
             lsm = torch.log_softmax(rows, -1)  # [n, V]
-            targets = torch.tensor(s.request.prompt_token_ids[start + 1:start + 1 + n])
+            targets = torch.tensor(s.request.prompt_token_ids[start + 1 : start + 1 + n])
             own = lsm.gather(1, targets[:, None])  # [n, 1]
             ranks = ((lsm > own).sum(-1) + 1).tolist()
             tops = lsm.topk(n_top, -1) if n_top else None
@@ -291,13 +322,22 @@ class ModelRunner:
         return gen
 
 
-def allocate_cache(model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype,
-                   device: torch.device, scratch: bool = False) -> CacheTensors:
+def allocate_cache(
+    model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, device: torch.device, scratch: bool = False
+) -> CacheTensors:
     """This rank's cache for `plan`: checkpoint slots (prefix caching) follow the live slots in
     the same state tensors; under tensor parallelism KDA state holds this rank's heads.
     `scratch`: a slot and a block for the graph backend's padding rows."""
-    return CacheTensors.allocate(model.cfg, plan.num_slots + plan.num_checkpoints, plan.num_blocks, plan.block_size,
-                                 kv_dtype=kv_dtype, device=device, tp_size=model.tp.size, scratch=scratch)
+    return CacheTensors.allocate(
+        model.cfg,
+        plan.num_slots + plan.num_checkpoints,
+        plan.num_blocks,
+        plan.block_size,
+        kv_dtype=kv_dtype,
+        device=device,
+        tp_size=model.tp.size,
+        scratch=scratch,
+    )
 
 
 def weight_bytes(model: KimiForCausalLM) -> int:

@@ -67,15 +67,20 @@ class RankRunner:
             return StepResult(out.logits, [], out.taps, out.ids, out.faults)
         fb = ForwardBatch(
             input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
-            seq_lens=inp.seq_lens, context_lens=inp.context_lens, state_slots=inp.state_slots,
-            block_tables=inp.block_tables, block_size=inp.block_size, verify=inp.verify)
+            seq_lens=inp.seq_lens,
+            context_lens=inp.context_lens,
+            state_slots=inp.state_slots,
+            block_tables=inp.block_tables,
+            block_size=inp.block_size,
+            verify=inp.verify,
+        )
         if inp.media_rows is not None:
             fb.media_rows, fb.media_embeds = inp.media_rows.to(self.device), inp.media_embeds.to(self.device)
         self.copy_states(inp.restore)  # a prefix hit resumes from its checkpoint
         out = self.model(fb, self.cache, taps)
         hidden, self.records = out.hidden, out.kda_records  # [N, d]
         self.copy_states(inp.save)  # states exactly at chunk ends become checkpoints
-        prompt = [self.model.compute_logits(hidden[b:b + n]).float().cpu() for b, n in inp.prompt_rows]
+        prompt = [self.model.compute_logits(hidden[b : b + n]).float().cpu() for b, n in inp.prompt_rows]
         logits = None
         if inp.logit_rows:  # a pure decode step asks every row in order: no gather
             every = inp.logit_rows == list(range(hidden.shape[0]))
@@ -87,7 +92,7 @@ class RankRunner:
         if not pairs:
             return
         if len(pairs) == 1:  # a prefill's checkpoint: a view and a copy per tensor (~2 vs ~10 us for index ops)
-            (s, d), = pairs
+            ((s, d),) = pairs
             for t in self.cache.recurrent + self.cache.conv:
                 if t is not None:
                     t[d].copy_(t[s])
@@ -103,8 +108,9 @@ class RankRunner:
         """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
         self.model.idle_moe()
 
-    def dp_forward(self, inp: StepInputs, taps: tuple[int, ...] = (),
-                   leader: bool = True) -> tuple[StepResult | None, dict, dict]:
+    def dp_forward(
+        self, inp: StepInputs, taps: tuple[int, ...] = (), leader: bool = True
+    ) -> tuple[StepResult | None, dict, dict]:
         """A DP-attention worker's forward: the result (with the hidden states [N, d] of the
         `taps` layers a DSpark drafter in the driver reads) and, riding along, its parallel_stats
         (the driver's stats snapshot after every step must not cost a second round trip).
@@ -129,16 +135,24 @@ class RankRunner:
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify pass: each live slot takes its recorded state at the accepted position."""
         records, self.records = self.records, {}
-        rollback_states(self.cache, records, slots, accepted,
-                        getattr(getattr(getattr(self.model, "model", None), "backend", None), "kernels", None))
+        rollback_states(
+            self.cache,
+            records,
+            slots,
+            accepted,
+            getattr(getattr(getattr(self.model, "model", None), "backend", None), "kernels", None),
+        )
 
     def read_state(self, slot: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """This rank's KDA state of one slot (its heads): recurrent [h, D, D], conv [K-1, 3hD] per layer."""
-        return ({i: t[slot].clone() for i, t in enumerate(self.cache.recurrent) if t is not None},
-                {i: t[slot].clone() for i, t in enumerate(self.cache.conv) if t is not None})
+        return (
+            {i: t[slot].clone() for i, t in enumerate(self.cache.recurrent) if t is not None},
+            {i: t[slot].clone() for i, t in enumerate(self.cache.conv) if t is not None},
+        )
 
-    def write_state(self, slot: int, recurrent: dict, conv: dict, rows: torch.Tensor | None = None,
-                    latent: dict | None = None) -> None:
+    def write_state(
+        self, slot: int, recurrent: dict, conv: dict, rows: torch.Tensor | None = None, latent: dict | None = None
+    ) -> None:
         """Install a hand-off on this rank: its heads' state, and the latent rows (whole on every rank)."""
         for i, t in recurrent.items():
             self.cache.recurrent[i][slot] = t

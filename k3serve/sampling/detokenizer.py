@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         """Text safe to show: all of it when finished, else without the stop-string hold-back."""
         if finished or not self._holdback:
             return self.text
-        return self.text[:max(0, len(self.text) - self._holdback)]
+        return self.text[: max(0, len(self.text) - self._holdback)]
 
     def _check_stop(self, before: int) -> str | None:
         if not self.params.stop:
@@ -53,5 +53,5 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         i, s = min(hits)
-        self.text = self.text[:i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
+        self.text = self.text[: i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
         return s

@@ -44,14 +44,30 @@ class DeviceSamplingParams:
     def build(cls, rows: list[dict], device: torch.device | str = "cpu") -> "DeviceSamplingParams":
         """From per-row dicts (temperature, top_k, top_p, min_p, seed, position and optionally
         presence / frequency / repetition): one tensor per field, built on the host and moved once."""
+
         def col(name, default, dtype):
             return torch.tensor([r.get(name, default) for r in rows], dtype=dtype)
-        penal = any(r.get(n, d) != d for r in rows for n, d in (("presence", 0.0), ("frequency", 0.0),
-                                                                   ("repetition", 1.0)))
-        host = cls(col("temperature", 1.0, torch.float32), col("top_k", 0, torch.long), col("top_p", 1.0, torch.float32),
-                   col("min_p", 0.0, torch.float32), col("seed", 0, torch.long), col("position", 0, torch.long),
-                   *((col("presence", 0.0, torch.float32), col("frequency", 0.0, torch.float32),
-                      col("repetition", 1.0, torch.float32)) if penal else (None, None, None)))
+
+        penal = any(
+            r.get(n, d) != d for r in rows for n, d in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0))
+        )
+        host = cls(
+            col("temperature", 1.0, torch.float32),
+            col("top_k", 0, torch.long),
+            col("top_p", 1.0, torch.float32),
+            col("min_p", 0.0, torch.float32),
+            col("seed", 0, torch.long),
+            col("position", 0, torch.long),
+            *(
+                (
+                    col("presence", 0.0, torch.float32),
+                    col("frequency", 0.0, torch.float32),
+                    col("repetition", 1.0, torch.float32),
+                )
+                if penal
+                else (None, None, None)
+            ),
+        )
         return host.to(device)
 
     def to(self, device) -> "DeviceSamplingParams":
@@ -71,8 +87,14 @@ def row_values(req, seed: int) -> dict:
     """A samplable request's values for `DeviceSamplingParams.build`: its seed (or the engine's
     per-request one) and the output index being drawn as the counter."""
     p = req.params
-    return dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
-                seed=p.seed if p.seed is not None else seed, position=len(req.output_token_ids))
+    return dict(
+        temperature=p.temperature,
+        top_k=max(p.top_k, 0),
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=p.seed if p.seed is not None else seed,
+        position=len(req.output_token_ids),
+    )
 
 
 def model_faults(logits: torch.Tensor) -> torch.Tensor:
@@ -108,8 +130,9 @@ def unit(bits: torch.Tensor) -> torch.Tensor:
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def penalize(logits: torch.Tensor, p: DeviceSamplingParams, counts: torch.Tensor,
-             prompt_mask: torch.Tensor) -> torch.Tensor:
+def penalize(
+    logits: torch.Tensor, p: DeviceSamplingParams, counts: torch.Tensor, prompt_mask: torch.Tensor
+) -> torch.Tensor:
     """Repetition (prompt + output), presence and frequency (output), as logits_process.py's
     _penalize_row. counts [B, V] fp32: each token's count in the row's output so far;
     prompt_mask [B, V] bool: tokens in its prompt."""
@@ -138,8 +161,13 @@ def truncate(logits: torch.Tensor, p: DeviceSamplingParams) -> torch.Tensor:
     return torch.full_like(logits, NEG_INF).scatter(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, p: DeviceSamplingParams, bias: torch.Tensor | None = None,
-           counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    p: DeviceSamplingParams,
+    bias: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [B, V] -> token ids [B] int64, on the logits' device, with no host sync.
 
     `bias` [B, V]: added first (logit_bias, and -inf for ends suppressed until min_tokens or

@@ -23,8 +23,17 @@ from k3serve.sampling.structured import StructuredOutputs
 
 FREE, OPENING, GRAMMAR, TAIL, DONE = "free", "opening", "grammar", "tail", "done"
 # chat markup spelled in the tool-call vocabulary: K3 XTML, then the K2 family's tool markers
-MARKUP = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|tool_calls_section_begin|>",
-          "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>")
+MARKUP = (
+    "<|open|>",
+    "<|close|>",
+    "<|sep|>",
+    "<|end_of_msg|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+)
 _XGR_LOCATION = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[11:07:00] /project/cpp/x.cc:5082: " prefixes
 
 
@@ -51,8 +60,12 @@ class GrammarBackend:
         """A compiler over the vocabulary; specials are empty strings unless named in `spelled`."""
         tok, xgr = self.tokenizer, self.xgr
         keep = {tok.special_tokens[n] for n in spelled if n in tok.special_tokens}
-        vocab = [b"" if i >= tok.vocab_size or not tok.has_id(i) or (tok.is_special(i) and i not in keep)
-                 else tok.decode_bytes([i]) for i in range(self.vocab_size)]
+        vocab = [
+            b""
+            if i >= tok.vocab_size or not tok.has_id(i) or (tok.is_special(i) and i not in keep)
+            else tok.decode_bytes([i])
+            for i in range(self.vocab_size)
+        ]
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size)
         return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
@@ -104,8 +117,15 @@ class GrammarBackend:
         if getattr(self, key, None) is None:
             tok = self.tokenizer
             keep = {tok.special_tokens[n] for n in MARKUP if n in tok.special_tokens} if markup else set()
-            setattr(self, key, frozenset(i for i in range(self.vocab_size) if i >= tok.vocab_size or not tok.has_id(i)
-                                         or (tok.is_special(i) and i not in keep)))
+            setattr(
+                self,
+                key,
+                frozenset(
+                    i
+                    for i in range(self.vocab_size)
+                    if i >= tok.vocab_size or not tok.has_id(i) or (tok.is_special(i) and i not in keep)
+                ),
+            )
         return getattr(self, key)
 
     def allocate(self, rows: int) -> torch.Tensor:
@@ -120,11 +140,11 @@ class GrammarBackend:
 # [^"\\\r\n], letting raw control characters into a JSON string (invalid JSON: 19 of 60 random
 # runs of a maxLength-4 string broke json.loads). Its unbounded strings exclude \0-\x1f; bounded
 # ones get the same class here.
-_LOOSE_CHARS = r'[^\"\\\r\n]'
-_XGR_JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_LOOSE_CHARS = r"[^\"\\\r\n]"
+_XGR_JSON_CHARS = r"[^\0-\x1f\"\\\r\n]"
 # ... and its classes admit UTF-8-encoded surrogates (ED A0..BF xx), which are not UTF-8: the
 # text decodes them to three U+FFFD each, so a maxLength-5 string came back 8 characters long.
-_JSON_CHARS = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+_JSON_CHARS = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 
 
 def json_grammar(xgr, schema: str, any_whitespace: bool) -> str:
@@ -136,7 +156,7 @@ def json_grammar(xgr, schema: str, any_whitespace: bool) -> str:
 def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     bitmask[row] = 0
     bit = token_id % 32
-    bitmask[row, token_id // 32] = -(2 ** 31) if bit == 31 else 1 << bit  # int32 two's complement
+    bitmask[row, token_id // 32] = -(2**31) if bit == 31 else 1 << bit  # int32 two's complement
 
 
 class Constraint:
@@ -246,4 +266,4 @@ class Constraint:
 
 def _refuse(bitmask: torch.Tensor, row: int, token_ids: tuple[int, ...]) -> None:
     for t in token_ids:
-        bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 2 ** 31 - 1
+        bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 2**31 - 1

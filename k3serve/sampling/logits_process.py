@@ -13,7 +13,7 @@ import torch
 from k3serve.scheduler.request import Request
 
 NEG_INF = float("-inf")
-TOP_K_CAP = 2 ** 31  # above every vocabulary
+TOP_K_CAP = 2**31  # above every vocabulary
 
 
 def needs_processing(req: Request) -> bool:
@@ -62,8 +62,9 @@ def _penalize_row(row: torch.Tensor, req: Request) -> None:
     row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def row_params(reqs: list[Request], dtype: torch.dtype = torch.float32
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_params(
+    reqs: list[Request], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     temp = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=dtype)
     # any top_k >= V means "off"; capping keeps huge API values (2**63+) inside int64
     top_k = torch.tensor([min(max(r.params.top_k, 0), TOP_K_CAP) for r in reqs])
@@ -72,8 +73,9 @@ def row_params(reqs: list[Request], dtype: torch.dtype = torch.float32
     return temp, top_k, top_p, min_p
 
 
-def truncate(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-             min_p: torch.Tensor) -> torch.Tensor:
+def truncate(
+    logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p; masked entries become -inf. logits [B, V]."""
     logits = logits / temp[:, None]
     probs = torch.softmax(logits, -1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from k3serve.sampling.structured import StructuredOutputs
 
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MIN_TEMPERATURE = 1e-2  # 0 < t below this is raised to it (vLLM's _MAX_TEMP): 1/t overflows fp32
 PENALTY_RANGE = (1e-2, 1e2)  # repetition_penalty: logits / 1e-300 overflow fp32
 
@@ -72,14 +72,11 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             "must not exceed max_tokens"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
-            ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
-             "values must be in [-100, 100]"),
-            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
-             f"must be in [{SEED_MIN}, {SEED_MAX}]"),
+            ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()), "values must be in [-100, 100]"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"must be in [{SEED_MIN}, {SEED_MAX}]"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -87,8 +84,7 @@ class SamplingParams:
 
     def _check_numbers(self) -> None:
         """Types and finiteness first: NaN/Infinity compare False or True in the wrong places."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ParamError(name, f"{name} must be a finite number, got {v!r}")
@@ -109,13 +105,15 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and n > vocab_size:
                 raise ParamError(name, f"{name} {n} exceeds the vocabulary size {vocab_size}")
-        fields = (("logit_bias", list(self.logit_bias)), ("stop_token_ids", self.stop_token_ids),
-                  ("keep_special_token_ids", self.keep_special_token_ids))
+        fields = (
+            ("logit_bias", list(self.logit_bias)),
+            ("stop_token_ids", self.stop_token_ids),
+            ("keep_special_token_ids", self.keep_special_token_ids),
+        )
         for name, ids in fields:
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise ParamError(name, f"{name} has token id {bad}, outside the vocabulary "
-                                       f"(0..{vocab_size - 1})")
+                raise ParamError(name, f"{name} has token id {bad}, outside the vocabulary (0..{vocab_size - 1})")
 
     @property
     def greedy(self) -> bool:
@@ -123,13 +121,12 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1 or self.presence_penalty != 0
-                or self.frequency_penalty != 0)
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def for_sample(self, index: int) -> "SamplingParams":
         """Params of parallel sample `index` of an n > 1 request: one sample each, and a seed
         offset by the index so samples differ yet stay reproducible (vLLM does the same)."""
         seed = None if self.seed is None else self.seed + index
         if seed is not None and seed > SEED_MAX:  # wrap within the generator's 64-bit seed space
-            seed -= 2 ** 64
+            seed -= 2**64
         return replace(self, n=1, seed=seed)

@@ -37,7 +37,7 @@ def process_row(logits: list[float], req: Request) -> list[float]:
     x = [v if probs[i] >= p.min_p * pmax else -math.inf for i, v in enumerate(x)]
     order = sorted(range(len(x)), key=lambda i: -x[i])
     if p.top_k > 0:
-        for i in order[p.top_k:]:
+        for i in order[p.top_k :]:
             x[i] = -math.inf
     probs = _softmax(x)
     mass = 0.0

@@ -23,11 +23,15 @@ from k3serve.scheduler.batch import ModelFault, SampledToken
 from k3serve.scheduler.request import Request
 
 log = logging.getLogger("k3serve.sampling")
-NO_FINITE = ("sampling failed for this request: its processed logits have no finite value "
-             "(check temperature, penalties, logit_bias and min_tokens)")
+NO_FINITE = (
+    "sampling failed for this request: its processed logits have no finite value "
+    "(check temperature, penalties, logit_bias and min_tokens)"
+)
 BAD_PROBS = "sampling failed for this request: its sampling distribution is not finite"
-MODEL_FAULT = ModelFault("the model's logits for this request have no finite value (NaN, +inf or all -inf): a "
-                         "fault of the model or its weights (an overflow), not of the request's sampling settings")
+MODEL_FAULT = ModelFault(
+    "the model's logits for this request have no finite value (NaN, +inf or all -inf): a "
+    "fault of the model or its weights (an overflow), not of the request's sampling settings"
+)
 _fault_logged = False
 
 
@@ -41,8 +45,12 @@ def model_fault_rows(logits: torch.Tensor) -> list[bool]:
     global _fault_logged
     if any(bad) and not _fault_logged:
         _fault_logged = True
-        log.error("the model produced non-finite logits (NaN or +inf) for %d of %d rows: check the checkpoint's "
-                  "weights and scales for overflow (logged once)", sum(bad), len(bad))
+        log.error(
+            "the model produced non-finite logits (NaN or +inf) for %d of %d rows: check the checkpoint's "
+            "weights and scales for overflow (logged once)",
+            sum(bad),
+            len(bad),
+        )
     return bad
 
 
@@ -58,8 +66,7 @@ class SampleResult:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, reqs: list[Request],
-                 generators: list[torch.Generator]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], generators: list[torch.Generator]) -> SampleResult:
         rows = list(range(len(reqs)))
         states = {i: generators[i].get_state() for i in rows if not reqs[i].params.greedy}
         try:
@@ -80,8 +87,9 @@ class Sampler:
             result.failed.update(one.failed)
         return result
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], generators: list[torch.Generator],
-                rows: list[int]) -> SampleResult:
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Request], generators: list[torch.Generator], rows: list[int]
+    ) -> SampleResult:
         """Sample `rows` of the batch; logits [B, V]."""
         sub = [reqs[i] for i in rows]
         x = (logits if len(rows) == len(reqs) else logits[torch.tensor(rows)]).float()
@@ -93,8 +101,9 @@ class Sampler:
         ok = [f and not m for f, m in zip(has_finite, faulty)]
         sampled = [j for j, r in enumerate(sub) if not r.params.greedy and ok[j]]
         if sampled:
-            probs = torch.softmax(truncate(processed[torch.tensor(sampled)],
-                                           *row_params([sub[j] for j in sampled])), -1)
+            probs = torch.softmax(
+                truncate(processed[torch.tensor(sampled)], *row_params([sub[j] for j in sampled])), -1
+            )
             finite = torch.isfinite(probs).all(-1).tolist()
             for k, j in enumerate(sampled):
                 if not finite[k]:

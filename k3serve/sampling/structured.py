@@ -44,7 +44,7 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
-        if self.free_close and tuple(self.free_close[-len(self.start_after):]) != tuple(self.start_after):
+        if self.free_close and tuple(self.free_close[-len(self.start_after) :]) != tuple(self.start_after):
             raise ValueError("free_close must end with start_after")
         if self.free_close and self.free_close[0] in self.free_refused:
             raise ValueError("free_close cannot open with a refused token")

@@ -58,10 +58,10 @@ class Request:
         """all_token_ids[start:end] without building all_token_ids (a decode step reads one token)."""
         p, n = self.prompt_token_ids, len(self.prompt_token_ids)
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
+            return self.output_token_ids[start - n : end - n]
         if end <= n:
             return p[start:end]
-        return p[start:] + self.output_token_ids[:end - n]
+        return p[start:] + self.output_token_ids[: end - n]
 
     @property
     def cache_token_ids(self) -> list[int]:

@@ -60,8 +60,10 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         need, have = self.cache.blocks_for(req.max_total_tokens), self.cache.blocks.num_blocks
         if need > have:  # could never run: it would preempt itself forever
-            raise ValueError(f"request {req.request_id!r} may reach {req.max_total_tokens} tokens = {need} "
-                             f"latent blocks, but the whole cache has {have}")
+            raise ValueError(
+                f"request {req.request_id!r} may reach {req.max_total_tokens} tokens = {need} "
+                f"latent blocks, but the whole cache has {have}"
+            )
         self.requests[req.request_id] = req
         self._enqueue(req, front=False)
 
@@ -221,9 +223,10 @@ class Scheduler:
             ckpt = self.cache.begin_checkpoint(self.cache.checkpoint_key(rid, req.cache_token_ids, end))
             if ckpt is not None:
                 batch.save_states.append((slot, ckpt))
-        drafts = req.spec_token_ids[:n - 1] if req.num_uncomputed == 1 else []
-        return ScheduledSeq(req, req.num_computed_tokens, n, slot, self.cache.block_table(rid),
-                            end >= req.num_tokens, drafts)
+        drafts = req.spec_token_ids[: n - 1] if req.num_uncomputed == 1 else []
+        return ScheduledSeq(
+            req, req.num_computed_tokens, n, slot, self.cache.block_table(rid), end >= req.num_tokens, drafts
+        )
 
     def _reserve(self, req: Request, n: int, scheduled: set[str], batch: ScheduledBatch) -> bool:
         """Blocks for `n` more tokens of a running request, preempting others if needed."""

@@ -21,9 +21,14 @@ from k3serve.chat.messages import ChatInputError
 from k3serve.chat.render import ChatOptions
 from k3serve.server.errors import APIError, install_error_handlers
 from k3serve.server.guard import GuardConfig, GuardMiddleware
-from k3serve.server.kv_transfer import HeldRequest, PullRequest, ReleaseRequest, held, pull, release
-from k3serve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                     as_dicts)
+from k3serve.server.kv_endpoints import HeldRequest, PullRequest, ReleaseRequest, held, pull, release
+from k3serve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    as_dicts,
+)
 from k3serve.server.serving_chat import create_chat_completion, template_options
 from k3serve.server.serving_completion import create_completion
 from k3serve.server.responses_convert import ResponsesRequest
@@ -32,15 +37,37 @@ from k3serve.server.runs import UNAVAILABLE_RETRY_AFTER_S
 from k3serve.server.state import ServerState
 from k3serve.server.stats_log import log_stats_forever
 
-ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize",
-                    "/detokenize", "/health", "/ping", "/version", "/metrics", "/reset_prefix_cache",
-                    "/v1/kv/pull", "/v1/kv/held", "/v1/kv/release"})
+ROUTES = frozenset(
+    {
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/ping",
+        "/version",
+        "/metrics",
+        "/reset_prefix_cache",
+        "/v1/kv/pull",
+        "/v1/kv/held",
+        "/v1/kv/release",
+    }
+)
 ALWAYS_PUBLIC = frozenset({"/health", "/ping"})
 
 
-def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_public: bool = False,
-              body_timeout_s: float = 30.0, stats_interval_s: float = 0.0, cors: dict | None = None,
-              root_path: str = "", request_id_headers: bool = False) -> FastAPI:
+def build_app(
+    state: ServerState,
+    max_body_bytes: int = 32 * 2**20,
+    metrics_public: bool = False,
+    body_timeout_s: float = 30.0,
+    stats_interval_s: float = 0.0,
+    cors: dict | None = None,
+    root_path: str = "",
+    request_id_headers: bool = False,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(log_stats_forever(state.engine, stats_interval_s)) if stats_interval_s > 0 else None
@@ -81,14 +108,32 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
     async def models():
         # vLLM's card: `parent` null for a base model, one permission object; `root` stays the
         # served name, not the model directory (the server does not show its file paths)
-        card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "k3serve",
-                "root": state.served_model_name, "parent": None, "max_model_len": state.max_model_len,
-                "max_num_seqs": state.max_num_seqs,
-                "permission": [{"id": f"modelperm-{state.served_model_name}", "object": "model_permission",
-                                "created": state.created, "allow_create_engine": False, "allow_sampling": True,
-                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                                "allow_fine_tuning": False, "organization": "*", "group": None,
-                                "is_blocking": False}]}
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "k3serve",
+            "root": state.served_model_name,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+            "max_num_seqs": state.max_num_seqs,
+            "permission": [
+                {
+                    "id": f"modelperm-{state.served_model_name}",
+                    "object": "model_permission",
+                    "created": state.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
         if state.engine.engine.seq_limit_note:  # fewer slots than asked for: say why
             card["max_num_seqs_note"] = state.engine.engine.seq_limit_note
         return {"object": "list", "data": [card]}
@@ -140,15 +185,30 @@ def build_app(state: ServerState, max_body_bytes: int = 32 * 2**20, metrics_publ
         state.check_model(req.model)
         bad = next((t for t in req.tokens if not state.decodable(t)), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is not in the vocabulary (0..{state.vocab_size - 1}"
-                                f"{', some ids unmapped' if state.unmapped_ids else ''})", param="tokens")
+            raise APIError(
+                400,
+                f"token id {bad} is not in the vocabulary (0..{state.vocab_size - 1}"
+                f"{', some ids unmapped' if state.unmapped_ids else ''})",
+                param="tokens",
+            )
         return {"prompt": await state.offload(state.tokenizer.decode, req.tokens)}
 
     public = ALWAYS_PUBLIC | ({"/metrics"} if metrics_public else set())
-    guard = GuardConfig(state.api_key, frozenset(public), max_body_bytes, body_timeout_s, state.lifecycle,
-                        root_path.rstrip("/"), request_id_headers)
-    app.add_middleware(GuardMiddleware, config=guard, routes=ROUTES,
-                       count=lambda route, status: state.metrics.http.labels(route, status).inc())
+    guard = GuardConfig(
+        state.api_key,
+        frozenset(public),
+        max_body_bytes,
+        body_timeout_s,
+        state.lifecycle,
+        root_path.rstrip("/"),
+        request_id_headers,
+    )
+    app.add_middleware(
+        GuardMiddleware,
+        config=guard,
+        routes=ROUTES,
+        count=lambda route, status: state.metrics.http.labels(route, status).inc(),
+    )
     if cors:  # outermost: a preflight carries no API key and is answered here
         app.add_middleware(CORSMiddleware, **cors)
     return app
@@ -160,9 +220,13 @@ def _tokenize_body(state: ServerState, req: TokenizeRequest) -> list[bytes]:
     else:
         thinking, kw = template_options(req.chat_template_kwargs)
         try:
-            parts = [state.renderer.render(as_dicts(req.messages), ChatOptions(
-                thinking=thinking, add_generation_prompt=req.add_generation_prompt, template_kwargs=kw),
-                load_media=state.media_loader()).token_ids]
+            parts = [
+                state.renderer.render(
+                    as_dicts(req.messages),
+                    ChatOptions(thinking=thinking, add_generation_prompt=req.add_generation_prompt, template_kwargs=kw),
+                    load_media=state.media_loader(),
+                ).token_ids
+            ]
         except ChatInputError as e:
             raise APIError(400, str(e), param="messages") from None
     return tokens_json(parts, state.max_model_len)
@@ -178,7 +242,7 @@ def tokens_json(parts, max_model_len: int) -> list[bytes]:
     out, count = [b'{"tokens":['], 0
     for ids in parts:
         for i in range(0, len(ids), TOKENS_PER_JOIN):
-            piece = ids[i:i + TOKENS_PER_JOIN]
+            piece = ids[i : i + TOKENS_PER_JOIN]
             out.append((b"," if count else b"") + ",".join(map(str, piece)).encode())
             count += len(piece)
     out.append(f'],"count":{count},"max_model_len":{max_model_len}}}'.encode())

@@ -13,23 +13,36 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-         408: "RequestTimeoutError", 413: "RequestTooLargeError",
-         422: "UnprocessableEntityError", 503: "ServiceUnavailableError", 500: "InternalServerError",
-         501: "NotImplementedError"}
+TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    503: "ServiceUnavailableError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
         self.type = type or TYPES.get(status, "Error")
 
 
 def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type or TYPES.get(status, "Error"), "param": param,
-                      "code": status}}
+    return {"error": {"message": message, "type": type or TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -50,8 +63,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.type), status_code=exc.status,
-                            headers=exc.headers)
+        return JSONResponse(
+            error_body(exc.status, exc.message, exc.param, exc.type), status_code=exc.status, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):

@@ -55,7 +55,7 @@ BODY_MIN_RATE = 64 * 1024  # bytes a second a body must average past its first b
 class GuardConfig:
     api_key: str | None = None
     public_paths: frozenset[str] = frozenset({"/health", "/ping"})
-    max_body_bytes: int = 32 * 2 ** 20
+    max_body_bytes: int = 32 * 2**20
     body_timeout_s: float = 30.0  # longest wait for the next body chunk
     lifecycle: Lifecycle | None = None
     root_path: str = ""  # --root-path, without a trailing slash
@@ -75,7 +75,7 @@ class GuardMiddleware:
         if root:
             scope = dict(scope, root_path=root)
             if path == root or path.startswith(root + "/"):
-                path = path[len(root):] or "/"
+                path = path[len(root) :] or "/"
         status = {"code": 0}
         request_id = None
         if self.config.request_id_headers:
@@ -103,7 +103,7 @@ class GuardMiddleware:
 
     def _count(self, path: str, status: dict) -> None:
         if self.count is not None and status["code"]:
-                self.count(path if path in self.routes else "other", str(status["code"]))
+            self.count(path if path in self.routes else "other", str(status["code"]))
 
     async def _handle(self, scope, receive, send, path: str, status: dict) -> None:
         if not self._authorized(scope, path):
@@ -127,8 +127,14 @@ class GuardMiddleware:
                 await reply(send, 503, "the server is shutting down", [(b"retry-after", b"1")], close=True)
             log.info("%s %s cancelled at shutdown", scope.get("method"), path)
         except Exception as e:  # noqa: BLE001 - the last net: one line, a JSON 500, the socket kept
-            log.error("unhandled %s on %s %s: %s", type(e).__name__, scope.get("method"), path, e,
-                      exc_info=log.isEnabledFor(logging.DEBUG))
+            log.error(
+                "unhandled %s on %s %s: %s",
+                type(e).__name__,
+                scope.get("method"),
+                path,
+                e,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             if not status["code"]:
                 await reply(send, 500, f"internal server error ({type(e).__name__})")
 
@@ -158,9 +164,12 @@ class GuardMiddleware:
                     raise asyncio.TimeoutError
                 message = await asyncio.wait_for(receive(), min(timeout, left))
             except asyncio.TimeoutError:
-                why = (f"request body not received within {timeout:g} s" if left > timeout else
-                       f"request body too slow: {seen} bytes in {loop.time() - start:.1f} s (it must arrive "
-                       f"within {timeout:g} s plus 1 s per {BODY_MIN_RATE} bytes)")
+                why = (
+                    f"request body not received within {timeout:g} s"
+                    if left > timeout
+                    else f"request body too slow: {seen} bytes in {loop.time() - start:.1f} s (it must arrive "
+                    f"within {timeout:g} s plus 1 s per {BODY_MIN_RATE} bytes)"
+                )
                 await reply(send, 408, why, close=True)
                 return None
             if message["type"] == "http.disconnect":
@@ -175,8 +184,7 @@ class GuardMiddleware:
                 return b"".join(chunks)
 
 
-async def reply(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = (),
-                close: bool = False) -> None:
+async def reply(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = (), close: bool = False) -> None:
     """Send an OpenAI-style JSON error straight from the ASGI layer."""
     body = json.dumps(error_body(status, message)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]

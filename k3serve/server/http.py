@@ -84,10 +84,24 @@ def draining_server(config, lifecycle, grace_s: float):
     return DrainingServer(config)
 
 
-def uvicorn_config(app, host: str, port: int, *, log_level: str = "info", header_timeout: float = 10.0,
-                   keep_alive_timeout: int = 5, graceful_shutdown_timeout: int | None = 10):
+def uvicorn_config(
+    app,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "info",
+    header_timeout: float = 10.0,
+    keep_alive_timeout: int = 5,
+    graceful_shutdown_timeout: int | None = 10,
+):
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_h11(header_timeout),
-                          timeout_keep_alive=keep_alive_timeout,
-                          timeout_graceful_shutdown=graceful_shutdown_timeout)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_h11(header_timeout),
+        timeout_keep_alive=keep_alive_timeout,
+        timeout_graceful_shutdown=graceful_shutdown_timeout,
+    )

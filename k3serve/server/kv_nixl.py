@@ -45,8 +45,9 @@ class NixlTransport:
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError:
-            raise ValueError("kv_connector NixlConnector needs NIXL: pip install 'k3serve[nixl]' "
-                             "(nixl==1.5.1 nixl-cu12==1.5.1)") from None
+            raise ValueError(
+                "kv_connector NixlConnector needs NIXL: pip install 'k3serve[nixl]' (nixl==1.5.1 nixl-cu12==1.5.1)"
+            ) from None
         self.name = f"k3serve-{uuid.uuid4().hex[:12]}"
         # no progress thread: NIXL's spins a whole core per agent even when idle (measured here:
         # 5.0 CPU s in 5 idle s), which on a shared host slows every engine beside it. Transfers
@@ -71,8 +72,12 @@ class NixlTransport:
             self.lent[request_id] = _Lent(buf, reg, time.monotonic() + self.ttl_s)
             metadata = self.agent.get_agent_metadata()  # now naming the new buffer
         self._wake.set()
-        return {"agent_metadata": base64.b64encode(metadata).decode(), "addr": buf.data_ptr(),
-                "nbytes": buf.numel(), "notif": NOTIF + request_id}
+        return {
+            "agent_metadata": base64.b64encode(metadata).decode(),
+            "addr": buf.data_ptr(),
+            "nbytes": buf.numel(),
+            "notif": NOTIF + request_id,
+        }
 
     @property
     def lent_bytes(self) -> int:
@@ -81,8 +86,12 @@ class NixlTransport:
     def reclaim(self) -> None:
         """Drop the buffers whose READ has finished (its notification came) or whose time is up."""
         with self.lock:
-            done = {m.decode(errors="replace")[len(NOTIF):] for msgs in self.agent.get_new_notifs().values()
-                    for m in msgs if m.startswith(NOTIF.encode())}
+            done = {
+                m.decode(errors="replace")[len(NOTIF) :]
+                for msgs in self.agent.get_new_notifs().values()
+                for m in msgs
+                if m.startswith(NOTIF.encode())
+            }
             now = time.monotonic()
             for rid in [r for r, x in self.lent.items() if r in done or x.deadline < now]:
                 x = self.lent.pop(rid)
@@ -114,8 +123,13 @@ class NixlTransport:
             reg = self.agent.register_memory(dst)
             try:  # (re-)adding the agent updates what NIXL knows of its registered memory
                 remote = self.agent.add_remote_agent(meta)
-                handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(dst), self.agent.get_xfer_descs(
-                    [(addr, nbytes, 0)], "DRAM"), remote, notif)
+                handle = self.agent.initialize_xfer(
+                    "READ",
+                    self.agent.get_xfer_descs(dst),
+                    self.agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM"),
+                    remote,
+                    notif,
+                )
                 status = self.agent.transfer(handle)
             except Exception as e:  # nixl's own errors: the offer names memory this agent cannot reach
                 self.agent.deregister_memory(reg)
@@ -127,8 +141,10 @@ class NixlTransport:
                 with self.lock:
                     status = self.agent.check_xfer_state(handle)
             if status != "DONE":
-                raise ConnectionError(f"the NIXL read of {nbytes} bytes "
-                                      + ("failed" if status == "ERR" else f"took over {timeout_s:.0f} s"))
+                raise ConnectionError(
+                    f"the NIXL read of {nbytes} bytes "
+                    + ("failed" if status == "ERR" else f"took over {timeout_s:.0f} s")
+                )
         finally:
             with self.lock:
                 if status == "PROC":  # still in flight after the timeout: its buffer must outlive it

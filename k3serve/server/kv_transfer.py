@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation on the server (issue 17): `--kv-transfer-config` roles, the
-`kv_transfer_params` request field, and the endpoints a decode engine pulls state through.
+`kv_transfer_params` request field, and the decode side's pull (fetch_handoff); the endpoints
+the pull reaches are server/kv_endpoints.py.
 
 vLLM's spelling: `--kv-transfer-config '{"kv_connector": "NixlConnector" | "K3HttpConnector",
 "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}'`. A producer (prefill) server takes
@@ -28,10 +29,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
-
 from k3serve.server.errors import APIError
+from k3serve.server.media import engine_prompt
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("K3HttpConnector", "NixlConnector")
@@ -49,8 +48,9 @@ class KVTransferConfig:
             raise ValueError(f"--kv-transfer-config takes a JSON object, got {raw!r}")
         unknown = set(raw) - {"kv_connector", "kv_role", "kv_producers"}
         if unknown:
-            raise ValueError(f"--kv-transfer-config: unsupported keys {sorted(unknown)} "
-                             f"(kv_connector, kv_role, kv_producers)")
+            raise ValueError(
+                f"--kv-transfer-config: unsupported keys {sorted(unknown)} (kv_connector, kv_role, kv_producers)"
+            )
         connector, role = raw.get("kv_connector"), raw.get("kv_role")
         if connector not in CONNECTORS:
             raise ValueError(f"--kv-transfer-config kv_connector must be one of {CONNECTORS}, got {connector!r}")
@@ -73,60 +73,84 @@ class KVTransferConfig:
 @dataclass(frozen=True)
 class RemotePrefill:
     """Where a decode server pulls this request's prefilled state from."""
+
     url: str
     request_id: str
 
 
-PRODUCE_KEYS, CONSUME_KEYS = {"do_remote_decode"}, {"do_remote_prefill", "remote_request_id", "remote_url",
-                                                     "remote_block_size"}
+PRODUCE_KEYS, CONSUME_KEYS = (
+    {"do_remote_decode"},
+    {"do_remote_prefill", "remote_request_id", "remote_url", "remote_block_size"},
+)
 
 
-def handoff_role(config: KVTransferConfig | None, params: dict | None, n: int, stream: bool,
-                 num_prompts: int) -> str | RemotePrefill | None:
-    """"produce" (keep this prefill for a remote decode), a RemotePrefill (decode one pulled from
+def handoff_role(
+    config: KVTransferConfig | None, params: dict | None, n: int, stream: bool, num_prompts: int
+) -> str | RemotePrefill | None:
+    """ "produce" (keep this prefill for a remote decode), a RemotePrefill (decode one pulled from
     a prefill server), or None; a 400 when the request cannot be what it asks."""
     if not params:
         return None
     unknown = set(params) - PRODUCE_KEYS - CONSUME_KEYS
     if unknown:
-        raise APIError(400, f"kv_transfer_params: unsupported keys {sorted(unknown)} "
-                            f"({', '.join(sorted(PRODUCE_KEYS | CONSUME_KEYS))})", param="kv_transfer_params")
+        raise APIError(
+            400,
+            f"kv_transfer_params: unsupported keys {sorted(unknown)} "
+            f"({', '.join(sorted(PRODUCE_KEYS | CONSUME_KEYS))})",
+            param="kv_transfer_params",
+        )
     produce, consume = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
     if not (produce or consume):
         return None
     if produce and consume:
-        raise APIError(400, "kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
-                       param="kv_transfer_params")
+        raise APIError(
+            400,
+            "kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
+            param="kv_transfer_params",
+        )
     role = "kv_producer" if produce else "kv_consumer"
     if config is None or not (config.produces if produce else config.consumes):
-        raise APIError(400, f"kv_transfer_params.{'do_remote_decode' if produce else 'do_remote_prefill'} needs a "
-                            f"server started with --kv-transfer-config kv_role {role} or kv_both",
-                       param="kv_transfer_params")
+        raise APIError(
+            400,
+            f"kv_transfer_params.{'do_remote_decode' if produce else 'do_remote_prefill'} needs a "
+            f"server started with --kv-transfer-config kv_role {role} or kv_both",
+            param="kv_transfer_params",
+        )
     if n != 1 or num_prompts != 1 or (produce and stream):
-        raise APIError(400, "a prefill/decode hand-off is one prompt, n = 1"
-                            + (", not streamed on the prefill side" if produce else ""), param="kv_transfer_params")
+        raise APIError(
+            400,
+            "a prefill/decode hand-off is one prompt, n = 1"
+            + (", not streamed on the prefill side" if produce else ""),
+            param="kv_transfer_params",
+        )
     if produce:
         return "produce"
     url, rid = params.get("remote_url"), params.get("remote_request_id")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or not isinstance(rid, str):
-        raise APIError(400, "kv_transfer_params.do_remote_prefill needs remote_url (http(s)) and remote_request_id",
-                       param="kv_transfer_params")
+        raise APIError(
+            400,
+            "kv_transfer_params.do_remote_prefill needs remote_url (http(s)) and remote_request_id",
+            param="kv_transfer_params",
+        )
     url = url.rstrip("/")
     if config.kv_producers and url not in config.kv_producers:
-        raise APIError(400, f"kv_transfer_params.remote_url {url} is not one of this server's kv_producers",
-                       param="kv_transfer_params")
+        raise APIError(
+            400,
+            f"kv_transfer_params.remote_url {url} is not one of this server's kv_producers",
+            param="kv_transfer_params",
+        )
     return RemotePrefill(url, rid)
 
 
-async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], media: tuple = (),
-                        timeout_s: float = 60.0):
+async def fetch_handoff(
+    state, remote: RemotePrefill, prompt_ids: list[int], media: tuple = (), timeout_s: float = 60.0
+):
     """Pull a prefilled request from its prefill server: only the latent rows this engine does
     not already cache (keyed as the prefix cache keys them: media pads by content), plus the
     KDA state and what continues the request exactly (random stream, logprobs)."""
     import httpx
 
     from k3serve.engine.handoff import from_bytes
-    from k3serve.server.runs import engine_prompt
 
     began = time.monotonic()
     cache_ids = await state.engine.cache_ids(engine_prompt(prompt_ids, media)) if media else prompt_ids
@@ -146,79 +170,10 @@ async def fetch_handoff(state, remote: RemotePrefill, prompt_ids: list[int], med
     except (ConnectionError, ValueError) as e:
         raise APIError(502, f"the hand-off from {remote.url} did not arrive whole: {e}") from None
     if h.prompt_token_ids != prompt_ids or (h.cache_ids or h.prompt_token_ids) != cache_ids:
-        raise APIError(400, "the prefilled prompt (or its media) differs from this request's",
-                       param="kv_transfer_params")
+        raise APIError(
+            400, "the prefilled prompt (or its media) differs from this request's", param="kv_transfer_params"
+        )
     state.metrics.kv_transfer_bytes.inc(len(data))
     state.metrics.kv_pulls.inc()
     state.metrics.kv_pull_seconds.inc(time.monotonic() - began)
     return h
-
-
-class PullRequest(BaseModel):
-    request_id: str
-    held_tokens: int = 0
-    transport: str = "http"  # "http": the bytes in the answer; "nixl": an offer to READ them (server/kv_nixl.py)
-
-
-class ReleaseRequest(BaseModel):
-    request_id: str
-
-
-class HeldRequest(BaseModel):
-    """A request body as the router would send it: how much of its prompt this server caches."""
-    chat: dict | None = None  # a /v1/chat/completions body
-    completion: dict | None = None  # a /v1/completions body (one prompt)
-
-
-async def held(state, req: HeldRequest) -> dict:
-    """The prompt tokens of a request this server's prefix cache holds (whole blocks), for a
-    router choosing the prefill server with the longest cached prefix; the prompt is rendered
-    exactly as the request itself would be (tools, media keys), nothing is run."""
-    from k3serve.server.protocol import ChatCompletionRequest, CompletionRequest
-    from k3serve.server.runs import engine_prompt
-    from k3serve.server.serving_chat import render_chat
-    from k3serve.server.serving_completion import _prompts
-
-    if (req.chat is None) == (req.completion is None):
-        raise APIError(400, "give exactly one of `chat` or `completion`")
-    try:
-        if req.chat is not None:
-            prompt = (await render_chat(state, ChatCompletionRequest.model_validate(req.chat)))[2]
-            ids, media = prompt.token_ids, prompt.media
-        else:
-            prompts = await state.offload(_prompts, state, CompletionRequest.model_validate(req.completion).prompt)
-            if len(prompts) != 1:
-                raise APIError(400, "a prefill/decode hand-off is one prompt", param="prompt")
-            ids, media = prompts[0][1], ()
-    except ValueError as e:  # pydantic's ValidationError
-        raise APIError(400, f"not a valid request body: {e}") from None
-    cache_ids = await state.engine.cache_ids(engine_prompt(ids, media)) if media else ids
-    return {"held_tokens": await state.engine.held_tokens(cache_ids), "prompt_tokens": len(ids)}
-
-
-async def pull(state, req: PullRequest) -> Response:
-    from k3serve.engine.handoff import to_bytes
-
-    if state.kv_transfer is None or not state.kv_transfer.produces:
-        raise APIError(404, "this server keeps no prefills for remote decode (no --kv-transfer-config producer role)")
-    if req.held_tokens < 0:
-        raise APIError(400, "held_tokens must be >= 0", param="held_tokens")
-    if req.transport not in ("http", "nixl") or (req.transport == "nixl") != (state.nixl is not None):
-        raise APIError(400, f"transport {req.transport!r} does not match this server's kv_connector "
-                            f"{state.kv_transfer.kv_connector}", param="transport")
-    try:
-        h = await state.engine.pull_handoff(req.request_id, req.held_tokens)
-    except KeyError as e:
-        raise APIError(404, str(e.args[0]), param="request_id") from None
-    data = await state.offload(to_bytes, h)
-    state.metrics.kv_transfer_bytes.inc(len(data))
-    if state.nixl is not None:
-        return JSONResponse(await state.offload(state.nixl.lend, req.request_id, data))
-    return Response(content=data, media_type="application/octet-stream")
-
-
-async def release(state, req: ReleaseRequest) -> dict:
-    """Drop a kept prefill nobody will pull (the router retried the request elsewhere)."""
-    if state.kv_transfer is None or not state.kv_transfer.produces:
-        raise APIError(404, "this server keeps no prefills for remote decode (no --kv-transfer-config producer role)")
-    return {"request_id": req.request_id, "released": await state.engine.release_handoff(req.request_id)}

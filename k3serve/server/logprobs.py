@@ -16,16 +16,23 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], top_n: int) -> dict:
     content = []
     for tid, entry in zip(token_ids, entries):
-        content.append({
-            "token": _text(tokenizer, tid), "logprob": entry[tid], "bytes": list(tokenizer.decode_bytes([tid])),
-            "top_logprobs": [{"token": _text(tokenizer, t), "logprob": lp, "bytes": list(tokenizer.decode_bytes([t]))}
-                             for t, lp in _top(entry, top_n)],
-        })
+        content.append(
+            {
+                "token": _text(tokenizer, tid),
+                "logprob": entry[tid],
+                "bytes": list(tokenizer.decode_bytes([tid])),
+                "top_logprobs": [
+                    {"token": _text(tokenizer, t), "logprob": lp, "bytes": list(tokenizer.decode_bytes([t]))}
+                    for t, lp in _top(entry, top_n)
+                ],
+            }
+        )
     return {"content": content}
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], top_n: int,
-                        offset: int = 0) -> dict:
+def completion_logprobs(
+    tokenizer, token_ids: list[int], entries: list[dict[int, float]], top_n: int, offset: int = 0
+) -> dict:
     tokens, lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         text = _text(tokenizer, tid)

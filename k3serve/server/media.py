@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 from k3serve.chat.messages import ChatInputError
 from k3serve.multimodal.image import ImageSpec, MediaError, load_image
-from k3serve.multimodal.video import VideoSpec, load_video
+from k3serve.multimodal.video import ProcessedVideo, VideoSpec, load_video
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class MediaLimits:
     images_per_prompt: int = 8
     videos_per_prompt: int = 1
     allowed_domains: tuple[str, ...] = ()  # fetch http(s) media only from these hosts
-    max_bytes: int = 20 * 2 ** 20  # an image
-    max_video_bytes: int = 64 * 2 ** 20
+    max_bytes: int = 20 * 2**20  # an image
+    max_video_bytes: int = 64 * 2**20
     fetch_timeout_s: float = 10.0
     spec: ImageSpec = field(default_factory=ImageSpec)
     video: VideoSpec = field(default_factory=VideoSpec)
@@ -78,8 +78,10 @@ class MediaLoader:
         if urlparse(url).scheme not in ("http", "https"):
             raise ChatInputError(f"{where}: {kind}_url must be a data: or http(s) URL")
         if host not in self.limits.allowed_domains:
-            raise ChatInputError(f"{where}: fetching media from {host or url!r} is off; send a data: URL or start the "
-                                 f"server with --allowed-media-domains {host}")
+            raise ChatInputError(
+                f"{where}: fetching media from {host or url!r} is off; send a data: URL or start the "
+                f"server with --allowed-media-domains {host}"
+            )
         return self._fetch(url, where, kind, max_bytes)
 
     def _fetch(self, url: str, where: str, kind: str, max_bytes: int) -> bytes:
@@ -96,3 +98,14 @@ class MediaLoader:
                 return bytes(data)
         except httpx.HTTPError as e:
             raise ChatInputError(f"{where}: fetching {url} failed ({type(e).__name__})") from None
+
+
+def engine_prompt(prompt_ids: list[int], media: tuple = ()) -> dict:
+    """The engine's prompt input: ids, and the rendered images and videos (vLLM's keys)."""
+    prompt: dict = {"prompt_token_ids": prompt_ids}
+    if media:
+        prompt["multi_modal_data"] = {
+            "image": [m for m in media if not isinstance(m, ProcessedVideo)],
+            "video": [m for m in media if isinstance(m, ProcessedVideo)],
+        }
+    return prompt

@@ -20,8 +20,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from k3serve.engine.stats import ITERATION_BUCKETS
 
-LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
-           80.0, 160.0)
+LATENCY = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 LABELS = ("model_name", "engine")
 
@@ -30,19 +49,31 @@ class ServerMetrics:
     def __init__(self, engine, model_name: str = "k3serve"):
         r = self.registry = CollectorRegistry()
         lv = (model_name, "0")
-        self.http = Counter("k3serve:http_requests", "HTTP requests by endpoint and status",
-                            ["endpoint", "status"], registry=r)
+        self.http = Counter(
+            "k3serve:http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", LABELS, registry=r).labels(*lv)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", LABELS,
-                                         registry=r).labels(*lv)
-        self._success = Counter("vllm:request_success", "Finished requests by finish reason",
-                                [*LABELS, "finished_reason"], registry=r)
-        self.kv_transfer_bytes = Counter("k3serve:kv_transfer_bytes", "Prefill hand-off bytes (latent rows + "
-                                         "KDA state) served to decode engines or pulled from prefill ones", LABELS, registry=r).labels(*lv)
-        self.kv_pulls = Counter("k3serve:kv_pulls", "Prefill hand-offs this decode engine pulled", LABELS,
-                                registry=r).labels(*lv)
-        self.kv_pull_seconds = Counter("k3serve:kv_pull_seconds", "Time spent pulling prefill hand-offs "
-                                       "(request to installed bytes)", LABELS, registry=r).labels(*lv)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generation tokens processed", LABELS, registry=r
+        ).labels(*lv)
+        self._success = Counter(
+            "vllm:request_success", "Finished requests by finish reason", [*LABELS, "finished_reason"], registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "k3serve:kv_transfer_bytes",
+            "Prefill hand-off bytes (latent rows + KDA state) served to decode engines or pulled from prefill ones",
+            LABELS,
+            registry=r,
+        ).labels(*lv)
+        self.kv_pulls = Counter(
+            "k3serve:kv_pulls", "Prefill hand-offs this decode engine pulled", LABELS, registry=r
+        ).labels(*lv)
+        self.kv_pull_seconds = Counter(
+            "k3serve:kv_pull_seconds",
+            "Time spent pulling prefill hand-offs (request to installed bytes)",
+            LABELS,
+            registry=r,
+        ).labels(*lv)
         self._lv = lv
 
         def hist(name: str, doc: str, buckets=LATENCY):
@@ -57,13 +88,24 @@ class ServerMetrics:
         self.decode = hist("vllm:request_decode_time_seconds", "Time from first token to the last")
         self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt length of finished requests", TOKENS)
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens of finished requests", TOKENS)
-        self.req_max_gen = hist("vllm:request_max_num_generation_tokens",
-                                "Maximum generation tokens requested (max_tokens) of finished requests", TOKENS)
+        self.req_max_gen = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Maximum generation tokens requested (max_tokens) of finished requests",
+            TOKENS,
+        )
         r.register(_EngineCollector(engine, lv))
 
-    def observe_request(self, prompt_tokens: int, output_tokens: int, reasons: list[str | None],
-                        arrival: float, first_token: float | None, end: float, timings: dict | None = None,
-                        max_tokens: int | None = None) -> None:
+    def observe_request(
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        reasons: list[str | None],
+        arrival: float,
+        first_token: float | None,
+        end: float,
+        timings: dict | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
         """One finished request; `timings` are the engine's monotonic stamps (scheduled_time, ...);
         `max_tokens` the generation tokens it asked for at most (None: not observed)."""
         self.prompt_tokens.inc(prompt_tokens)
@@ -80,8 +122,9 @@ class ServerMetrics:
             if output_tokens > 1:
                 self.tpot.observe((end - first_token) / (output_tokens - 1))
         t = timings or {}
-        arrived, scheduled, first, done = (t.get(k) for k in ("arrival_time", "scheduled_time", "first_token_time",
-                                                               "finish_time"))
+        arrived, scheduled, first, done = (
+            t.get(k) for k in ("arrival_time", "scheduled_time", "first_token_time", "finish_time")
+        )
         if arrived is not None and scheduled is not None:
             self.queue.observe(max(0.0, scheduled - arrived))
             if first is not None:
@@ -96,11 +139,15 @@ class ServerMetrics:
 
     def watch_handoffs(self, store, nixl) -> None:
         """Gauges of what a prefill server still holds for decode engines (both return to zero)."""
-        g = Gauge("k3serve:kv_handoffs_held", "Prefilled requests kept for a decode engine, not yet pulled",
-                  registry=self.registry)
+        g = Gauge(
+            "k3serve:kv_handoffs_held",
+            "Prefilled requests kept for a decode engine, not yet pulled",
+            registry=self.registry,
+        )
         g.set_function(lambda: len(store.held))
-        lent = Gauge("k3serve:kv_nixl_lent_bytes", "Hand-off bytes registered with NIXL, not yet read",
-                     registry=self.registry)
+        lent = Gauge(
+            "k3serve:kv_nixl_lent_bytes", "Hand-off bytes registered with NIXL, not yet read", registry=self.registry
+        )
         lent.set_function(lambda: nixl.lent_bytes if nixl is not None else 0)
 
     def render(self) -> bytes:
@@ -114,11 +161,13 @@ class _EngineCollector:
         self.engine, self.lv = engine, lv
         eng = getattr(engine, "engine", None)  # an AsyncEngine's LLMEngine (a DP front: its first replica's)
         plan = getattr(eng, "plan", None)
-        self.cache_info = {"block_size": str(getattr(plan, "block_size", "")),
-                           "num_gpu_blocks": str(getattr(plan, "num_blocks", "")),
-                           "num_state_slots": str(getattr(plan, "num_slots", "")),
-                           "cache_dtype": str(getattr(eng, "kv_dtype_name", "")),
-                           "enable_prefix_caching": str(getattr(getattr(eng, "cache", None), "prefix_caching", ""))}
+        self.cache_info = {
+            "block_size": str(getattr(plan, "block_size", "")),
+            "num_gpu_blocks": str(getattr(plan, "num_blocks", "")),
+            "num_state_slots": str(getattr(plan, "num_slots", "")),
+            "cache_dtype": str(getattr(eng, "kv_dtype_name", "")),
+            "enable_prefix_caching": str(getattr(getattr(eng, "cache", None), "prefix_caching", "")),
+        }
 
     def collect(self):
         s = self.engine.stats
@@ -142,47 +191,64 @@ class _EngineCollector:
                 buckets.append(("+Inf" if bound == float("inf") else str(float(bound)), cumulative))
             it.add_metric(self.lv, buckets, s.iteration_tokens_sum)
             yield it
-        info = GaugeMetricFamily("vllm:cache_config_info", "The cache configuration (labels; value 1)",
-                                 labels=list(self.cache_info))
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "The cache configuration (labels; value 1)", labels=list(self.cache_info)
+        )
         info.add_metric(list(self.cache_info.values()), 1)
         yield info
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache (MLA latent blocks) usage; 1 means 100 percent",
-                    s.kv_cache_usage)
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache (MLA latent blocks) usage; 1 means 100 percent", s.kv_cache_usage
+        )
         yield counter("vllm:num_preemptions", "Cumulative preemptions", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache", s.prefix_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_hits)
         yield counter("vllm:spec_decode_num_drafts", "Verify passes with drafted tokens", s.spec_drafts)
         yield counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens", s.spec_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafted tokens", s.spec_accepted_tokens)
-        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
-                                      labels=[*LABELS, "position"])
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position", labels=[*LABELS, "position"]
+        )
         for i, n in enumerate(s.spec_accepted_per_position):
             per_pos.add_metric([*self.lv, str(i)], n)
         yield per_pos
         if s.expert_tokens_per_rank:
-            load = CounterMetricFamily("k3serve:expert_parallel_tokens", "Token-to-expert assignments routed to "
-                                       "each expert-parallel rank's experts", labels=[*LABELS, "rank"])
+            load = CounterMetricFamily(
+                "k3serve:expert_parallel_tokens",
+                "Token-to-expert assignments routed to each expert-parallel rank's experts",
+                labels=[*LABELS, "rank"],
+            )
             for r, n in enumerate(s.expert_tokens_per_rank):
                 load.add_metric([*self.lv, str(r)], n)
             yield load
             mean = sum(s.expert_tokens_per_rank) / len(s.expert_tokens_per_rank)
-            yield gauge("k3serve:expert_parallel_imbalance", "Busiest expert-parallel rank's assignments / the mean "
-                        "(1 = balanced)", max(s.expert_tokens_per_rank) / mean if mean else 1.0)
+            yield gauge(
+                "k3serve:expert_parallel_imbalance",
+                "Busiest expert-parallel rank's assignments / the mean (1 = balanced)",
+                max(s.expert_tokens_per_rank) / mean if mean else 1.0,
+            )
         if s.tp_collectives:
-            secs = CounterMetricFamily("k3serve:tp_collective_seconds", "Seconds rank 0 spent in tensor-parallel "
-                                       "collectives", labels=[*LABELS, "kind"])
-            nbytes = CounterMetricFamily("k3serve:tp_collective_bytes", "Payload bytes of rank 0's tensor-parallel "
-                                         "collectives", labels=[*LABELS, "kind"])
-            calls = CounterMetricFamily("k3serve:tp_collectives", "Tensor-parallel collectives run by rank 0",
-                                        labels=[*LABELS, "kind"])
+            secs = CounterMetricFamily(
+                "k3serve:tp_collective_seconds",
+                "Seconds rank 0 spent in tensor-parallel collectives",
+                labels=[*LABELS, "kind"],
+            )
+            nbytes = CounterMetricFamily(
+                "k3serve:tp_collective_bytes",
+                "Payload bytes of rank 0's tensor-parallel collectives",
+                labels=[*LABELS, "kind"],
+            )
+            calls = CounterMetricFamily(
+                "k3serve:tp_collectives", "Tensor-parallel collectives run by rank 0", labels=[*LABELS, "kind"]
+            )
             for kind, n, b, t in s.tp_collectives:
                 secs.add_metric([*self.lv, kind], t)
                 nbytes.add_metric([*self.lv, kind], b)
                 calls.add_metric([*self.lv, kind], n)
             yield from (secs, nbytes, calls)
-        yield gauge("k3serve:kda_state_slot_usage_perc", "KDA state slots in use; 1 means 100 percent",
-                    s.state_slot_usage)
+        yield gauge(
+            "k3serve:kda_state_slot_usage_perc", "KDA state slots in use; 1 means 100 percent", s.state_slot_usage
+        )
         if s.tier_stats:
             yield from self._tiers(s.tier_stats)
         # the k3serve: series of the first release, unlabelled, kept for existing scrapers
@@ -201,18 +267,24 @@ class _EngineCollector:
             "prefix_cache_checkpoints_stored": ("KDA checkpoints written", s.checkpoints_stored),
             "prefix_cache_checkpoints_evicted": ("KDA checkpoints evicted", s.checkpoints_evicted),
             "prefix_cache_checkpoints": ("KDA checkpoints held now", s.prefix_checkpoints),
-            "prefix_cache_checkpoint_bytes": ("State memory held by KDA checkpoints",
-                                              s.prefix_checkpoints * self.engine.engine.plan.slot_bytes),
-            "prefix_cache_cached_free_blocks": ("Latent blocks kept for reuse, unreferenced",
-                                                s.prefix_cached_free_blocks),
+            "prefix_cache_checkpoint_bytes": (
+                "State memory held by KDA checkpoints",
+                s.prefix_checkpoints * self.engine.engine.plan.slot_bytes,
+            ),
+            "prefix_cache_cached_free_blocks": (
+                "Latent blocks kept for reuse, unreferenced",
+                s.prefix_cached_free_blocks,
+            ),
         }
         if self.engine.engine.spec is not None:
-            plain.update({
-                "spec_decode_num_drafts": ("Verify passes with drafted tokens", s.spec_drafts),
-                "spec_decode_num_draft_tokens": ("Drafted tokens", s.spec_draft_tokens),
-                "spec_decode_num_accepted_tokens": ("Accepted drafted tokens", s.spec_accepted_tokens),
-                "spec_decode_mean_acceptance_length": ("1 + accepted / drafts", mean_accept),
-            })
+            plain.update(
+                {
+                    "spec_decode_num_drafts": ("Verify passes with drafted tokens", s.spec_drafts),
+                    "spec_decode_num_draft_tokens": ("Drafted tokens", s.spec_draft_tokens),
+                    "spec_decode_num_accepted_tokens": ("Accepted drafted tokens", s.spec_accepted_tokens),
+                    "spec_decode_mean_acceptance_length": ("1 + accepted / drafts", mean_accept),
+                }
+            )
         for name, (doc, value) in plain.items():
             yield gauge(f"k3serve:{name}", doc, value, labelled=False)
 
@@ -221,18 +293,22 @@ class _EngineCollector:
         from k3serve.cache.tiers import TIERS
         from k3serve.engine.stats import TIER_FIELDS
 
-        docs = {"queries": "Lookups that ran past the device pools into this tier",
-                "hits": "Entries this tier gave (cpu: loaded into the device pools; disk: read into host memory)",
-                "hit_tokens": "Prompt tokens of prefix hits that loaded from host memory",
-                "bytes_read": "Bytes read from this tier", "bytes_written": "Bytes written to this tier",
-                "evictions": "Entries evicted from this tier to stay within its budget",
-                "rejected": "Entries dropped as torn, corrupt or another model's (then recomputed)",
-                "load_seconds": "Seconds spent loading entries from this tier"}
+        docs = {
+            "queries": "Lookups that ran past the device pools into this tier",
+            "hits": "Entries this tier gave (cpu: loaded into the device pools; disk: read into host memory)",
+            "hit_tokens": "Prompt tokens of prefix hits that loaded from host memory",
+            "bytes_read": "Bytes read from this tier",
+            "bytes_written": "Bytes written to this tier",
+            "evictions": "Entries evicted from this tier to stay within its budget",
+            "rejected": "Entries dropped as torn, corrupt or another model's (then recomputed)",
+            "load_seconds": "Seconds spent loading entries from this tier",
+        }
         n = len(TIER_FIELDS)
         for i, field in enumerate(TIER_FIELDS):
             if field == "bytes_held":
-                fam = GaugeMetricFamily("k3serve:prefix_cache_tier_bytes", "Bytes this tier holds now",
-                                        labels=[*LABELS, "tier"])
+                fam = GaugeMetricFamily(
+                    "k3serve:prefix_cache_tier_bytes", "Bytes this tier holds now", labels=[*LABELS, "tier"]
+                )
             else:
                 fam = CounterMetricFamily(f"k3serve:prefix_cache_tier_{field}", docs[field], labels=[*LABELS, "tier"])
             for j, tier in enumerate(TIERS):

@@ -17,9 +17,17 @@ from k3serve.server.reasoning_parser import REASONING_PARSERS
 from k3serve.server.tool_parser import TOOL_PARSERS
 from k3serve.server.xtml import complete_length, stable_length
 
-K2_MARKERS = ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_section_begin|>",
-              "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-              "<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+K2_MARKERS = (
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_section_end|>",
+)
 
 
 def json_calls(text: str) -> list[ParsedCall]:
@@ -28,9 +36,14 @@ def json_calls(text: str) -> list[ParsedCall]:
         value = json.loads(text)
     except ValueError:
         return []
-    if not (isinstance(value, list) and value and all(
+    if not (
+        isinstance(value, list)
+        and value
+        and all(
             isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict)
-            for c in value)):
+            for c in value
+        )
+    ):
         return []
     return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
@@ -47,9 +60,18 @@ class Delta:
 
 
 class OutputParser:
-    def __init__(self, family: str, start_channel: str | None = None, *, reasoning: bool = True,
-                 tools_enabled: bool = False, parallel_tool_calls: bool = True, history_calls: int = 0,
-                 declared: frozenset[str] | None = None, json_calls: bool = False):
+    def __init__(
+        self,
+        family: str,
+        start_channel: str | None = None,
+        *,
+        reasoning: bool = True,
+        tools_enabled: bool = False,
+        parallel_tool_calls: bool = True,
+        history_calls: int = 0,
+        declared: frozenset[str] | None = None,
+        json_calls: bool = False,
+    ):
         """`json_calls`: the reply is a JSON array of calls (server/tool_choice.py
         json_tool_choice); it becomes tool_calls once whole, and stays content if it never is."""
         if family not in TOOL_PARSERS:
@@ -64,7 +86,7 @@ class OutputParser:
 
     def parse(self, text: str) -> Parsed:
         if self.family == "kimi_k3":  # a reply cut inside a marker: the half marker is no text
-            text = text[:complete_length(text)]
+            text = text[: complete_length(text)]
         reasoning, rest, channel = "", text, self.start_channel
         if self.reasoning is not None:
             reasoning, rest, channel = self.reasoning.split(text, self.start_channel)
@@ -79,14 +101,16 @@ class OutputParser:
             calls = []
         elif not self.parallel:
             calls = calls[:1]
-        calls = [ParsedCall(c.name, c.arguments, c.id or f"functions.{c.name}:{self.history + i}")
-                 for i, c in enumerate(calls)]
+        calls = [
+            ParsedCall(c.name, c.arguments, c.id or f"functions.{c.name}:{self.history + i}")
+            for i, c in enumerate(calls)
+        ]
         return Parsed(reasoning, content, calls)
 
     def stable(self, text: str) -> str:
         if self.family == "kimi_k3":
-            return text[:stable_length(text)]
-        return text[:hold_back(text, K2_MARKERS)]
+            return text[: stable_length(text)]
+        return text[: hold_back(text, K2_MARKERS)]
 
     def delta(self, text: str, final: bool) -> Delta:
         now = self.parse(text if final else self.stable(text))
@@ -96,7 +120,10 @@ class OutputParser:
         if not (now.reasoning.startswith(sent.reasoning) and now.content.startswith(sent.content)):
             # cannot happen for stable prefixes; never resend or rewrite what a client holds
             return Delta()
-        out = Delta(now.reasoning[len(sent.reasoning):], now.content[len(sent.content):],
-                    list(enumerate(now.tool_calls))[len(sent.tool_calls):])
+        out = Delta(
+            now.reasoning[len(sent.reasoning) :],
+            now.content[len(sent.content) :],
+            list(enumerate(now.tool_calls))[len(sent.tool_calls) :],
+        )
         self._sent = now
         return out

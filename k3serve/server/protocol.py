@@ -21,6 +21,7 @@ MAX_N = 128  # parallel samples per request; each holds a KDA state slot
 
 class _Open(BaseModel):
     """A shape checked field by field; fields it does not name pass through untouched."""
+
     model_config = ConfigDict(extra="allow")
 
 
@@ -42,6 +43,7 @@ class ContentPart(_Open):
 
 class ChatMessage(_Open):
     """One OpenAI chat message; `role` values and part types are checked by the renderer (400)."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -150,28 +152,43 @@ class _Sampling(BaseModel):
             raise APIError(400, f"min_tokens ({self.min_tokens}) must be <= max_tokens ({asked})", param="min_tokens")
         return min(self.min_tokens, max_tokens)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None,
-                        **extra: Any) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: dict | None = None, **extra: Any
+    ) -> SamplingParams:
         """`defaults` (generation_config.json) fill what the request leaves unset."""
         d = defaults or {}
 
         def pick(name: str, fallback):
             own = getattr(self, name)
             return own if own is not None else d.get(name, fallback)
+
         try:
             bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         try:
             return SamplingParams(
-                n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
-                top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-                include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
-                min_tokens=self._min_tokens(max_tokens), ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs, logit_bias=bias,
-                skip_special_tokens=self.skip_special_tokens, **extra)
+                n=self.n,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                seed=self.seed,
+                stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [],
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                max_tokens=max_tokens,
+                min_tokens=self._min_tokens(max_tokens),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
+                logit_bias=bias,
+                skip_special_tokens=self.skip_special_tokens,
+                **extra,
+            )
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ")[0]) from None
 
@@ -198,11 +215,11 @@ class ChatCompletionRequest(_Sampling):
 
     def thinking_budget(self) -> int | None:
         """The most tokens the think channel may take before its closing is forced, or None."""
-        given = {n: v for n in ("thinking_token_budget", "max_thinking_tokens")
-                 if (v := getattr(self, n)) is not None}
+        given = {n: v for n in ("thinking_token_budget", "max_thinking_tokens") if (v := getattr(self, n)) is not None}
         if len(set(given.values())) > 1:
-            raise APIError(400, "thinking_token_budget and max_thinking_tokens disagree; give one",
-                           param="max_thinking_tokens")
+            raise APIError(
+                400, "thinking_token_budget and max_thinking_tokens disagree; give one", param="max_thinking_tokens"
+            )
         for name, v in given.items():
             if v < 0:
                 raise APIError(400, f"{name} must be >= 0, got {v}", param=name)

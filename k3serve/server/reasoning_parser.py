@@ -27,9 +27,9 @@ class KimiK3ReasoningParser:
         parts = []
         for e in events:
             if e.kind == "close" and e.value == "think":
-                return "".join(parts), text[e.end:], None
+                return "".join(parts), text[e.end :], None
             if (e.kind == "open" and e.value in ("response", "tools")) or (e.kind == "close" and e.value == "message"):
-                return "".join(parts), text[e.start:], None
+                return "".join(parts), text[e.start :], None
             if e.kind == "text":
                 parts.append(e.value)  # stray markers inside the think channel are dropped
         return "".join(parts), "", None
@@ -42,7 +42,7 @@ class KimiK2ReasoningParser:
     def split(self, text: str, start_channel: str | None) -> tuple[str, str, str | None]:
         in_think = start_channel == "think"
         if text.startswith("<think>"):
-            in_think, text = True, text[len("<think>"):]
+            in_think, text = True, text[len("<think>") :]
         if not in_think:
             return "", text, start_channel
         ends = [(text.find(m), len(m)) for m in ("</think>",)] + [(text.find(m), 0) for m in K2_SECTION_BEGIN]
@@ -50,7 +50,7 @@ class KimiK2ReasoningParser:
         if not ends:
             return text, "", None
         i, n = min(ends)
-        return text[:i], text[i + n:], None
+        return text[:i], text[i + n :], None
 
 
 REASONING_PARSERS = {"kimi_k3": KimiK3ReasoningParser, "kimi_k2": KimiK2ReasoningParser}

@@ -49,15 +49,14 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
 
     def check_fields(self) -> None:
-        for name in (self.model_extra or {}):
+        for name in self.model_extra or {}:
             raise APIError(400, f"unsupported field `{name}`: this server does not honour it", param=name)
         if self.background:
             raise APIError(400, "background responses are not supported", param="background")
         if self.include:
             raise APIError(400, f"include {self.include} is not supported", param="include")
         if self.truncation not in (None, "disabled"):
-            raise APIError(400, "truncation 'auto' is not supported: the prompt is never truncated",
-                           param="truncation")
+            raise APIError(400, "truncation 'auto' is not supported: the prompt is never truncated", param="truncation")
 
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -100,8 +99,11 @@ def input_messages(inp: str | list[dict], sources: list[int] | None = None) -> l
                 raise APIError(400, f"{where}.role {role!r} is not user, system, developer or assistant", param="input")
             msgs.append({"role": role, "content": _text(item.get("content", ""), where, images=role == "user")})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            call = {
+                "id": item.get("call_id") or item.get("id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
             last = msgs[-1] if msgs else None
             if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
                 last.setdefault("tool_calls", []).append(call)  # parallel calls of one turn
@@ -109,8 +111,13 @@ def input_messages(inp: str | list[dict], sources: list[int] | None = None) -> l
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             out = item.get("output", "")
-            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                         "content": out if isinstance(out, str) else _text(out, where)})
+            msgs.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": out if isinstance(out, str) else _text(out, where),
+                }
+            )
         elif kind == "reasoning":
             continue
         else:
@@ -126,8 +133,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     out = []
     for i, t in enumerate(tools):
         if t.get("type") != "function":
-            raise APIError(400, f"tools[{i}]: only function tools are supported, not {t.get('type')!r}",
-                           param="tools")
+            raise APIError(400, f"tools[{i}]: only function tools are supported, not {t.get('type')!r}", param="tools")
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
         out.append({"type": "function", "function": fn})
     return out
@@ -136,8 +142,9 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
 def chat_tool_choice(choice):
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not choice.get("name"):
-            raise APIError(400, "tool_choice must be auto, none, required or {type: function, name}",
-                           param="tool_choice")
+            raise APIError(
+                400, "tool_choice must be auto, none, required or {type: function, name}", param="tool_choice"
+            )
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
@@ -155,10 +162,16 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
     """The ChatCompletionRequest fields for this Responses request."""
     msgs = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     msgs += input_messages(req.input)
-    body: dict[str, Any] = {"model": req.model, "messages": msgs, "tools": chat_tools(req.tools),
-                            "parallel_tool_calls": req.parallel_tool_calls, "max_tokens": req.max_output_tokens,
-                            "temperature": req.temperature, "top_p": req.top_p, "response_format":
-                            response_format(req.text)}
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": msgs,
+        "tools": chat_tools(req.tools),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "response_format": response_format(req.text),
+    }
     if req.tool_choice is not None:
         body["tool_choice"] = chat_tool_choice(req.tool_choice)
     effort = (req.reasoning or {}).get("effort")
@@ -174,8 +187,15 @@ def output_items(p: Parsed, finished: bool = True) -> list[dict]:
     status = "completed" if finished else "incomplete"
     items: list[dict] = []
     if p.reasoning:
-        items.append({"type": "reasoning", "id": new_id("rs"), "summary": [],
-                      "content": [{"type": "reasoning_text", "text": p.reasoning}], "status": status})
+        items.append(
+            {
+                "type": "reasoning",
+                "id": new_id("rs"),
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": p.reasoning}],
+                "status": status,
+            }
+        )
     if p.content or not (p.tool_calls or p.reasoning):  # an empty reply is still one (empty) message
         items.append(message_item(p.content, status))
     for c in p.tool_calls:
@@ -184,19 +204,32 @@ def output_items(p: Parsed, finished: bool = True) -> list[dict]:
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "type": "message",
+        "id": item_id or new_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
 def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict:
-    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": "completed"}
+    return {
+        "type": "function_call",
+        "id": item_id or new_id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
 
 
 def assistant_message(p: Parsed) -> dict:
     """The reply as a chat message, for `previous_response_id` history."""
     msg: dict[str, Any] = {"role": "assistant", "content": p.content}
     if p.tool_calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in p.tool_calls]
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in p.tool_calls
+        ]
     return msg

@@ -35,8 +35,16 @@ PROBE_TIMEOUT_S = 5.0  # a prefill server's /v1/kv/held answer, and /v1/kv/relea
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                   "invalid_request_error", "code": status}}, status_code=status)
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "server_error" if status >= 500 else "invalid_request_error",
+                "code": status,
+            }
+        },
+        status_code=status,
+    )
 
 
 @dataclass
@@ -116,8 +124,11 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
                 tried.add(decode_url)
             await _release(client, prefilled)  # the retry prefills again: drop the unpulled state
         if pull_failed is not None:  # name the server that failed, not the decode server that asked it
-            return _error(503, f"the prefill server {pull_failed.prefill} failed before its state was pulled "
-                               f"(decode server {pull_failed.decode}: {pull_failed.message})")
+            return _error(
+                503,
+                f"the prefill server {pull_failed.prefill} failed before its state was pulled "
+                f"(decode server {pull_failed.decode}: {pull_failed.message})",
+            )
         return _error(503, "no decode server could serve the request (tried " + ", ".join(sorted(tried)) + ")")
 
     @app.post("/v1/completions")
@@ -143,14 +154,16 @@ async def _held(client: httpx.AsyncClient, pool: Pool, path: str, body: dict) ->
             return int(r.json()["held_tokens"]) if r.status_code == 200 else -1
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return -1
+
     return dict(zip(pool.prefill, await asyncio.gather(*(ask(u) for u in pool.prefill))))
 
 
 async def _release(client: httpx.AsyncClient, kv: dict) -> None:
     """Best effort: a prefill server that cannot be told keeps the state until its TTL."""
     try:
-        await client.post(kv["remote_url"] + "/v1/kv/release", json={"request_id": kv["remote_request_id"]},
-                          timeout=PROBE_TIMEOUT_S)
+        await client.post(
+            kv["remote_url"] + "/v1/kv/release", json={"request_id": kv["remote_request_id"]}, timeout=PROBE_TIMEOUT_S
+        )
     except httpx.HTTPError:
         pass
 
@@ -164,8 +177,11 @@ async def _prefill(client: httpx.AsyncClient, url: str, path: str, body: dict) -
         return _error(503, f"the prefill server {url} cannot be reached ({type(e).__name__})")
     if r.status_code != 200:
         return Response(r.content, status_code=r.status_code, media_type="application/json")
-    return {"do_remote_prefill": True, "remote_request_id": r.json()["kv_transfer_params"]["remote_request_id"],
-            "remote_url": url}
+    return {
+        "do_remote_prefill": True,
+        "remote_request_id": r.json()["kv_transfer_params"]["remote_request_id"],
+        "remote_url": url,
+    }
 
 
 @dataclass
@@ -177,8 +193,9 @@ class PullFailed:
     message: str
 
 
-async def _decode(client: httpx.AsyncClient, pool: Pool, url: str, path: str, body: dict,
-                  kv: dict) -> Response | PullFailed | None:
+async def _decode(
+    client: httpx.AsyncClient, pool: Pool, url: str, path: str, body: dict, kv: dict
+) -> Response | PullFailed | None:
     """The decode server's answer; None when it failed before sending anything (retry
     elsewhere); PullFailed when it says it could not pull the prefill's state (a 502)."""
     req = client.build_request("POST", url + path, json={**body, "kv_transfer_params": kv})
@@ -219,4 +236,5 @@ async def _decode(client: httpx.AsyncClient, pool: Pool, url: str, path: str, bo
         finally:  # also when the client left: closing the upstream aborts the decode
             await r.aclose()
             pool.in_flight[url] -= 1
+
     return StreamingResponse(relay(), media_type="text/event-stream")

@@ -53,8 +53,11 @@ def record(line: BatchLine, status: int | None = None, body: dict | None = None)
     if line.problem is not None:
         out["error"] = {"code": "invalid_request", "message": line.problem}
         return out
-    out["response"] = {"status_code": status, "request_id": (body or {}).get("id", f"batch-{uuid.uuid4().hex}"),
-                       "body": body}
+    out["response"] = {
+        "status_code": status,
+        "request_id": (body or {}).get("id", f"batch-{uuid.uuid4().hex}"),
+        "body": body,
+    }
     if status >= 400:
         err = (body or {}).get("error") or {}
         out["error"] = {"code": err.get("code") or err.get("type") or str(status), "message": err.get("message", "")}
@@ -68,8 +71,11 @@ async def run_lines(app, texts: list[str], concurrency: int) -> list[dict]:
     lines = [parse_line(i + 1, t) for i, t in enumerate(texts) if t.strip()]
     gate = asyncio.Semaphore(max(1, concurrency))
     transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://batch",
-                                                                   timeout=None) as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client,
+    ):
+
         async def one(line: BatchLine) -> dict:
             if line.problem is not None:
                 return record(line)
@@ -80,6 +86,7 @@ async def run_lines(app, texts: list[str], concurrency: int) -> list[dict]:
             except ValueError:
                 body = {"error": {"message": r.text, "code": str(r.status_code)}}
             return record(line, r.status_code, body)
+
         return await asyncio.gather(*(one(line) for line in lines))
 
 

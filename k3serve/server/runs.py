@@ -13,7 +13,7 @@ from fastapi import Request
 
 from k3serve.engine.async_engine import EngineOverloaded, EngineUnavailable, RequestFailed
 from k3serve.engine.outputs import RequestOutput
-from k3serve.multimodal.video import ProcessedVideo
+from k3serve.server.media import engine_prompt
 from k3serve.sampling.params import ParamError, SamplingParams
 from k3serve.server.errors import APIError, error_body
 from k3serve.server.state import ServerState
@@ -76,27 +76,36 @@ async def _disconnect(raw: Request) -> None:
         pass
 
 
-def engine_prompt(prompt_ids: list[int], media: tuple = ()) -> dict:
-    """The engine's prompt input: ids, and the rendered images and videos (vLLM's keys)."""
-    prompt: dict = {"prompt_token_ids": prompt_ids}
-    if media:
-        prompt["multi_modal_data"] = {"image": [m for m in media if not isinstance(m, ProcessedVideo)],
-                                      "video": [m for m in media if isinstance(m, ProcessedVideo)]}
-    return prompt
-
-
 class Run:
-    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0, media: tuple = (), keep_cache: bool = False, handoff=None):
+    def __init__(
+        self,
+        state: ServerState,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        media: tuple = (),
+        keep_cache: bool = False,
+        handoff=None,
+    ):
         self.state, self.prompt_ids, self.params, self.request_id = state, prompt_ids, params, request_id
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
-        self._gen = state.engine.generate(engine_prompt(prompt_ids, media), params, request_id, priority,
-                                          keep_cache, handoff)
+        self._gen = state.engine.generate(
+            engine_prompt(prompt_ids, media), params, request_id, priority, keep_cache, handoff
+        )
         if state.log_requests:
             p = params
-            log.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, top_k=%s, "
-                     "seed=%s", request_id, len(prompt_ids), p.n, p.max_tokens, p.temperature, p.top_p, p.top_k,
-                     p.seed)
+            log.info(
+                "request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, top_k=%s, seed=%s",
+                request_id,
+                len(prompt_ids),
+                p.n,
+                p.max_tokens,
+                p.temperature,
+                p.top_p,
+                p.top_k,
+                p.seed,
+            )
         self._first: RequestOutput | None = None
         self._recorded = False
         self._tokens, self._at = 0, self.arrival  # output tokens seen so far, and when
@@ -163,11 +172,23 @@ class Run:
         self._recorded = True
         n = sum(len(o.token_ids) for o in out.outputs)
         if self.state.log_requests:
-            log.info("request %s finished: %d tokens, %s, %.3f s", self.request_id, n,
-                     ",".join(str(o.finish_reason) for o in out.outputs), time.monotonic() - self.arrival)
+            log.info(
+                "request %s finished: %d tokens, %s, %.3f s",
+                self.request_id,
+                n,
+                ",".join(str(o.finish_reason) for o in out.outputs),
+                time.monotonic() - self.arrival,
+            )
         asked = self.params.max_tokens
         if asked is None:  # up to the context: what is left of it after the prompt
             asked = max(0, self.state.max_model_len - len(self.prompt_ids))
-        self.state.metrics.observe_request(len(self.prompt_ids), n, [o.finish_reason for o in out.outputs],
-                                           self.arrival, self.first_token, time.monotonic(), out.metrics,
-                                           max_tokens=asked)
+        self.state.metrics.observe_request(
+            len(self.prompt_ids),
+            n,
+            [o.finish_reason for o in out.outputs],
+            self.arrival,
+            self.first_token,
+            time.monotonic(),
+            out.metrics,
+            max_tokens=asked,
+        )

@@ -60,8 +60,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     keep = role == "produce"
     runs, handoff = [], None
     for k, (_, ids) in enumerate(prompts):
-        params = req.sampling_params(state.max_tokens(len(ids), req.max_tokens, "prompt"), top_n,
-                                     state.sampling_defaults, structured=structured)
+        params = req.sampling_params(
+            state.max_tokens(len(ids), req.max_tokens, "prompt"), top_n, state.sampling_defaults, structured=structured
+        )
         if wanted:
             params = dataclasses.replace(params, prompt_logprobs=max(wanted))
         if isinstance(role, RemotePrefill):  # pull only once the request is known to be servable
@@ -77,8 +78,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     head = {"id": rid, "created": int(time.time()), "model": state.served_model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, runs, prompts, head, req, include_usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(state, runs, prompts, head, req, include_usage), media_type="text/event-stream"
+        )
     try:
         outs = await unless_disconnected(raw, finals(runs))
     except ClientGone:
@@ -87,12 +89,20 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     for k, (final, (text, ids)) in enumerate(zip(outs, prompts)):
         prefix = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
         for o in final.outputs:
-            lp = completion_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n,
-                                     len(prefix)) if top_n is not None else None
+            lp = (
+                completion_logprobs(state.tokenizer, o.token_ids, o.logprobs, top_n, len(prefix))
+                if top_n is not None
+                else None
+            )
             if req.echo and top_n is not None:
                 lp = join_logprobs(echo_logprobs(state.tokenizer, ids, final.prompt_logprobs, top_n), lp)
-            choice = {"index": k * req.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
-                      "stop_reason": o.stop_reason, "logprobs": lp}
+            choice = {
+                "index": k * req.n + o.index,
+                "text": prefix + o.text,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+                "logprobs": lp,
+            }
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, final.prompt_logprobs)
             choices.append(choice)
@@ -101,8 +111,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     cached = sum(f.num_cached_tokens for f in outs)
     body = {**head, "object": "text_completion", "choices": choices, "usage": usage(n_prompt, n_out, cached)}
     if keep:  # what the decode side pulls with (POST /v1/kv/pull)
-        body["kv_transfer_params"] = {"remote_request_id": runs[0].request_id,
-                                      "remote_block_size": state.engine.engine.cache.block_size}
+        body["kv_transfer_params"] = {
+            "remote_request_id": runs[0].request_id,
+            "remote_block_size": state.engine.engine.cache.block_size,
+        }
     return JSONResponse(body)
 
 
@@ -128,8 +140,14 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
             for k, (text, ids) in enumerate(prompts):
                 for i in range(req.n):
                     echo = text if text is not None else state.tokenizer.decode(ids)
-                    yield sse({**chunk, "choices": [{"index": k * req.n + i, "text": echo, "logprobs": None,
-                                                     "finish_reason": None}]})
+                    yield sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {"index": k * req.n + i, "text": echo, "logprobs": None, "finish_reason": None}
+                            ],
+                        }
+                    )
         live = len(runs)
         while live:
             k, item = await queue.get()
@@ -150,8 +168,19 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
                 if not (text or lp or o.finished):
                     continue  # bytes of a character still in flight: nothing to show yet
                 sent[(k, o.index)] = (len(o.text), len(o.token_ids))
-                yield sse({**chunk, "choices": [{"index": k * req.n + o.index, "text": text, "logprobs": lp,
-                                                 "finish_reason": o.finish_reason if o.finished else None}]})
+                yield sse(
+                    {
+                        **chunk,
+                        "choices": [
+                            {
+                                "index": k * req.n + o.index,
+                                "text": text,
+                                "logprobs": lp,
+                                "finish_reason": o.finish_reason if o.finished else None,
+                            }
+                        ],
+                    }
+                )
         if include_usage:
             n_prompt = sum(len(ids) for _, ids in prompts)
             n_out = sum(len(o.token_ids) for r in runs if r.last for o in r.last.outputs)
@@ -165,8 +194,12 @@ async def _stream(state: ServerState, runs: list[Run], prompts, head, req: Compl
 def _echo_choice(state: ServerState, req: CompletionRequest, index: int, prompt, out) -> dict:
     """The streamed echo of a prompt, with its logprobs once the engine has computed them."""
     text, ids = prompt
-    choice = {"index": index, "text": text if text is not None else state.tokenizer.decode(ids),
-              "logprobs": None, "finish_reason": None}
+    choice = {
+        "index": index,
+        "text": text if text is not None else state.tokenizer.decode(ids),
+        "logprobs": None,
+        "finish_reason": None,
+    }
     if req.logprobs is not None:
         choice["logprobs"] = echo_logprobs(state.tokenizer, ids, out.prompt_logprobs, req.logprobs)
     if req.prompt_logprobs is not None:

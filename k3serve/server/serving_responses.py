@@ -22,30 +22,63 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.server.errors import APIError
 from k3serve.server.protocol import ChatCompletionRequest
-from k3serve.server.responses_convert import (ECHOED, ResponsesRequest, assistant_message, call_item, chat_body,
-                                              input_messages, message_item, output_items)
+from k3serve.server.responses_convert import (
+    ECHOED,
+    ResponsesRequest,
+    assistant_message,
+    call_item,
+    chat_body,
+    input_messages,
+    message_item,
+    output_items,
+)
 from k3serve.server.runs import ClientGone, stream_error, unless_disconnected
 from k3serve.server.serving_chat import start_chat
 from k3serve.server.state import ServerState, new_id
 
 
 def _usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + output_tokens}
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
 
 
-def _body(state: ServerState, req: ResponsesRequest, rid: str, created: int, status: str, output: list,
-          usage: dict | None, incomplete: str | None = None) -> dict:
-    body = {"id": rid, "object": "response", "created_at": created, "status": status,
-            "model": state.served_model_name, "output": output, "error": None,
-            "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
-            "reasoning": req.reasoning or {"effort": None, "summary": None}, "store": req.store,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
-            "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p, "usage": usage}
+def _body(
+    state: ServerState,
+    req: ResponsesRequest,
+    rid: str,
+    created: int,
+    status: str,
+    output: list,
+    usage: dict | None,
+    incomplete: str | None = None,
+) -> dict:
+    body = {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": state.served_model_name,
+        "output": output,
+        "error": None,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": req.reasoning or {"effort": None, "summary": None},
+        "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": req.text or {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "usage": usage,
+    }
     body.update({k: getattr(req, k) for k in ECHOED if getattr(req, k) is not None})
     body.setdefault("metadata", {})
     return body
@@ -65,13 +98,15 @@ def input_location(message: str, req: ResponsesRequest, total: int) -> str:
         if req.instructions and k == 0:
             return "instructions"
         return f"an earlier turn (previous_response_id), message {k - bool(req.instructions)}"
+
     return re.sub(r"messages\[(\d+)\]", where, message)
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request):
     req.check_fields()
-    history = state.responses.get(req.previous_response_id, "previous_response_id")[1] \
-        if req.previous_response_id else []
+    history = (
+        state.responses.get(req.previous_response_id, "previous_response_id")[1] if req.previous_response_id else []
+    )
     try:
         chat_req = ChatCompletionRequest(**chat_body(req, history))
     except ValueError as e:
@@ -93,11 +128,21 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     o = last.outputs[0]
     parsed = chat.make_parser().parse(o.text)
     incomplete = "max_output_tokens" if o.finish_reason == "length" else None
-    body = _body(state, req, rid, created, "incomplete" if incomplete else "completed",
-                 output_items(parsed, not incomplete),
-                 _usage(len(chat.prompt.token_ids), len(o.token_ids), last.num_cached_tokens,
-                        _reasoning_tokens(state, chat, list(o.token_ids), parsed.reasoning)),
-                 incomplete)
+    body = _body(
+        state,
+        req,
+        rid,
+        created,
+        "incomplete" if incomplete else "completed",
+        output_items(parsed, not incomplete),
+        _usage(
+            len(chat.prompt.token_ids),
+            len(o.token_ids),
+            last.num_cached_tokens,
+            _reasoning_tokens(state, chat, list(o.token_ids), parsed.reasoning),
+        ),
+        incomplete,
+    )
     if req.store:
         state.responses.put(rid, body, convo + [assistant_message(parsed)])
     return JSONResponse(body)
@@ -139,9 +184,17 @@ async def _events(state: ServerState, req: ResponsesRequest, chat, rid: str, cre
         else:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item["content"] = [part]
-            out = [ev("response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=text,
-                      logprobs=[]),
-                   ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part)]
+            out = [
+                ev(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=i,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part),
+            ]
         item["status"] = "completed"
         output.append(item)
         open_item, text = None, ""
@@ -158,9 +211,10 @@ async def _events(state: ServerState, req: ResponsesRequest, chat, rid: str, cre
             return out + [ev("response.output_item.added", output_index=i, item=open_item)]
         open_item = {**message_item("", "in_progress"), "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return out + [ev("response.output_item.added", output_index=i, item=open_item),
-                      ev("response.content_part.added", item_id=open_item["id"], output_index=i, content_index=0,
-                         part=part)]
+        return out + [
+            ev("response.output_item.added", output_index=i, item=open_item),
+            ev("response.content_part.added", item_id=open_item["id"], output_index=i, content_index=0, part=part),
+        ]
 
     o = None
     try:
@@ -174,17 +228,24 @@ async def _events(state: ServerState, req: ResponsesRequest, chat, rid: str, cre
                     text += piece
                     name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
                     extra = {} if kind == "reasoning" else {"logprobs": []}
-                    yield ev(name, item_id=open_item["id"], output_index=len(output), content_index=0, delta=piece,
-                             **extra)
+                    yield ev(
+                        name, item_id=open_item["id"], output_index=len(output), content_index=0, delta=piece, **extra
+                    )
             for _, c in d.tool_calls:
                 for e in close():
                     yield e
                 item, i = call_item(c.id, c.name, ""), len(output)
                 yield ev("response.output_item.added", output_index=i, item=item)
-                yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                         delta=c.arguments)
-                yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                         arguments=c.arguments, name=c.name)
+                yield ev(
+                    "response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=c.arguments
+                )
+                yield ev(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=i,
+                    arguments=c.arguments,
+                    name=c.name,
+                )
                 item["arguments"] = c.arguments
                 output.append(item)
                 yield ev("response.output_item.done", output_index=i, item=item)
@@ -199,8 +260,12 @@ async def _events(state: ServerState, req: ResponsesRequest, chat, rid: str, cre
             yield e
     incomplete = "max_output_tokens" if o is not None and o.finish_reason == "length" else None
     last = chat.run.last
-    usage = _usage(len(chat.prompt.token_ids), len(o.token_ids) if o else 0, last.num_cached_tokens if last else 0,
-                   _reasoning_tokens(state, chat, list(o.token_ids), parsed.reasoning) if parsed else 0)
+    usage = _usage(
+        len(chat.prompt.token_ids),
+        len(o.token_ids) if o else 0,
+        last.num_cached_tokens if last else 0,
+        _reasoning_tokens(state, chat, list(o.token_ids), parsed.reasoning) if parsed else 0,
+    )
     body = _body(state, req, rid, created, "incomplete" if incomplete else "completed", output, usage, incomplete)
     if req.store and parsed is not None:
         state.responses.put(rid, body, convo + [assistant_message(parsed)])

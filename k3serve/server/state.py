@@ -20,9 +20,16 @@ from k3serve.server.errors import APIError
 from k3serve.server.metrics import ServerMetrics
 
 PREP_THREADS = 2
-STRUCTURAL = {"kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
-              "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                          "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
+STRUCTURAL = {
+    "kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
+    "kimi_k2": (
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ),
+}
 
 
 log = logging.getLogger("k3serve.server")
@@ -59,8 +66,11 @@ class ServerState:
         if problem:
             raise ValueError(problem)
         if self.renderer.missing_xtml and self.renderer.source:
-            log.warning("the tokenizer lacks K3's XTML specials (%s): chat is rendered with %s",
-                        ", ".join(self.renderer.missing_xtml), self.renderer.source)
+            log.warning(
+                "the tokenizer lacks K3's XTML specials (%s): chat is rendered with %s",
+                ", ".join(self.renderer.missing_xtml),
+                self.renderer.source,
+            )
         family = "kimi_k3" if self.model_type == "kimi_k3" else "kimi_k2"
         self.tool_call_parser = self.tool_call_parser or family
         self.reasoning_parser = self.reasoning_parser or family
@@ -99,17 +109,24 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, "", self.served_model_name):
-            raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{self.served_model_name}`", param="model", type="NotFoundError")
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.served_model_name}`",
+                param="model",
+                type="NotFoundError",
+            )
 
     def max_tokens(self, prompt_len: int, requested: int | None, where: str = "messages") -> int:
         L = self.max_model_len
         if prompt_len >= L or (requested is not None and prompt_len + requested > L):
             asked = prompt_len + (requested or 0)
-            raise APIError(400, f"This model's maximum context length is {L} tokens. However, you requested "
-                                f"{asked} tokens ({prompt_len} in the {where}, {requested or 0} in the "
-                                f"completion). Please reduce the length of the {where} or completion.",
-                           param="max_tokens" if prompt_len < L else where)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {L} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the {where}, {requested or 0} in the "
+                f"completion). Please reduce the length of the {where} or completion.",
+                param="max_tokens" if prompt_len < L else where,
+            )
         if requested is not None and requested < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
         if requested is not None:
@@ -134,6 +151,9 @@ def sse(obj) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -20,11 +20,15 @@ log = logging.getLogger("k3serve.stats")
 def stats_line(prev: dict, now: dict, seconds: float, stats) -> str:
     """`prev` / `now`: engine counters (prompt_tokens, generation_tokens); `stats`: EngineStats."""
     dt = max(seconds, 1e-9)
-    parts = [f"avg prompt throughput {(now['prompt_tokens'] - prev['prompt_tokens']) / dt:.1f} tokens/s",
-             f"avg generation throughput {(now['generation_tokens'] - prev['generation_tokens']) / dt:.1f} tokens/s",
-             f"running {stats.num_running} reqs", f"waiting {stats.num_waiting} reqs",
-             f"KV cache usage {100 * stats.kv_cache_usage:.1f}%", f"KDA slots {100 * stats.state_slot_usage:.1f}%",
-             f"prefix cache hit rate {100 * stats.prefix_hits / max(1, stats.prefix_queries):.1f}%"]
+    parts = [
+        f"avg prompt throughput {(now['prompt_tokens'] - prev['prompt_tokens']) / dt:.1f} tokens/s",
+        f"avg generation throughput {(now['generation_tokens'] - prev['generation_tokens']) / dt:.1f} tokens/s",
+        f"running {stats.num_running} reqs",
+        f"waiting {stats.num_waiting} reqs",
+        f"KV cache usage {100 * stats.kv_cache_usage:.1f}%",
+        f"KDA slots {100 * stats.state_slot_usage:.1f}%",
+        f"prefix cache hit rate {100 * stats.prefix_hits / max(1, stats.prefix_queries):.1f}%",
+    ]
     if stats.spec_drafts:
         parts.append(f"spec acceptance length {1 + stats.spec_accepted_tokens / stats.spec_drafts:.2f}")
     return "Engine: " + ", ".join(parts)

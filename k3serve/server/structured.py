@@ -29,11 +29,15 @@ def _from_response_format(rf: dict | None) -> tuple[str, Any] | None:
     if rf["type"] == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
-            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
-                           param="response_format")
+            raise APIError(
+                400, "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+            )
         return "json", js["schema"]
-    raise APIError(400, f"response_format type {rf['type']!r} is not one of text, json_object, json_schema",
-                   param="response_format")
+    raise APIError(
+        400,
+        f"response_format type {rf['type']!r} is not one of text, json_object, json_schema",
+        param="response_format",
+    )
 
 
 def requested(req, any_whitespace: bool = False) -> tuple[str, Any, bool] | None:
@@ -53,19 +57,26 @@ def requested(req, any_whitespace: bool = False) -> tuple[str, Any, bool] | None
         if unknown:
             raise APIError(400, f"structured_outputs.{unknown[0]} is not supported", param="structured_outputs")
         if len(kinds) != 1:
-            raise APIError(400, "structured_outputs needs exactly one of " + ", ".join(SO_KINDS),
-                           param="structured_outputs")
+            raise APIError(
+                400, "structured_outputs needs exactly one of " + ", ".join(SO_KINDS), param="structured_outputs"
+            )
         found.append(("structured_outputs", kinds[0], so[kinds[0]]))
         any_ws = not so.get("disable_any_whitespace", not any_whitespace)
     for field, kind in GUIDED.items():
         if getattr(req, field) is not None:
             found.append((field, kind, getattr(req, field)))
     if req.guided_whitespace_pattern is not None:
-        raise APIError(400, "guided_whitespace_pattern is not supported; use structured_outputs."
-                            "disable_any_whitespace", param="guided_whitespace_pattern")
+        raise APIError(
+            400,
+            "guided_whitespace_pattern is not supported; use structured_outputs.disable_any_whitespace",
+            param="guided_whitespace_pattern",
+        )
     if req.guided_decoding_backend not in BACKENDS:
-        raise APIError(400, f"guided_decoding_backend must be xgrammar (or auto), got {req.guided_decoding_backend!r}",
-                       param="guided_decoding_backend")
+        raise APIError(
+            400,
+            f"guided_decoding_backend must be xgrammar (or auto), got {req.guided_decoding_backend!r}",
+            param="guided_decoding_backend",
+        )
     if len(found) > 1:
         raise APIError(400, f"give one output constraint, not {found[0][0]} and {found[1][0]}", param=found[1][0])
     if not found:
@@ -78,8 +89,10 @@ def requested(req, any_whitespace: bool = False) -> tuple[str, Any, bool] | None
     return kind, spec, any_ws
 
 
-XGRAMMAR_MISSING = ("structured outputs and required / named tool_choice need xgrammar, which is not installed: "
-                    "pip install --no-deps xgrammar==0.2.9 (or pip install 'k3serve[structured]')")
+XGRAMMAR_MISSING = (
+    "structured outputs and required / named tool_choice need xgrammar, which is not installed: "
+    "pip install --no-deps xgrammar==0.2.9 (or pip install 'k3serve[structured]')"
+)
 
 
 def xgrammar_missing() -> str | None:
@@ -110,8 +123,11 @@ def k3_chat_span(tokenizer, start_channel: str | None, think_budget: int | None 
     """start_after / stop_ids / tail for the K3 response channel, and the think channel's
     closing when the prompt opened one."""
     closing = encode_segments(tokenizer, close_tag("response") + close_tag("message") + [Seg(EOM, True)])
-    return {**k3_think_close(tokenizer, start_channel, think_budget), "stop_ids": (closing[0],),
-            "tail": tuple(closing[1:])}
+    return {
+        **k3_think_close(tokenizer, start_channel, think_budget),
+        "stop_ids": (closing[0],),
+        "tail": tuple(closing[1:]),
+    }
 
 
 def k3_think_close(tokenizer, start_channel: str | None, think_budget: int | None, refuse: bool = True) -> dict:
@@ -123,8 +139,12 @@ def k3_think_close(tokenizer, start_channel: str | None, think_budget: int | Non
         return {}
     opening = encode_segments(tokenizer, open_tag("response"))
     refused = (tokenizer.token_to_id(EOM), tokenizer.token_to_id(OPEN)) if refuse else ()
-    return {"start_after": tuple(opening), "free_budget": think_budget, "free_refused": refused,
-            "free_close": tuple(encode_segments(tokenizer, close_tag("think")) + opening)}
+    return {
+        "start_after": tuple(opening),
+        "free_budget": think_budget,
+        "free_refused": refused,
+        "free_close": tuple(encode_segments(tokenizer, close_tag("think")) + opening),
+    }
 
 
 def whole_output_span(eos_token_id: int | None) -> dict:

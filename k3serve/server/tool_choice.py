@@ -42,11 +42,17 @@ def _call_tag(tool: dict):
 
     fn = tool.get("function") or {}
     params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return TagFormat(begin=f'{OPEN}call tool="{fn["name"]}" index="',
-                     content=SequenceFormat(elements=[RegexFormat(pattern=r"[1-9][0-9]?"),
-                                                      ConstStringFormat(value=f'"{SEP}'),
-                                                      JSONSchemaFormat(json_schema=params, style="kimi_k3_xml")]),
-                     end=f"{CLOSE}call{SEP}")
+    return TagFormat(
+        begin=f'{OPEN}call tool="{fn["name"]}" index="',
+        content=SequenceFormat(
+            elements=[
+                RegexFormat(pattern=r"[1-9][0-9]?"),
+                ConstStringFormat(value=f'"{SEP}'),
+                JSONSchemaFormat(json_schema=params, style="kimi_k3_xml"),
+            ]
+        ),
+        end=f"{CLOSE}call{SEP}",
+    )
 
 
 def _chosen(tools: list[dict], choice, parallel: bool) -> tuple[list[dict], bool]:
@@ -66,23 +72,42 @@ def _grammar(elements: list, eos_token_id: int, **where) -> StructuredOutputs:
 
 
 def k2_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: int) -> StructuredOutputs:
-    from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, RegexFormat, SequenceFormat,
-                                         TagFormat, TagsWithSeparatorFormat)
+    from xgrammar.structural_tag import (
+        ConstStringFormat,
+        JSONSchemaFormat,
+        RegexFormat,
+        SequenceFormat,
+        TagFormat,
+        TagsWithSeparatorFormat,
+    )
 
     tools, parallel = _chosen(tools, choice, parallel)
 
     def call(tool: dict):
         fn = tool.get("function") or {}
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        return TagFormat(begin=f"<|tool_call_begin|>functions.{fn['name']}:",
-                         content=SequenceFormat(elements=[RegexFormat(pattern=r"[0-9]{1,2}"),
-                                                          ConstStringFormat(value="<|tool_call_argument_begin|>"),
-                                                          JSONSchemaFormat(json_schema=params)]),
-                         end="<|tool_call_end|>")
-    return _grammar([ConstStringFormat(value="<|tool_calls_section_begin|>"),
-                     TagsWithSeparatorFormat(tags=[call(t) for t in tools], separator="", at_least_one=True,
-                                             stop_after_first=not parallel),
-                     ConstStringFormat(value="<|tool_calls_section_end|>")], eos_token_id)
+        return TagFormat(
+            begin=f"<|tool_call_begin|>functions.{fn['name']}:",
+            content=SequenceFormat(
+                elements=[
+                    RegexFormat(pattern=r"[0-9]{1,2}"),
+                    ConstStringFormat(value="<|tool_call_argument_begin|>"),
+                    JSONSchemaFormat(json_schema=params),
+                ]
+            ),
+            end="<|tool_call_end|>",
+        )
+
+    return _grammar(
+        [
+            ConstStringFormat(value="<|tool_calls_section_begin|>"),
+            TagsWithSeparatorFormat(
+                tags=[call(t) for t in tools], separator="", at_least_one=True, stop_after_first=not parallel
+            ),
+            ConstStringFormat(value="<|tool_calls_section_end|>"),
+        ],
+        eos_token_id,
+    )
 
 
 def k3_tool_choice(tools: list[dict], choice, think: dict, parallel: bool, eos_token_id: int) -> StructuredOutputs:
@@ -91,10 +116,13 @@ def k3_tool_choice(tools: list[dict], choice, think: dict, parallel: bool, eos_t
     from xgrammar.structural_tag import ConstStringFormat, TagsWithSeparatorFormat
 
     tools, parallel = _chosen(tools, choice, parallel)
-    elements = [ConstStringFormat(value=f"{CLOSE}response{SEP}{OPEN}tools{SEP}"),
-                TagsWithSeparatorFormat(tags=[_call_tag(t) for t in tools], separator="", at_least_one=True,
-                                        stop_after_first=not parallel),
-                ConstStringFormat(value=f"{CLOSE}tools{SEP}{CLOSE}message{SEP}")]
+    elements = [
+        ConstStringFormat(value=f"{CLOSE}response{SEP}{OPEN}tools{SEP}"),
+        TagsWithSeparatorFormat(
+            tags=[_call_tag(t) for t in tools], separator="", at_least_one=True, stop_after_first=not parallel
+        ),
+        ConstStringFormat(value=f"{CLOSE}tools{SEP}{CLOSE}message{SEP}"),
+    ]
     return _grammar(elements, eos_token_id, **think)
 
 
@@ -104,12 +132,21 @@ def json_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: in
     {...}}, ...]`, constrained by a JSON schema over the declared tools (one item for a named
     choice or parallel_tool_calls false); the output parser turns it into tool_calls."""
     tools, parallel = _chosen(tools, choice, parallel)
-    items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "parameters": t["function"].get("parameters")
-                                               or {"type": "object", "properties": {}}},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": t["function"].get("parameters") or {"type": "object", "properties": {}},
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
-    return StructuredOutputs.json_schema(schema, any_whitespace=False,
-                                         stop_ids=(eos_token_id,) if eos_token_id is not None else ())
+    return StructuredOutputs.json_schema(
+        schema, any_whitespace=False, stop_ids=(eos_token_id,) if eos_token_id is not None else ()
+    )

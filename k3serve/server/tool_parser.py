@@ -34,8 +34,9 @@ def typed_value(text: str, kind: str):
 class KimiK3ToolParser:
     name = "kimi_k3"
 
-    def parse(self, text: str, start_channel: str | None,
-              declared: frozenset[str] | None = None) -> tuple[str, list[ParsedCall]]:
+    def parse(
+        self, text: str, start_channel: str | None, declared: frozenset[str] | None = None
+    ) -> tuple[str, list[ParsedCall]]:
         """(content, calls). A call to a tool not in `declared` stays content, in K3 markup, where
         it stood: later text follows it, so a streamed content stays a prefix of the final one."""
         content: list[str] = []
@@ -103,30 +104,37 @@ class KimiK2ToolParser:
     name = "kimi_k2"
     markers = K2_SECTION_BEGIN
     _END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
-    _CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>"
-                       r"(?P<args>.*?)<\|tool_call_end\|>", re.S)
+    _CALL = re.compile(
+        r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>"
+        r"(?P<args>.*?)<\|tool_call_end\|>",
+        re.S,
+    )
 
-    def parse(self, text: str, start_channel: str | None,
-              declared: frozenset[str] | None = None) -> tuple[str, list[ParsedCall]]:
+    def parse(
+        self, text: str, start_channel: str | None, declared: frozenset[str] | None = None
+    ) -> tuple[str, list[ParsedCall]]:
         """(content, calls); a call to a tool not in `declared` stays content where it stood."""
         begins = [(text.find(m), len(m)) for m in K2_SECTION_BEGIN if m in text]
         if not begins:
             return text, []
         i, n = min(begins)
-        section, after = text[i + n:], ""
+        section, after = text[i + n :], ""
         ends = [(section.find(m), len(m)) for m in self._END if m in section]
         if ends:
             j, m = min(ends)
-            section, after = section[:j], section[j + m:]
-        calls = [ParsedCall(self._name(c["id"]), c["args"].strip() or "{}", c["id"])
-                 for c in self._CALL.finditer(section)]
+            section, after = section[:j], section[j + m :]
+        calls = [
+            ParsedCall(self._name(c["id"]), c["args"].strip() or "{}", c["id"]) for c in self._CALL.finditer(section)
+        ]
         kept = "".join(self.render(c) for c in calls if declared is not None and c.name not in declared)
         return text[:i] + kept + after, [c for c in calls if declared is None or c.name in declared]
 
     @staticmethod
     def render(call: ParsedCall) -> str:
-        return (f"<|tool_call_begin|>{call.id or f'functions.{call.name}:0'}<|tool_call_argument_begin|>"
-                f"{call.arguments}<|tool_call_end|>")
+        return (
+            f"<|tool_call_begin|>{call.id or f'functions.{call.name}:0'}<|tool_call_argument_begin|>"
+            f"{call.arguments}<|tool_call_end|>"
+        )
 
     @staticmethod
     def _name(call_id: str) -> str:

@@ -24,34 +24,68 @@ class VllmFlag:
 
 
 FLAGS = [
-    VllmFlag("--disable-custom-all-reduce", False, "tensor parallelism all-reduces through the process group "
-             "(gloo); there is no custom all-reduce kernel to turn off"),
+    VllmFlag(
+        "--disable-custom-all-reduce",
+        False,
+        "tensor parallelism all-reduces through the process group "
+        "(gloo); there is no custom all-reduce kernel to turn off",
+    ),
     VllmFlag("--swap-space", True, "k3serve preempts by recompute and never swaps to CPU"),
     VllmFlag("--cpu-offload-gb", True, "weight offloading is not built", refuse=True, allowed=("0",)),
-    VllmFlag("--pipeline-parallel-size", True, "pipeline parallelism is not built", refuse=True,
-             allowed=("1",)),
-    VllmFlag("--mm-processor-kwargs", True, "images and video are processed as the checkpoint's own processor "
-             "does (MoonViT patches, 2 fps video chunks); its settings cannot be overridden", refuse=True),
-    VllmFlag("--otlp-traces-endpoint", True, "OpenTelemetry tracing is not built yet (issue 47); /metrics and "
-             "--enable-log-requests are what there is", refuse=True),
-    VllmFlag("--tokenizer-revision", True, "models and tokenizers load from local directories (no hub "
-             "downloads yet): there is no revision to pick", refuse=True),
-    VllmFlag("--hf-token", True, "nothing is downloaded (models load from local directories): the token is unused",
-             secret=True),
-    VllmFlag("--async-scheduling", False, "the engine schedules between steps on its own thread; nothing "
-             "overlaps the forward, so the flag changes nothing"),
-    VllmFlag("--max-num-partial-prefills", True, "several requests' prefill chunks share a step within "
-             "--max-num-batched-tokens; there is no separate cap on how many", refuse=True, allowed=()),
-
-    VllmFlag("--tokenizer-mode", True, "the tokenizer is read from the checkpoint (tiktoken or tokenizer.json)",
-             allowed=("auto", "slow", "fast")),
+    VllmFlag("--pipeline-parallel-size", True, "pipeline parallelism is not built", refuse=True, allowed=("1",)),
+    VllmFlag(
+        "--mm-processor-kwargs",
+        True,
+        "images and video are processed as the checkpoint's own processor "
+        "does (MoonViT patches, 2 fps video chunks); its settings cannot be overridden",
+        refuse=True,
+    ),
+    VllmFlag(
+        "--otlp-traces-endpoint",
+        True,
+        "OpenTelemetry tracing is not built yet (issue 47); /metrics and --enable-log-requests are what there is",
+        refuse=True,
+    ),
+    VllmFlag(
+        "--tokenizer-revision",
+        True,
+        "models and tokenizers load from local directories (no hub downloads yet): there is no revision to pick",
+        refuse=True,
+    ),
+    VllmFlag(
+        "--hf-token",
+        True,
+        "nothing is downloaded (models load from local directories): the token is unused",
+        secret=True,
+    ),
+    VllmFlag(
+        "--async-scheduling",
+        False,
+        "the engine schedules between steps on its own thread; nothing "
+        "overlaps the forward, so the flag changes nothing",
+    ),
+    VllmFlag(
+        "--max-num-partial-prefills",
+        True,
+        "several requests' prefill chunks share a step within "
+        "--max-num-batched-tokens; there is no separate cap on how many",
+        refuse=True,
+        allowed=(),
+    ),
+    VllmFlag(
+        "--tokenizer-mode",
+        True,
+        "the tokenizer is read from the checkpoint (tiktoken or tokenizer.json)",
+        allowed=("auto", "slow", "fast"),
+    ),
     VllmFlag("--disable-frontend-multiprocessing", False, "the API server and engine share one process"),
     VllmFlag("--enable-prompt-tokens-details", False, "usage always reports cached prompt tokens"),
     VllmFlag("--disable-fastapi-docs", False, "k3serve never serves /docs or /redoc"),
     VllmFlag("--lora-modules", True, "LoRA adapters are not supported", refuse=True),
     VllmFlag("--enable-lora", False, "LoRA adapters are not supported", refuse=True),
-    VllmFlag("--rope-scaling", True, "context length comes from the checkpoint's config; no rope override",
-             refuse=True),
+    VllmFlag(
+        "--rope-scaling", True, "context length comes from the checkpoint's config; no rope override", refuse=True
+    ),
     VllmFlag("--hf-overrides", True, "config overrides are not supported: edit config.json", refuse=True),
 ]
 BY_FLAG = {f.flag: f for f in FLAGS}

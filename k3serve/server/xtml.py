@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from k3serve.server.parsed import hold_back
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
-_MARKER = re.compile(r"<\|open\|>\s*([A-Za-z_][\w-]*)((?:\s+[\w-]+\s*=\s*\"[^\"]*\")*)\s*<\|sep\|>"
-                     r"|<\|close\|>\s*([A-Za-z_][\w-]*)\s*<\|sep\|>")
+_MARKER = re.compile(
+    r"<\|open\|>\s*([A-Za-z_][\w-]*)((?:\s+[\w-]+\s*=\s*\"[^\"]*\")*)\s*<\|sep\|>"
+    r"|<\|close\|>\s*([A-Za-z_][\w-]*)\s*<\|sep\|>"
+)
 _ATTR = re.compile(r"([\w-]+)\s*=\s*\"([^\"]*)\"")
 
 
@@ -38,7 +40,7 @@ def lex(text: str) -> list[Event]:
     events, pos = [], 0
     for m in _MARKER.finditer(text):
         if m.start() > pos:
-            events.append(Event("text", text[pos:m.start()], (), pos, m.start()))
+            events.append(Event("text", text[pos : m.start()], (), pos, m.start()))
         if m.group(1) is not None:
             attrs = tuple((k, unescape_attr(v)) for k, v in _ATTR.findall(m.group(2)))
             events.append(Event("open", m.group(1), attrs, m.start(), m.end()))

@@ -31,8 +31,15 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SpeculativeConfig":
-        known = {"method", "num_speculative_tokens", "model", "draft_sample_method", "rejection_sample_method",
-                 "prompt_lookup_min", "prompt_lookup_max"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "model",
+            "draft_sample_method",
+            "rejection_sample_method",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -42,9 +49,15 @@ class SpeculativeConfig:
         k = raw.get("num_speculative_tokens")
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in 1..16, got {k!r}")
-        cfg = cls(method, k, raw.get("model"), raw.get("draft_sample_method", "greedy"),
-                  raw.get("rejection_sample_method", "standard"), int(raw.get("prompt_lookup_min", 1)),
-                  int(raw.get("prompt_lookup_max", 4)))
+        cfg = cls(
+            method,
+            k,
+            raw.get("model"),
+            raw.get("draft_sample_method", "greedy"),
+            raw.get("rejection_sample_method", "standard"),
+            int(raw.get("prompt_lookup_min", 1)),
+            int(raw.get("prompt_lookup_max", 4)),
+        )
         if cfg.draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError("speculative_config.draft_sample_method must be 'greedy' or 'probabilistic'")
         if cfg.rejection_sample_method not in ("standard", "block"):

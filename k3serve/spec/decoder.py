@@ -13,26 +13,37 @@ from k3serve.spec.proposer import Draft, NgramProposer
 from k3serve.spec.verifier import SpecStats, verify
 
 
-def make_proposer(cfg: SpeculativeConfig, target, max_model_len: int, max_num_seqs: int,
-                  device: torch.device = torch.device("cpu")):
+def make_proposer(
+    cfg: SpeculativeConfig, target, max_model_len: int, max_num_seqs: int, device: torch.device = torch.device("cpu")
+):
     """The drafter, its model (if any) on `device`, the target's."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "dspark":
         from k3serve.spec.dspark import DSparkProposer
+
         proposer = DSparkProposer.load(cfg.model, target, cfg.draft_sample_method, device)
         block = proposer.model.cfg.block_size
         if cfg.num_speculative_tokens > block:  # a block draft proposes at most its block: more was silently fewer
-            raise ValueError(f"speculative_config: num_speculative_tokens {cfg.num_speculative_tokens} exceeds the "
-                             f"dspark draft's block_size {block} ({cfg.model})")
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens {cfg.num_speculative_tokens} exceeds the "
+                f"dspark draft's block_size {block} ({cfg.model})"
+            )
         return proposer
     from k3serve.spec.draft_model import DraftModelProposer
+
     return DraftModelProposer.load(cfg.model, target, cfg.draft_sample_method, max_model_len, max_num_seqs, device)
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, target, max_model_len: int, max_num_seqs: int,
-                 device: torch.device = torch.device("cpu")):
+    def __init__(
+        self,
+        cfg: SpeculativeConfig,
+        target,
+        max_model_len: int,
+        max_num_seqs: int,
+        device: torch.device = torch.device("cpu"),
+    ):
         self.cfg = cfg
         self.proposer = make_proposer(cfg, target, max_model_len, max_num_seqs, device)
         self.stats = SpecStats()
@@ -52,11 +63,12 @@ class SpecDecoder:
             r.spec_token_ids = list(d.token_ids)
             self._drafts[r.request_id] = d
 
-    def verify(self, req: Request, logits: torch.Tensor, drafts: list[int],
-               gen: torch.Generator) -> tuple[list[SampledToken], int]:
+    def verify(
+        self, req: Request, logits: torch.Tensor, drafts: list[int], gen: torch.Generator
+    ) -> tuple[list[SampledToken], int]:
         """logits [1 + len(drafts), V] -> emitted tokens (with raw logprobs when asked), tau."""
         d = self._drafts.pop(req.request_id, None)
-        q = d.probs[:len(drafts)] if d is not None and d.probs is not None else None
+        q = d.probs[: len(drafts)] if d is not None and d.probs is not None else None
         emitted, tau = verify(req, logits, drafts, q, self.cfg.rejection_sample_method, gen)
         self.stats.record(len(drafts), tau)
         n = req.params.logprobs

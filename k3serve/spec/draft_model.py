@@ -21,8 +21,15 @@ BLOCK = 16
 
 
 class DraftModelProposer:
-    def __init__(self, model, target_cfg, draft_sample_method: str, max_model_len: int, max_num_seqs: int,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        model,
+        target_cfg,
+        draft_sample_method: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        device: torch.device | None = None,
+    ):
         """`device`: the target's; the draft model and its cache live there."""
         if model.cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"draft vocab {model.cfg.vocab_size} != target vocab {target_cfg.vocab_size}")
@@ -30,18 +37,28 @@ class DraftModelProposer:
         self.model, self.method = model.to(self.device), draft_sample_method
         per_req = -(-(max_model_len + 16) // BLOCK)
         self.manager = HybridCacheManager(per_req * max_num_seqs, max_num_seqs, BLOCK)
-        self.cache = CacheTensors.allocate(model.cfg, max_num_seqs, per_req * max_num_seqs, BLOCK,
-                                           kv_dtype=model.dtype, device=self.device)
+        self.cache = CacheTensors.allocate(
+            model.cfg, max_num_seqs, per_req * max_num_seqs, BLOCK, kv_dtype=model.dtype, device=self.device
+        )
         self._done: dict[str, int] = {}  # tokens the draft has computed, per request
         self._last: dict[str, torch.Tensor] = {}  # draft logits after the newest computed token
         self._gens: dict[str, torch.Generator] = {}
 
     @classmethod
-    def load(cls, path: str, target, draft_sample_method: str, max_model_len: int, max_num_seqs: int,
-             device: torch.device | None = None):
+    def load(
+        cls,
+        path: str,
+        target,
+        draft_sample_method: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        device: torch.device | None = None,
+    ):
         from k3serve.models.registry import load_model
-        return cls(load_model(path, progress=False), target.cfg, draft_sample_method, max_model_len, max_num_seqs,
-                   device)
+
+        return cls(
+            load_model(path, progress=False), target.cfg, draft_sample_method, max_model_len, max_num_seqs, device
+        )
 
     def observe(self, request_id: str, taps) -> None:
         pass
@@ -90,8 +107,14 @@ class DraftModelProposer:
 
     def _forward(self, reqs: list[Request], pieces: list[list[int]], starts: list[int]) -> torch.Tensor:
         ids = torch.tensor([t for p in pieces for t in p], device=self.device)
-        fb = ForwardBatch(ids, [len(p) for p in pieces], starts, [self.manager.state_slot(r.request_id) for r in reqs],
-                          [self.manager.block_table(r.request_id) for r in reqs], BLOCK)
+        fb = ForwardBatch(
+            ids,
+            [len(p) for p in pieces],
+            starts,
+            [self.manager.state_slot(r.request_id) for r in reqs],
+            [self.manager.block_table(r.request_id) for r in reqs],
+            BLOCK,
+        )
         hidden = self.model(fb, self.cache).hidden
         last = fb.last_token_indices().to(self.device)
         return self.model.compute_logits(hidden[last]).float().cpu()  # drafts are picked on the CPU

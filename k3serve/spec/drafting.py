@@ -9,8 +9,9 @@ from k3serve.scheduler.request import Request
 from k3serve.spec.verifier import distribution, processed_row
 
 
-def draft_token(logits: torch.Tensor, req: Request, prev_drafts: list[int], method: str,
-                gen: torch.Generator) -> tuple[int, torch.Tensor | None]:
+def draft_token(
+    logits: torch.Tensor, req: Request, prev_drafts: list[int], method: str, gen: torch.Generator
+) -> tuple[int, torch.Tensor | None]:
     """logits [V] for the next draft position -> (token, q row or None for one-hot)."""
     proc = processed_row(logits, req, prev_drafts)[0]
     if method == "greedy" or req.params.greedy:

@@ -69,7 +69,10 @@ class _Block(nn.Module):
         self.heads = c.num_attention_heads
         self.attn_norm, self.mlp_norm = nn.RMSNorm(h, eps=c.rms_norm_eps), nn.RMSNorm(h, eps=c.rms_norm_eps)
         self.qkv, self.o = nn.Linear(h, 3 * h, bias=False), nn.Linear(h, h, bias=False)
-        self.gate_up, self.down = nn.Linear(h, 2 * c.intermediate_size, bias=False), nn.Linear(c.intermediate_size, h, bias=False)
+        self.gate_up, self.down = (
+            nn.Linear(h, 2 * c.intermediate_size, bias=False),
+            nn.Linear(c.intermediate_size, h, bias=False),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, h]
         B, T, h = x.shape
@@ -114,22 +117,39 @@ class DSparkModel(nn.Module):
         if not self.compiled(taps, kernels):
             return self(taps, last_token)
         c = self.cfg
-        return kernels.dspark_forward(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(kernels),
-                                      c.num_attention_heads, c.mask_token_id, c.rms_norm_eps)
+        return kernels.dspark_forward(
+            taps.reshape(taps.shape[0], -1),
+            last_token,
+            self.kernel_weights(kernels),
+            c.num_attention_heads,
+            c.mask_token_id,
+            c.rms_norm_eps,
+        )
 
     def greedy_block(self, taps: torch.Tensor, last_token: list[int], ks: list[int], kernels) -> list[list[int]]:
         """Plain greedy drafts (argmax of each block row plus the Markov head's bias for the token
         before it), block_logits and the chain in one compiled call; `compiled` must hold."""
         c = self.cfg
-        toks = kernels.dspark_draft(taps.reshape(taps.shape[0], -1), last_token, self.kernel_weights(kernels),
-                                    c.num_attention_heads, c.mask_token_id, c.rms_norm_eps,
-                                    *self.markov_kernel_weights(), ks).tolist()
+        toks = kernels.dspark_draft(
+            taps.reshape(taps.shape[0], -1),
+            last_token,
+            self.kernel_weights(kernels),
+            c.num_attention_heads,
+            c.mask_token_id,
+            c.rms_norm_eps,
+            *self.markov_kernel_weights(),
+            ks,
+        ).tolist()
         return [[t for t in row if t >= 0] for row in toks]
 
     def compiled(self, taps: torch.Tensor, kernels) -> bool:
         """Whether the compiled draft kernels take this call: fp32 on the CPU, no gradients."""
-        return (kernels is not None and self.fc.weight.dtype == torch.float32 and taps.device.type == "cpu"
-                and not torch.is_grad_enabled())
+        return (
+            kernels is not None
+            and self.fc.weight.dtype == torch.float32
+            and taps.device.type == "cpu"
+            and not torch.is_grad_enabled()
+        )
 
     def kernel_weights(self, kernels) -> list[torch.Tensor]:
         """dspark_forward's argument list, its projections in the kernels' form (fp32 panels:
@@ -138,8 +158,14 @@ class DSparkModel(nn.Module):
             mat = partial(kernel_matrix, kernels=kernels)
             weights = [mat(self.fc.weight), self.ctx_norm.weight, self.embed.weight, self.pos]
             for layer in self.layers:
-                weights += [layer.attn_norm.weight, mat(layer.qkv.weight), mat(layer.o.weight),
-                            layer.mlp_norm.weight, mat(layer.gate_up.weight), mat(layer.down.weight)]
+                weights += [
+                    layer.attn_norm.weight,
+                    mat(layer.qkv.weight),
+                    mat(layer.o.weight),
+                    layer.mlp_norm.weight,
+                    mat(layer.gate_up.weight),
+                    mat(layer.down.weight),
+                ]
             self._kernel_weights = weights + [self.norm.weight, mat(self.lm_head.weight)]
         return self._kernel_weights
 
@@ -150,8 +176,10 @@ class DSparkModel(nn.Module):
             if not self.cfg.markov_rank:
                 self._markov_weights = (torch.empty(0), torch.empty(0))
             else:
-                self._markov_weights = (self.markov_u.weight.float().contiguous(),
-                                        self.markov_w.weight.float().t().contiguous())
+                self._markov_weights = (
+                    self.markov_u.weight.float().contiguous(),
+                    self.markov_w.weight.float().t().contiguous(),
+                )
         return self._markov_weights
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
@@ -190,14 +218,18 @@ class DSparkProposer:
         from the block logits on the CPU, as the sampler picks the target's tokens)."""
         c, target_cfg = model.cfg, target.cfg
         if c.vocab_size != target_cfg.vocab_size or c.target_hidden_size != target_cfg.hidden_size:
-            raise ValueError(f"dspark draft (vocab {c.vocab_size}, hidden {c.target_hidden_size}) does not match "
-                             f"the target (vocab {target_cfg.vocab_size}, hidden {target_cfg.hidden_size})")
+            raise ValueError(
+                f"dspark draft (vocab {c.vocab_size}, hidden {c.target_hidden_size}) does not match "
+                f"the target (vocab {target_cfg.vocab_size}, hidden {target_cfg.hidden_size})"
+            )
         bad = [i for i in c.target_layer_ids if not 0 <= i < target_cfg.num_layers]
         if bad:
             raise ValueError(f"dspark target_layer_ids {bad} are outside the target's {target_cfg.num_layers} layers")
         self.device = torch.device(device or "cpu")
         self.model, self.method = model.to(self.device), draft_sample_method
-        self.kernels = getattr(getattr(getattr(target, "model", None), "backend", None), "kernels", None)  # the target's
+        self.kernels = getattr(
+            getattr(getattr(target, "model", None), "backend", None), "kernels", None
+        )  # the target's
         self.tap_layers = tuple(c.target_layer_ids)
         self._taps: dict[str, torch.Tensor] = {}
         self._gens: dict[str, torch.Generator] = {}
@@ -222,8 +254,11 @@ class DSparkProposer:
         if not ready:
             return out
         # one request (a single user's step): its taps as a view, not a stacked copy
-        taps = (self._taps[reqs[ready[0]].request_id][None] if len(ready) == 1
-                else torch.stack([self._taps[reqs[i].request_id] for i in ready]))
+        taps = (
+            self._taps[reqs[ready[0]].request_id][None]
+            if len(ready) == 1
+            else torch.stack([self._taps[reqs[i].request_id] for i in ready])
+        )
         last = [reqs[i].token_slice(reqs[i].num_tokens - 1, reqs[i].num_tokens)[0] for i in ready]
         if self._compiled is None or self._compiled[0] is not self.kernels:  # the draft's dtype and device are fixed
             self._compiled = (self.kernels, self.model.compiled(taps, self.kernels))
@@ -233,10 +268,11 @@ class DSparkProposer:
             return out
         last = torch.tensor(last, device=self.device)
         block = self.model.block_logits(taps, last, self.kernels).float()  # [B, k, V]: the whole block at once
-        greedy = self._greedy_drafts(block, last, [b for b, i in enumerate(ready) if self._plain_greedy(reqs[i])],
-                                     [ks[i] for i in ready])
+        greedy = self._greedy_drafts(
+            block, last, [b for b, i in enumerate(ready) if self._plain_greedy(reqs[i])], [ks[i] for i in ready]
+        )
         for b, i in enumerate(ready):
-            req, prev, toks, qs = reqs[i], last[b:b + 1], [], []
+            req, prev, toks, qs = reqs[i], last[b : b + 1], [], []
             if b in greedy:  # draft_token's argmax with nothing to process: no row copies
                 out[i] = Draft(greedy[b])
                 continue
@@ -250,8 +286,9 @@ class DSparkProposer:
             out[i] = Draft(toks, stack_q(qs, toks, block.shape[-1]))
         return out
 
-    def _greedy_drafts(self, block: torch.Tensor, last: torch.Tensor, rows: list[int], ks: list[int]
-                       ) -> dict[int, list[int]]:
+    def _greedy_drafts(
+        self, block: torch.Tensor, last: torch.Tensor, rows: list[int], ks: list[int]
+    ) -> dict[int, list[int]]:
         """{row b: its greedy drafts} for the block rows `rows` (plain greedy requests): argmax of
         each row plus the Markov head's bias for the token before it, in one compiled call where
         the kernels are on, else in torch."""
@@ -260,12 +297,13 @@ class DSparkProposer:
         m, k = self.model, block.shape[1]
         if self.kernels is not None:
             u, wt = m.markov_kernel_weights()
-            toks = self.kernels.dspark_greedy(block[rows].contiguous(), last[rows], u, wt,
-                                              [ks[b] for b in rows]).tolist()
+            toks = self.kernels.dspark_greedy(
+                block[rows].contiguous(), last[rows], u, wt, [ks[b] for b in rows]
+            ).tolist()
             return {b: [t for t in row if t >= 0] for b, row in zip(rows, toks)}
         out = {}
         for b in rows:
-            prev, toks = last[b:b + 1], []
+            prev, toks = last[b : b + 1], []
             for j in range(min(ks[b], k)):
                 prev = (block[b, j] + m.markov_bias(prev)[0]).argmax()[None]
                 toks.append(int(prev))

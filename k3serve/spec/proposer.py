@@ -30,10 +30,10 @@ class NgramProposer:
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         L = len(tokens)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            suffix = tokens[L - n:]
+            suffix = tokens[L - n :]
             for j in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
-                if tokens[j:j + n] == suffix:
-                    return tokens[j + n:j + n + k]
+                if tokens[j : j + n] == suffix:
+                    return tokens[j + n : j + n + k]
         return []
 
     def observe(self, request_id: str, hidden: torch.Tensor | None) -> None:

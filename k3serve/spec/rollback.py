@@ -19,8 +19,13 @@ from k3serve.forward import CacheTensors
 FEW = 2  # rolled-back sequences copied one by one (a single user's step: ~30 vs ~60 us on 4 KDA layers)
 
 
-def rollback_states(cache: CacheTensors, records: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: list[int],
-                    accepted: list[int], kernels=None) -> None:
+def rollback_states(
+    cache: CacheTensors,
+    records: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    slots: list[int],
+    accepted: list[int],
+    kernels=None,
+) -> None:
     """For the j-th speculating sequence: live slot slots[j] <- recorded state at accepted[j];
     accepted[j] = -1 leaves the slot as the pass left it (every draft accepted: its live state is
     the last position's already). With the compiled kernels and CPU
@@ -29,9 +34,14 @@ def rollback_states(cache: CacheTensors, records: dict[int, tuple[torch.Tensor, 
     keep = [j for j, a in enumerate(accepted) if a >= 0]
     layers = list(records)
     if keep and kernels is not None and all(cache.recurrent[i].device.type == "cpu" for i in layers):
-        kernels.kda_rollback([cache.recurrent[i] for i in layers], [cache.conv[i] for i in layers],
-                             [records[i][0] for i in layers], [records[i][1] for i in layers],
-                             slots, accepted)
+        kernels.kda_rollback(
+            [cache.recurrent[i] for i in layers],
+            [cache.conv[i] for i in layers],
+            [records[i][0] for i in layers],
+            [records[i][1] for i in layers],
+            slots,
+            accepted,
+        )
     elif len(keep) <= FEW:  # plain views and copies: half the cost of index_put at these counts
         for layer, (rec_buf, conv_buf) in records.items():
             for j in keep:

@@ -28,8 +28,15 @@ def default_taps(num_layers: int) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def target_data(target_dir: str, num_seqs: int, seq_len: int, taps: tuple[int, ...], seed: int,
-                prompts: list[list[int]] | None = None, temperature: float = 1.0):
+def target_data(
+    target_dir: str,
+    num_seqs: int,
+    seq_len: int,
+    taps: tuple[int, ...],
+    seed: int,
+    prompts: list[list[int]] | None = None,
+    temperature: float = 1.0,
+):
     """(tokens, taps [L, n_taps, d], target probs [L, V]) per sequence the target wrote; with
     `prompts` (e.g. chat prompts) the target continues those instead of random 4-token starts."""
     from k3serve import LLM, SamplingParams
@@ -41,9 +48,10 @@ def target_data(target_dir: str, num_seqs: int, seq_len: int, taps: tuple[int, .
     free_running = prompts is None  # random starts run to length; chat prompts stop at end-of-message
     if prompts is None:
         prompts = [torch.randint(1, min(V, 512), (4,), generator=g).tolist() for _ in range(num_seqs)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:num_seqs]],
-                        SamplingParams(temperature=temperature, seed=seed, max_tokens=seq_len,
-                                       ignore_eos=free_running))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:num_seqs]],
+        SamplingParams(temperature=temperature, seed=seed, max_tokens=seq_len, ignore_eos=free_running),
+    )
     seqs = [torch.tensor(o.prompt_token_ids + o.outputs[0].token_ids) for o in outs]
     all_taps, all_probs = [], []
     for row in seqs:
@@ -86,10 +94,25 @@ def draft_logits(model: DSparkModel, x_taps, last, tgt) -> torch.Tensor:
     return logits + torch.stack([model.markov_bias(prev[:, j]) for j in range(prev.shape[1])], 1)
 
 
-def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps: int = 300, num_seqs: int = 48,
-                   seq_len: int = 64, hidden: int = 64, layers: int = 2, markov_rank: int = 16,
-                   lr: float = 3e-3, batch: int = 256, seed: int = 0, taps: tuple[int, ...] | None = None,
-                   prompts: list[list[int]] | None = None, temperature: float = 1.0, cosine: bool = False) -> dict:
+def distill_dspark(
+    target_dir: str,
+    out_dir: str,
+    *,
+    block_size: int = 4,
+    steps: int = 300,
+    num_seqs: int = 48,
+    seq_len: int = 64,
+    hidden: int = 64,
+    layers: int = 2,
+    markov_rank: int = 16,
+    lr: float = 3e-3,
+    batch: int = 256,
+    seed: int = 0,
+    taps: tuple[int, ...] | None = None,
+    prompts: list[list[int]] | None = None,
+    temperature: float = 1.0,
+    cosine: bool = False,
+) -> dict:
     from k3serve.config.bundled import load_model_config
 
     torch.manual_seed(seed)
@@ -98,8 +121,18 @@ def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps:
     seqs, tap_states, probs = target_data(target_dir, num_seqs, seq_len, taps, seed, prompts, temperature)
     start = [len(p) for p in prompts[:num_seqs]] if prompts else None
     x_taps, last, tgt, prob_rows, probs = examples(seqs, tap_states, probs, block_size, start)
-    cfg = DSparkConfig(taps, block_size, tcfg.pad_token_id or 0, tcfg.vocab_size, tcfg.hidden_size, hidden, layers,
-                       max(1, hidden // 16), 2 * hidden, markov_rank)
+    cfg = DSparkConfig(
+        taps,
+        block_size,
+        tcfg.pad_token_id or 0,
+        tcfg.vocab_size,
+        tcfg.hidden_size,
+        hidden,
+        layers,
+        max(1, hidden // 16),
+        2 * hidden,
+        markov_rank,
+    )
     model = DSparkModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     # cosine: the learning rate decays to 0 over the run (the bundled demo draft's long run)
@@ -120,8 +153,17 @@ def distill_dspark(target_dir: str, out_dir: str, *, block_size: int = 4, steps:
             sched.step()
         history.append(float(loss.detach()))
         if step % 50 == 0 or step == steps - 1:
-            log.info("dspark distill step %d: loss %.3f (ce %.3f, kl %.3f)", step, history[-1], float(ce.detach()),
-                     float(kl.detach()))
+            log.info(
+                "dspark distill step %d: loss %.3f (ce %.3f, kl %.3f)",
+                step,
+                history[-1],
+                float(ce.detach()),
+                float(kl.detach()),
+            )
     save_dspark(model.eval(), out_dir)
-    return {"first_loss": history[0], "last_loss": sum(history[-10:]) / min(10, len(history)),
-            "last_lr": opt.param_groups[0]["lr"], "out": str(Path(out_dir))}
+    return {
+        "first_loss": history[0],
+        "last_loss": sum(history[-10:]) / min(10, len(history)),
+        "last_lr": opt.param_groups[0]["lr"],
+        "out": str(Path(out_dir)),
+    }

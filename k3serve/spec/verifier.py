@@ -71,8 +71,9 @@ def distribution(processed: torch.Tensor, req) -> torch.Tensor:
     return torch.softmax(truncate(processed, *params), -1).double()
 
 
-def verify(req: Request, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, method: str,
-           gen: torch.Generator) -> tuple[list[int], int]:
+def verify(
+    req: Request, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, method: str, gen: torch.Generator
+) -> tuple[list[int], int]:
     proc = processed_logits(logits, req, drafts)
     if req.params.greedy:
         return verify_greedy(proc.argmax(-1).tolist(), drafts)

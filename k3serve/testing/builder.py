@@ -30,8 +30,13 @@ from k3serve.weights.schema import TensorSpec, model_tensor_specs
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
 
-def build_tiny_checkpoint(out_dir: str | Path, kind: str = "k3", seed: int = 0,
-                          config: dict[str, Any] | None = None, num_shards: int | None = None) -> Path:
+def build_tiny_checkpoint(
+    out_dir: str | Path,
+    kind: str = "k3",
+    seed: int = 0,
+    config: dict[str, Any] | None = None,
+    num_shards: int | None = None,
+) -> Path:
     """Write config, weights and tokenizer to `out_dir`; returns the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,14 +114,14 @@ def _init(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> torch.Ten
     if name.endswith("embed_tokens.weight"):
         return torch.randn(shape, generator=gen)
     fan_in = shape[-1] if len(shape) > 1 else 1
-    return torch.randn(shape, generator=gen) / fan_in ** 0.5
+    return torch.randn(shape, generator=gen) / fan_in**0.5
 
 
 def _shard_key(name: str, cfg: ModelConfig) -> int:
     """K3 placement: layer i -> shard i, root -> next, projector -> next, vision -> last."""
     p = cfg.tensor_prefix + "model.layers."
     if name.startswith(p):
-        return int(name[len(p):].split(".", 1)[0])
+        return int(name[len(p) :].split(".", 1)[0])
     if name.startswith("mm_projector."):
         return cfg.num_layers + 1
     if name.startswith("vision_tower."):
@@ -124,8 +129,7 @@ def _shard_key(name: str, cfg: ModelConfig) -> int:
     return cfg.num_layers
 
 
-def _write_shards(out: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                  num_shards: int | None) -> None:
+def _write_shards(out: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], num_shards: int | None) -> None:
     if num_shards == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -147,8 +151,9 @@ def _write_shards(out: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_tokenizer(out: Path, base_vocab: int = TINY_BASE_VOCAB, k3_names: bool = True,
-                    corpus: str = TINY_CORPUS) -> None:
+def write_tokenizer(
+    out: Path, base_vocab: int = TINY_BASE_VOCAB, k3_names: bool = True, corpus: str = TINY_CORPUS
+) -> None:
     """`tiktoken.model` trained on `corpus` + `tokenizer_config.json` with real special names."""
     ranks = train_bpe(corpus, base_vocab - 256)
     if len(ranks) != base_vocab:
@@ -158,13 +163,27 @@ def write_tokenizer(out: Path, base_vocab: int = TINY_BASE_VOCAB, k3_names: bool
     decoder = {}
     for off in range(NUM_RESERVED_SPECIAL):
         tid = base_vocab + off
-        decoder[str(tid)] = {"content": names.get(off, f"<|reserved_token_{tid}|>"), "lstrip": False,
-                             "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    tk_cfg = {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "[EOS]",
-              "pad_token": "[PAD]", "unk_token": "[UNK]", "tokenizer_class": "TikTokenTokenizer",
-              "model_max_length": 1048576, "clean_up_tokenization_spaces": False}
+        decoder[str(tid)] = {
+            "content": names.get(off, f"<|reserved_token_{tid}|>"),
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    tk_cfg = {
+        "added_tokens_decoder": decoder,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "tokenizer_class": "TikTokenTokenizer",
+        "model_max_length": 1048576,
+        "clean_up_tokenization_spaces": False,
+    }
     if not k3_names:  # K2 family renders chat through Jinja (K3 renders in Python: no template)
         from k3serve.chat.k2_jinja import K2_STYLE_TEMPLATE
+
         tk_cfg["chat_template"] = K2_STYLE_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(tk_cfg, indent=2))
 
@@ -176,8 +195,9 @@ def write_hf_tokenizer(out: Path, texts: list[str], special_tokens: list[str], v
     hf = HF(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     hf.train_from_iterator(texts * 50, trainer)
     hf.save(str(Path(out) / "tokenizer.json"))
 

@@ -1,6 +1,7 @@
 """Text the tiny tokenizers are trained on: English, numbers, code and chat markup words."""
 
-TINY_CORPUS = """
+TINY_CORPUS = (
+    """
 The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital
 of Japan is Tokyo. What is the weather in Berlin today? It is sunny with a high of 21 degrees.
 Question: what is 12 plus 30? Answer: 42. Question: what is 7 times 8? Answer: 56.
@@ -31,4 +32,6 @@ the two numbers people ask about first. 0 1 2 3 4 5 6 7 8 9 10 100 1000 2048 409
 Monday Tuesday Wednesday Thursday Friday Saturday Sunday January February March April May
 June July August September October November December. Hello world! Good morning, friend.
 你好世界。今天天气很好。 Bonjour le monde. Hola mundo. Guten Tag. Привет мир.
-""" * 3
+"""
+    * 3
+)

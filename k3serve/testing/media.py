@@ -7,8 +7,9 @@ import io
 import numpy as np
 
 
-def random_video(seed: int, frames: int = 12, fps: int = 4, size=(24, 20), codec: str = "mpeg4",
-                 fmt: str = "mp4") -> bytes:
+def random_video(
+    seed: int, frames: int = 12, fps: int = 4, size=(24, 20), codec: str = "mpeg4", fmt: str = "mp4"
+) -> bytes:
     """A video encoded with PyAV: each frame a random field of 4x4-pixel cells (distinct per seed
     and frame, coarse enough that a lossy codec keeps it distinct)."""
     import av

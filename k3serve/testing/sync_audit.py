@@ -16,8 +16,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op names that wait for device data on the host, or whose output shape depends on it
-HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "bincount", "unique", "masked_select", "item",
-                 "repeat_interleave.Tensor")
+HOST_SYNC_OPS = (
+    "_local_scalar_dense",
+    "nonzero",
+    "bincount",
+    "unique",
+    "masked_select",
+    "item",
+    "repeat_interleave.Tensor",
+)
 
 
 class SyncAudit(TorchDispatchMode):

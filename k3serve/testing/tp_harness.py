@@ -14,16 +14,18 @@ from k3serve.distributed.expert_group import in_threads, thread_process_groups
 from k3serve.distributed.group import TPGroup
 
 
-def run_ranks(world: int, fn: Callable[[TPGroup], Any], expert_parallel: bool = False,
-              timeout_s: float = 120.0, **group: Any) -> list[Any]:
+def run_ranks(
+    world: int, fn: Callable[[TPGroup], Any], expert_parallel: bool = False, timeout_s: float = 120.0, **group: Any
+) -> list[Any]:
     """[fn(group of rank r) for r in range(world)], run concurrently; re-raises a rank's error.
     `group`: further TPGroup fields (all2all=...)."""
     pgs = thread_process_groups(world, timeout_s)
     return _in_threads(world, lambda r: fn(TPGroup(r, world, expert_parallel, pgs[r], **group)), timeout_s)
 
 
-def run_dp_tp_ranks(dp: int, tp: int, fn: Callable[[TPGroup, TPGroup], Any], timeout_s: float = 120.0,
-                    **group: Any) -> list[Any]:
+def run_dp_tp_ranks(
+    dp: int, tp: int, fn: Callable[[TPGroup, TPGroup], Any], timeout_s: float = 120.0, **group: Any
+) -> list[Any]:
     """DP-attention with TP inside each DP rank: dp x tp ranks as threads, rank g = m * tp + t
     (DP rank m, TP rank t). [fn(TP group of g, expert group of g) for g]: the expert group is all
     dp x tp ranks (experts by id), a TP group the tp ranks of one DP rank. `group`: further
@@ -34,8 +36,10 @@ def run_dp_tp_ranks(dp: int, tp: int, fn: Callable[[TPGroup, TPGroup], Any], tim
 
     def rank(g: int) -> Any:
         m, t = divmod(g, tp)
-        return fn(TPGroup(t, tp, False, tp_pgs[m][t]),
-                  TPGroup(g, world, True, ep_pgs[g], size_flag="--data-parallel-size", **group))
+        return fn(
+            TPGroup(t, tp, False, tp_pgs[m][t]),
+            TPGroup(g, world, True, ep_pgs[g], size_flag="--data-parallel-size", **group),
+        )
 
     return _in_threads(world, rank, timeout_s)
 

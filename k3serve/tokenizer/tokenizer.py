@@ -25,8 +25,15 @@ class TokenizerError(ValueError):
 class Tokenizer:
     """encode/decode with named special tokens; one interface over both backends."""
 
-    def __init__(self, *, tiktoken_enc: tiktoken.Encoding | None = None, hf=None,
-                 special_tokens: dict[str, int], vocab_size: int, num_base: int = 0):
+    def __init__(
+        self,
+        *,
+        tiktoken_enc: tiktoken.Encoding | None = None,
+        hf=None,
+        special_tokens: dict[str, int],
+        vocab_size: int,
+        num_base: int = 0,
+    ):
         self._tk, self._hf = tiktoken_enc, hf
         if hf is not None:  # a twin that treats special-token names in text as plain text
             from tokenizers import Tokenizer as HFTokenizer
@@ -55,8 +62,9 @@ class Tokenizer:
         except (OSError, ValueError) as e:
             raise TokenizerError(str(e)) from e
         specials = _specials_from_config(path / "tokenizer_config.json", len(ranks))
-        enc = tiktoken.Encoding(name=path.name or "kimi", pat_str=PAT_STR,
-                                mergeable_ranks=ranks, special_tokens=specials)
+        enc = tiktoken.Encoding(
+            name=path.name or "kimi", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials
+        )
         return cls(tiktoken_enc=enc, special_tokens=specials, vocab_size=enc.n_vocab, num_base=len(ranks))
 
     @classmethod
@@ -150,10 +158,8 @@ def _specials_from_config(cfg_path: Path, base_vocab: int) -> dict[str, int]:
         raise TokenizerError(f"{cfg_path}: bad added_tokens_decoder ({e})") from e
     bad = [i for i in named if i < base_vocab]
     if bad:
-        raise TokenizerError(f"{cfg_path}: special id {bad[0]} collides with the BPE ranks "
-                             f"(0..{base_vocab - 1})")
+        raise TokenizerError(f"{cfg_path}: special id {bad[0]} collides with the BPE ranks (0..{base_vocab - 1})")
     # ids in the config are absolute: the reserved block starts at the first named special,
     # which may sit above the last BPE rank (a gap the engine masks), never below it
     first = min(named, default=base_vocab)
     return special_token_map(first, {i - first: s for i, s in named.items()})
-

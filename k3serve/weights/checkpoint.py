@@ -54,14 +54,14 @@ class CheckpointIndex:
             return cls(root, read_header(root / SINGLE_NAME))
         shards = sorted(root.glob("*.safetensors"))
         if not shards:
-            raise CheckpointError(f"no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors in {root}",
-                                  file=str(root))
+            raise CheckpointError(f"no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors in {root}", file=str(root))
         tensors: dict[str, TensorInfo] = {}
         for f in shards:
             for name, info in read_header(f).items():
                 if name in tensors:
-                    raise BadIndexError(f"tensor stored twice ({tensors[name].file.name} and {f.name})",
-                                        tensor=name, file=str(f))
+                    raise BadIndexError(
+                        f"tensor stored twice ({tensors[name].file.name} and {f.name})", tensor=name, file=str(f)
+                    )
                 tensors[name] = info
         return cls(root, tensors)
 
@@ -101,11 +101,15 @@ def _tensor_info(name: str, meta: dict, path: Path, data_start: int, size: int) 
     for s in shape:
         want *= s
     if end - begin != want:
-        raise CheckpointError(f"data_offsets span {end - begin} B but {dtype}{list(shape)} needs {want} B",
-                              tensor=name, file=str(path))
+        raise CheckpointError(
+            f"data_offsets span {end - begin} B but {dtype}{list(shape)} needs {want} B", tensor=name, file=str(path)
+        )
     if data_start + end > size:
-        raise TruncatedShardError(f"data ends at byte {data_start + end} but the file has {size} B "
-                                  "(truncated download?)", tensor=name, file=str(path))
+        raise TruncatedShardError(
+            f"data ends at byte {data_start + end} but the file has {size} B (truncated download?)",
+            tensor=name,
+            file=str(path),
+        )
     return TensorInfo(name, path, dtype, shape, data_start + begin, want)
 
 
@@ -123,19 +127,20 @@ def _read_sharded(root: Path) -> dict[str, TensorInfo]:
         by_file.setdefault(fname, []).append(name)
     for fname, names in sorted(by_file.items()):
         if not (root / fname).is_file():
-            raise BadIndexError(f"index maps {len(names)} tensors to a missing shard",
-                                tensor=names[0], file=str(root / fname))
+            raise BadIndexError(
+                f"index maps {len(names)} tensors to a missing shard", tensor=names[0], file=str(root / fname)
+            )
     tensors: dict[str, TensorInfo] = {}
     for fname, names in sorted(by_file.items()):
         shard = root / fname
         header = read_header(shard)
         for name in names:
             if name not in header:
-                raise BadIndexError("index says the tensor is in this shard but its header lacks it",
-                                    tensor=name, file=str(shard))
+                raise BadIndexError(
+                    "index says the tensor is in this shard but its header lacks it", tensor=name, file=str(shard)
+                )
             tensors[name] = header[name]
         extra = sorted(set(header) - set(names))
         if extra:
-            raise BadIndexError("shard holds a tensor the index does not list", tensor=extra[0],
-                                file=str(shard))
+            raise BadIndexError("shard holds a tensor the index does not list", tensor=extra[0], file=str(shard))
     return tensors

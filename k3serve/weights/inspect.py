@@ -53,12 +53,19 @@ def inspect_model(path_or_name: str | Path) -> InspectReport:
         nbytes = {n: t.nbytes for n, t in index.tensors.items()}
         return _report(str(path_or_name), "checkpoint headers", cfg, specs, dtypes, nbytes)
     specs = list(model_tensor_specs(cfg))
-    return _report(str(path_or_name), "bundled config", cfg, specs,
-                   {s.name: s.dtype for s in specs}, {s.name: s.nbytes for s in specs})
+    return _report(
+        str(path_or_name),
+        "bundled config",
+        cfg,
+        specs,
+        {s.name: s.dtype for s in specs},
+        {s.name: s.nbytes for s in specs},
+    )
 
 
-def _report(model: str, source: str, cfg: ModelConfig, specs: list[TensorSpec],
-            dtypes: dict[str, str], nbytes: dict[str, int]) -> InspectReport:
+def _report(
+    model: str, source: str, cfg: ModelConfig, specs: list[TensorSpec], dtypes: dict[str, str], nbytes: dict[str, int]
+) -> InspectReport:
     by_dtype: dict[str, int] = defaultdict(int)
     by_format: dict[str, int] = defaultdict(int)
     for s in specs:
@@ -74,16 +81,24 @@ def _report(model: str, source: str, cfg: ModelConfig, specs: list[TensorSpec],
     embed = cfg.vocab_size * cfg.hidden_size
     active_incl = total - expert + n_moe * cfg.moe.top_k * per_expert_params
     return InspectReport(
-        model=model, source=source, architecture=cfg.architecture, num_layers=cfg.num_layers,
+        model=model,
+        source=source,
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
         layer_schedule="".join(_letter(cfg, i) for i in range(cfg.num_layers)),
-        mla_layers=list(cfg.mla_layers), kda_layers=list(cfg.kda_layers),
+        mla_layers=list(cfg.mla_layers),
+        kda_layers=list(cfg.kda_layers),
         attnres_block_starts=list(cfg.attnres_block_starts),
-        total_params=total, active_params=active_incl - embed, active_params_incl_embedding=active_incl,
-        vision_params=sum(s.params for s in specs if s.vision), routed_expert_params=expert,
+        total_params=total,
+        active_params=active_incl - embed,
+        active_params_incl_embedding=active_incl,
+        vision_params=sum(s.params for s in specs if s.vision),
+        routed_expert_params=expert,
         routed_expert_bytes_per_expert=per_expert_bytes,
         weight_bytes=sum(nbytes[s.name] for s in specs),
         text_weight_bytes=sum(nbytes[s.name] for s in text),
-        bytes_by_dtype=dict(sorted(by_dtype.items())), bytes_by_format=dict(sorted(by_format.items())),
+        bytes_by_dtype=dict(sorted(by_dtype.items())),
+        bytes_by_format=dict(sorted(by_format.items())),
         mla_cache_bytes_per_token=sizing.mla_cache_bytes_per_token(cfg, "bfloat16"),
         mla_cache_bytes_per_token_fp8=sizing.mla_cache_bytes_per_token(cfg, "fp8"),
         kda_state_bytes_per_request=sizing.kda_state_bytes_per_request(cfg),

@@ -20,8 +20,13 @@ from tqdm import tqdm
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.weights.checkpoint import CheckpointIndex, TensorInfo
-from k3serve.weights.errors import (DtypeMismatchError, MissingTensorError, NonFiniteWeightError,
-                                    ShapeMismatchError, UnexpectedTensorError)
+from k3serve.weights.errors import (
+    DtypeMismatchError,
+    MissingTensorError,
+    NonFiniteWeightError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
 from k3serve.weights.mxfp4 import PackedMXFP4
 from k3serve.weights.schema import FLOAT_DTYPES, TensorSpec, model_tensor_specs
 
@@ -42,8 +47,9 @@ def validate_checkpoint(index: CheckpointIndex, cfg: ModelConfig) -> list[Tensor
         if info is None:
             if spec.vision:
                 continue  # text-only exports may drop the tower; the text engine never reads it
-            raise MissingTensorError(f"required by the config ({spec.dtype}{list(spec.shape)})",
-                                     tensor=name, file=str(index.root))
+            raise MissingTensorError(
+                f"required by the config ({spec.dtype}{list(spec.shape)})", tensor=name, file=str(index.root)
+            )
         _check_tensor(spec, info, cfg)
         present.append(spec)
     return present
@@ -51,8 +57,7 @@ def validate_checkpoint(index: CheckpointIndex, cfg: ModelConfig) -> list[Tensor
 
 def _unexpected_hint(name: str, cfg: ModelConfig) -> str:
     if cfg.tensor_prefix and not name.startswith(cfg.tensor_prefix) and name.startswith("model."):
-        return f"not described by the config (kimi_k3 checkpoints prefix text tensors with " \
-               f"'{cfg.tensor_prefix}')"
+        return f"not described by the config (kimi_k3 checkpoints prefix text tensors with '{cfg.tensor_prefix}')"
     return "not described by the config (wrong model or config?)"
 
 
@@ -66,9 +71,12 @@ def _check_tensor(spec: TensorSpec, info: TensorInfo, cfg: ModelConfig) -> None:
     elif info.dtype == "F16" and spec.dtype != "F16":
         # float16 holds at most 65504 and loses bf16's range: a silent cast would turn large
         # weights to inf at load or serve them rounded; BF16 and F32 stay interchangeable
-        raise DtypeMismatchError(f"stored as F16 where the config's dtype gives {spec.dtype}: float16 is not "
-                                 "cast silently (re-export the tensor as BF16 or F32, or declare torch_dtype "
-                                 "float16 in config.json)", **where)
+        raise DtypeMismatchError(
+            f"stored as F16 where the config's dtype gives {spec.dtype}: float16 is not "
+            "cast silently (re-export the tensor as BF16 or F32, or declare torch_dtype "
+            "float16 in config.json)",
+            **where,
+        )
     if spec.name.endswith(".A_log"):
         ok = _a_log_ok(info.shape, cfg.kda.num_heads)
     else:
@@ -81,9 +89,15 @@ def _a_log_ok(shape: tuple[int, ...], heads: int) -> bool:
     return (len(shape) == 1 and shape[0] >= heads) or shape == (1, 1, heads, 1)
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, *, device: str | torch.device = "cpu",
-                 load_format: str = "auto", include_vision: bool = False,
-                 progress: bool = True) -> dict[str, Weight]:
+def load_weights(
+    path: str | Path,
+    cfg: ModelConfig,
+    *,
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    include_vision: bool = False,
+    progress: bool = True,
+) -> dict[str, Weight]:
     """Canonical name -> tensor (stored dtype) or PackedMXFP4."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
@@ -121,7 +135,7 @@ def _canonicalize(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, W
     prefix = cfg.tensor_prefix
     out: dict[str, Weight] = {}
     for name, t in raw.items():
-        key = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        key = name[len(prefix) :] if prefix and name.startswith(prefix) else name
         if key.endswith(".weight_scale"):
             continue
         if key.endswith(".weight_packed"):

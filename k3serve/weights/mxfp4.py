@@ -19,9 +19,7 @@ import torch
 
 GROUP = 32
 # E2M1 code -> value; bit 3 is the sign (codes 8..15 are the negatives, 8 = -0.0).
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-)
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # Rounding boundaries between consecutive magnitudes; a tie goes to the even code (RNE).
 _E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 E2M1_MAX = 6.0
@@ -86,8 +84,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference dequant: W[r, c] = fp4(code[r, c]) * 2^(scale[r, c // 32] - 127)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     vals = e2m1_decode(unpack_nibbles(packed)).to(wide)  # [..., K]
@@ -149,10 +146,11 @@ class PackedMXFP4:
     def __post_init__(self) -> None:
         if self.packed.dtype != torch.uint8 or self.scale.dtype != torch.uint8:
             raise TypeError("PackedMXFP4 needs uint8 packed codes and uint8 scales")
-        if self.packed.shape[:-1] != self.scale.shape[:-1] or \
-                self.packed.shape[-1] * 2 != self.scale.shape[-1] * GROUP:
-            raise ValueError(f"packed {tuple(self.packed.shape)} and scale "
-                             f"{tuple(self.scale.shape)} do not describe one MXFP4 matrix")
+        if self.packed.shape[:-1] != self.scale.shape[:-1] or self.packed.shape[-1] * 2 != self.scale.shape[-1] * GROUP:
+            raise ValueError(
+                f"packed {tuple(self.packed.shape)} and scale "
+                f"{tuple(self.scale.shape)} do not describe one MXFP4 matrix"
+            )
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> "PackedMXFP4":

@@ -27,8 +27,7 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(x.shape), exp.to(torch.uint8)
 
 
-def dequantize_mxfp8(codes: torch.Tensor, scale: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_mxfp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     vals = codes.view(torch.float8_e4m3fn).float()
     vals = vals.reshape(*vals.shape[:-1], -1, GROUP) * e8m0_to_float(scale).unsqueeze(-1)
     return vals.reshape(codes.shape).to(dtype)

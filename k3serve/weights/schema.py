@@ -13,8 +13,23 @@ from typing import Iterator
 from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.weights.mxfp4 import GROUP
 
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I16": 2, "I32": 4,
-               "I64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+DTYPE_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 
 
@@ -95,8 +110,13 @@ def _kda_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str | None]
         out.append((f"{x}_proj.weight", (P, d), None))
     for x in "qkv":
         out.append((f"{x}_conv1d.weight", (P, 1, k.conv_kernel), "F32"))
-    out += [("f_a_proj.weight", (D, d), None), ("f_b_proj.weight", (P, D), None),
-            ("dt_bias", (P,), "F32"), ("A_log", a_log, "F32"), ("b_proj.weight", (H, d), None)]
+    out += [
+        ("f_a_proj.weight", (D, d), None),
+        ("f_b_proj.weight", (P, D), None),
+        ("dt_bias", (P,), "F32"),
+        ("A_log", a_log, "F32"),
+        ("b_proj.weight", (H, d), None),
+    ]
     if k.use_full_rank_gate:
         out.append(("g_proj.weight", (P, d), None))
     else:
@@ -110,14 +130,18 @@ def _mla_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str | None]
     H = m.num_heads
     out: list[tuple[str, tuple[int, ...], str | None]] = []
     if m.q_lora_rank is not None:
-        out += [("q_a_proj.weight", (m.q_lora_rank, d), None),
-                ("q_a_layernorm.weight", (m.q_lora_rank,), None),
-                ("q_b_proj.weight", (H * m.qk_head_dim, m.q_lora_rank), None)]
+        out += [
+            ("q_a_proj.weight", (m.q_lora_rank, d), None),
+            ("q_a_layernorm.weight", (m.q_lora_rank,), None),
+            ("q_b_proj.weight", (H * m.qk_head_dim, m.q_lora_rank), None),
+        ]
     else:
         out.append(("q_proj.weight", (H * m.qk_head_dim, d), None))
-    out += [("kv_a_proj_with_mqa.weight", (m.cache_dim, d), None),
-            ("kv_a_layernorm.weight", (m.kv_lora_rank,), None),
-            ("kv_b_proj.weight", (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), None)]
+    out += [
+        ("kv_a_proj_with_mqa.weight", (m.cache_dim, d), None),
+        ("kv_a_layernorm.weight", (m.kv_lora_rank,), None),
+        ("kv_b_proj.weight", (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), None),
+    ]
     if m.use_output_gate:
         out.append(("g_proj.weight", (H * m.v_head_dim, d), None))
     out.append(("o_proj.weight", (d, H * m.v_head_dim), None))

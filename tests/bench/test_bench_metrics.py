@@ -18,13 +18,19 @@ from tests.live import serving
 
 def test_metric_arithmetic_by_hand():
     # request 0: sent at 0, chunks at 0.2, 0.3, 0.6 (the last carries 2 tokens) -> 4 tokens
-    r0 = RequestResult(0, True, prompt_tokens=10, output_tokens=4, ttft=0.2, itl=[0.1, 0.3], latency=0.6,
-                       chunk_times=[0.2, 0.3, 0.6])
+    r0 = RequestResult(
+        0, True, prompt_tokens=10, output_tokens=4, ttft=0.2, itl=[0.1, 0.3], latency=0.6, chunk_times=[0.2, 0.3, 0.6]
+    )
     # request 1: one token only: no TPOT
     r1 = RequestResult(1, True, prompt_tokens=6, output_tokens=1, ttft=0.5, itl=[], latency=0.5, chunk_times=[0.5])
     r2 = RequestResult(2, False, error="HTTP 500")
-    s = summarize([r0, r1, r2], duration=2.0, metrics=["ttft", "tpot", "itl", "e2el"], ps=[50, 90],
-                  goodput={"ttft": 300, "tpot": 150})
+    s = summarize(
+        [r0, r1, r2],
+        duration=2.0,
+        metrics=["ttft", "tpot", "itl", "e2el"],
+        ps=[50, 90],
+        goodput={"ttft": 300, "tpot": 150},
+    )
     assert r0.tpot == pytest.approx((0.6 - 0.2) / 3) and r1.tpot is None
     assert (s["completed"], s["failed"]) == (2, 1) and s["success_rate"] == pytest.approx(2 / 3)
     assert s["request_throughput"] == pytest.approx(1.0)
@@ -77,7 +83,9 @@ def delayed_app() -> FastAPI:
             usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 6}}
             yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
+
         return StreamingResponse(stream(), media_type="text/event-stream")
+
     return app
 
 

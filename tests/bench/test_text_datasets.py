@@ -16,14 +16,26 @@ def words(text: str) -> int:  # a stand-in tokenizer: one token per word
 
 
 def _convo(prompt_words: int, reply_words: int, tag: str) -> dict:
-    return {"id": tag, "conversations": [{"from": "human", "value": " ".join([tag] * prompt_words)},
-                                         {"from": "gpt", "value": " ".join(["ok"] * reply_words)},
-                                         {"from": "human", "value": "third turn is ignored"}]}
+    return {
+        "id": tag,
+        "conversations": [
+            {"from": "human", "value": " ".join([tag] * prompt_words)},
+            {"from": "gpt", "value": " ".join(["ok"] * reply_words)},
+            {"from": "human", "value": "third turn is ignored"},
+        ],
+    }
 
 
 def test_sharegpt_takes_first_two_turns_and_filters_like_vllm(tmp_path):
-    rows = [_convo(10, 20, "a"), _convo(3, 20, "short"), _convo(10, 2, "tiny"), _convo(1100, 5, "long"),
-            _convo(1000, 1100, "total"), _convo(30, 7, "b"), {"id": "x", "conversations": [{"value": "one"}]}]
+    rows = [
+        _convo(10, 20, "a"),
+        _convo(3, 20, "short"),
+        _convo(10, 2, "tiny"),
+        _convo(1100, 5, "long"),
+        _convo(1000, 1100, "total"),
+        _convo(30, 7, "b"),
+        {"id": "x", "conversations": [{"value": "one"}]},
+    ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(rows))
     got = sharegpt_requests(path, 2, words, seed=0)

@@ -26,8 +26,15 @@ from k3serve.demo.data import TOOLS, arithmetic, tool_case
 from k3serve.demo.tools import run_tool
 from tests.live import serving
 
-SERVE_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3",
-               "--speculative-config", '{"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}']
+SERVE_FLAGS = [
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "kimi_k3",
+    "--reasoning-parser",
+    "kimi_k3",
+    "--speculative-config",
+    '{"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}',
+]
 N = 60
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 # floors (measured rates on the shipped weights, see module docstring)
@@ -51,8 +58,11 @@ def client():
 def chat_all(client, requests: list[dict]) -> list:
     model = client.models.list().data[0].id
     with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(lambda kw: client.chat.completions.create(model=model, temperature=0, max_tokens=200,
-                                                                       **kw), requests))
+        return list(
+            pool.map(
+                lambda kw: client.chat.completions.create(model=model, temperature=0, max_tokens=200, **kw), requests
+            )
+        )
 
 
 def schema_problem(arguments: str, schema: dict) -> str | None:
@@ -82,8 +92,11 @@ def test_held_out_arithmetic_is_answered_with_reasoning(client):
     formed = right = 0
     for (q, _, answer), r in zip(cases, replies):
         msg = r.choices[0].message
-        ok = bool(getattr(msg, "reasoning_content", None)) and r.choices[0].finish_reason == "stop" and \
-            re.fullmatch(r"\d+ \+ \d+ = \d+\.", msg.content or "") is not None
+        ok = (
+            bool(getattr(msg, "reasoning_content", None))
+            and r.choices[0].finish_reason == "stop"
+            and re.fullmatch(r"\d+ \+ \d+ = \d+\.", msg.content or "") is not None
+        )
         formed += ok
         right += ok and msg.content.endswith(f"= {answer.split('= ')[1]}")
     print(f"held-out arithmetic: reasoning + answer in the trained form {formed}/{N}, right {right}/{N}")
@@ -102,11 +115,18 @@ def test_tool_calls_are_well_formed_and_use_the_request(client):
     for (user, want, *_), r in zip(cases, replies):
         choice = r.choices[0]
         calls = choice.message.tool_calls or []
-        ok = (choice.finish_reason == "tool_calls" and len(calls) == 1 and calls[0].function.name in SCHEMAS
-              and schema_problem(calls[0].function.arguments, SCHEMAS[calls[0].function.name]) is None)
+        ok = (
+            choice.finish_reason == "tool_calls"
+            and len(calls) == 1
+            and calls[0].function.name in SCHEMAS
+            and schema_problem(calls[0].function.arguments, SCHEMAS[calls[0].function.name]) is None
+        )
         well_formed += ok
-        right += ok and calls[0].function.name == want.name and \
-            json.loads(calls[0].function.arguments) == json.loads(want.arguments)
+        right += (
+            ok
+            and calls[0].function.name == want.name
+            and json.loads(calls[0].function.arguments) == json.loads(want.arguments)
+        )
     print(f"tool calls: well-formed {well_formed}/{N}, right tool and arguments {right}/{N}")
     assert well_formed / N >= WELL_FORMED_FLOOR
     assert right / N >= RIGHT_ARGUMENTS_FLOOR
@@ -126,17 +146,28 @@ def test_answers_use_the_tool_result(client):
             result = run_tool(call.function.name, call.function.arguments, rng)
         except ValueError:
             continue  # counted as a failure: the loop cannot go on
-        history = [{"role": "user", "content": user},
-                   {"role": "assistant", "content": r.choices[0].message.content,
-                    "tool_calls": [{"id": call.id, "type": "function",
-                                    "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-                   {"role": "tool", "tool_call_id": call.id, "content": result}]
+        history = [
+            {"role": "user", "content": user},
+            {
+                "role": "assistant",
+                "content": r.choices[0].message.content,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": result},
+        ]
         follow.append({"messages": history, "tools": TOOLS})
         expected.append(_facts(call.function.name, result))
     replies = chat_all(client, follow)
     formed = sum(_answer_form(r) for r in replies)
-    used = sum(_answer_form(r) and all(f in r.choices[0].message.content for f in facts)
-               for facts, r in zip(expected, replies))
+    used = sum(
+        _answer_form(r) and all(f in r.choices[0].message.content for f in facts) for facts, r in zip(expected, replies)
+    )
     print(f"answers after the tool result: in the trained form {formed}/{N}, using the result {used}/{N}")
     assert formed / N >= ANSWER_FORM_FLOOR
 
@@ -144,8 +175,12 @@ def test_answers_use_the_tool_result(client):
 def _answer_form(r) -> bool:
     """A final answer: reasoning, one sentence of content, no further tool call."""
     msg = r.choices[0].message
-    return r.choices[0].finish_reason == "stop" and not msg.tool_calls and \
-        bool(getattr(msg, "reasoning_content", None)) and (msg.content or "").endswith(".")
+    return (
+        r.choices[0].finish_reason == "stop"
+        and not msg.tool_calls
+        and bool(getattr(msg, "reasoning_content", None))
+        and (msg.content or "").endswith(".")
+    )
 
 
 def _facts(name: str, result: str) -> list[str]:

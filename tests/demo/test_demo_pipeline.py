@@ -26,6 +26,7 @@ def test_add_thought_is_right_about_carries():
 
 def test_held_out_pairs_never_appear_in_training():
     import random
+
     rng = random.Random(0)
     train = {arithmetic(rng)[0] for _ in range(3000)}
     held = {arithmetic(random.Random(1), held_out=True)[0] for _ in range(50)}
@@ -85,6 +86,7 @@ def test_qat_export_serves_the_trained_network(tmp_path):
         cache = CacheTensors.allocate(cfg, 1, 3, 16)
         with torch.no_grad():
             return m.compute_logits(m(ForwardBatch(ids, [40], [0], [0], [[0, 1, 2]], 16), cache).hidden).float()
+
     torch.testing.assert_close(logits(served), logits(model.eval()), rtol=1e-4, atol=1e-4)
 
 
@@ -92,8 +94,7 @@ def test_training_is_reproducible(tmp_path):
     """Same seed -> byte-identical tokenizer and weights (deterministic algorithms, one process)."""
     from k3serve.demo.train import train_demo
 
-    kw = dict(steps=2, num_conversations=40, batch=3, seed=5, tokenizer_conversations=40,
-              text_chars=40_000)
+    kw = dict(steps=2, num_conversations=40, batch=3, seed=5, tokenizer_conversations=40, text_chars=40_000)
     a = train_demo(tmp_path / "a", **kw)
     b = train_demo(tmp_path / "b", **kw)
     assert a["first_loss"] == b["first_loss"] and a["last_loss"] == b["last_loss"]
@@ -131,14 +132,24 @@ def test_an_interrupted_run_resumed_equals_one_run(tmp_path):
     byte-identical to an uninterrupted run, drill phase included."""
     from k3serve.demo.train import train_demo
 
-    kw = dict(steps=3, num_conversations=40, batch=2, seed=4, tokenizer_conversations=40, text_chars=40_000,
-              drill_steps=2, num_drills=30)
+    kw = dict(
+        steps=3,
+        num_conversations=40,
+        batch=2,
+        seed=4,
+        tokenizer_conversations=40,
+        text_chars=40_000,
+        drill_steps=2,
+        num_drills=30,
+    )
     whole = train_demo(tmp_path / "whole", **kw)
     part = train_demo(tmp_path / "split", checkpoint_every=5, time_limit_s=-1, **kw)
     assert part["steps"] == 1 and (tmp_path / "split" / "train_state.pt").is_file()
     rest = train_demo(tmp_path / "split", checkpoint_every=5, resume=True, **kw)
     assert rest["steps"] == 3 and rest["last_loss"] == whole["last_loss"]
-    assert (tmp_path / "split" / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert (tmp_path / "split" / "model.safetensors").read_bytes() == (
+        tmp_path / "whole" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_drills_answer_from_the_prompt(tok):

@@ -26,8 +26,12 @@ PROMPTS = [PROMPT, [(11 * i + 5) % 500 for i in range(21)]]  # unequal lengths
 @pytest.mark.parametrize("kind", ["k3", "kl"])
 def test_dp2_attention_with_ep2_matches_single_process_per_rank(kind, kernels, all2all, tiny_k3_dir, tiny_kl_dir):
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
-    outs = run_ranks(2, lambda ep: greedy_logits(path, kernels=kernels, prompt=PROMPTS[ep.rank], ep=ep),
-                     expert_parallel=True, all2all=all2all)
+    outs = run_ranks(
+        2,
+        lambda ep: greedy_logits(path, kernels=kernels, prompt=PROMPTS[ep.rank], ep=ep),
+        expert_parallel=True,
+        all2all=all2all,
+    )
     for prompt, got in zip(PROMPTS, outs):
         ref = greedy_logits(path, kernels=kernels, prompt=prompt)
         exact = greedy_logits(path, kernels="torch", dtype=torch.float64, prompt=prompt)
@@ -42,8 +46,10 @@ def test_the_all_to_all_and_the_gather_form_give_the_same_bits(kind, tiny_k3_dir
     of 9 and 6 tokens: every projection stays in the GEMV loop, whose rounding is per row)."""
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
     short = [PROMPTS[0][:9], PROMPTS[1][:6]]
-    got = {a: run_ranks(2, lambda ep: greedy_logits(path, prompt=short[ep.rank], ep=ep), True, all2all=a)
-           for a in ("alltoall", "allgather_reducescatter")}
+    got = {
+        a: run_ranks(2, lambda ep: greedy_logits(path, prompt=short[ep.rank], ep=ep), True, all2all=a)
+        for a in ("alltoall", "allgather_reducescatter")
+    }
     assert all(torch.equal(a, g) for a, g in zip(got["alltoall"], got["allgather_reducescatter"]))
 
 
@@ -61,15 +67,24 @@ def test_dp_ep_rank_weight_bytes_equal_the_planners(kind, tp, tiny_k3_dir, tiny_
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
     cfg = load_model_config(path)
     vision = sum(s.nbytes for s in model_tensor_specs(cfg) if s.vision)
-    got = run_dp_tp_ranks(2, tp, lambda t, ep: weight_bytes(load_model(path, dtype=torch.bfloat16, progress=False,
-                                                                       tp=t, ep=ep)))
+    got = run_dp_tp_ranks(
+        2, tp, lambda t, ep: weight_bytes(load_model(path, dtype=torch.bfloat16, progress=False, tp=t, ep=ep))
+    )
     assert got == [weight_split(cfg, path).per_rank(tp=tp, ep=2 * tp) - vision] * (2 * tp)
 
 
-@pytest.mark.parametrize("kind,kernels,all2all", [("k3", "auto", "alltoall"), ("k3", "torch", "allgather_reducescatter"),
-                                                 ("kl", "auto", "allgather_reducescatter"), ("kl", "torch", "alltoall")])
-def test_dp2_attention_with_tp2_inside_matches_single_process_per_rank(kind, kernels, all2all, tiny_k3_dir,
-                                                                       tiny_kl_dir):
+@pytest.mark.parametrize(
+    "kind,kernels,all2all",
+    [
+        ("k3", "auto", "alltoall"),
+        ("k3", "torch", "allgather_reducescatter"),
+        ("kl", "auto", "allgather_reducescatter"),
+        ("kl", "torch", "alltoall"),
+    ],
+)
+def test_dp2_attention_with_tp2_inside_matches_single_process_per_rank(
+    kind, kernels, all2all, tiny_k3_dir, tiny_kl_dir
+):
     """K3's production layout at its smallest: two DP-attention ranks of TP2 each (four ranks,
     heads, shared experts and vocabulary split inside a DP rank, routed experts by id over all
     four). Each DP rank's TP ranks dispatch disjoint shares of its rows; every TP rank's
@@ -77,8 +92,9 @@ def test_dp2_attention_with_tp2_inside_matches_single_process_per_rank(kind, ker
     from k3serve.testing.tp_harness import run_dp_tp_ranks
 
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
-    outs = run_dp_tp_ranks(2, 2, lambda tp, ep: greedy_logits(path, tp, kernels, prompt=PROMPTS[ep.rank // 2],
-                                                              ep=ep), all2all=all2all)
+    outs = run_dp_tp_ranks(
+        2, 2, lambda tp, ep: greedy_logits(path, tp, kernels, prompt=PROMPTS[ep.rank // 2], ep=ep), all2all=all2all
+    )
     for g, got in enumerate(outs):
         prompt = PROMPTS[g // 2]
         ref = greedy_logits(path, kernels=kernels, prompt=prompt)
@@ -169,11 +185,16 @@ def test_speculation_with_dp_attention_worker_processes_equals_one_engine(method
     from k3serve.demo import default_model
 
     path = str(default_model())
-    spec = ({"method": "dspark", "model": "dspark", "num_speculative_tokens": 4} if method == "dspark" else
-            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-    prompts = ["<|im_user|>user<|im_middle|>What is 23 + 45?<|im_end|><|im_assistant|>assistant<|im_middle|>",
-               "Repeat after me: the quick brown fox, the quick brown fox, the quick brown",
-               "A long time ago"]
+    spec = (
+        {"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}
+        if method == "dspark"
+        else {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    )
+    prompts = [
+        "<|im_user|>user<|im_middle|>What is 23 + 45?<|im_end|><|im_assistant|>assistant<|im_middle|>",
+        "Repeat after me: the quick brown fox, the quick brown fox, the quick brown",
+        "A long time ago",
+    ]
     greedy = SamplingParams(temperature=0, max_tokens=20)
     kw = dict(cache_memory="32MiB", max_model_len=512)
     want = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, greedy)]

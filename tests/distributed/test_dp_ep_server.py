@@ -25,8 +25,11 @@ OTHER = "Quite a different prompt, cached nowhere yet."
 
 
 def _complete(base, prompt, max_tokens, out=None):
-    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                   "ignore_eos": True}, timeout=120)
+    r = httpx.post(
+        base + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["text"]
     if out is not None:
@@ -38,29 +41,50 @@ def _half_experts_bytes(model) -> int:
     """A DP-attention rank's weight bytes: the whole model with half its routed experts."""
     from k3serve.runner.model_runner import weight_bytes
 
-    routed = sum(t.numel() * t.element_size() for m in model.moe_layers() for w in (m.w1, m.w2, m.w3)
-                 for t in w.buffers())
+    routed = sum(
+        t.numel() * t.element_size() for m in model.moe_layers() for w in (m.w1, m.w2, m.w3) for t in w.buffers()
+    )
     return weight_bytes(model) - routed // 2
 
 
-@pytest.mark.parametrize("kind,all2all,backend", [("k3", "auto", "mp"), ("kl", "auto", "mp"),  # auto: gather here
-                                                  ("k3", "alltoall", "mp"), ("kl", "alltoall", "mp"),
-                                                  ("k3", "auto", "threads")])
+@pytest.mark.parametrize(
+    "kind,all2all,backend",
+    [
+        ("k3", "auto", "mp"),
+        ("kl", "auto", "mp"),  # auto: gather here
+        ("k3", "alltoall", "mp"),
+        ("kl", "alltoall", "mp"),
+        ("k3", "auto", "threads"),
+    ],
+)
 def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, backend, tiny_k3_dir, tiny_kl_dir):
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
     ref_app, ref_state = make_app(path)
-    app, state = make_app(path, "--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", all2all,
-                          "--data-parallel-backend", backend)
+    app, state = make_app(
+        path,
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--all2all-backend",
+        all2all,
+        "--data-parallel-backend",
+        backend,
+    )
     dp = state.engine
     assert [r.engine.ep.all2all for r in dp.replicas] == [all2all] * 2
     if backend == "mp":  # each replica's model is in its own worker process, holding half the experts
-        assert [r.engine.remote.workers.weight_bytes(i) for i, r in enumerate(dp.replicas)] == \
-            [_half_experts_bytes(ref_state.engine.engine.model)] * 2
+        assert [r.engine.remote.workers.weight_bytes(i) for i, r in enumerate(dp.replicas)] == [
+            _half_experts_bytes(ref_state.engine.engine.model)
+        ] * 2
     else:
         experts = [r.engine.model.moe_layers()[0].w1.shape[0] for r in dp.replicas]
         assert experts == [dp.replicas[0].engine.model.cfg.moe.num_experts // 2] * 2  # half on each replica
     with serving(ref_app) as ref, serving(app, start_timeout=60) as base:
-        want_long, want_short, want_other = _complete(ref, LONG, 40), _complete(ref, SHORT, 12), _complete(ref, OTHER, 12)
+        want_long, want_short, want_other = (
+            _complete(ref, LONG, 40),
+            _complete(ref, SHORT, 12),
+            _complete(ref, OTHER, 12),
+        )
         assert _complete(base, SHORT, 12) == want_short  # replica 1 idles through it in lockstep
         got: list[str] = []
         busy = threading.Thread(target=_complete, args=(base, LONG, 40, got))
@@ -72,8 +96,11 @@ def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, bac
         assert got == [want_long]
         assert sorted(dp.routed) == [1, 2]  # the two at once went to different replicas
         text = httpx.get(base + "/metrics", timeout=10).text
-        load = [float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                if l.startswith("k3serve:expert_parallel_tokens_total{")]
+        load = [
+            float(l.rsplit(" ", 1)[1])
+            for l in text.splitlines()
+            if l.startswith("k3serve:expert_parallel_tokens_total{")
+        ]
         cfg = dp.replicas[0].engine.model.cfg
         assert len(load) == 2 and all(v > 0 for v in load)
         assert sum(load) % (cfg.moe.top_k * len(ref_state.engine.engine.model.moe_layers())) == 0
@@ -85,8 +112,9 @@ def test_dp2_attention_with_tp2_inside_equals_a_single_process_server(tiny_k3_di
     """`-dp 2 -tp 2 --enable-expert-parallel`: four worker processes, each replica's model split
     over two of them; one request alone and two at once serve the single-process text."""
     ref_app, _ = make_app(tiny_k3_dir)
-    app, state = make_app(tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel",
-                          "--tensor-parallel-size", "2")
+    app, state = make_app(
+        tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--tensor-parallel-size", "2"
+    )
     workers = state.engine.replicas[0].engine.remote.workers
     assert (workers.size, workers.tp_size) == (4, 2)
     with serving(ref_app) as ref, serving(app, start_timeout=60) as base:
@@ -104,8 +132,16 @@ def test_dp2_attention_with_tp2_inside_equals_a_single_process_server(tiny_k3_di
 
 def test_tp_inside_dp_attention_needs_the_worker_process_backend(tiny_kl_dir):
     with pytest.raises(ValueError, match="TP inside the DP ranks and several nodes need --data-parallel-backend mp"):
-        make_app(tiny_kl_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--tensor-parallel-size", "2",
-                 "--data-parallel-backend", "threads")
+        make_app(
+            tiny_kl_dir,
+            "--data-parallel-size",
+            "2",
+            "--enable-expert-parallel",
+            "--tensor-parallel-size",
+            "2",
+            "--data-parallel-backend",
+            "threads",
+        )
 
 
 @pytest.mark.parametrize("gpus,tp", [(2, 1), (4, 2)])
@@ -132,14 +168,19 @@ def test_a_dead_dp_attention_worker_fails_the_stream_and_health(tiny_k3_dir):
     (replica 0's worker finds its peer's pid gone in the next MoE collective, well before the
     20 s collective timeout), new requests get 503, /health turns unhealthy, and shutdown
     returns with no worker left."""
-    app, state = make_app(tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel",
-                          "--distributed-timeout", "20")
+    app, state = make_app(
+        tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--distributed-timeout", "20"
+    )
     workers = state.engine.replicas[0].engine.remote.workers
     with serving(app, start_timeout=60) as base:
         assert _complete(base, SHORT, 4)
         began, lines = None, []
-        with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
-                "prompt": LONG, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            base + "/v1/completions",
+            timeout=60,
+            json={"prompt": LONG, "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 lines.append(line)
                 if len(lines) == 3:
@@ -164,8 +205,12 @@ def test_a_client_leaving_a_lockstep_stream_frees_its_replica(tiny_kl_dir):
 
     app, state = make_app(tiny_kl_dir, "--data-parallel-size", "2", "--enable-expert-parallel")
     with serving(app, start_timeout=60) as base:
-        with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
-                "prompt": LONG, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            base + "/v1/completions",
+            timeout=60,
+            json={"prompt": LONG, "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i > 4:
                     break  # leaves mid-stream: the request is aborted on its replica

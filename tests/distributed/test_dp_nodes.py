@@ -22,14 +22,39 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def _node1(path, port, tp):
-    cmd = [sys.executable, "-m", "k3serve", "serve", str(path), "--data-parallel-size", "2", "--enable-expert-parallel",
-           "--tensor-parallel-size", str(tp), "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3serve",
+        "serve",
+        str(path),
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--tensor-parallel-size",
+        str(tp),
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-port",
+        str(port),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def _node0(path, port, tp, **kw):
-    return LLM(str(path), data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=tp, nnodes=2,
-               node_rank=0, master_port=port, **KW, **kw)
+    return LLM(
+        str(path),
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        tensor_parallel_size=tp,
+        nnodes=2,
+        node_rank=0,
+        master_port=port,
+        **KW,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -16,8 +16,11 @@ B = "Zulu yankee xray whiskey, another tale entirely here. " * 4
 
 
 def _complete(base, prompt, max_tokens=8):
-    r = httpx.post(base + "/v1/completions", json={"model": "tiny-k3", "prompt": prompt, "max_tokens": max_tokens,
-                                                   "temperature": 0, "ignore_eos": True}, timeout=120)
+    r = httpx.post(
+        base + "/v1/completions",
+        json={"model": "tiny-k3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -41,8 +41,10 @@ def _pair(fn, world=2):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_all_reduce_is_the_rank_order_sum_on_every_rank(dtype):
-    inputs = [[torch.randn(3, 37, generator=torch.Generator().manual_seed(10 * step + r)).to(dtype)
-               for r in range(2)] for step in range(50)]  # 50 rounds: both buffers, reused
+    inputs = [
+        [torch.randn(3, 37, generator=torch.Generator().manual_seed(10 * step + r)).to(dtype) for r in range(2)]
+        for step in range(50)
+    ]  # 50 rounds: both buffers, reused
 
     def work(comm, r):
         return [comm.all_reduce(inputs[s][r].clone()) for s in range(50)]
@@ -75,7 +77,7 @@ def test_a_peer_that_is_gone_fails_fast():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     seg = torch.from_file(path, shared=True, size=comm.seg.numel(), dtype=torch.uint8)
-    seg[64 + 8:64 + 16] = torch.tensor([dead.pid], dtype=torch.int64).view(torch.uint8)  # rank 1's pid line
+    seg[64 + 8 : 64 + 16] = torch.tensor([dead.pid], dtype=torch.int64).view(torch.uint8)  # rank 1's pid line
     Path(path).unlink()
     with pytest.raises(RuntimeError, match="rank 1 .* is gone"):
         comm.all_reduce(torch.ones(4))
@@ -100,9 +102,7 @@ def test_reduce_scatter_leaves_each_rank_its_chunk_of_the_rank_order_sum():
 def test_all_to_all_takes_each_ranks_rows_for_this_one_in_source_order():
     """Three ranks, ragged counts with zeros (rank 1 sends nothing; nobody sends rank 2 rows
     from rank 0), rows of raw bytes: rank r's rows for d are full of 10 * r + d."""
-    counts = [2, 1, 0,
-              0, 0, 0,
-              3, 1, 2]  # [src * 3 + dst]
+    counts = [2, 1, 0, 0, 0, 0, 3, 1, 2]  # [src * 3 + dst]
 
     def rows(r):
         parts = [torch.full((counts[r * 3 + d], 4), 10 * r + d, dtype=torch.uint8) for d in range(3)]

@@ -26,8 +26,13 @@ def pair(request, tiny_kl_dir, tiny_k3_dir):
     """(single-process engine, TP2 engine with ngram speculation and prefix caching)."""
     path = str(tiny_kl_dir if request.param.startswith("kl") else tiny_k3_dir)
     ref = LLM(path, **KW)
-    tp = LLM(path, tensor_parallel_size=2, enable_expert_parallel=request.param.endswith("ep2"),
-             speculative_config=SPEC, **KW)
+    tp = LLM(
+        path,
+        tensor_parallel_size=2,
+        enable_expert_parallel=request.param.endswith("ep2"),
+        speculative_config=SPEC,
+        **KW,
+    )
     yield ref, tp
     tp.engine.shutdown()
 
@@ -132,8 +137,22 @@ def _other_node(tiny_kl_dir, port, extra=(), env=None):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "k3serve", "serve", str(tiny_kl_dir), "-tp", "2", "--nnodes", "2", "--node-rank", "1",
-           "--master-port", str(port), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3serve",
+        "serve",
+        str(tiny_kl_dir),
+        "-tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-port",
+        str(port),
+        *extra,
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -173,9 +192,30 @@ def test_two_torchrun_node_ranks_serve_the_single_process_output(tiny_kl_dir):
     port, http = free_port(), free_port()
 
     def node(rank, *extra):
-        cmd = [torchrun, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
-               "127.0.0.1", "--master-port", str(port), "-m", "k3serve", "serve", str(tiny_kl_dir), "-tp", "2",
-               "--cache-memory", "32MiB", "--max-model-len", "512", *extra]
+        cmd = [
+            torchrun,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "k3serve",
+            "serve",
+            str(tiny_kl_dir),
+            "-tp",
+            "2",
+            "--cache-memory",
+            "32MiB",
+            "--max-model-len",
+            "512",
+            *extra,
+        ]
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     nodes = [node(1), node(0, "--port", str(http))]
@@ -189,11 +229,13 @@ def test_two_torchrun_node_ranks_serve_the_single_process_output(tiny_kl_dir):
                 pass
             time.sleep(0.5)
         ids = [5, 17, 260, 301, 44, 9]
-        r = httpx.post(base + "/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0},
-                       timeout=60)
+        r = httpx.post(base + "/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
-        ref = LLM(str(tiny_kl_dir), **KW).generate({"prompt_token_ids": ids},
-                                                   SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        ref = (
+            LLM(str(tiny_kl_dir), **KW)
+            .generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=12))[0]
+            .outputs[0]
+        )
         assert r.json()["choices"][0]["text"] == ref.text and r.json()["usage"]["completion_tokens"] == 12
     finally:
         os.killpg(nodes[1].pid, signal.SIGTERM)
@@ -213,8 +255,10 @@ def test_dspark_speculation_under_tp2_equals_single_process():
 
     path = str(default_model())
     spec = {"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}
-    prompts = ["<|im_user|>user<|im_middle|>What is 23 + 45?<|im_end|><|im_assistant|>assistant<|im_middle|>",
-               "Repeat after me: the quick brown fox"]
+    prompts = [
+        "<|im_user|>user<|im_middle|>What is 23 + 45?<|im_end|><|im_assistant|>assistant<|im_middle|>",
+        "Repeat after me: the quick brown fox",
+    ]
     p = SamplingParams(temperature=0, max_tokens=24)
     ref = LLM(path, **KW).generate(prompts, p)
     tp = LLM(path, tensor_parallel_size=2, speculative_config=spec, **KW)

@@ -6,7 +6,6 @@ their decode steps ran compiled on every rank."""
 
 from __future__ import annotations
 
-import pytest
 
 from k3serve import LLM, SamplingParams
 
@@ -20,8 +19,13 @@ def test_tp2_graph_engine_equals_the_single_process_engine(tiny_kl_dir):
     path = str(tiny_kl_dir)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS, greedy)]
-    tp = LLM(path, tensor_parallel_size=2, kernels="graph",
-             compilation_config={"backend": "aot_eager", "cudagraph_capture_sizes": [1, 4]}, **KW)
+    tp = LLM(
+        path,
+        tensor_parallel_size=2,
+        kernels="graph",
+        compilation_config={"backend": "aot_eager", "cudagraph_capture_sizes": [1, 4]},
+        **KW,
+    )
     try:
         got = [o.outputs[0].token_ids for o in tp.generate(PROMPTS, greedy)]
         graphs = tp.engine.runner.rank.graphs
@@ -37,8 +41,14 @@ def test_tp2_ep2_graph_engine_equals_the_single_process_engine(tiny_k3_dir):
     path = str(tiny_k3_dir)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS, greedy)]
-    tp = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, kernels="graph",
-             compilation_config={"backend": "aot_eager", "cudagraph_capture_sizes": [1, 4]}, **KW)
+    tp = LLM(
+        path,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        kernels="graph",
+        compilation_config={"backend": "aot_eager", "cudagraph_capture_sizes": [1, 4]},
+        **KW,
+    )
     try:
         assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, greedy)] == want
         assert tp.engine.runner.rank.graphs.steps >= 31

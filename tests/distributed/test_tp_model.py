@@ -37,8 +37,7 @@ def assert_as_accurate(got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor
     assert (got.double() - exact).abs().max().item() <= own + 1e-5 * ref.abs().max().item()
 
 
-def greedy_logits(path, tp=None, kernels="auto", steps=3, dtype=torch.float32, prompt=PROMPT,
-                  ep=None) -> torch.Tensor:
+def greedy_logits(path, tp=None, kernels="auto", steps=3, dtype=torch.float32, prompt=PROMPT, ep=None) -> torch.Tensor:
     """[len(prompt) + steps, V]: every prompt row, then each greedy decode step's row (`ep`: a
     DP-attention expert group, test_dp_ep_model.py)."""
     kw = {} if tp is None else {"tp": tp}
@@ -92,7 +91,9 @@ def test_mxfp4_channel_split_names_the_dimension(tiny_k3_dir):
 
 
 def test_indivisible_heads_name_the_dimension(tiny_kl_dir):
-    with pytest.raises(ValueError, match="linear_attn_config.num_heads = 4 is not divisible by --tensor-parallel-size 3"):
+    with pytest.raises(
+        ValueError, match="linear_attn_config.num_heads = 4 is not divisible by --tensor-parallel-size 3"
+    ):
         tp_logits(tiny_kl_dir, world=3)
 
 
@@ -109,6 +110,7 @@ def test_per_rank_weight_bytes_equal_the_planners(case, tiny_kl_dir, tiny_k3_dir
     path = _path(case, (tiny_kl_dir, tiny_k3_dir, None))
     cfg = load_model_config(path)
     vision = sum(s.nbytes for s in model_tensor_specs(cfg) if s.vision)
-    got = run_ranks(2, lambda tp: weight_bytes(load_model(path, dtype=torch.bfloat16, progress=False, tp=tp)),
-                    case.endswith("ep2"))
+    got = run_ranks(
+        2, lambda tp: weight_bytes(load_model(path, dtype=torch.bfloat16, progress=False, tp=tp)), case.endswith("ep2")
+    )
     assert got == [weight_split(cfg, path).per_rank(tp=2, ep=2) - vision] * 2

@@ -27,8 +27,9 @@ def two_node_cluster(tmp_path, monkeypatch):
     common = ["--disable-usage-stats"]
     # the daemons `ray start` leaves behind keep its output open: never capture it (a pipe never ends)
     quiet = dict(check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-    subprocess.run([exe, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
-                    *common], **quiet)
+    subprocess.run(
+        [exe, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", *common], **quiet
+    )
     try:
         subprocess.run([exe, "start", f"--address=127.0.0.1:{port}", "--num-cpus=2", *common], **quiet)
         monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")

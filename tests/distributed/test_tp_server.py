@@ -19,8 +19,9 @@ def test_tp_server_serves_then_reports_a_dead_worker(tiny_k3_dir):
     ref_app, _ = make_app(tiny_k3_dir)
     with serving(ref_app, start_timeout=30) as base:
         want = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    app, state = make_app(tiny_k3_dir, "--tensor-parallel-size", "2", "--enable-expert-parallel",
-                          "--distributed-timeout", "20")
+    app, state = make_app(
+        tiny_k3_dir, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--distributed-timeout", "20"
+    )
     with serving(app, start_timeout=60) as base:
         r = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
@@ -31,10 +32,13 @@ def test_tp_server_serves_then_reports_a_dead_worker(tiny_k3_dir):
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         forwarded = usage["prompt_tokens"] + usage["completion_tokens"] - 1  # the last token is never input
         text = httpx.get(base + "/metrics", timeout=10).text
-        per_rank = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                    if line.startswith("k3serve:expert_parallel_tokens_total{")]
+        per_rank = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("k3serve:expert_parallel_tokens_total{")
+        ]
         assert len(per_rank) == 2 and sum(per_rank) == forwarded * cfg.moe.top_k * moe_layers
-        assert 'k3serve:tp_collective_seconds_total{' in text and 'kind="all_reduce"' in text
+        assert "k3serve:tp_collective_seconds_total{" in text and 'kind="all_reduce"' in text
         worker = state.engine.engine.executor._procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)

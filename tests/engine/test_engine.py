@@ -44,16 +44,18 @@ def test_concurrent_greedy_equals_each_alone(which, request):
 def test_greedy_matches_a_plain_full_recompute(k3_llm):
     """Engine tokens equal argmax of a fresh, unchunked forward over prompt + generated tokens."""
     p = prompts(4)[3]["prompt_token_ids"]
-    out = ids(k3_llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=6,
-                                                                         ignore_eos=True)))[0]
+    out = ids(k3_llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))[
+        0
+    ]
     model = k3_llm.engine.model
     seq = p + out[:-1]
     cache = fresh_cache(k3_llm, -(-len(seq) // 16))
-    fb = ForwardBatch(torch.tensor(seq, device=cache.device), [len(seq)], [0], [0], [list(range(-(-len(seq) // 16)))],
-                      16)
+    fb = ForwardBatch(
+        torch.tensor(seq, device=cache.device), [len(seq)], [0], [0], [list(range(-(-len(seq) // 16)))], 16
+    )
     with torch.inference_mode():
         logits = model.compute_logits(model(fb, cache).hidden)
-    assert logits[len(p) - 1:].argmax(-1).tolist() == out
+    assert logits[len(p) - 1 :].argmax(-1).tolist() == out
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -63,8 +65,14 @@ def test_preemption_gives_the_same_outputs(tiny_k3_dir, k3_llm, caching):
     # 4 slots but latent rows for only ~2 requests: forces preemption by recompute (with caching,
     # one more slot's bytes buy the single checkpoint slot)
     plan = k3_llm.engine.plan  # its slot and block bytes: fp32 on a CPU, bf16 latent rows on a GPU
-    tight = LLM(str(tiny_k3_dir), cache_memory=(4 + caching) * plan.slot_bytes + 14 * plan.block_bytes,
-                num_state_slots=4, max_model_len=200, max_num_batched_tokens=96, enable_prefix_caching=caching)
+    tight = LLM(
+        str(tiny_k3_dir),
+        cache_memory=(4 + caching) * plan.slot_bytes + 14 * plan.block_bytes,
+        num_state_slots=4,
+        max_model_len=200,
+        max_num_batched_tokens=96,
+        enable_prefix_caching=caching,
+    )
     assert tight.engine.plan.num_blocks == 14
     got = ids(tight.generate(ps, GREEDY))
     assert got == want
@@ -77,11 +85,18 @@ def test_seeded_sampling_reproducible_and_batch_independent(k3_llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=10, ignore_eos=True)
     alone = ids(k3_llm.generate([ps[2]], sp))[0]
     again = ids(k3_llm.generate([ps[2]], sp))[0]
-    mixed = ids(k3_llm.generate(ps, [SamplingParams(temperature=1.0, max_tokens=7)] * 2 + [sp]
-                                 + [SamplingParams(temperature=0.5, seed=9, max_tokens=12)] * 2))[2]
+    mixed = ids(
+        k3_llm.generate(
+            ps,
+            [SamplingParams(temperature=1.0, max_tokens=7)] * 2
+            + [sp]
+            + [SamplingParams(temperature=0.5, seed=9, max_tokens=12)] * 2,
+        )
+    )[2]
     assert alone == again == mixed
-    other = ids(k3_llm.generate([ps[2]], SamplingParams(temperature=1.0, top_p=0.9, seed=124, max_tokens=10,
-                                                        ignore_eos=True)))[0]
+    other = ids(
+        k3_llm.generate([ps[2]], SamplingParams(temperature=1.0, top_p=0.9, seed=124, max_tokens=10, ignore_eos=True))
+    )[0]
     assert other != alone
 
 
@@ -161,10 +176,15 @@ def test_abort_frees_and_slot_reuse_reads_no_stale_state(k3_llm):
     assert ids(k3_llm.generate([p[1]], GREEDY))[0] == want  # reuses the aborted request's slot 0
 
 
-@pytest.mark.parametrize("prompt, match", [({"prompt_token_ids": []}, "empty"),
-                                           ({"prompt_token_ids": [1, 99999]}, "outside the vocabulary"),
-                                           ({"prompt_token_ids": [1] * 512}, "max_model_len"),
-                                           ({"text": "x"}, "'prompt' or 'prompt_token_ids'")])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [1, 99999]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [1] * 512}, "max_model_len"),
+        ({"text": "x"}, "'prompt' or 'prompt_token_ids'"),
+    ],
+)
 def test_bad_prompts_are_refused_and_engine_keeps_serving(k3_llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         k3_llm.generate([prompt], GREEDY)

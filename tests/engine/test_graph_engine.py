@@ -49,8 +49,9 @@ def test_greedy_equals_torch_under_preemption(tiny_k3_dir):
     ps = prompts(6, shared=40, seed=9)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want = tokens(LLM(str(tiny_k3_dir), kernels="torch", cache_memory="32MiB", max_model_len=200), ps, sp)
-    tight = LLM(str(tiny_k3_dir), cache_memory=5 * 32_000 + 14 * 16 * 480, num_state_slots=4, max_model_len=200,
-                **GRAPH)
+    tight = LLM(
+        str(tiny_k3_dir), cache_memory=5 * 32_000 + 14 * 16 * 480, num_state_slots=4, max_model_len=200, **GRAPH
+    )
     assert tokens(tight, ps, sp) == want
     assert tight.engine.scheduler.num_preemptions > 0 and graphs(tight).steps > 0
 
@@ -86,5 +87,6 @@ def test_device_sampling_is_fused_reproducible_and_equal_to_the_host_draws(tiny_
     assert fused == host
     assert tokens(llm, ps[1:2], SamplingParams(**sp)) == fused[1:2]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    assert tokens(llm, ps, greedy) == tokens(LLM(str(tiny_kl_dir), kernels="torch", cache_memory="16MiB",
-                                                 max_model_len=256), ps, greedy)
+    assert tokens(llm, ps, greedy) == tokens(
+        LLM(str(tiny_kl_dir), kernels="torch", cache_memory="16MiB", max_model_len=256), ps, greedy
+    )

@@ -34,8 +34,9 @@ def run_until_done(engine, rid):
 
 def disaggregated(prefill, decode, rid, prompt):
     """Prefill on one engine (first token), hand the state over, decode on the other."""
-    prefill.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                        keep_cache=True)
+    prefill.add_request(
+        rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), keep_cache=True
+    )
     first = run_until_done(prefill, rid)
     held = decode.held_tokens(prompt)
     h = prefill.pull_handoff(rid, held)
@@ -60,8 +61,9 @@ def test_handoff_decodes_as_a_colocated_engine_would(kind, tiny_k3_dir, tiny_kl_
     shared = long[:32] + torch.randint(1, 500, (9,), generator=g).tolist()  # shares 2 blocks with `long`
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     cfg = prefill.model.cfg
-    kv = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[decode.runner.cache.latent[
-        next(i for i, t in enumerate(decode.runner.cache.latent) if t is not None)].dtype]
+    kv = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[
+        decode.runner.cache.latent[next(i for i, t in enumerate(decode.runner.cache.latent) if t is not None)].dtype
+    ]
     for i, prompt in enumerate([short, long, shared]):
         want = colocated.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
         got, h, held = disaggregated(prefill, decode, f"r{i}", prompt)
@@ -80,14 +82,16 @@ def test_an_unpulled_handoff_expires_and_a_missing_prefix_is_refused(tiny_kl_dir
     _, p_llm, d_llm = engines(tiny_kl_dir)
     prefill, decode = p_llm.engine, d_llm.engine
     prefill.handoffs.ttl_s = 0.0
-    prefill.add_request("x", {"prompt_token_ids": list(range(1, 30))},
-                        SamplingParams(temperature=0, max_tokens=1), keep_cache=True)
+    prefill.add_request(
+        "x", {"prompt_token_ids": list(range(1, 30))}, SamplingParams(temperature=0, max_tokens=1), keep_cache=True
+    )
     run_until_done(prefill, "x")
     with pytest.raises(KeyError, match="no prefilled request 'x'"):
         prefill.pull_handoff("x")
     prefill.handoffs.ttl_s = 60.0
-    prefill.add_request("y", {"prompt_token_ids": list(range(1, 40))},
-                        SamplingParams(temperature=0, max_tokens=1), keep_cache=True)
+    prefill.add_request(
+        "y", {"prompt_token_ids": list(range(1, 40))}, SamplingParams(temperature=0, max_tokens=1), keep_cache=True
+    )
     run_until_done(prefill, "y")
     h = prefill.pull_handoff("y", held_tokens=32)  # claims 32 tokens the decode engine does not hold
     with pytest.raises(ValueError, match="no longer holds the 32 prompt tokens"):
@@ -98,11 +102,21 @@ def test_an_unpulled_handoff_expires_and_a_missing_prefix_is_refused(tiny_kl_dir
 def test_a_decode_engine_with_speculative_decoding_continues_the_handoff(tiny_k3_dir):
     """ngram drafts on the decode engine (greedy verification is exact): the same tokens."""
     colocated, p_llm, _ = engines(tiny_k3_dir)
-    spec = LLM(str(tiny_k3_dir), cache_memory="32MiB", max_model_len=512, block_size=16,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = LLM(
+        str(tiny_k3_dir),
+        cache_memory="32MiB",
+        max_model_len=512,
+        block_size=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
     prompt = [5, 6, 7, 8] * 9  # repetitive: the n-gram drafter proposes
-    want = colocated.generate([{"prompt_token_ids": prompt}],
-                              SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))[0].outputs[0].token_ids
+    want = (
+        colocated.generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     got, _, _ = disaggregated(p_llm.engine, spec.engine, "s", prompt)
     assert got == want and spec.engine.cache.num_requests == 0
 
@@ -134,8 +148,7 @@ def test_a_seeded_sampled_request_continues_its_random_stream_and_logprobs(tiny_
     logprobs of every token and of the prompt are the colocated ones."""
     colocated, p_llm, d_llm = engines(tiny_k3_dir)
     prompt = {"prompt_token_ids": list(range(7, 44))}
-    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True, logprobs=3,
-                            prompt_logprobs=2)
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     want = colocated.generate([prompt], params)[0]
     got, _ = carried(p_llm.engine, d_llm.engine, "seeded", prompt, params)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
@@ -155,8 +168,12 @@ def test_a_grammar_is_replayed_over_the_first_token(tiny_k3_dir):
 
     colocated, p_llm, d_llm = engines(tiny_k3_dir)
     eos = colocated.engine.model.cfg.eos_token_id
-    params = SamplingParams(temperature=1.0, seed=5, max_tokens=20,
-                            structured=StructuredOutputs("regex", r"[0-9]{3}-[a-z]{2}", stop_ids=(eos,)))
+    params = SamplingParams(
+        temperature=1.0,
+        seed=5,
+        max_tokens=20,
+        structured=StructuredOutputs("regex", r"[0-9]{3}-[a-z]{2}", stop_ids=(eos,)),
+    )
     prompt = {"prompt_token_ids": list(range(20, 41))}
     want = colocated.generate([prompt], params)[0].outputs[0]
     got, _ = carried(p_llm.engine, d_llm.engine, "g", prompt, params)

@@ -33,7 +33,7 @@ def test_a_row_without_finite_logits_fails_alone():
     res = Sampler()(logits, reqs, [torch.Generator().manual_seed(r.params.seed or 0) for r in reqs])
     assert set(res.failed) == {1} and "no finite value" in res.failed[1]
     for i in (0, 2):  # the others get what they get alone
-        alone = Sampler()(logits[i:i + 1], [reqs[i]], [torch.Generator().manual_seed(reqs[i].params.seed or 0)])
+        alone = Sampler()(logits[i : i + 1], [reqs[i]], [torch.Generator().manual_seed(reqs[i].params.seed or 0)])
         assert res[i] == alone[0]
     with pytest.raises(ValueError, match="no finite value"):
         res[1]
@@ -63,22 +63,33 @@ def test_a_raising_batch_is_redone_row_by_row_from_the_same_generator_states(mon
 
 
 # ---- parameters --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, field", [
-    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(repetition_penalty=1e-300), "repetition_penalty"), (dict(top_p=float("nan")), "top_p"),
-    (dict(seed=2 ** 64), "seed"), (dict(seed=-(2 ** 63) - 1), "seed"),
-    (dict(logit_bias={0: float("inf")}), "logit_bias"), (dict(top_k=1.5), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(logit_bias={0: float("inf")}), "logit_bias"),
+        (dict(top_k=1.5), "top_k"),
+    ],
+)
 def test_out_of_range_values_name_their_field(kw, field):
     with pytest.raises(ParamError, match=field) as e:
         SamplingParams(**kw)
     assert e.value.param == field
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={10 ** 6: 1.0}), "logit_bias"),
-    (dict(stop_token_ids=[10 ** 6], min_tokens=2), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+        (dict(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids"),
+    ],
+)
 def test_token_ids_are_checked_against_the_vocabulary(k3_llm, kw, field):
     with pytest.raises(ParamError, match=f"{field} has token id") as e:
         k3_llm.engine.add_request("bad-vocab", "hi", SamplingParams(max_tokens=4, **kw))
@@ -87,8 +98,8 @@ def test_token_ids_are_checked_against_the_vocabulary(k3_llm, kw, field):
 
 def test_edge_values_that_are_valid_still_sample():
     assert SamplingParams(temperature=1e-45).temperature == 1e-2  # vLLM raises tiny temperatures too
-    assert SamplingParams(seed=2 ** 64 - 1, n=2).for_sample(1).seed == 0  # wraps inside 64 bits
-    r = req(0, temperature=1.0, top_k=2 ** 70, seed=3)
+    assert SamplingParams(seed=2**64 - 1, n=2).for_sample(1).seed == 0  # wraps inside 64 bits
+    r = req(0, temperature=1.0, top_k=2**70, seed=3)
     assert not Sampler()(torch.randn(1, 40), [r], [torch.Generator().manual_seed(3)]).failed
 
 
@@ -98,8 +109,12 @@ def _alone(llm):
 
 
 def _free(eng) -> bool:
-    return (not eng.has_unfinished_requests() and eng.cache.num_free_slots == eng.plan.num_slots
-            and eng.cache.num_free_blocks == eng.plan.num_blocks and not eng.cache.checkpoints._pins)
+    return (
+        not eng.has_unfinished_requests()
+        and eng.cache.num_free_slots == eng.plan.num_slots
+        and eng.cache.num_free_blocks == eng.plan.num_blocks
+        and not eng.cache.checkpoints._pins
+    )
 
 
 def test_a_raising_model_step_fails_only_its_cause(k3_llm, monkeypatch):
@@ -134,8 +149,9 @@ def test_output_processing_failure_fails_only_that_request(k3_llm, monkeypatch):
 
     monkeypatch.setattr(tok, "decode_bytes", decode_bytes)
     bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={target: 100})
-    outs = k3_llm.generate([VICTIMS[0], {"prompt_token_ids": [9, 9, 9]}, VICTIMS[1], VICTIMS[2]],
-                           [GREEDY, bad, GREEDY, GREEDY])
+    outs = k3_llm.generate(
+        [VICTIMS[0], {"prompt_token_ids": [9, 9, 9]}, VICTIMS[1], VICTIMS[2]], [GREEDY, bad, GREEDY, GREEDY]
+    )
     assert [outs[i].outputs[0].token_ids for i in (0, 2, 3)] == want
     assert "output processing failed" in outs[1].error
     assert _free(k3_llm.engine)

@@ -41,9 +41,15 @@ def hits(llm: LLM) -> int:
     return llm.engine.cache.checkpoints.stats.hit_tokens
 
 
-@pytest.mark.parametrize("case, prefix_len, expect_hit", [
-    ("a: block boundary", 64, 64), ("b: inside a block", 70, 64), ("c: exactly k x block", 64, 64),
-    ("d: shorter than a block", 10, 0)])
+@pytest.mark.parametrize(
+    "case, prefix_len, expect_hit",
+    [
+        ("a: block boundary", 64, 64),
+        ("b: inside a block", 70, 64),
+        ("c: exactly k x block", 64, 64),
+        ("d: shorter than a block", 10, 0),
+    ],
+)
 def test_shared_prefix_outputs_identical(on, off, case, prefix_len, expect_hit):
     base = toks(prefix_len, seed=prefix_len)
     tails = [toks(n, seed=100 + n) for n in (10, 7, 12)]

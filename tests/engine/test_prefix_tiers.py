@@ -25,8 +25,15 @@ from k3serve.cache.prefix_cache import block_hashes
 
 BS = 16
 # a device pool of ~40 latent blocks and 4 checkpoint slots: the fillers below evict the prefix
-SMALL = dict(cache_memory="512KiB", num_state_slots=2, max_model_len=256, max_num_batched_tokens=512, seed=0,
-             kernels="torch", prefix_cache_state_fraction=0.3)
+SMALL = dict(
+    cache_memory="512KiB",
+    num_state_slots=2,
+    max_model_len=256,
+    max_num_batched_tokens=512,
+    seed=0,
+    kernels="torch",
+    prefix_cache_state_fraction=0.3,
+)
 BIG = dict(cache_memory="32MiB", max_model_len=512, max_num_batched_tokens=512, seed=0, kernels="torch")
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
@@ -58,17 +65,27 @@ def snapshot_loads(llm):
     def recorded(cache, blocks, states):
         load(cache, blocks, states)
         for h, b in blocks:
-            seen["blocks"][h] = {l: cache.latent[l][b * BS:(b + 1) * BS].clone() for l in tiers.mla}
+            seen["blocks"][h] = {l: cache.latent[l][b * BS : (b + 1) * BS].clone() for l in tiers.mla}
         for h, s in states:
-            seen["states"][h] = [cache.recurrent[l][s].clone() for l in tiers.kda] + \
-                                [cache.conv[l][s].clone() for l in tiers.kda]
+            seen["states"][h] = [cache.recurrent[l][s].clone() for l in tiers.kda] + [
+                cache.conv[l][s].clone() for l in tiers.kda
+            ]
+
     tiers.load = recorded
     return seen
 
 
-@pytest.mark.parametrize("kind, tier, spec, length", [
-    ("k3", "cpu", None, 64), ("k3", "disk", None, 70), ("k3", "cpu", NGRAM, 70), ("k3", "disk", NGRAM, 64),
-    ("kl", "cpu", None, 70), ("kl", "disk", None, 64)])
+@pytest.mark.parametrize(
+    "kind, tier, spec, length",
+    [
+        ("k3", "cpu", None, 64),
+        ("k3", "disk", None, 70),
+        ("k3", "cpu", NGRAM, 70),
+        ("k3", "disk", NGRAM, 64),
+        ("kl", "cpu", None, 70),
+        ("kl", "disk", None, 64),
+    ],
+)
 def test_a_tier_hit_equals_a_cold_recompute_bitwise(kind, tier, spec, length, tiny_k3_dir, tiny_kl_dir, tmp_path):
     path = str(tiny_k3_dir if kind == "k3" else tiny_kl_dir)
     extra = {"speculative_config": spec} if spec else {}
@@ -90,12 +107,12 @@ def test_a_tier_hit_equals_a_cold_recompute_bitwise(kind, tier, spec, length, ti
     # what was loaded == what a fresh prefill of the prefix computes (another engine, all on device)
     ref = LLM(path, **BIG, **extra)
     run(ref, [prefix])
-    hashes = block_hashes(prefix, BS)[:boundary // BS]
+    hashes = block_hashes(prefix, BS)[: boundary // BS]
     dev = ref.engine.runner.cache
     for h in hashes:
         b = ref.engine.cache.blocks.cached[h]
         for l, rows in seen["blocks"][h].items():
-            assert torch.equal(rows, dev.latent[l][b * BS:(b + 1) * BS])
+            assert torch.equal(rows, dev.latent[l][b * BS : (b + 1) * BS])
     slot = ref.engine.cache.checkpoints.get(hashes[-1])
     want = [t[slot] for t in dev.recurrent + dev.conv if t is not None]
     assert len(seen["states"][hashes[-1]]) == len(want)
@@ -119,8 +136,13 @@ def test_a_restarted_process_hits_and_bad_files_are_dropped_and_recomputed(tiny_
     first = LLM(path, **SMALL, kv_offloading_dir=disk)
     run(first, [prefix])
     first.engine.shutdown()
-    out = subprocess.run([sys.executable, "-c", RESTART, path, disk, json.dumps(prefix + suffix), json.dumps(SMALL)],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", RESTART, path, disk, json.dumps(prefix + suffix), json.dumps(SMALL)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [cold[0], 80]  # served from the directory
     # now spoil the files: a flipped bit in the state, a truncated block, a foreign block
@@ -136,6 +158,7 @@ def test_a_restarted_process_hits_and_bad_files_are_dropped_and_recomputed(tiny_
     block.write_bytes(block.read_bytes()[:-100])
     foreign = root / "block" / hashes[0].hex()[:2] / f"{hashes[0].hex()}.safetensors"
     from safetensors.torch import load_file
+
     write_entry(foreign, load_file(foreign), "0123456789abcdef", hashes[0].hex())
     caplog.set_level(logging.WARNING, logger="k3serve.offload")
     second = LLM(path, **SMALL, kv_offloading_dir=disk)
@@ -155,8 +178,13 @@ def test_32_concurrent_requests_over_a_tiny_pool_stay_exact_and_within_bounds(ti
     prefixes = [toks(40 + 8 * i, 50 + i) for i in range(8)]
     prompts = [p + toks(3 + j, 70 + 4 * i + j) for i, p in enumerate(prefixes) for j in range(4)]
     cold, _ = run(LLM(path, **BIG, enable_prefix_caching=False), prompts)
-    llm = LLM(path, **{**SMALL, "max_num_seqs": 6}, kv_offloading_size=0.0005, kv_offloading_dir=str(tmp_path),
-              kv_offloading_dir_size=0.0004)
+    llm = LLM(
+        path,
+        **{**SMALL, "max_num_seqs": 6},
+        kv_offloading_size=0.0005,
+        kv_offloading_dir=str(tmp_path),
+        kv_offloading_dir_size=0.0004,
+    )
     run(llm, [prefixes[i] for i in range(8)])  # the prefixes go through the tiers first
     got, cached = run(llm, prompts)
     assert got == cold and sum(cached) > 0
@@ -180,8 +208,12 @@ def test_a_restarted_server_serves_its_first_repeated_prompt_from_disk(tiny_k3_d
 
     flags = ("--kv-offloading-dir", str(tmp_path / "tiers"), "--kv-offloading-size", "0.01")
     # 229 tokens: a prompt of whole blocks could not reuse its own end (one token must be computed)
-    body = {"model": "tiny-k3", "prompt": "The quick brown fox jumps over the lazy dog. " * 8 + "Or not?",
-            "max_tokens": 4, "temperature": 0}
+    body = {
+        "model": "tiny-k3",
+        "prompt": "The quick brown fox jumps over the lazy dog. " * 8 + "Or not?",
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     texts = []
     for run_ in range(2):
         app, _ = make_app(tiny_k3_dir, *flags)
@@ -194,4 +226,4 @@ def test_a_restarted_server_serves_its_first_repeated_prompt_from_disk(tiny_k3_d
             assert cached == 0 and r["usage"]["prompt_tokens"] % 16
         else:
             assert cached == r["usage"]["prompt_tokens"] // 16 * 16 and texts[1] == texts[0]
-            assert 'k3serve:prefix_cache_tier_hits_total{' in metrics and 'tier="disk"' in metrics
+            assert "k3serve:prefix_cache_tier_hits_total{" in metrics and 'tier="disk"' in metrics

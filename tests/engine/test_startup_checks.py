@@ -32,11 +32,15 @@ def _poison(ckpt, pick, value) -> tuple[str, str]:
     return name, index[name]
 
 
-@pytest.mark.parametrize("pick, value", [
-    (lambda n: n.endswith("q_proj.weight") or n.endswith("q_a_proj.weight"), float("nan")),
-    (lambda n: n.endswith("lm_head.weight"), float("inf")),
-    (lambda n: n.endswith(".weight_scale"), 0xFF),  # the E8M0 NaN code of an MXFP4 block scale
-], ids=["nan", "inf", "mxfp4-scale"])
+@pytest.mark.parametrize(
+    "pick, value",
+    [
+        (lambda n: n.endswith("q_proj.weight") or n.endswith("q_a_proj.weight"), float("nan")),
+        (lambda n: n.endswith("lm_head.weight"), float("inf")),
+        (lambda n: n.endswith(".weight_scale"), 0xFF),  # the E8M0 NaN code of an MXFP4 block scale
+    ],
+    ids=["nan", "inf", "mxfp4-scale"],
+)
 def test_non_finite_weights_stop_start_up_naming_tensor_and_file(tiny_k3_dir, tmp_path, pick, value):
     ckpt = shutil.copytree(tiny_k3_dir, tmp_path / "ckpt")
     name, file = _poison(ckpt, pick, value)
@@ -56,8 +60,9 @@ def test_a_short_tokenizer_is_masked_and_stated(tiny_k3_dir, tmp_path):
     assert any("masked out of sampling" in line for line in eng.startup_log)
     # even pushed with the largest bias, an unmapped id is never sampled (its text would not exist)
     bias = {t: 100.0 for t in gap}
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=8,
-                                                                      ignore_eos=True, logit_bias=bias))[0]
+    out = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias)
+    )[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 8
     assert not set(out.outputs[0].token_ids) & set(gap)
     with pytest.raises(ValueError, match="has no text"):

@@ -23,26 +23,38 @@ from k3serve.sampling.structured import StructuredOutputs
 KW = dict(cache_memory="32MiB", max_model_len=1024, max_num_batched_tokens=256, seed=0)
 NAMES = st.text("abcdefghij_", min_size=1, max_size=6)
 LEAF = st.one_of(
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-1000, 1000), st.integers(0, 5000)),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-1000, 1000),
+        st.integers(0, 5000),
+    ),
     st.just({"type": "number", "minimum": -100, "maximum": 100}),
-    st.just({"type": "boolean"}), st.just({"type": "null"}),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
-    st.lists(st.one_of(st.text("xyz ", min_size=1, max_size=4), st.integers(-5, 5)), min_size=1, max_size=4,
-             unique=True).map(lambda v: {"enum": v}),
+    st.lists(
+        st.one_of(st.text("xyz ", min_size=1, max_size=4), st.integers(-5, 5)), min_size=1, max_size=4, unique=True
+    ).map(lambda v: {"enum": v}),
 )
 
 
 def _object(children):
-    return st.dictionaries(NAMES, children, min_size=1, max_size=3).flatmap(lambda props: st.builds(
-        lambda req: {"type": "object", "properties": props, "required": sorted(req), "additionalProperties": False},
-        st.sets(st.sampled_from(sorted(props)))))
+    return st.dictionaries(NAMES, children, min_size=1, max_size=3).flatmap(
+        lambda props: st.builds(
+            lambda req: {"type": "object", "properties": props, "required": sorted(req), "additionalProperties": False},
+            st.sets(st.sampled_from(sorted(props))),
+        )
+    )
 
 
-SCHEMA = st.recursive(LEAF, lambda children: st.one_of(
-    _object(children),
-    st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3))),
-    max_leaves=6)
+SCHEMA = st.recursive(
+    LEAF,
+    lambda children: st.one_of(
+        _object(children),
+        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3)),
+    ),
+    max_leaves=6,
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +64,11 @@ def plain(tiny_k3_dir):
 
 @pytest.fixture(scope="module")
 def speculative(tiny_k3_dir):
-    return LLM(str(tiny_k3_dir), **KW, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                           "prompt_lookup_min": 1})
+    return LLM(
+        str(tiny_k3_dir),
+        **KW,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    )
 
 
 def _constrained(llm, so: StructuredOutputs, seeds, free_prompt):
@@ -67,7 +82,7 @@ def _constrained(llm, so: StructuredOutputs, seeds, free_prompt):
 
 @pytest.mark.parametrize("engine", ["plain", "speculative"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schema=SCHEMA, seeds=st.lists(st.integers(0, 2 ** 31), min_size=2, max_size=3, unique=True))
+@given(schema=SCHEMA, seeds=st.lists(st.integers(0, 2**31), min_size=2, max_size=3, unique=True))
 def test_every_output_validates_against_a_random_schema(engine, request, schema, seeds):
     llm = request.getfixturevalue(engine)
     free = [7, 8, 9, 10, 7, 8, 9, 10]  # repetitive: ngram drafts get proposed for it too
@@ -87,20 +102,25 @@ def test_grammar_refused_drafts_are_cut_before_verification(speculative):
     # grammar refuses " a" (it wants " cd" after "ab"): two of the three drafts are cut
     prompt = speculative.engine.tokenizer.encode("ab ab ab ab ab ab ab ab ")
     so = StructuredOutputs("regex", "ab cd", stop_ids=(speculative.engine.model.cfg.eos_token_id,))
-    out = speculative.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0,
-                                                                            structured=so))
+    out = speculative.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0, structured=so)
+    )
     assert out[0].outputs[0].text == "ab cd"
     assert runner.constraint_stats.drafts_cut >= before + 2  # those two, and any later refused ones
 
 
 def test_regex_choice_and_grammar_constraints(plain):
     eos = plain.engine.model.cfg.eos_token_id
-    cases = [(StructuredOutputs("regex", r"[0-9]{3}-[a-z]{2}", stop_ids=(eos,)), r"[0-9]{3}-[a-z]{2}"),
-             (StructuredOutputs.choice(["alpha", "beta", "gamma"], stop_ids=(eos,)), "alpha|beta|gamma"),
-             (StructuredOutputs("grammar", 'root ::= "(" [a-c]+ ")"', stop_ids=(eos,)), r"\([a-c]+\)")]
+    cases = [
+        (StructuredOutputs("regex", r"[0-9]{3}-[a-z]{2}", stop_ids=(eos,)), r"[0-9]{3}-[a-z]{2}"),
+        (StructuredOutputs.choice(["alpha", "beta", "gamma"], stop_ids=(eos,)), "alpha|beta|gamma"),
+        (StructuredOutputs("grammar", 'root ::= "(" [a-c]+ ")"', stop_ids=(eos,)), r"\([a-c]+\)"),
+    ]
     for so, pattern in cases:
-        outs = plain.generate([{"prompt_token_ids": [5, 6]}] * 3,
-                              [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured=so) for s in range(3)])
+        outs = plain.generate(
+            [{"prompt_token_ids": [5, 6]}] * 3,
+            [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured=so) for s in range(3)],
+        )
         for o in outs:
             assert re.fullmatch(pattern, o.outputs[0].text), (so.kind, o.outputs[0].text)
     with pytest.raises(ParamError, match="does not compile"):
@@ -143,8 +163,15 @@ def test_a_closing_channel_refuses_ending_inside_it_and_obeys_its_budget(plain):
     tok, V = plain.engine.tokenizer, plain.engine.model.cfg.vocab_size
     backend = GrammarBackend(tok, V)
     eom, close, opening = 7, 9, (11, 12)
-    so = StructuredOutputs("regex", "ab", start_after=opening, free_close=(close, 10, *opening),
-                           free_refused=(eom,), free_budget=3, stop_ids=(close,))
+    so = StructuredOutputs(
+        "regex",
+        "ab",
+        start_after=opening,
+        free_close=(close, 10, *opening),
+        free_refused=(eom,),
+        free_budget=3,
+        stop_ids=(close,),
+    )
 
     def mask(c) -> set[int]:
         bm = backend.allocate(1)

@@ -36,6 +36,7 @@ def count_kernel_calls(llm) -> dict:
         def call(*a):
             calls[name] = calls.get(name, 0) + 1
             return op(*a)
+
         return call
 
     ops = backend.kernels_ops
@@ -62,8 +63,12 @@ def test_triton_backend_greedy_equals_torch(kind, tiny_k3_dir, tiny_kl_dir):
 
 @pytest.mark.slow  # ~50 s here: a verify pass's KDA, MLA and MoE kernels in the engine (tests/kernels has each alone)
 def test_triton_verify_pass_with_dspark_equals_torch(tiny_k3_dir, random_dspark):
-    kw = dict(cache_memory="32MiB", max_model_len=128, max_num_seqs=4,
-              speculative_config={"method": "dspark", "model": random_dspark, "num_speculative_tokens": 3})
+    kw = dict(
+        cache_memory="32MiB",
+        max_model_len=128,
+        max_num_seqs=4,
+        speculative_config={"method": "dspark", "model": random_dspark, "num_speculative_tokens": 3},
+    )
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ps = prompts(2, seed=4)
     want = tokens(LLM(str(tiny_k3_dir), kernels="torch", **kw), ps, sp)

@@ -22,8 +22,16 @@ def case(B, T, seed):
     g = torch.Generator().manual_seed(seed)
     N = B * T
     r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
-    x = dict(u=r(N, 3 * P), z=r(N, P), b=r(N, H), gate=r(N, P), conv_w=r(3 * P, K, scale=0.5),
-             a_log=r(H, scale=0.3), dt_bias=r(P, scale=0.1), o_norm=torch.rand(D, generator=g) + 0.5)
+    x = dict(
+        u=r(N, 3 * P),
+        z=r(N, P),
+        b=r(N, H),
+        gate=r(N, P),
+        conv_w=r(3 * P, K, scale=0.5),
+        a_log=r(H, scale=0.3),
+        dt_bias=r(P, scale=0.1),
+        o_norm=torch.rand(D, generator=g) + 0.5,
+    )
     return x, r(S, H, D, D, scale=0.1), r(S, K - 1, 3 * P)
 
 

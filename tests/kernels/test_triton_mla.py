@@ -54,5 +54,6 @@ def test_split_kv_merge_is_independent_of_the_split_count(splits):
     q, ckv, kv_norm, store, cache_rows, table, context, lens, kv_b = case(1, torch.float32, seed=1)
     q_lat, q_pe = torch.randn(3, H, C), torch.randn(3, H, R)
     one = mla.paged_attention(q_lat, q_pe, store, table, lens, BS, 0.3, splits=1)
-    assert torch.allclose(mla.paged_attention(q_lat, q_pe, store, table, lens, BS, 0.3, splits=splits), one,
-                          atol=1e-5, rtol=0)
+    assert torch.allclose(
+        mla.paged_attention(q_lat, q_pe, store, table, lens, BS, 0.3, splits=splits), one, atol=1e-5, rtol=0
+    )

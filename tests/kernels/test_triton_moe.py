@@ -49,8 +49,10 @@ def routing(N, seed):
     return ids, torch.rand(N, K, generator=g)
 
 
-ACTS = {"situ": (True, 4.0, 25.0, partial(situ_and_mul, beta=4.0, linear_beta=25.0)),
-        "swiglu": (False, 0.0, None, silu_and_mul)}
+ACTS = {
+    "situ": (True, 4.0, 25.0, partial(situ_and_mul, beta=4.0, linear_beta=25.0)),
+    "swiglu": (False, 0.0, None, silu_and_mul),
+}
 
 
 @pytest.mark.parametrize("act", ["situ", "swiglu"])
@@ -58,8 +60,11 @@ ACTS = {"situ": (True, 4.0, 25.0, partial(situ_and_mul, beta=4.0, linear_beta=25
 @pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "dense"])
 def test_grouped_gemm_equals_the_experts_reference(packed, N, act):
     g = torch.Generator().manual_seed(N)
-    W = [torch.randn(E, I, D, generator=g) * 0.2, torch.randn(E, D, I, generator=g) * 0.2,
-         torch.randn(E, I, D, generator=g) * 0.2]
+    W = [
+        torch.randn(E, I, D, generator=g) * 0.2,
+        torch.randn(E, D, I, generator=g) * 0.2,
+        torch.randn(E, I, D, generator=g) * 0.2,
+    ]
     situ, beta, linear_beta, fn = ACTS[act]
     if packed:
         (p1, s1, d1), (p2, s2, d2), (p3, s3, d3) = (ct_mxfp4(w) for w in W)
@@ -75,8 +80,11 @@ def test_grouped_gemm_equals_the_experts_reference(packed, N, act):
 
 def test_bf16_experts_and_masked_repeats():
     g = torch.Generator().manual_seed(5)
-    W = [torch.randn(E, I, D, generator=g) * 0.2, torch.randn(E, D, I, generator=g) * 0.2,
-         torch.randn(E, I, D, generator=g) * 0.2]
+    W = [
+        torch.randn(E, I, D, generator=g) * 0.2,
+        torch.randn(E, D, I, generator=g) * 0.2,
+        torch.randn(E, I, D, generator=g) * 0.2,
+    ]
     x = torch.randn(9, D, generator=g)
     ids, weights = routing(9, seed=1)
     ids[:, 2], weights[:, 2] = 0, 0.0  # assignments masked to local expert 0 with weight 0
@@ -99,4 +107,4 @@ def test_align_gives_each_block_one_expert_and_every_assignment_one_row():
     assert torch.equal(row_token[live], row_assign[live] // K)
     block_of_row = torch.arange(row_token.shape[0]) // moe.BM
     assert torch.equal(block_expert[block_of_row[live]], ids.reshape(-1)[row_assign[live]])  # its expert's block
-    assert (block_expert[block_of_row[live].max() + 1:] == -1).all()  # blocks past the last group: skipped
+    assert (block_expert[block_of_row[live].max() + 1 :] == -1).all()  # blocks past the last group: skipped

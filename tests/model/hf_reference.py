@@ -18,9 +18,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    print(json.dumps({"logits": logits.tolist(), "tokens": out[0, len(ids):].tolist()}))
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    print(json.dumps({"logits": logits.tolist(), "tokens": out[0, len(ids) :].tolist()}))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ from k3serve.forward import CacheTensors, ForwardBatch
 BS = 16
 
 
-@pytest.fixture(scope="module", params=[("k3", torch.float32), ("k3", torch.bfloat16), ("kl", torch.float32),
-                                        ("kl", torch.bfloat16)], ids=["k3-fp32", "k3-bf16", "kl-fp32", "kl-bf16"])
+@pytest.fixture(
+    scope="module",
+    params=[("k3", torch.float32), ("k3", torch.bfloat16), ("kl", torch.float32), ("kl", torch.bfloat16)],
+    ids=["k3-fp32", "k3-bf16", "kl-fp32", "kl-bf16"],
+)
 def model(request, tiny_k3_dir, tiny_kl_dir):
     kind, dtype = request.param
     return load_model(tiny_k3_dir if kind == "k3" else tiny_kl_dir, dtype=dtype, progress=False)
@@ -51,8 +54,9 @@ def script(model, mode):
     out = []
     with torch.inference_mode():
         for ids, ctx, seqs, verify in steps:
-            fb = ForwardBatch(torch.cat(ids), [len(i) for i in ids], ctx, seqs, [tables[s] for s in seqs], BS,
-                              verify=verify)
+            fb = ForwardBatch(
+                torch.cat(ids), [len(i) for i in ids], ctx, seqs, [tables[s] for s in seqs], BS, verify=verify
+            )
             out.append(model.compute_logits(model(fb, cache).hidden))
     model.use_kernels("torch")
     return out, cache
@@ -127,8 +131,10 @@ def test_kernels_match_the_torch_path(model):
     for i, (f, r) in enumerate(zip(fast, ref)):
         assert (f - r).abs().max().item() <= 1e-4, f"step {i}"
         assert torch.equal(f.argmax(-1), r.argmax(-1)), f"step {i}"
-    for x, y in zip(fast_cache.recurrent + fast_cache.conv + fast_cache.latent,
-                    ref_cache.recurrent + ref_cache.conv + ref_cache.latent):
+    for x, y in zip(
+        fast_cache.recurrent + fast_cache.conv + fast_cache.latent,
+        ref_cache.recurrent + ref_cache.conv + ref_cache.latent,
+    ):
         if x is not None:
             assert (x.float() - y.float()).abs().max().item() <= 1e-4
 
@@ -150,9 +156,11 @@ def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
         tables = [list(range(8 * s, 8 * s + 8)) for s in range(3)]
         a, b, c = (torch.randint(0, 500, (n,), generator=g) for n in (20, 37, 9))
         steps = [([a, b, c], [0, 0, 0], [], None)]
-        steps += [([a[t:t + 1], b[t:t + 1], c[t:t + 1]], [20 + t, 37 + t, 9 + t], [], None) for t in range(3)]
-        steps += [([a[:4], b[:1], c[:3]], [23, 40, 12], [0, 2], dict(taps)),  # verify passes beside a decode
-                  ([a[:1], b[:1], c[:1]], [27, 41, 15], [], dict(taps))]
+        steps += [([a[t : t + 1], b[t : t + 1], c[t : t + 1]], [20 + t, 37 + t, 9 + t], [], None) for t in range(3)]
+        steps += [
+            ([a[:4], b[:1], c[:3]], [23, 40, 12], [0, 2], dict(taps)),  # verify passes beside a decode
+            ([a[:1], b[:1], c[:1]], [27, 41, 15], [], dict(taps)),
+        ]
         out, records = [], []
         with torch.inference_mode():
             for ids, ctx, verify, capture in steps:
@@ -161,8 +169,12 @@ def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
                 out.append(model.compute_logits(res.hidden))
                 out += [res.taps[i] for i in capture] if capture else []
                 # per verify sequence its rows' records (a buffer's tail past them is scratch)
-                records += [t[j, :len(ids[s])] for i in sorted(res.kda_records) for t in res.kda_records[i]
-                            for j, s in enumerate(verify)]
+                records += [
+                    t[j, : len(ids[s])]
+                    for i in sorted(res.kda_records)
+                    for t in res.kda_records[i]
+                    for j, s in enumerate(verify)
+                ]
         ran = model.model.backend.stack_of(model.model)
         model.use_kernels("torch")
         return out, records, cache, ran

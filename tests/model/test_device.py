@@ -17,7 +17,13 @@ from k3serve.models.registry import load_model
 from k3serve.forward import CacheTensors
 from k3serve.weights.mxfp4 import PackedMXFP4
 
-FP32_KEPT = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")  # the spec keeps these FP32
+FP32_KEPT = (
+    "A_log",
+    "dt_bias",
+    "conv1d.weight",
+    "o_norm.weight",
+    "e_score_correction_bias",
+)  # the spec keeps these FP32
 
 
 def state(model):
@@ -104,9 +110,19 @@ def test_drafters_live_on_the_targets_device(tiny_k3_dir):
     meta = torch.device("meta")
     target = load_model(tiny_k3_dir, progress=False)
     c = target.cfg
-    draft = DSparkModel(DSparkConfig(target_layer_ids=(0, 1), block_size=4, mask_token_id=c.vocab_size - 1,
-                                     vocab_size=c.vocab_size, target_hidden_size=c.hidden_size, hidden_size=32,
-                                     num_hidden_layers=1, num_attention_heads=4, intermediate_size=48))
+    draft = DSparkModel(
+        DSparkConfig(
+            target_layer_ids=(0, 1),
+            block_size=4,
+            mask_token_id=c.vocab_size - 1,
+            vocab_size=c.vocab_size,
+            target_hidden_size=c.hidden_size,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=48,
+        )
+    )
     prop = DSparkProposer(draft, SimpleNamespace(cfg=c, model=SimpleNamespace(kernels=None)), "greedy", meta)
     assert all(t.device == meta for _, t in state(prop.model))
     prop.observe("r", torch.zeros(2, c.hidden_size))  # taps back from a worker process: on the CPU

@@ -27,7 +27,7 @@ def test_both_forms_are_within_one_bf16_rounding_of_the_exact_product(mode, monk
     exact = x.double() @ w.double().t()
     assert got.dtype == torch.bfloat16 and got.shape == (33, 40)
     # FP32 sums of exact bf16 products (error ~K * 2^-24 relative), then one bf16 rounding
-    bound = exact.abs() * 2 ** -8 + 1e-5 * exact.abs().max()
+    bound = exact.abs() * 2**-8 + 1e-5 * exact.abs().max()
     assert ((got.double() - exact).abs() <= bound).all()
 
 

@@ -47,8 +47,9 @@ def tables(n_seqs: int, blocks_each: int) -> list[list[int]]:
 
 
 def prefill(model, cache, prompts: list[list[int]], slots: list[int], tabs: list[list[int]]) -> None:
-    fb = ForwardBatch(torch.tensor([t for p in prompts for t in p]), [len(p) for p in prompts], [0] * len(prompts),
-                      slots, tabs, BS)
+    fb = ForwardBatch(
+        torch.tensor([t for p in prompts for t in p]), [len(p) for p in prompts], [0] * len(prompts), slots, tabs, BS
+    )
     model(fb, cache)
 
 
@@ -59,8 +60,9 @@ def decode_reference(model, cache, ids, slots, ctx, tabs) -> torch.Tensor:
 
 def clone(cache: CacheTensors) -> CacheTensors:
     c = lambda ts: [None if t is None else t.clone() for t in ts]  # noqa: E731
-    return CacheTensors(c(cache.recurrent), c(cache.conv), c(cache.latent), cache.block_size,
-                        cache.scratch_slot, cache.scratch_block)
+    return CacheTensors(
+        c(cache.recurrent), c(cache.conv), c(cache.latent), cache.block_size, cache.scratch_slot, cache.scratch_block
+    )
 
 
 def setup(model_dir, n_seqs=3, blocks_each=6):
@@ -133,7 +135,7 @@ def test_static_step_compiles_whole_and_never_recompiles_in_a_bucket(model_dir, 
             got, _, _ = fn(model, buf.step, cache, ())
             want, _, _ = static_forward(model, eager_buf.step, eager_cache, ())
             # inductor fuses and reorders the torch around the ops: a few ulps
-            torch.testing.assert_close(got[:len(ids)], want[:len(ids)], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got[: len(ids)], want[: len(ids)], rtol=1e-4, atol=1e-4)
             for r in rows:
                 ctx[r] += 1
 
@@ -147,8 +149,16 @@ def _triton_importable() -> bool:
     return True
 
 
-@pytest.mark.parametrize("backend_name", ["graph", pytest.param("triton", marks=pytest.mark.skipif(
-    not _triton_importable(), reason="the triton backend needs triton and fla-core"))])
+@pytest.mark.parametrize(
+    "backend_name",
+    [
+        "graph",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(not _triton_importable(), reason="the triton backend needs triton and fla-core"),
+        ),
+    ],
+)
 @pytest.mark.parametrize("live, bucket, T", [(1, 1, 1), (3, 4, 1), (3, 4, 3)])
 def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, bucket, T, backend_name):
     """The triton backend's kernels enter as their custom ops' fakes (a launch needs real memory):
@@ -169,8 +179,12 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
             for moe in model.moe_layers():
                 for w in (moe.w1, moe.w2, moe.w3):
                     E, o, i = w.shape
-                    w.load(PackedMXFP4(torch.zeros(E, o, i // 2, dtype=torch.uint8, device=gpu),
-                                       torch.zeros(E, o, i // 32, dtype=torch.uint8, device=gpu)))
+                    w.load(
+                        PackedMXFP4(
+                            torch.zeros(E, o, i // 2, dtype=torch.uint8, device=gpu),
+                            torch.zeros(E, o, i // 32, dtype=torch.uint8, device=gpu),
+                        )
+                    )
         model.use_kernels(backend_name)
         assert isinstance(model.model.backend, GraphBackend)
         cache = CacheTensors.allocate(cfg, 8, 32, BS, device=gpu, scratch=True)
@@ -178,8 +192,14 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
         rows = [dict(temperature=0.7 * j, top_k=5 * j, top_p=0.9, min_p=0.0, seed=j, position=4) for j in range(live)]
         with SyncAudit() as fill_audit:
             lens = [1] * live if T == 1 else [3, 1, 2][:live]  # a verify step: 1 + drafts tokens a sequence
-            buf.fill(list(range(1, sum(lens) + 1)), lens, [5, 1, 3][:live], [3, 9, 17][:live], tables(live, 6),
-                     rows if T == 1 else None)
+            buf.fill(
+                list(range(1, sum(lens) + 1)),
+                lens,
+                [5, 1, 3][:live],
+                [3, 9, 17][:live],
+                tables(live, 6),
+                rows if T == 1 else None,
+            )
         bias = torch.zeros(1, cfg.vocab_size, device=gpu)
         backend = model.model.backend
         audits = []
@@ -197,14 +217,26 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
         assert any("k3serve.kda_" in op or "k3serve.rms_norm" in op for op in audits[1].ops) and not own
         if backend_name == "triton":  # KDA, MLA and the experts are the kernels' ops, one node each
             names = {op.split(".")[1] for op in audits[1].ops if op.startswith("k3serve.triton_")}
-            assert {"triton_kda_decode" if T == 1 else "triton_kda_verify", "triton_mla_decode",
-                    "triton_moe_experts"} <= names
+            assert {
+                "triton_kda_decode" if T == 1 else "triton_kda_verify",
+                "triton_mla_decode",
+                "triton_moe_experts",
+            } <= names
         # the control: the same decode through the reference path syncs, and the audit sees it
         model.use_kernels("torch")
         with torch.inference_mode(), SyncAudit() as control:
             try:  # its index lists go up with torch.tensor(list, device=), which a fake device refuses
-                model(ForwardBatch(torch.arange(1, live + 1, device=gpu), [1] * live, [3, 9, 17][:live],
-                                   [5, 1, 3][:live], tables(live, 6), BS), cache)
+                model(
+                    ForwardBatch(
+                        torch.arange(1, live + 1, device=gpu),
+                        [1] * live,
+                        [3, 9, 17][:live],
+                        [5, 1, 3][:live],
+                        tables(live, 6),
+                        BS,
+                    ),
+                    cache,
+                )
             except (NotImplementedError, RuntimeError) as e:
                 control.cross.append(type(e).__name__)
         assert control.cross

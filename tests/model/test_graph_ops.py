@@ -53,9 +53,22 @@ def test_moe_experts_equal_the_reference_loop(packed, N):
 def test_kda_decode_opcheck():
     H, D, K, S, N = 2, 8, 4, 6, 3
     P = H * D
-    args = (randn(N, 3 * P), randn(N, P), randn(N, H), randn(N, P), randn(3 * P, K), torch.rand(P, generator=G),
-            randn(P), torch.rand(D, generator=G) + 0.5, randn(S, H, D, D), randn(S, K - 1, 3 * P),
-            torch.tensor([4, 0, 4]), D, -5.0, 1e-6)
+    args = (
+        randn(N, 3 * P),
+        randn(N, P),
+        randn(N, H),
+        randn(N, P),
+        randn(3 * P, K),
+        torch.rand(P, generator=G),
+        randn(P),
+        torch.rand(D, generator=G) + 0.5,
+        randn(S, H, D, D),
+        randn(S, K - 1, 3 * P),
+        torch.tensor([4, 0, 4]),
+        D,
+        -5.0,
+        1e-6,
+    )
     torch.library.opcheck(OPS.kda_decode, args)
 
 
@@ -63,18 +76,43 @@ def test_kda_verify_opcheck():
     H, D, K, S, B, T = 2, 8, 4, 6, 2, 3
     P = H * D
     N = B * T
-    args = (randn(N, 3 * P), randn(N, P), randn(N, H), randn(N, P), randn(3 * P, K), torch.rand(P, generator=G),
-            randn(P), torch.rand(D, generator=G) + 0.5, randn(S, H, D, D), randn(S, K - 1, 3 * P),
-            torch.tensor([4, 1]), torch.tensor([2, 0]), D, None, 1e-6)
+    args = (
+        randn(N, 3 * P),
+        randn(N, P),
+        randn(N, H),
+        randn(N, P),
+        randn(3 * P, K),
+        torch.rand(P, generator=G),
+        randn(P),
+        torch.rand(D, generator=G) + 0.5,
+        randn(S, H, D, D),
+        randn(S, K - 1, 3 * P),
+        torch.tensor([4, 1]),
+        torch.tensor([2, 0]),
+        D,
+        None,
+        1e-6,
+    )
     torch.library.opcheck(OPS.kda_verify, args)
 
 
 def test_mla_decode_opcheck():
     H, nope, r, c, v, N, L = 2, 8, 4, 16, 8, 3, 12
     store = randn(32, c + r)
-    args = (randn(N, H, nope + r), randn(N, c + r), torch.rand(c, generator=G) + 0.5, store, torch.tensor([5, 9, 30]),
-            torch.randint(0, 32, (N, L), generator=G), torch.tensor([6, 12, 1]), randn(H, nope + v, c), nope, v,
-            (nope + r) ** -0.5, 1e-6)
+    args = (
+        randn(N, H, nope + r),
+        randn(N, c + r),
+        torch.rand(c, generator=G) + 0.5,
+        store,
+        torch.tensor([5, 9, 30]),
+        torch.randint(0, 32, (N, L), generator=G),
+        torch.tensor([6, 12, 1]),
+        randn(H, nope + v, c),
+        nope,
+        v,
+        (nope + r) ** -0.5,
+        1e-6,
+    )
     torch.library.opcheck(OPS.mla_decode, args)
 
 

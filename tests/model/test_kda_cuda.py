@@ -30,8 +30,17 @@ def case(T, D, seed, form="bounded"):
 
 def fla_run(fn, x, dtype, **kw):
     q, k, v, g, beta, s0 = (t.to("cuda", dtype) for t in x)
-    o, s = fn(q[None], k[None], v[None], g[None].float(), beta[None], scale=1.0,
-              initial_state=s0[None].float(), output_final_state=True, **kw)
+    o, s = fn(
+        q[None],
+        k[None],
+        v[None],
+        g[None].float(),
+        beta[None],
+        scale=1.0,
+        initial_state=s0[None].float(),
+        output_final_state=True,
+        **kw,
+    )
     return o[0].double().cpu(), s[0].double().cpu()
 
 
@@ -62,8 +71,17 @@ def test_varlen_prefill_equals_fla_chunk_kda_with_cu_seqlens():
     s0 = torch.stack([c[0][5] for c in cases])  # [N, H, D, D]
     cu = torch.tensor([0, 5, 75, 204], device="cuda")
     q, k, v, g, beta = (t.cuda() for t in cat)
-    o, s = fla_kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=s0.cuda(),
-                             output_final_state=True, cu_seqlens=cu)
+    o, s = fla_kda.chunk_kda(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        scale=1.0,
+        initial_state=s0.cuda(),
+        output_final_state=True,
+        cu_seqlens=cu,
+    )
     for n, ((xs, (o_ref, s_ref)), b, e) in enumerate(zip(cases, cu[:-1].tolist(), cu[1:].tolist())):
         mine_o, mine_s = kda_chunked(*(t.cuda() for t in xs))
         assert rel(mine_o.double().cpu(), o_ref) <= 1e-4 and rel(mine_s.double().cpu(), s_ref) <= 1e-4

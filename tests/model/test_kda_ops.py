@@ -1,6 +1,5 @@
 """KDA core: chunked == recurrent == fla's reference functions; conv state carry-over."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from k3serve.layers.short_conv import short_conv, short_conv_step
 
 def _load_fla_naive():
     import importlib.machinery
+
     finder = importlib.machinery.PathFinder.find_spec("fla")
     assert finder is not None, "fla-core is a test dependency"
     path = Path(finder.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
@@ -25,7 +25,7 @@ def _load_fla_naive():
 
 def inputs(T, H=3, D=16, seed=0, form="bounded", scale=3.0):
     g_ = torch.Generator().manual_seed(seed)
-    q = l2_normalize(torch.randn(T, H, D, generator=g_)) * D ** -0.5
+    q = l2_normalize(torch.randn(T, H, D, generator=g_)) * D**-0.5
     k = l2_normalize(torch.randn(T, H, D, generator=g_))
     v = torch.randn(T, H, D, generator=g_)
     z = torch.randn(T, H, D, generator=g_) * scale
@@ -62,10 +62,12 @@ def test_extreme_decay_uses_safe_path():
 def test_matches_fla_reference_functions(form):
     fla = _load_fla_naive()
     q, k, v, g, beta, s0 = inputs(128, form=form, seed=5)
-    o_ref, s_ref = fla.naive_recurrent_kda(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
-                                           initial_state=s0[None], output_final_state=True)
-    o_chunk_ref, s_chunk_ref = fla.naive_chunk_kda(q[None], k[None], v[None], g[None], beta[None],
-                                                   scale=1.0, initial_state=s0[None], output_final_state=True)
+    o_ref, s_ref = fla.naive_recurrent_kda(
+        q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=s0[None], output_final_state=True
+    )
+    o_chunk_ref, s_chunk_ref = fla.naive_chunk_kda(
+        q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=s0[None], output_final_state=True
+    )
     o1, s1 = kda_recurrent(q, k, v, g, beta, s0)
     o2, s2 = kda_chunked(q, k, v, g, beta, s0)
     for o, s in ((o1, s1), (o2, s2)):
@@ -78,7 +80,7 @@ def test_batched_step_equals_single_steps():
     states = torch.stack([s0, 2 * s0, -s0, 0 * s0])
     o, s = kda_step(q, k, v, g, beta, states)
     for b in range(4):
-        o1, s1 = kda_recurrent(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1], states[b])
+        o1, s1 = kda_recurrent(q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1], beta[b : b + 1], states[b])
         assert torch.allclose(o[b], o1[0], atol=1e-6) and torch.allclose(s[b], s1, atol=1e-6)
 
 
@@ -89,7 +91,7 @@ def test_conv_prefill_then_decode_equals_longer_prefill():
     part, state = short_conv(u[:13], w, torch.zeros(3, 12))
     outs = [part]
     for t in range(13, 20):
-        o, state = short_conv_step(u[t:t + 1], w, state[None])
+        o, state = short_conv_step(u[t : t + 1], w, state[None])
         state = state[0]
         outs.append(o)
     assert torch.allclose(torch.cat(outs), full, atol=1e-6) and torch.equal(state, state_full)

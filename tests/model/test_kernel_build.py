@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _get_cpp(env_extra: dict, timeout: float) -> subprocess.CompletedProcess:
     code = "from k3serve import kernels; m = kernels.get('cpp'); print('built', m is not None)"
     env = {**__import__("os").environ, **env_extra}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_each_install_builds_in_its_own_directory(tmp_path):

@@ -92,8 +92,9 @@ def test_a_native_build_takes_the_widest_vector_route_the_cpu_has():
     cpuinfo = Path("/proc/cpuinfo")
     if arch != "native" or not cpuinfo.exists():
         pytest.skip("the expectation holds for native builds on Linux")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in cpuinfo.read_text().splitlines()
-                      if ln.startswith("flags")), []))
+    flags = set(
+        next((ln.split(":", 1)[1].split() for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), [])
+    )
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         want = "avx512-bf16" if "avx512_bf16" in flags else "avx512"
     elif {"avx2", "fma"} <= flags:

@@ -21,9 +21,16 @@ def test_mla_absorbed_and_fused_equal_naive(start, T):
     g = torch.Generator().manual_seed(start)
     H, n, r, v, c = 4, 16, 8, 12, 32
     L = start + T
-    args = (torch.randn(T, H, n, generator=g), torch.randn(T, H, r, generator=g),
-            torch.randn(L, c, generator=g), torch.randn(L, r, generator=g),
-            torch.randn(H, n + v, c, generator=g) / c ** 0.5, v, start, (n + r) ** -0.5)
+    args = (
+        torch.randn(T, H, n, generator=g),
+        torch.randn(T, H, r, generator=g),
+        torch.randn(L, c, generator=g),
+        torch.randn(L, r, generator=g),
+        torch.randn(H, n + v, c, generator=g) / c**0.5,
+        v,
+        start,
+        (n + r) ** -0.5,
+    )
     a, b, f = attend_absorbed(*args), attend_naive(*args), attend_fused(*args)
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
     assert torch.allclose(f, b, atol=1e-5, rtol=1e-5)  # the prefill path: torch's fused attention
@@ -40,21 +47,32 @@ def test_mla_batched_decode_equals_per_sequence_naive():
     g = torch.Generator().manual_seed(3)
     H, n, r, v, c = 4, 16, 8, 12, 32
     lens = [1, 7, 20, 13]
-    w = torch.randn(H, n + v, c, generator=g) / c ** 0.5
+    w = torch.randn(H, n + v, c, generator=g) / c**0.5
     qn, qp = torch.randn(4, H, n, generator=g), torch.randn(4, H, r, generator=g)
     lat = torch.randn(4, max(lens), c, generator=g) * 5  # padding rows hold garbage on purpose
     kpe = torch.randn(4, max(lens), r, generator=g)
     got = attend_absorbed_batched(qn, qp, lat, kpe, torch.tensor(lens), w, v, (n + r) ** -0.5)
     for b, L in enumerate(lens):
-        want = attend_naive(qn[b:b + 1], qp[b:b + 1], lat[b, :L], kpe[b, :L], w, v, L - 1, (n + r) ** -0.5)
+        want = attend_naive(qn[b : b + 1], qp[b : b + 1], lat[b, :L], kpe[b, :L], w, v, L - 1, (n + r) ** -0.5)
         assert torch.allclose(got[b], want[0], atol=1e-5, rtol=1e-5)
 
 
 def _moe_cfg(groups=1, topk_group=1):
-    return MoEConfig(num_experts=8, top_k=3, num_shared_experts=0, expert_intermediate_size=64,
-                     latent_size=None, latent_use_norm=False, router_activation="sigmoid",
-                     renormalize=True, routed_scaling_factor=2.5, num_expert_group=groups,
-                     topk_group=topk_group, first_k_dense_replace=0, layer_freq=1)
+    return MoEConfig(
+        num_experts=8,
+        top_k=3,
+        num_shared_experts=0,
+        expert_intermediate_size=64,
+        latent_size=None,
+        latent_use_norm=False,
+        router_activation="sigmoid",
+        renormalize=True,
+        routed_scaling_factor=2.5,
+        num_expert_group=groups,
+        topk_group=topk_group,
+        first_k_dense_replace=0,
+        layer_freq=1,
+    )
 
 
 def test_router_matches_direct_transcription():
@@ -83,8 +101,11 @@ def test_grouped_topk_keeps_only_best_groups():
 def test_experts_vectorized_equals_loop(packed, a8):
     g = torch.Generator().manual_seed(1)
     E, h, inter = 8, 64, 32
-    mats = [torch.randn(E, inter, h, generator=g) / 8, torch.randn(E, h, inter, generator=g) / 6,
-            torch.randn(E, inter, h, generator=g) / 8]
+    mats = [
+        torch.randn(E, inter, h, generator=g) / 8,
+        torch.randn(E, h, inter, generator=g) / 6,
+        torch.randn(E, inter, h, generator=g) / 8,
+    ]
     w1, w2, w3 = [PackedMXFP4.quantize(m) if packed else m for m in mats]
     x = torch.randn(11, h, generator=g)
     ids, weights = route(x, torch.randn(E, h, generator=g), torch.zeros(E), _moe_cfg())
@@ -121,13 +142,16 @@ def test_attnres_mix_matches_spec_transcription():
 
 def test_situ_formula():
     gate, up = torch.tensor([-10.0, 0.0, 1.0, 30.0]), torch.tensor([2.0, 3.0, -100.0, 50.0])
-    ref = [4 * math.tanh(a / 4) / (1 + math.exp(-a)) * 25 * math.tanh(b / 25) for a, b in zip(gate.tolist(), up.tolist())]
+    ref = [
+        4 * math.tanh(a / 4) / (1 + math.exp(-a)) * 25 * math.tanh(b / 25) for a, b in zip(gate.tolist(), up.tolist())
+    ]
     assert torch.allclose(situ_and_mul(gate, up), torch.tensor(ref), atol=1e-5)
 
 
 def test_k3_config_switches_reach_layers(tiny_k3_dir):
     cfg = load_model_config(tiny_k3_dir)
     from k3serve.models.registry import build_model
+
     m = build_model(cfg)
     layer1 = m.model.layers[1]
     assert hasattr(layer1.self_attn, "g_proj") and layer1.self_attn.lower_bound == -5.0

@@ -42,7 +42,7 @@ def test_prefill_then_decode_equals_full_forward(model):
     logits, cache = run(model, [ids[:50]])
     steps = [logits]
     for t in range(50, 70):
-        lg, cache = run(model, [ids[t:t + 1]], cache, ctx=[t])
+        lg, cache = run(model, [ids[t : t + 1]], cache, ctx=[t])
         steps.append(lg)
     assert (torch.cat(steps) - full).abs().max() < 2e-4
 
@@ -53,7 +53,7 @@ def test_chunked_prefill_same_states_and_logits(model, chunk):
     full, cache_full = run(model, [ids])
     cache, parts = None, []
     for s in range(0, 150, chunk):
-        lg, cache = run(model, [ids[s:s + chunk]], cache, ctx=[s])
+        lg, cache = run(model, [ids[s : s + chunk]], cache, ctx=[s])
         parts.append(lg)
     assert (torch.cat(parts) - full).abs().max() < 2e-4
     for a, b in zip(cache.recurrent + cache.latent, cache_full.recurrent + cache_full.latent):
@@ -138,8 +138,12 @@ def test_kimi_linear_matches_transformers(tiny_kl_dir):
     """Independent implementation: transformers' native kimi_linear (fla hidden, CPU fallbacks)."""
     ids = ids_for(40, seed=11).tolist()
     script = Path(__file__).with_name("hf_reference.py")
-    proc = subprocess.run([sys.executable, str(script), str(tiny_kl_dir), json.dumps(ids), "32"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_kl_dir), json.dumps(ids), "32"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = json.loads(proc.stdout.strip().splitlines()[-1])
     m = load_model(tiny_kl_dir, progress=False)
@@ -190,8 +194,10 @@ def test_mxfp4_kimi_linear_and_its_bf16_twin_give_the_same_tokens(tmp_path):
     assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in twin_names
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(3, 40))}]
-    outs = [LLM(str(d), cache_memory="16MiB", max_model_len=256, kernels="torch").generate(prompt, greedy)
-            for d in (tmp_path / "q", twin)]
+    outs = [
+        LLM(str(d), cache_memory="16MiB", max_model_len=256, kernels="torch").generate(prompt, greedy)
+        for d in (tmp_path / "q", twin)
+    ]
     assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
     with pytest.raises(SystemExit, match="ships MXFP4 experts already"):
         main(["build-tiny", str(tmp_path / "k"), "--mxfp4"])

@@ -60,8 +60,10 @@ def test_short_prefills_run_rowwise_and_match_the_chunked_torch_path(model):
     for i, (f, r) in enumerate(zip(fast, ref)):
         assert f.shape == r.shape
         assert (f - r).abs().max().item() <= 1e-4, f"step {i}"
-    for x, y in zip(fast_cache.recurrent + fast_cache.conv + fast_cache.latent,
-                    ref_cache.recurrent + ref_cache.conv + ref_cache.latent):
+    for x, y in zip(
+        fast_cache.recurrent + fast_cache.conv + fast_cache.latent,
+        ref_cache.recurrent + ref_cache.conv + ref_cache.latent,
+    ):
         if x is not None:
             assert (x - y).abs().max().item() <= 1e-4
 

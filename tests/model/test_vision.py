@@ -22,16 +22,30 @@ GRIDS = [(1, 4, 6), (1, 8, 8), (3, 2, 4), (1, 2, 2)]  # (8, 8) is the table's ow
 
 
 def cfg(qkv: int = 32, heads: int = 2) -> VisionConfig:
-    return VisionConfig(patch_size=2, pos_emb_height=8, pos_emb_width=8, hidden_size=32, num_layers=2,
-                        num_heads=heads, intermediate_size=64, qkv_hidden_size=qkv, merge_kernel=(2, 2),
-                        mm_hidden_size=32, text_hidden_size=24)
+    return VisionConfig(
+        patch_size=2,
+        pos_emb_height=8,
+        pos_emb_width=8,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=heads,
+        intermediate_size=64,
+        qkv_hidden_size=qkv,
+        merge_kernel=(2, 2),
+        mm_hidden_size=32,
+        text_hidden_size=24,
+    )
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            base = 1.0 if name.endswith(("norm0.weight", "norm1.weight", "final_layernorm.weight", "post_norm.weight")) else 0.0
+            base = (
+                1.0
+                if name.endswith(("norm0.weight", "norm1.weight", "final_layernorm.weight", "post_norm.weight"))
+                else 0.0
+            )
             p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
 
 
@@ -45,10 +59,17 @@ def transformers_tower(c: VisionConfig, ours: VisionTower):
     from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
     from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionModel
 
-    vc = Kimi_K25VisionConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
-                              num_hidden_layers=c.num_layers, intermediate_size=c.intermediate_size,
-                              patch_size=c.patch_size, pos_emb_height=c.pos_emb_height, pos_emb_width=c.pos_emb_width,
-                              pos_emb_time=c.pos_emb_time, hidden_act="gelu_pytorch_tanh")
+    vc = Kimi_K25VisionConfig(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_heads,
+        num_hidden_layers=c.num_layers,
+        intermediate_size=c.intermediate_size,
+        patch_size=c.patch_size,
+        pos_emb_height=c.pos_emb_height,
+        pos_emb_width=c.pos_emb_width,
+        pos_emb_time=c.pos_emb_time,
+        hidden_act="gelu_pytorch_tanh",
+    )
     vc._attn_implementation = "eager"
     hf = Kimi_K25VisionModel(vc).eval()
     hf.patch_embed.pos_emb.interpolation_mode = "bilinear"  # K3: bilinear (K2.5: bicubic)
@@ -61,6 +82,7 @@ def transformers_tower(c: VisionConfig, ours: VisionTower):
         n = torch.nn.RMSNorm(C)
         n.weight.data.copy_(weight)
         return n
+
     with torch.no_grad():
         for p in hf.parameters():  # K3 has no biases
             p.zero_()
@@ -98,11 +120,14 @@ def test_position_table_and_temporal_embedding_against_the_spec():
     pos = position_embedding(table, [(1, 8, 8)], c)
     assert torch.equal(pos, table.reshape(64, 32))  # the table's own size: used as is
     pos = position_embedding(table, [(2, 4, 6)], c)
-    grid = F.interpolate(table.permute(2, 0, 1)[None], size=(4, 6), mode="bilinear",
-                         align_corners=False)[0].permute(1, 2, 0).reshape(24, 32)
+    grid = (
+        F.interpolate(table.permute(2, 0, 1)[None], size=(4, 6), mode="bilinear", align_corners=False)[0]
+        .permute(1, 2, 0)
+        .reshape(24, 32)
+    )
     w = 1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32)
     for f in range(2):  # frame f adds cat(sin(f w), cos(f w)); frame 0 gets [0..0, 1..1]
-        torch.testing.assert_close(pos[24 * f:24 * (f + 1)], grid + torch.cat([(f * w).sin(), (f * w).cos()]))
+        torch.testing.assert_close(pos[24 * f : 24 * (f + 1)], grid + torch.cat([(f * w).sin(), (f * w).cos()]))
     with pytest.raises(ValueError, match="temporal table covers 4"):
         position_embedding(table, [(5, 2, 2)], c)
 
@@ -125,6 +150,7 @@ def test_qkv_wider_than_hidden_against_a_plain_reference():
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
     block = tower.encoder.blocks[0]
     from k3serve.layers.vision.moonvit import rope_angles
+
     with torch.no_grad():
         got = block(x, rope_angles(grids, 24, 10000.0), [8])
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * block.norm0.weight
@@ -142,8 +168,9 @@ def test_qkv_wider_than_hidden_against_a_plain_reference():
                     out[i, :, 2 * j] = re * torch.cos(torch.tensor(a)) - im * torch.sin(torch.tensor(a))
                     out[i, :, 2 * j + 1] = re * torch.sin(torch.tensor(a)) + im * torch.cos(torch.tensor(a))
             return out
+
         q, k = rot(q), rot(k)
-        att = torch.softmax(torch.einsum("ihd,jhd->hij", q, k) / 24 ** 0.5, -1)
+        att = torch.softmax(torch.einsum("ihd,jhd->hij", q, k) / 24**0.5, -1)
         o = torch.einsum("hij,jhd->ihd", att, v).reshape(8, 48)
         y = x + o @ block.wo.weight.T
         h2 = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + EPS) * block.norm1.weight
@@ -183,8 +210,11 @@ def test_the_tiny_checkpoints_tower_loads_by_name_and_encodes(tiny_k3_dir):
 
     cfg = load_model_config(tiny_k3_dir)
     vm = load_vision(tiny_k3_dir, cfg)
-    stored = {k for k in load_weights(tiny_k3_dir, cfg, include_vision=True, progress=False)
-              if k.startswith(("vision_tower.", "mm_projector."))}
+    stored = {
+        k
+        for k in load_weights(tiny_k3_dir, cfg, include_vision=True, progress=False)
+        if k.startswith(("vision_tower.", "mm_projector."))
+    }
     assert set(vm.state_dict()) == stored
     grids = [(1, 4, 6), (1, 2, 2)]
     p = cfg.vision.patch_size

@@ -8,8 +8,19 @@ from k3serve.cli import build_parser
 from k3serve.server.launch import build_server
 from tests.live import serving
 
-FLAGS = ["--cache-memory", "32MiB", "--max-model-len", "1024", "--enable-auto-tool-choice",
-         "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3", "--served-model-name", "tiny-k3"]
+FLAGS = [
+    "--cache-memory",
+    "32MiB",
+    "--max-model-len",
+    "1024",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "kimi_k3",
+    "--reasoning-parser",
+    "kimi_k3",
+    "--served-model-name",
+    "tiny-k3",
+]
 
 
 def make_app(model_dir, *extra: str):
@@ -26,4 +37,5 @@ def live_server(tiny_k3_dir):
 @pytest.fixture(scope="session")
 def client(live_server):
     from openai import OpenAI
+
     return OpenAI(base_url=live_server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)

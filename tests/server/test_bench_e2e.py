@@ -13,10 +13,33 @@ from tests.server.conftest import make_app
 def test_sixteen_requests_json_and_png(live_server, tmp_path):
     base, _ = live_server
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(["bench", "serve", "--base-url", base, "--num-prompts", "16", "--random-input-len", "24",
-               "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "8", "--save-result",
-               "--result-filename", str(out), "--plot", str(png), "--no-progress", "--precision", "fp32",
-               "--devices", "cpu"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            base,
+            "--num-prompts",
+            "16",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "8",
+            "--ignore-eos",
+            "--max-concurrency",
+            "8",
+            "--save-result",
+            "--result-filename",
+            str(out),
+            "--plot",
+            str(png),
+            "--no-progress",
+            "--precision",
+            "fp32",
+            "--devices",
+            "cpu",
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text(), parse_constant=_reject)  # strict JSON: no NaN / Infinity
     assert r["completed"] == 16 and r["failed"] == 0 and r["total_output_tokens"] == 16 * 8
@@ -25,11 +48,35 @@ def test_sixteen_requests_json_and_png(live_server, tmp_path):
     _read_like_vllm(r, 16, 8)
 
 
-VLLM_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
-             "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
-             "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
-             "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests", "input_lens",
-             "output_lens", "ttfts", "itls", "generated_texts", "errors")
+VLLM_KEYS = (
+    "date",
+    "endpoint_type",
+    "backend",
+    "label",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "generated_texts",
+    "errors",
+)
 
 
 def _reject(name):
@@ -52,16 +99,49 @@ def _read_like_vllm(r: dict, n: int, concurrency: int | None = None) -> None:
 def test_vllm_flags_are_accepted_and_recorded(live_server, tmp_path):
     base, _ = live_server
     host, port = base.removeprefix("http://").split(":")
-    rc = main(["bench", "serve", "--backend", "vllm", "--host", host, "--port", port, "--label", "nightly",
-               "--metadata", "gpu=none", "commit=abc", "--result-dir", str(tmp_path / "out"), "--tokenizer", "tok",
-               "--extra-body", '{"top_k": 5}', "--num-prompts", "4", "--random-input-len", "16",
-               "--random-output-len", "4", "--ignore-eos", "--save-result", "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "vllm",
+            "--host",
+            host,
+            "--port",
+            port,
+            "--label",
+            "nightly",
+            "--metadata",
+            "gpu=none",
+            "commit=abc",
+            "--result-dir",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            "tok",
+            "--extra-body",
+            '{"top_k": 5}',
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "4",
+            "--ignore-eos",
+            "--save-result",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     files = list((tmp_path / "out").glob("vllm-infqps-*.json"))
     assert len(files) == 1
     r = json.loads(files[0].read_text(), parse_constant=_reject)
-    assert (r["backend"], r["label"], r["tokenizer_id"], r["gpu"], r["commit"]) == ("vllm", "nightly", "tok", "none",
-                                                                                  "abc")
+    assert (r["backend"], r["label"], r["tokenizer_id"], r["gpu"], r["commit"]) == (
+        "vllm",
+        "nightly",
+        "tok",
+        "none",
+        "abc",
+    )
     assert r["k3serve"]["sampling"] == {"temperature": 0.0, "seed": 0, "top_k": 5}  # vLLM's default temperature 0
     _read_like_vllm(r, 4)
 
@@ -71,9 +151,33 @@ def test_ablation_against_two_servers(live_server, tiny_k3_dir, tmp_path, capsys
     app_b, _ = make_app(tiny_k3_dir, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     with serving(app_b) as base_b:
         out = tmp_path / "ab.json"
-        rc = main(["bench", "--base-url", base_a, "--ablate", base_a, base_b, "--ablate-rounds", "2", "--num-prompts",
-                   "4", "--dataset-name", "low-entropy", "--random-input-len", "32", "--random-output-len", "8",
-                   "--ignore-eos", "--temperature", "0", "--save-result", "--result-filename", str(out), "--no-progress"])
+        rc = main(
+            [
+                "bench",
+                "--base-url",
+                base_a,
+                "--ablate",
+                base_a,
+                base_b,
+                "--ablate-rounds",
+                "2",
+                "--num-prompts",
+                "4",
+                "--dataset-name",
+                "low-entropy",
+                "--random-input-len",
+                "32",
+                "--random-output-len",
+                "8",
+                "--ignore-eos",
+                "--temperature",
+                "0",
+                "--save-result",
+                "--result-filename",
+                str(out),
+                "--no-progress",
+            ]
+        )
         assert rc == 0
         ab = json.loads(out.read_text())["ablation"]
         ratio = ab["ratios_B_over_A"]["output_throughput"]
@@ -88,15 +192,39 @@ def test_sharegpt_and_sonnet_files_against_a_live_server(live_server, tmp_path):
     import httpx
 
     base, _ = live_server
-    convs = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}? Explain."},
-                                {"from": "gpt", "value": f"The answer is {2 * i}, because {i} and {i} make {2 * i}."}]}
-             for i in range(6)]
+    convs = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Question {i}: what is {i} plus {i}? Explain."},
+                {"from": "gpt", "value": f"The answer is {2 * i}, because {i} and {i} make {2 * i}."},
+            ]
+        }
+        for i in range(6)
+    ]
     sg = tmp_path / "sharegpt.json"
     sg.write_text(json.dumps(convs))
     out = tmp_path / "sg.json"
-    assert main(["bench", "--base-url", base, "--dataset-name", "sharegpt", "--dataset-path", str(sg),
-                 "--num-prompts", "4", "--ignore-eos", "--save-result", "--result-filename", str(out),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--base-url",
+                base,
+                "--dataset-name",
+                "sharegpt",
+                "--dataset-path",
+                str(sg),
+                "--num-prompts",
+                "4",
+                "--ignore-eos",
+                "--save-result",
+                "--result-filename",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text(), parse_constant=_reject)
     count = lambda text: httpx.post(base + "/tokenize", json={"prompt": text}).json()["count"]  # noqa: E731
     by_len = sorted((count(c["conversations"][0]["value"]), count(c["conversations"][1]["value"])) for c in convs)
@@ -105,9 +233,32 @@ def test_sharegpt_and_sonnet_files_against_a_live_server(live_server, tmp_path):
     sonnet = tmp_path / "sonnet.txt"
     sonnet.write_text("\n".join(f"Line {i}: thy eternal summer shall not fade" for i in range(40)))
     out2 = tmp_path / "so.json"
-    assert main(["bench", "--base-url", base, "--dataset-name", "sonnet", "--dataset-path", str(sonnet),
-                 "--sonnet-input-len", "90", "--sonnet-prefix-len", "40", "--sonnet-output-len", "6",
-                 "--num-prompts", "3", "--ignore-eos", "--save-result", "--result-filename", str(out2),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--base-url",
+                base,
+                "--dataset-name",
+                "sonnet",
+                "--dataset-path",
+                str(sonnet),
+                "--sonnet-input-len",
+                "90",
+                "--sonnet-prefix-len",
+                "40",
+                "--sonnet-output-len",
+                "6",
+                "--num-prompts",
+                "3",
+                "--ignore-eos",
+                "--save-result",
+                "--result-filename",
+                str(out2),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r2 = json.loads(out2.read_text(), parse_constant=_reject)
     assert r2["failed"] == 0 and r2["output_lens"] == [6, 6, 6] and all(60 <= n <= 120 for n in r2["input_lens"])

@@ -24,10 +24,16 @@ from k3serve.demo.data import TOOLS
 from tests.live import serving
 
 PARSERS = ["--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3"]
-SPEC = {"dspark": '{"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}',
-        "ngram": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'}
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "city": {"type": "string", "maxLength": 12}},
-          "required": ["answer", "city"], "additionalProperties": False}
+SPEC = {
+    "dspark": '{"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}',
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}, "city": {"type": "string", "maxLength": 12}},
+    "required": ["answer", "city"],
+    "additionalProperties": False,
+}
 CHOICES = ["yes", "no", "maybe"]
 REGEX = r"[0-9]{1,3} (apples|pears)"
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}  # bounded forms validate too
@@ -57,6 +63,7 @@ def _content_check(kind: str):
             assert text in CHOICES, text
         else:
             assert re.fullmatch(REGEX, text), text
+
     return check
 
 
@@ -68,25 +75,37 @@ def _calls_check(named: str | None):
             assert len(calls) == 1 and calls[0]["function"]["name"] == named, calls
         for c in calls:
             jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+
     return check
 
 
 CASES = {
-    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "a", "strict": True, "schema": SCHEMA}}}, _content_check("json_schema")),
+    "json_schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": SCHEMA}}},
+        _content_check("json_schema"),
+    ),
     "json_object": ({"response_format": {"type": "json_object"}}, _content_check("json_object")),
     "choice": ({"structured_outputs": {"choice": CHOICES}}, _content_check("choice")),
     "regex": ({"structured_outputs": {"regex": REGEX}}, _content_check("regex")),
-    "named": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
-              _calls_check("calculator")),
+    "named": (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
+        _calls_check("calculator"),
+    ),
     "required": ({"tools": TOOLS, "tool_choice": "required"}, _calls_check(None)),
 }
-QUESTIONS = ["What is 23 + 45?", "What is the weather in Paris?", "Convert 3 km to miles.",
-             "What is the capital of Japan?", "Repeat after me: Oslo 12"]
+QUESTIONS = [
+    "What is 23 + 45?",
+    "What is the weather in Paris?",
+    "Convert 3 km to miles.",
+    "What is the capital of Japan?",
+    "Repeat after me: Oslo 12",
+]
 
 
-JINJA = ("{% for m in messages %}[BOS]{{ m.role }}: {{ m.content }}\n{% endfor %}"
-         "{% if add_generation_prompt %}[BOS]assistant: {% endif %}")
+JINJA = (
+    "{% for m in messages %}[BOS]{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[BOS]assistant: {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +116,20 @@ def jinja_base(tiny_k3_dir, tmp_path_factory):
 
     tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     tpl.write_text(JINJA)
-    app, state = build_server(build_parser().parse_args(["serve", str(tiny_k3_dir), "--chat-template", str(tpl),
-                                                         "--speculative-config", SPEC["ngram"],
-                                                         "--max-model-len", "1024"]))
+    app, state = build_server(
+        build_parser().parse_args(
+            [
+                "serve",
+                str(tiny_k3_dir),
+                "--chat-template",
+                str(tpl),
+                "--speculative-config",
+                SPEC["ngram"],
+                "--max-model-len",
+                "1024",
+            ]
+        )
+    )
     assert not state.renderer.xtml
     with serving(app) as url:
         yield url
@@ -113,14 +143,27 @@ def _bounded(v: dict) -> dict:
     return {"type": "integer", "minimum": -999, "maximum": 999} if v.get("type") == "number" else v
 
 
-BOUNDED = [{"type": "function", "function": {"name": t["function"]["name"], "parameters": {
-    **t["function"]["parameters"], "properties": {k: _bounded(v) for k, v in t["function"]["parameters"]["properties"].items()}}}}
-           for t in TOOLS]
-JINJA_CASES = {**CASES,
-               "named": ({"tools": BOUNDED, "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
-                         _calls_check("calculator")),
-               "required": ({"tools": BOUNDED, "tool_choice": "required", "parallel_tool_calls": False},
-                            _calls_check(None))}
+BOUNDED = [
+    {
+        "type": "function",
+        "function": {
+            "name": t["function"]["name"],
+            "parameters": {
+                **t["function"]["parameters"],
+                "properties": {k: _bounded(v) for k, v in t["function"]["parameters"]["properties"].items()},
+            },
+        },
+    }
+    for t in TOOLS
+]
+JINJA_CASES = {
+    **CASES,
+    "named": (
+        {"tools": BOUNDED, "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
+        _calls_check("calculator"),
+    ),
+    "required": ({"tools": BOUNDED, "tool_choice": "required", "parallel_tool_calls": False}, _calls_check(None)),
+}
 
 
 def _post(base: str, body: dict) -> httpx.Response:
@@ -132,8 +175,16 @@ def _constrained_replies(base: str, kind: str, cases: dict, max_tokens: int) -> 
     json_object is the one open-ended constraint (the demo model never learned JSON and fills
     keys and strings until max_tokens: 19 of 20 at temperature 1, all 20 greedy)."""
     extra, check = cases[kind]
-    bodies = [{"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": max_tokens,
-               "temperature": 1.0, "seed": i, **extra} for i in range(N)]
+    bodies = [
+        {
+            "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": i,
+            **extra,
+        }
+        for i in range(N)
+    ]
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda b: _post(base, b), bodies))
     choices = []
@@ -161,8 +212,14 @@ def test_constraints_hold_on_a_template_without_tool_markup(jinja_base, kind):
 
 
 def test_json_tool_calls_stream_as_their_final_form(jinja_base):
-    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 300, "temperature": 1.0,
-            "seed": 4, "tools": BOUNDED, "tool_choice": "required"}
+    body = {
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "max_tokens": 300,
+        "temperature": 1.0,
+        "seed": 4,
+        "tools": BOUNDED,
+        "tool_choice": "required",
+    }
     final = _post(jinja_base, body).json()["choices"][0]["message"]
     calls, content = [], ""
     with httpx.stream("POST", jinja_base + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
@@ -171,23 +228,41 @@ def test_json_tool_calls_stream_as_their_final_form(jinja_base):
                 delta = json.loads(line[6:])["choices"][0]["delta"] if json.loads(line[6:])["choices"] else {}
                 content += delta.get("content") or ""
                 calls += delta.get("tool_calls") or []
-    assert not content and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in final["tool_calls"]]
+    assert not content and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in final["tool_calls"]
+    ]
 
 
 def test_a_thinking_budget_closes_the_think_channel(base):
     """thinking_token_budget 0 with a constraint: nothing is thought and the answer is valid; a
     budget alone (no constraint) caps the reasoning at that many tokens."""
     extra, check = CASES["choice"]
-    r = _post(base, {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 80,
-                     "temperature": 1.0, "seed": 3, "thinking_token_budget": 0, **extra})
+    r = _post(
+        base,
+        {
+            "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+            "max_tokens": 80,
+            "temperature": 1.0,
+            "seed": 3,
+            "thinking_token_budget": 0,
+            **extra,
+        },
+    )
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
     assert not msg.get("reasoning_content"), msg
     check(msg, r.json()["choices"][0]["finish_reason"])
     for seed in range(4):
-        r = _post(base, {"messages": [{"role": "user", "content": "What is 123 + 456?"}], "max_tokens": 120,
-                         "temperature": 1.0, "seed": seed, "max_thinking_tokens": 5})
+        r = _post(
+            base,
+            {
+                "messages": [{"role": "user", "content": "What is 123 + 456?"}],
+                "max_tokens": 120,
+                "temperature": 1.0,
+                "seed": seed,
+                "max_thinking_tokens": 5,
+            },
+        )
         assert r.status_code == 200, r.text
         reasoning = r.json()["choices"][0]["message"].get("reasoning_content") or ""
         ids = httpx.post(base + "/tokenize", json={"prompt": reasoning}).json()["tokens"]
@@ -195,8 +270,10 @@ def test_a_thinking_budget_closes_the_think_channel(base):
 
 
 def test_bad_budgets_are_400s(base):
-    for body, param in (({"thinking_token_budget": -1}, "thinking_token_budget"),
-                        ({"thinking_token_budget": 3, "max_thinking_tokens": 4}, "max_thinking_tokens")):
+    for body, param in (
+        ({"thinking_token_budget": -1}, "thinking_token_budget"),
+        ({"thinking_token_budget": 3, "max_thinking_tokens": 4}, "max_thinking_tokens"),
+    ):
         r = _post(base, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

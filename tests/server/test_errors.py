@@ -19,6 +19,7 @@ def asgi(app, method: str, path: str, **kw) -> httpx.Response:
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.request(method, path, **kw)
+
     return asyncio.run(go())
 
 
@@ -37,9 +38,17 @@ def test_400_bad_params_and_prompt_too_long(client, live_server):
     body = err(httpx.post(base + "/v1/completions", json={"prompt": [1] * 1000, "max_tokens": 100}), 400)
     assert "1024" in body["message"] and "1100" in body["message"]  # both numbers
     err(httpx.post(base + "/v1/completions", json={"prompt": [1] * 1024}), 400)
-    body = err(httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "tools": [
-        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
-                                                                         "function": {"name": "g"}}}), 400)
+    body = err(
+        httpx.post(
+            base + "/v1/chat/completions",
+            json={
+                "messages": MSGS,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+        ),
+        400,
+    )
     assert body["param"] == "tool_choice"
 
 
@@ -65,8 +74,12 @@ def test_413_body_too_large(live_server):
 def test_422_schema_errors_are_clean(live_server):
     body = err(httpx.post(live_server[0] + "/v1/chat/completions", json={"messages": "not a list"}), 422)
     assert body["param"] == "messages"
-    err(httpx.post(live_server[0] + "/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"}), 400)
+    err(
+        httpx.post(
+            live_server[0] + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+    )
 
 
 def test_503_when_the_queue_is_full(tiny_k3_dir):
@@ -74,18 +87,21 @@ def test_503_when_the_queue_is_full(tiny_k3_dir):
     err(asgi(app, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503)
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": [{"role": "user", "content": {"weird": 1}}]},
-    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-    {"messages": MSGS, "n": 100000},
-    {"messages": MSGS, "max_tokens": -5},
-    {"messages": MSGS, "top_logprobs": 5},
-    {"messages": MSGS, "logprobs": True, "top_logprobs": 99},
-    {"messages": MSGS, "logit_bias": {"abc": 1}},
-    {"messages": MSGS, "stop": [""] * 3, "seed": -1, "max_tokens": 1},
-    {"messages": [{"role": "tool", "content": "x"}]},
-    {"messages": MSGS, "reasoning_effort": "ultra"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": {"weird": 1}}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"messages": MSGS, "n": 100000},
+        {"messages": MSGS, "max_tokens": -5},
+        {"messages": MSGS, "top_logprobs": 5},
+        {"messages": MSGS, "logprobs": True, "top_logprobs": 99},
+        {"messages": MSGS, "logit_bias": {"abc": 1}},
+        {"messages": MSGS, "stop": [""] * 3, "seed": -1, "max_tokens": 1},
+        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": MSGS, "reasoning_effort": "ultra"},
+    ],
+)
 def test_garbage_never_crashes(live_server, body):
     r = httpx.post(live_server[0] + "/v1/chat/completions", json=body)
     assert r.status_code in (200, 400, 422), r.text
@@ -97,8 +113,11 @@ def test_garbage_never_crashes(live_server, body):
 def test_disconnect_aborts_and_frees_cache(live_server):
     base, state = live_server
     before = state.engine.engine.counters["generation_tokens"]
-    with httpx.stream("POST", base + "/v1/completions", json={
-            "prompt": "hello", "max_tokens": 900, "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 900, "stream": True, "ignore_eos": True},
+    ) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)

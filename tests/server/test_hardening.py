@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -60,9 +60,15 @@ def test_disconnect_of_a_non_streaming_request_frees_its_slot(live_server):
     s = raw_request(base, "POST", "/v1/completions", body)
     wait_for(lambda: metric(base, "k3serve:num_requests_running") == 1, 20, "request never ran")
     s.close()
-    took = wait_for(lambda: metric(base, "k3serve:num_requests_running") == 0
-                    and metric(base, "k3serve:state_slots_used") == 0
-                    and metric(base, "k3serve:latent_blocks_used") == 0, 2.0, "slot not freed within 2 s")
+    took = wait_for(
+        lambda: (
+            metric(base, "k3serve:num_requests_running") == 0
+            and metric(base, "k3serve:state_slots_used") == 0
+            and metric(base, "k3serve:latent_blocks_used") == 0
+        ),
+        2.0,
+        "slot not freed within 2 s",
+    )
     assert took < 2.0
     assert state.engine.engine.counters["generation_tokens"] - before < 900
 
@@ -77,11 +83,16 @@ def test_a_large_tokenize_body_does_not_stall_health(live_server, field):
     gc.collect()
     gc.freeze()
     # the big client runs in its own process: its JSON work must not take this process's GIL
-    body = ("{'prompt': text}" if field == "prompt" else
-            "{'messages': [{'role': 'user', 'content': text}], 'chat_template_kwargs': {'thinking': False}}")
-    client = ("import httpx, sys, hashlib; text = 'hello world ' * (30 * 2 ** 20 // 12); "
-              f"r = httpx.post(sys.argv[1] + '/tokenize', json={body}, timeout=300); "
-              "print(r.status_code, hashlib.sha256(r.content).hexdigest(), len(r.content))")
+    body = (
+        "{'prompt': text}"
+        if field == "prompt"
+        else "{'messages': [{'role': 'user', 'content': text}], 'chat_template_kwargs': {'thinking': False}}"
+    )
+    client = (
+        "import httpx, sys, hashlib; text = 'hello world ' * (30 * 2 ** 20 // 12); "
+        f"r = httpx.post(sys.argv[1] + '/tokenize', json={body}, timeout=300); "
+        "print(r.status_code, hashlib.sha256(r.content).hexdigest(), len(r.content))"
+    )
     big = subprocess.Popen([sys.executable, "-c", client, base], stdout=subprocess.PIPE, text=True)
     worst, probes = 0.0, 0
     while big.poll() is None:
@@ -90,9 +101,9 @@ def test_a_large_tokenize_body_does_not_stall_health(live_server, field):
         worst, probes = max(worst, time.monotonic() - t0), probes + 1
         time.sleep(0.05)
     status, digest, size = big.stdout.read().split()
-    assert status == "200" and int(size) > 30 * 2 ** 20 // 12  # at least a digit and a comma per id
+    assert status == "200" and int(size) > 30 * 2**20 // 12  # at least a digit and a comma per id
     if field == "prompt":
-        text = "hello world " * (30 * 2 ** 20 // 12)
+        text = "hello world " * (30 * 2**20 // 12)
         ids = state.tokenizer._tk.encode(text, allowed_special="all")  # the ids, encoded in one call
         want = b"".join(tokens_json([ids], state.max_model_len))
         assert digest == hashlib.sha256(want).hexdigest() and json.loads(want)["count"] == len(ids)
@@ -160,8 +171,12 @@ def test_connections_that_never_finish_their_headers_are_closed(tiny_k3_dir):
 def test_a_burst_over_max_waiting_admits_exactly_that_many(tiny_k3_dir):
     app, state = make_app(tiny_k3_dir, "--max-waiting", "4", "--max-num-seqs", "1")
     with serving(app) as base:
-        hog = httpx.stream("POST", base + "/v1/completions", json={
-            "prompt": "hog", "max_tokens": 900, "ignore_eos": True, "stream": True}, timeout=60)
+        hog = httpx.stream(
+            "POST",
+            base + "/v1/completions",
+            json={"prompt": "hog", "max_tokens": 900, "ignore_eos": True, "stream": True},
+            timeout=60,
+        )
         lines = hog.__enter__().iter_lines()
         next(lines)  # running: it holds the only slot, so nothing else can leave the queue
         body = {"prompt": "burst", "max_tokens": 2}
@@ -176,11 +191,20 @@ def test_a_burst_over_max_waiting_admits_exactly_that_many(tiny_k3_dir):
 
 
 # ---- auth --------------------------------------------------------------------------------
-ROUTES = [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}),
-          ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("POST", "/tokenize", {"prompt": "hi"}),
-          ("POST", "/detokenize", {"tokens": [1, 2]}), ("GET", "/version", None), ("GET", "/metrics", None),
-          ("POST", "/reset_prefix_cache", None), ("GET", "/openapi.json", None), ("GET", "/health", None),
-          ("GET", "/ping", None), ("POST", "/ping", None)]
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/version", None),
+    ("GET", "/metrics", None),
+    ("POST", "/reset_prefix_cache", None),
+    ("GET", "/openapi.json", None),
+    ("GET", "/health", None),
+    ("GET", "/ping", None),
+    ("POST", "/ping", None),
+]
 PUBLIC = {"/health", "/ping"}
 
 
@@ -193,13 +217,22 @@ def keyed(tiny_k3_dir):
 
 @pytest.mark.parametrize("method, path, body", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
 def test_api_key_guards_every_route_but_health(keyed, method, path, body):
-    table = {"none": {}, "wrong": {"Authorization": "Bearer nope"}, "right": {"Authorization": f"Bearer {KEY}"},
-             "lower-case scheme": {"Authorization": f"bearer {KEY}"}, "not bearer": {"Authorization": f"Basic {KEY}"}}
+    table = {
+        "none": {},
+        "wrong": {"Authorization": "Bearer nope"},
+        "right": {"Authorization": f"Bearer {KEY}"},
+        "lower-case scheme": {"Authorization": f"bearer {KEY}"},
+        "not bearer": {"Authorization": f"Basic {KEY}"},
+    }
     got = {k: httpx.request(method, keyed + path, json=body, headers=h, timeout=60) for k, h in table.items()}
     want_denied = 200 if path in PUBLIC else 401
     assert {k: r.status_code for k, r in got.items()} == {
-        "none": want_denied, "wrong": want_denied, "right": 200, "lower-case scheme": 200,
-        "not bearer": want_denied}
+        "none": want_denied,
+        "wrong": want_denied,
+        "right": 200,
+        "lower-case scheme": 200,
+        "not bearer": want_denied,
+    }
     if path not in PUBLIC:
         assert got["none"].headers["www-authenticate"] == "Bearer"
         assert got["none"].json()["error"]["type"] == "AuthenticationError"
@@ -259,15 +292,38 @@ def test_shutdown_answers_what_outlives_the_grace_period(tiny_k3_dir, sig, grace
     import signal
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "k3serve", "serve", str(tiny_k3_dir), "--port", str(port),
-                             "--cache-memory", "32MiB", "--max-model-len", "4096", "--shutdown-timeout", grace,
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "k3serve",
+            "serve",
+            str(tiny_k3_dir),
+            "--port",
+            str(port),
+            "--cache-memory",
+            "32MiB",
+            "--max-model-len",
+            "4096",
+            "--shutdown-timeout",
+            grace,
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(base), 60, "server did not start")
         pool = ThreadPoolExecutor(1)
-        long = pool.submit(httpx.post, base + "/v1/completions", json={
-            "prompt": "x", "max_tokens": 4000, "ignore_eos": True}, timeout=60)
+        long = pool.submit(
+            httpx.post,
+            base + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 4000, "ignore_eos": True},
+            timeout=60,
+        )
         wait_for(lambda: metric(base, "k3serve:num_requests_running") == 1, 20, "request never ran")
         t0 = time.monotonic()
         proc.send_signal(getattr(signal, sig))
@@ -289,14 +345,37 @@ def test_shutdown_drains_in_flight_and_answers_new_requests_503(tiny_k3_dir):
     import signal
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "k3serve", "serve", str(tiny_k3_dir), "--port", str(port),
-                             "--cache-memory", "32MiB", "--max-model-len", "4096", "--shutdown-timeout", "60",
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "k3serve",
+            "serve",
+            str(tiny_k3_dir),
+            "--port",
+            str(port),
+            "--cache-memory",
+            "32MiB",
+            "--max-model-len",
+            "4096",
+            "--shutdown-timeout",
+            "60",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(base), 60, "server did not start")
-        with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
-                "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}) as stream:
+        with httpx.stream(
+            "POST",
+            base + "/v1/completions",
+            timeout=60,
+            json={"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ) as stream:
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)

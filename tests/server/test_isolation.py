@@ -9,18 +9,17 @@ import threading
 import httpx
 import pytest
 
-VICTIM = {"prompt": "the victim", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
-          "logprobs": 0}
+VICTIM = {"prompt": "the victim", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 0}
 MSGS = [{"role": "user", "content": "hi"}]
 
 TRIGGERS = [  # (body fields, expected status): 200 where the value is valid and clamped (as vLLM does)
     ({"temperature": 1e-45}, 200),
     ({"temperature": float("inf"), "min_tokens": 3}, 400),
     ({"repetition_penalty": 1e-300}, 400),
-    ({"top_k": 2 ** 63}, 200),
-    ({"top_k": 2 ** 70}, 200),
-    ({"seed": 2 ** 64}, 400),
-    ({"seed": 2 ** 64 - 1, "n": 2}, 200),
+    ({"top_k": 2**63}, 200),
+    ({"top_k": 2**70}, 200),
+    ({"seed": 2**64}, 400),
+    ({"seed": 2**64 - 1, "n": 2}, 200),
     ({"logit_bias": {"999999": 5}}, 400),
     ({"logit_bias": {"-1": 5}}, 400),
     ({"stop_token_ids": [999999], "min_tokens": 3}, 400),

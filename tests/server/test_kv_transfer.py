@@ -20,8 +20,12 @@ from k3serve.engine.handoff import from_bytes
 from tests.live import serving
 from tests.server.conftest import make_app
 
-PRODUCER = ["--kv-transfer-config", '{"kv_connector": "K3HttpConnector", "kv_role": "kv_producer"}', "--block-size",
-            "16"]
+PRODUCER = [
+    "--kv-transfer-config",
+    '{"kv_connector": "K3HttpConnector", "kv_role": "kv_producer"}',
+    "--block-size",
+    "16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +38,11 @@ def prefill_server(tiny_k3_dir):
 def test_prefill_server_hands_off_to_a_decode_engine(prefill_server, tiny_k3_dir):
     base, state = prefill_server
     prompt = list(range(3, 40))  # 37 tokens: across two block boundaries
-    r = httpx.post(base + "/v1/completions", timeout=60, json={
-        "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+    r = httpx.post(
+        base + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert params["remote_block_size"] == 16
@@ -62,13 +69,18 @@ def test_prefill_server_hands_off_to_a_decode_engine(prefill_server, tiny_k3_dir
     assert again.status_code == 404 and "no prefilled request" in again.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body, says", [
-    ({"prompt": [1, 2, 3], "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n = 1"),
-    ({"prompt": [1, 2, 3], "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "not streamed"),
-    ({"prompt": [1, 2, 3], "kv_transfer_params": {"remote_host": "x"}}, "unsupported keys"),
-    ({"prompt": [1, 2, 3], "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": True}},
-     "exclude each other"),
-])
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ({"prompt": [1, 2, 3], "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n = 1"),
+        ({"prompt": [1, 2, 3], "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "not streamed"),
+        ({"prompt": [1, 2, 3], "kv_transfer_params": {"remote_host": "x"}}, "unsupported keys"),
+        (
+            {"prompt": [1, 2, 3], "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": True}},
+            "exclude each other",
+        ),
+    ],
+)
 def test_bad_handoff_requests_are_400s(prefill_server, body, says):
     r = httpx.post(prefill_server[0] + "/v1/completions", json={"max_tokens": 1, **body})
     assert r.status_code == 400 and says in r.json()["error"]["message"]
@@ -76,8 +88,11 @@ def test_bad_handoff_requests_are_400s(prefill_server, body, says):
 
 def test_pull_release_and_held_endpoints_check_their_input(prefill_server):
     base, state = prefill_server
-    r = httpx.post(base + "/v1/completions", timeout=60, json={
-        "prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    r = httpx.post(
+        base + "/v1/completions",
+        timeout=60,
+        json={"prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     rid = r.json()["kv_transfer_params"]["remote_request_id"]
     wrong = httpx.post(base + "/v1/kv/pull", json={"request_id": rid, "transport": "nixl"})
     assert wrong.status_code == 400 and "does not match this server's kv_connector" in wrong.json()["error"]["message"]
@@ -94,22 +109,34 @@ def test_a_server_without_the_producer_role_refuses_handoffs(live_server, capsys
     from k3serve.cli import main
 
     base, _ = live_server
-    r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1,
-                                                   "kv_transfer_params": {"do_remote_decode": True}})
+    r = httpx.post(
+        base + "/v1/completions",
+        json={"prompt": [1, 2], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert r.status_code == 400 and "--kv-transfer-config" in r.json()["error"]["message"]
     assert httpx.post(base + "/v1/kv/pull", json={"request_id": "x"}).status_code == 404
-    chat = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                           "kv_transfer_params": {"do_remote_decode": True}})
+    chat = httpx.post(
+        base + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert chat.status_code == 400 and "--kv-transfer-config" in chat.json()["error"]["message"]
-    for cfg, says in (('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_producer"}', "kv_connector must be"),
-                      ('{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer", "kv_producers": "x"}',
-                       "kv_producers must be a list")):
+    for cfg, says in (
+        ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_producer"}', "kv_connector must be"),
+        (
+            '{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer", "kv_producers": "x"}',
+            "kv_producers must be a list",
+        ),
+    ):
         assert main(["serve", "--cache-memory", "16MiB", "--kv-transfer-config", cfg]) == 2
         assert says in capsys.readouterr().err
 
 
-CONSUMER = ["--kv-transfer-config", '{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer"}', "--block-size",
-            "16"]
+CONSUMER = [
+    "--kv-transfer-config",
+    '{"kv_connector": "K3HttpConnector", "kv_role": "kv_consumer"}',
+    "--block-size",
+    "16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +147,19 @@ def disaggregated(tiny_k3_dir, prefill_server):
     colocated_app, _ = make_app(tiny_k3_dir, "--block-size", "16")
     with serving(decode_app) as decode, serving(colocated_app) as colocated:
         with serving(build_router([prefill_server[0]], [decode])) as router:
-            yield SimpleNamespace(router=router, colocated=colocated, decode=decode, decode_state=decode_state,
-                                  prefill_state=prefill_server[1])
+            yield SimpleNamespace(
+                router=router,
+                colocated=colocated,
+                decode=decode,
+                decode_state=decode_state,
+                prefill_state=prefill_server[1],
+            )
 
 
 def _completion(base: str, **body) -> dict:
-    r = httpx.post(base + "/v1/completions", timeout=120, json={"max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                                                                **body})
+    r = httpx.post(
+        base + "/v1/completions", timeout=120, json={"max_tokens": 12, "temperature": 0, "ignore_eos": True, **body}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -135,8 +168,12 @@ def _streamed_text(base: str, **body) -> str:
     import json
 
     text = ""
-    with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
-            "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True, **body}) as r:
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        timeout=120,
+        json={"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True, **body},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -159,8 +196,13 @@ def test_router_output_equals_a_colocated_server(disaggregated):
 
 def test_chat_through_the_router_equals_a_colocated_server(disaggregated):
     msgs = [{"role": "user", "content": "Tell me about the weather in Oslo."}]
-    body = {"messages": msgs, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "chat_template_kwargs": {"thinking": False}}
+    body = {
+        "messages": msgs,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "chat_template_kwargs": {"thinking": False},
+    }
     want = httpx.post(disaggregated.colocated + "/v1/chat/completions", timeout=120, json=body).json()
     got = httpx.post(disaggregated.router + "/v1/chat/completions", timeout=120, json=body)
     assert got.status_code == 200, got.text
@@ -169,8 +211,9 @@ def test_chat_through_the_router_equals_a_colocated_server(disaggregated):
     import json
 
     text = ""
-    with httpx.stream("POST", disaggregated.router + "/v1/chat/completions", timeout=120,
-                      json={**body, "stream": True}) as r:
+    with httpx.stream(
+        "POST", disaggregated.router + "/v1/chat/completions", timeout=120, json={**body, "stream": True}
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 text += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
@@ -224,9 +267,13 @@ def test_a_prefill_server_that_dies_before_the_pull_is_named_not_the_decode_serv
 
     @fake.post("/v1/completions")
     async def prefilled():  # a first token and a pull id, as a prefill server answers
-        return {"id": "cmpl-x", "object": "text_completion", "model": "m",
-                "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
-                "kv_transfer_params": {"remote_request_id": "gone", "remote_block_size": 16}}
+        return {
+            "id": "cmpl-x",
+            "object": "text_completion",
+            "model": "m",
+            "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+            "kv_transfer_params": {"remote_request_id": "gone", "remote_block_size": 16},
+        }
 
     @fake.post("/v1/kv/pull")
     async def pull():  # ... and then it is gone
@@ -270,8 +317,11 @@ def test_a_decode_server_dying_mid_request_gets_a_retry_with_the_full_answer(pre
             want = _completion(disaggregated.colocated, prompt="A story about a cat")["choices"][0]["text"]
             for stream in (False, True):
                 for _ in range(2):  # the dying server is tried first whenever it is the least loaded
-                    got = (_streamed_text(router, prompt="A story about a cat") if stream else
-                           _completion(router, prompt="A story about a cat")["choices"][0]["text"])
+                    got = (
+                        _streamed_text(router, prompt="A story about a cat")
+                        if stream
+                        else _completion(router, prompt="A story about a cat")["choices"][0]["text"]
+                    )
                     assert got == want
     finally:
         sock.close()
@@ -283,8 +333,9 @@ def test_a_speculating_decode_server_behind_the_router(tiny_k3_dir, prefill_serv
     caching on both sides: the router's answer is still the colocated one."""
     from k3serve.server.router import build_router
 
-    app, state = make_app(tiny_k3_dir, *CONSUMER, "--speculative-config",
-                          '{"method": "ngram", "num_speculative_tokens": 3}')
+    app, state = make_app(
+        tiny_k3_dir, *CONSUMER, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'
+    )
     prompt = "one two three one two three one two three one two three"
     want = _completion(disaggregated.colocated, prompt=prompt)["choices"][0]["text"]
     with serving(app) as decode, serving(build_router([prefill_server[0]], [decode])) as router:
@@ -298,15 +349,35 @@ def test_sampling_logprobs_and_grammars_cross_the_router(disaggregated):
     """A seeded temperature-1 request continues its random stream on the decode server; logprobs
     (the first token's from the prefill side), prompt logprobs and a JSON grammar (replayed over
     the first token) all come out as the colocated server's."""
-    for body in ({"prompt": "Once upon a time", "temperature": 1.0, "seed": 99, "logprobs": 2, "prompt_logprobs": 1},
-                 {"prompt": "A person:", "temperature": 1.0, "seed": 3, "ignore_eos": False, "max_tokens": 40,
-                  "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
-                      "type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
-                      "additionalProperties": False}}}}):
+    for body in (
+        {"prompt": "Once upon a time", "temperature": 1.0, "seed": 99, "logprobs": 2, "prompt_logprobs": 1},
+        {
+            "prompt": "A person:",
+            "temperature": 1.0,
+            "seed": 3,
+            "ignore_eos": False,
+            "max_tokens": 40,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "p",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"age": {"type": "integer"}},
+                        "required": ["age"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+        },
+    ):
         want = _completion(disaggregated.colocated, **body)["choices"][0]
         got = _completion(disaggregated.router, **body)["choices"][0]
-        assert (got["text"], got["logprobs"], got.get("prompt_logprobs")) == \
-            (want["text"], want["logprobs"], want.get("prompt_logprobs"))
+        assert (got["text"], got["logprobs"], got.get("prompt_logprobs")) == (
+            want["text"],
+            want["logprobs"],
+            want.get("prompt_logprobs"),
+        )
     assert '"age"' in got["text"] and got["finish_reason"] == "stop"
 
 
@@ -353,14 +424,21 @@ def test_nixl_connector_moves_the_handoff_by_a_nixl_read(kind, tiny_k3_dir, tiny
     d_app, d_state = make_app(path, "--kv-transfer-config", NIXL[0] % "kv_consumer", "--block-size", "16")
     c_app, _ = make_app(path, "--block-size", "16")
     assert p_state.nixl is not None and d_state.nixl is not None
-    with serving(p_app) as prefill, serving(d_app) as decode, serving(c_app) as colocated, \
-            serving(build_router([prefill], [decode])) as router:
+    with (
+        serving(p_app) as prefill,
+        serving(d_app) as decode,
+        serving(c_app) as colocated,
+        serving(build_router([prefill], [decode])) as router,
+    ):
         for prompt in ("Hi", "The quick brown fox jumps over the lazy dog, then runs far away " * 2):
             want = _completion(colocated, prompt=prompt)["choices"][0]["text"]
             assert _completion(router, prompt=prompt)["choices"][0]["text"] == want
             assert _streamed_text(router, prompt=prompt) == want
-        offer = httpx.post(prefill + "/v1/completions", timeout=60, json={
-            "prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        offer = httpx.post(
+            prefill + "/v1/completions",
+            timeout=60,
+            json={"prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        ).json()
         rid = offer["kv_transfer_params"]["remote_request_id"]
         wrong = httpx.post(prefill + "/v1/kv/pull", json={"request_id": rid, "transport": "http"})
         assert wrong.status_code == 400
@@ -395,9 +473,17 @@ def test_an_image_chat_crosses_the_router(disaggregated):
 
     def ask(base, text):
         parts = [{"type": "image_url", "image_url": {"url": data_url(png(11))}}, {"type": "text", "text": text}]
-        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "chat_template_kwargs": {"thinking": False}})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "messages": [{"role": "user", "content": parts}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "chat_template_kwargs": {"thinking": False},
+            },
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -407,5 +493,7 @@ def test_an_image_chat_crosses_the_router(disaggregated):
         got = ask(disaggregated.router, text)
         assert got["choices"][0]["message"] == want["choices"][0]["message"]
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the image's blocks were held
-    assert _pulled(disaggregated.decode_state) - before < got["usage"]["prompt_tokens"] * per_token_bytes(
-        disaggregated.decode_state) + 1  # not every row again
+    assert (
+        _pulled(disaggregated.decode_state) - before
+        < got["usage"]["prompt_tokens"] * per_token_bytes(disaggregated.decode_state) + 1
+    )  # not every row again

@@ -36,8 +36,10 @@ def test_scheduling_policy_reaches_the_engine(tiny_k3_dir):
 
 def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("max_num_seqs: 7\nblock_size: 32\nenable_prefix_caching: false\nseed: 5\n"
-                   "speculative_config: {method: ngram, num_speculative_tokens: 2}\n")
+    cfg.write_text(
+        "max_num_seqs: 7\nblock_size: 32\nenable_prefix_caching: false\nseed: 5\n"
+        "speculative_config: {method: ngram, num_speculative_tokens: 2}\n"
+    )
     args, _ = parsed("--config", str(cfg), "--max-num-seqs", "9")
     kw = engine_kwargs(args)
     assert (kw["max_num_seqs"], kw["block_size"], kw["seed"]) == (9, 32, 5)
@@ -54,26 +56,39 @@ def test_structured_outputs_config():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"})
     assert requested(req)[2] is False  # JSON without free whitespace runs, by default
     assert requested(req, any_whitespace=True)[2] is True  # the server's default from the flag
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
-                                structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],
+        structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True},
+    )
     assert requested(req, any_whitespace=True)[2] is False  # a request's own setting wins
 
 
 def test_response_role_and_whitespace_default_act_in_the_server(tiny_k3_dir):
-    app, state = make_app(tiny_k3_dir, "--response-role", "model",
-                          "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": false}')
+    app, state = make_app(
+        tiny_k3_dir,
+        "--response-role",
+        "model",
+        "--structured-outputs-config",
+        '{"backend": "xgrammar", "disable_any_whitespace": false}',
+    )
     assert state.json_any_whitespace is True
     with serving(app) as base:
-        r = httpx.post(base + "/v1/chat/completions", timeout=60,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "model"
 
 
-@pytest.mark.parametrize("flags, match", [
-    (("--otlp-traces-endpoint", "http://collector:4318"), "tracing is not built"),
-    (("--tokenizer-revision", "main"), "no revision"),
-    (("--max-num-partial-prefills", "2"), "no separate cap"),
-])
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (("--otlp-traces-endpoint", "http://collector:4318"), "tracing is not built"),
+        (("--tokenizer-revision", "main"), "no revision"),
+        (("--max-num-partial-prefills", "2"), "no separate cap"),
+    ],
+)
 def test_flags_refused_with_the_reason(flags, match):
     with pytest.raises(ValueError, match=match):
         parsed(*flags)

@@ -30,8 +30,12 @@ def dashboard_series() -> set[str]:
 
 def family_and_type(series: str) -> tuple[str, str]:
     """A queried series name -> (family name as the parser reports it, its type)."""
-    for suffix, kind in (("_bucket", "histogram"), ("_sum", "histogram"), ("_count", "histogram"),
-                         ("_total", "counter")):
+    for suffix, kind in (
+        ("_bucket", "histogram"),
+        ("_sum", "histogram"),
+        ("_count", "histogram"),
+        ("_total", "counter"),
+    ):
         if series.endswith(suffix):
             return series[: -len(suffix)], kind
     return series, "gauge"
@@ -39,8 +43,11 @@ def family_and_type(series: str) -> tuple[str, str]:
 
 def work(base: str) -> None:
     for i in range(3):
-        r = httpx.post(base + "/v1/completions", json={"prompt": f"metrics {i} " * 8, "max_tokens": 6,
-                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": f"metrics {i} " * 8, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
         assert r.status_code == 200
 
 
@@ -76,8 +83,7 @@ def test_counters_never_decrease_across_requests(live_server):
     before = counters(base)
     work(base)
     after = counters(base)
-    assert all(after.get(k, 0) >= v for k, v in before.items()), \
-        [k for k, v in before.items() if after.get(k, 0) < v]
+    assert all(after.get(k, 0) >= v for k, v in before.items()), [k for k, v in before.items() if after.get(k, 0) < v]
     gen = [k for k in after if k[0] == "vllm:generation_tokens_total"]
     assert gen and all(after[k] >= before.get(k, 0) + 18 for k in gen)  # 3 requests x 6 tokens
     queue = [k for k in after if k[0] == "vllm:request_queue_time_seconds_count"]
@@ -94,6 +100,7 @@ def test_the_series_vllms_dashboard_adds(live_server):
 
     def grew(name: str) -> float:
         return sum(v - before.get(k, 0) for k, v in after.items() if k[0] == name)
+
     assert grew("vllm:request_max_num_generation_tokens_count") == 3
     assert grew("vllm:request_max_num_generation_tokens_sum") == 18
     assert grew("vllm:iteration_tokens_total_count") >= 6  # at least one step a generated token of each

@@ -30,7 +30,9 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 
 def messages(*images: bytes, text: str = "Describe the picture, please.") -> list[dict]:
-    parts = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    parts = [{"type": "text", "text": text}] + [
+        {"type": "image_url", "image_url": {"url": data_url(im)}} for im in images
+    ]
     return [{"role": "user", "content": parts}]
 
 
@@ -80,13 +82,19 @@ def test_the_openai_client_sends_an_image(servers):
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 180  # two 90-row images
 
 
-@pytest.mark.parametrize("part, says", [
-    ({"type": "image_url", "image_url": {"url": data_url(b"not an image at all")}}, "cannot be decoded"),
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
-    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "fetching media from 'example.com' is off"),
-    ({"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}, "data: or http(s)"),
-    ({"type": "input_audio", "input_audio": {}}, "not supported"),
-])
+@pytest.mark.parametrize(
+    "part, says",
+    [
+        ({"type": "image_url", "image_url": {"url": data_url(b"not an image at all")}}, "cannot be decoded"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
+        (
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+            "fetching media from 'example.com' is off",
+        ),
+        ({"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}, "data: or http(s)"),
+        ({"type": "input_audio", "input_audio": {}}, "not supported"),
+    ],
+)
 def test_bad_media_is_a_400_naming_the_part(servers, part, says):
     base_a, _ = servers
     msgs = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
@@ -132,7 +140,7 @@ def test_pixels_are_normalised_and_padded_like_the_reference():
     assert im.grid == (1, 10, 16)  # 20 x 32 after padding the width to a multiple of 4
     full = np.full((20, 32, 3), -1.0, dtype=np.float32)
     full[:, :30] = (arr / 255.0 - 0.5) / 0.5
-    patch = lambda r, c: full[2 * r:2 * r + 2, 2 * c:2 * c + 2].transpose(2, 0, 1)  # noqa: E731  [3, 2, 2]
+    patch = lambda r, c: full[2 * r : 2 * r + 2, 2 * c : 2 * c + 2].transpose(2, 0, 1)  # noqa: E731  [3, 2, 2]
     for r, c in [(0, 0), (3, 7), (9, 15)]:
         np.testing.assert_allclose(im.pixel_values[r * 16 + c].numpy(), patch(r, c), rtol=1e-6, atol=1e-6)
 
@@ -141,39 +149,90 @@ def test_bench_random_mm_sends_images(servers, tmp_path):
     from k3serve.cli import main
 
     out = tmp_path / "mm.json"
-    rc = main(["bench", "--base-url", servers[0], "--endpoint", "/v1/chat/completions", "--dataset-name",
-               "random-mm", "--random-mm-image-size", "16x12", "--random-mm-images-per-request", "2",
-               "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3", "--ignore-eos",
-               "--save-result", "--result-filename", str(out), "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "--base-url",
+            servers[0],
+            "--endpoint",
+            "/v1/chat/completions",
+            "--dataset-name",
+            "random-mm",
+            "--random-mm-image-size",
+            "16x12",
+            "--random-mm-images-per-request",
+            "2",
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "3",
+            "--ignore-eos",
+            "--save-result",
+            "--result-filename",
+            str(out),
+            "--no-progress",
+        ]
+    )
     import json
+
     r = json.loads(out.read_text())
     # two 16x12 images are 2 x (4 x 3 groups of 2x2 patches) = 24 media tokens per request
     assert rc == 0 and r["completed"] == 3 and min(r["input_lens"]) > 24 and r["output_lens"] == [3, 3, 3]
 
 
 def test_responses_api_takes_input_image(servers):
-    r = httpx.post(servers[0] + "/v1/responses", timeout=120, json={
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
-                                               {"type": "input_image", "image_url": data_url(png(1))}]}],
-        "max_output_tokens": 3, "reasoning": {"effort": "none"}})
+    r = httpx.post(
+        servers[0] + "/v1/responses",
+        timeout=120,
+        json={
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": data_url(png(1))},
+                    ],
+                }
+            ],
+            "max_output_tokens": 3,
+            "reasoning": {"effort": "none"},
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["input_tokens"] > 90  # the 90-token image is in the prompt
-    bad = httpx.post(servers[0] + "/v1/responses", json={
-        "instructions": "Be brief.", "input": [
-            {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
-            {"role": "user", "content": [{"type": "input_text", "text": "and this?"},
-                                         {"type": "input_image", "image_url": data_url(b"junk")}]}]})
+    bad = httpx.post(
+        servers[0] + "/v1/responses",
+        json={
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "hi"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "and this?"},
+                        {"type": "input_image", "image_url": data_url(b"junk")},
+                    ],
+                },
+            ],
+        },
+    )
     err = bad.json()["error"]  # named as the client sent it: the third input item, not messages[3]
     assert bad.status_code == 400 and err["param"] == "input", err
-    assert err["message"].startswith("input[2].content[1]: image cannot be decoded") and "messages" not in err["message"]
+    assert (
+        err["message"].startswith("input[2].content[1]: image cannot be decoded") and "messages" not in err["message"]
+    )
 
 
 def test_encoder_cache_size_is_stated_and_zero_turns_it_off(tiny_k3_dir):
     from k3serve import LLM, SamplingParams
     from k3serve.chat.k3_xtml import Seg, encode_segments, media_block, message
 
-    llm = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=512, mm_encoder_cache=0,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_k3_dir), cache_memory="16MiB", max_model_len=512, mm_encoder_cache=0, enable_prefix_caching=False
+    )
     assert any("vision encoder cache: 0 B" in line for line in llm.engine.startup_log)
     img = load_image(png(7), ImageSpec(patch_size=llm.engine.model.cfg.vision.patch_size))
     ids = encode_segments(llm.engine.tokenizer, message("user", [Seg("look")] + media_block(img)))
@@ -212,10 +271,19 @@ def test_image_urls_are_fetched_only_from_allowed_hosts(tiny_k3_dir):
     app, _ = make_app(tiny_k3_dir, "--allowed-media-domains", "127.0.0.1")
     try:
         with serving(app) as base:
+
             def ask(link):
-                msgs = [{"role": "user", "content": [{"type": "text", "text": "look"},
-                                                     {"type": "image_url", "image_url": {"url": link}}]}]
+                msgs = [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "look"},
+                            {"type": "image_url", "image_url": {"url": link}},
+                        ],
+                    }
+                ]
                 return httpx.post(base + "/v1/chat/completions", timeout=60, json={"messages": msgs, **GREEDY})
+
             fetched, inline = ask(url + "/cat.png"), ask(data_url(body))
             assert fetched.status_code == 200 and fetched.json()["choices"] == inline.json()["choices"]
             missing = ask(url + "/nope.png")

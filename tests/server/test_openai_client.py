@@ -20,8 +20,7 @@ def test_models_health_version(client, live_server):
 
 
 def test_chat_non_streaming_usage_and_parsing(client, live_server):
-    r = client.chat.completions.create(model="tiny-k3", messages=MSGS, max_tokens=12, temperature=0,
-                                       extra_body=FIXED)
+    r = client.chat.completions.create(model="tiny-k3", messages=MSGS, max_tokens=12, temperature=0, extra_body=FIXED)
     assert r.object == "chat.completion" and r.model == "tiny-k3"
     assert r.usage.prompt_tokens == prompt_len(live_server[0], MSGS)
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
@@ -47,20 +46,35 @@ def test_chat_streaming_equals_non_streaming(client):
 
 
 def test_thinking_off_puts_everything_in_content(client):
-    r = client.chat.completions.create(model="tiny-k3", messages=MSGS, max_tokens=8, temperature=0,
-                                       extra_body={**FIXED, "chat_template_kwargs": {"thinking": False}})
+    r = client.chat.completions.create(
+        model="tiny-k3",
+        messages=MSGS,
+        max_tokens=8,
+        temperature=0,
+        extra_body={**FIXED, "chat_template_kwargs": {"thinking": False}},
+    )
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
 
 
 def test_completions_text_ids_and_stream(client):
-    r = client.completions.create(model="tiny-k3", prompt="The capital of France is", max_tokens=10, temperature=0,
-                                  extra_body=FIXED)
+    r = client.completions.create(
+        model="tiny-k3", prompt="The capital of France is", max_tokens=10, temperature=0, extra_body=FIXED
+    )
     assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
     ids = client.completions.create(model="tiny-k3", prompt=[1, 2, 3, 4], max_tokens=5, extra_body=FIXED)
     assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens == 5
-    text = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny-k3", prompt="The capital of France is", max_tokens=10, temperature=0, stream=True,
-        extra_body=FIXED) if c.choices)
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny-k3",
+            prompt="The capital of France is",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body=FIXED,
+        )
+        if c.choices
+    )
     assert text == r.choices[0].text
     batch = client.completions.create(model="tiny-k3", prompt=["a b", "c d e"], max_tokens=3, n=2, extra_body=FIXED)
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3] and batch.usage.completion_tokens == 12
@@ -77,22 +91,28 @@ def test_n_and_seed_reproducibility(client):
 
 
 def test_stop_string(client):
-    base = client.completions.create(model="tiny-k3", prompt="The capital", max_tokens=16, temperature=0,
-                                     extra_body=FIXED).choices[0].text
-    stop = next(base[i:i + 2] for i in range(3, len(base) - 2) if "\ufffd" not in base[i:i + 2])
-    r = client.completions.create(model="tiny-k3", prompt="The capital", max_tokens=16, temperature=0, stop=[stop],
-                                  extra_body=FIXED)
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[:base.index(stop)]
+    base = (
+        client.completions.create(model="tiny-k3", prompt="The capital", max_tokens=16, temperature=0, extra_body=FIXED)
+        .choices[0]
+        .text
+    )
+    stop = next(base[i : i + 2] for i in range(3, len(base) - 2) if "\ufffd" not in base[i : i + 2])
+    r = client.completions.create(
+        model="tiny-k3", prompt="The capital", max_tokens=16, temperature=0, stop=[stop], extra_body=FIXED
+    )
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[: base.index(stop)]
 
 
 def test_logprobs_chat_and_completions(client):
-    r = client.chat.completions.create(model="tiny-k3", messages=MSGS, max_tokens=5, temperature=0, logprobs=True,
-                                       top_logprobs=3, extra_body=FIXED)
+    r = client.chat.completions.create(
+        model="tiny-k3", messages=MSGS, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, extra_body=FIXED
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob == max(x.logprob for x in t.top_logprobs) for t in content)  # greedy picks the top
-    c = client.completions.create(model="tiny-k3", prompt="Hello", max_tokens=4, temperature=0, logprobs=2,
-                                  extra_body=FIXED)
+    c = client.completions.create(
+        model="tiny-k3", prompt="Hello", max_tokens=4, temperature=0, logprobs=2, extra_body=FIXED
+    )
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
 
@@ -103,14 +123,16 @@ def test_kimi_linear_chat_through_jinja_template(tiny_kl_dir):
 
     from tests.server.conftest import build_parser, build_server
 
-    args = build_parser().parse_args(["serve", str(tiny_kl_dir), "--cache-memory", "16MiB", "--max-model-len",
-                                      "512", "--served-model-name", "kl"])
+    args = build_parser().parse_args(
+        ["serve", str(tiny_kl_dir), "--cache-memory", "16MiB", "--max-model-len", "512", "--served-model-name", "kl"]
+    )
     app, state = build_server(args)
     assert state.tool_call_parser == "kimi_k2" and state.structural_ids
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 6, "ignore_eos": True})
+
     r = asyncio.run(go())
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
@@ -143,6 +165,7 @@ def test_server_with_speculative_config(tiny_k3_dir):
     async def go(a, path, **kw):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t") as c:
             return await c.request("POST" if "json" in kw else "GET", path, **kw)
+
     spec_text = asyncio.run(go(app, "/v1/completions", json=body)).json()["choices"][0]["text"]
     plain_text = asyncio.run(go(plain, "/v1/completions", json=body)).json()["choices"][0]["text"]
     assert spec_text == plain_text

@@ -36,7 +36,7 @@ def _check_echo(body: dict, ref: torch.Tensor, ids: list[int], tol: float) -> No
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert len(lp["token_logprobs"]) == len(ids) + 1  # the prompt, then the one generated token
     want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
-    got = lp["token_logprobs"][1:len(ids)]
+    got = lp["token_logprobs"][1 : len(ids)]
     assert max(abs(a - b) for a, b in zip(got, want)) < tol
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
 
@@ -52,8 +52,9 @@ def test_echo_logprobs_equal_a_full_forward_k3(tiny_k3_dir):
         assert r.status_code == 200, r.text
         _check_echo(r.json(), ref, IDS, 1e-4)
         # vLLM's prompt_logprobs field, ranks included
-        r = httpx.post(base + "/v1/completions", timeout=60, json={"prompt": IDS, "max_tokens": 1,
-                                                                    "prompt_logprobs": 3})
+        r = httpx.post(
+            base + "/v1/completions", timeout=60, json={"prompt": IDS, "max_tokens": 1, "prompt_logprobs": 3}
+        )
         plp = r.json()["choices"][0]["prompt_logprobs"]
         assert plp[0] is None and len(plp) == len(IDS)
         for i in (1, 70, 149):
@@ -63,12 +64,18 @@ def test_echo_logprobs_equal_a_full_forward_k3(tiny_k3_dir):
             assert own["rank"] == int((ref[i - 1] > ref[i - 1, IDS[i]]).sum()) + 1
             top = sorted((v["rank"], int(k)) for k, v in entry.items() if v["rank"] <= 3)
             assert [k for _, k in top] == ref[i - 1].topk(3).indices.tolist()
-        chat = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+        chat = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+        )
         assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
         assert all(len(e) == 1 for e in chat.json()["prompt_logprobs"][1:])
-        bad = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "stream": True})
+        bad = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "stream": True},
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
         with httpx.stream("POST", base + "/v1/completions", timeout=60, json={**body, "stream": True}) as s:
             events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
@@ -82,13 +89,20 @@ def test_echo_logprobs_equal_transformers_kimi_linear(tiny_kl_dir):
     against transformers' own kimi_linear."""
     ids = IDS[:60]
     script = Path(__file__).parents[1] / "model" / "hf_reference.py"
-    proc = subprocess.run([sys.executable, str(script), str(tiny_kl_dir), json.dumps(ids), "1"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_kl_dir), json.dumps(ids), "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = torch.log_softmax(torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1])["logits"]), -1)
     app, _ = make_app(tiny_kl_dir)
     with serving(app) as base:
-        r = httpx.post(base + "/v1/completions", timeout=60, json={
-            "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True})
+        r = httpx.post(
+            base + "/v1/completions",
+            timeout=60,
+            json={"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True},
+        )
     assert r.status_code == 200, r.text
     _check_echo(r.json(), ref, ids, 1e-3)

@@ -11,8 +11,12 @@ import jsonschema
 import pytest
 
 NO_THINK = {"effort": "none"}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
-           "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 
 
@@ -25,8 +29,9 @@ def test_text_and_reasoning_items(client, live_server):
     text = "".join(c.text for o in r.output if o.type == "reasoning" for c in o.content)
     assert text and r.usage.output_tokens == 24 and r.usage.input_tokens > 0
     assert r.incomplete_details.reason == "max_output_tokens"
-    chat = client.chat.completions.create(model="tiny-k3", messages=[{"role": "user", "content": "Hello there"}],
-                                          max_tokens=24, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny-k3", messages=[{"role": "user", "content": "Hello there"}], max_tokens=24, temperature=0
+    )
     assert chat.choices[0].message.model_extra["reasoning_content"] == text  # the same turn as chat
 
 
@@ -35,8 +40,9 @@ def test_reasoning_tokens_count_the_sampled_ids_of_the_think_channel(client, tex
     """reasoning_tokens counted the reasoning text re-encoded, which can exceed the ids the
     model sampled (and output_tokens): now the sampled ids before the think channel's close."""
     r = client.responses.create(model="tiny-k3", input=text, max_output_tokens=40, temperature=0)
-    chat = client.chat.completions.create(model="tiny-k3", messages=[{"role": "user", "content": text}],
-                                          max_tokens=40, temperature=0, logprobs=True)
+    chat = client.chat.completions.create(
+        model="tiny-k3", messages=[{"role": "user", "content": text}], max_tokens=40, temperature=0, logprobs=True
+    )
     ids = [t.token for t in chat.choices[0].logprobs.content]  # the sampled tokens, one entry each
     want = ids.index("<|close|>") if "<|close|>" in ids else len(ids)
     assert r.usage.output_tokens_details.reasoning_tokens == want <= r.usage.output_tokens
@@ -45,23 +51,36 @@ def test_reasoning_tokens_count_the_sampled_ids_of_the_think_channel(client, tex
 def test_function_tool_round_trip_and_previous_response_id(client):
     # One call (parallel_tool_calls off) keeps the constrained reply bounded: with parallel calls the
     # random tiny model, sampling at temperature 1, may keep opening calls until max_output_tokens.
-    r = client.responses.create(model="tiny-k3", input="Weather in Oslo?", tools=TOOLS, tool_choice="required",
-                                parallel_tool_calls=False, max_output_tokens=300, reasoning=NO_THINK,
-                                temperature=1.0)
+    r = client.responses.create(
+        model="tiny-k3",
+        input="Weather in Oslo?",
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=300,
+        reasoning=NO_THINK,
+        temperature=1.0,
+    )
     calls = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
-    follow = client.responses.create(model="tiny-k3", previous_response_id=r.id, tools=TOOLS, max_output_tokens=6,
-                                     reasoning=NO_THINK, input=[{"type": "function_call_output",
-                                                                 "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    follow = client.responses.create(
+        model="tiny-k3",
+        previous_response_id=r.id,
+        tools=TOOLS,
+        max_output_tokens=6,
+        reasoning=NO_THINK,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}],
+    )
     assert follow.previous_response_id == r.id
     assert follow.usage.input_tokens > r.usage.input_tokens  # the earlier turn and the tool output are in the prompt
     assert client.responses.retrieve(follow.id).id == follow.id
 
 
 def test_streaming_events_come_in_the_official_order(client):
-    with client.responses.stream(model="tiny-k3", input="Say hi", max_output_tokens=16, reasoning=NO_THINK,
-                                 temperature=0) as stream:
+    with client.responses.stream(
+        model="tiny-k3", input="Say hi", max_output_tokens=16, reasoning=NO_THINK, temperature=0
+    ) as stream:
         events = list(stream)
     final = events[-1].response  # completed or incomplete (the SDK's get_final_response wants completed)
     kinds = [e.type for e in events]
@@ -69,8 +88,8 @@ def test_streaming_events_come_in_the_official_order(client):
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
-    assert kinds[4 + len(deltas):-1] == tail and kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas) : -1] == tail and kinds[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     done = next(e for e in events if e.type == "response.output_text.done")
     assert done.text == "".join(deltas) == final.output[0].content[0].text
@@ -79,9 +98,16 @@ def test_streaming_events_come_in_the_official_order(client):
 
 
 def test_streamed_tool_calls_and_reasoning(client):
-    with client.responses.stream(model="tiny-k3", input="Weather?", tools=TOOLS, tool_choice="required",
-                                 parallel_tool_calls=False, max_output_tokens=300, reasoning=NO_THINK,
-                                 temperature=1.0) as stream:  # one call: bounded (see the round-trip test)
+    with client.responses.stream(
+        model="tiny-k3",
+        input="Weather?",
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=300,
+        reasoning=NO_THINK,
+        temperature=1.0,
+    ) as stream:  # one call: bounded (see the round-trip test)
         events = list(stream)
     kinds = [e.type for e in events]
     i = kinds.index("response.function_call_arguments.delta")
@@ -99,11 +125,13 @@ def test_store_is_bounded_and_deletable(live_server):
     base, state = live_server
     ids = []
     for _ in range(3):
-        r = httpx.post(base + "/v1/responses", timeout=60, json={"input": "x", "max_output_tokens": 1,
-                                                                  "reasoning": NO_THINK})
+        r = httpx.post(
+            base + "/v1/responses", timeout=60, json={"input": "x", "max_output_tokens": 1, "reasoning": NO_THINK}
+        )
         ids.append(r.json()["id"])
-    unstored = httpx.post(base + "/v1/responses", timeout=60, json={"input": "x", "max_output_tokens": 1,
-                                                                     "store": False}).json()["id"]
+    unstored = httpx.post(
+        base + "/v1/responses", timeout=60, json={"input": "x", "max_output_tokens": 1, "store": False}
+    ).json()["id"]
     assert httpx.get(base + f"/v1/responses/{unstored}").status_code == 404
     assert httpx.delete(base + f"/v1/responses/{ids[0]}").json()["deleted"] is True
     assert httpx.get(base + f"/v1/responses/{ids[0]}").status_code == 404
@@ -119,14 +147,17 @@ def test_store_is_bounded_and_deletable(live_server):
         state.responses.max_items = old
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": "x", "made_up": 1}, "made_up"),
-    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),  # no image_url
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "made_up": 1}, "made_up"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),  # no image_url
+    ],
+)
 def test_unsupported_inputs_are_400s(live_server, body, param):
     base, _ = live_server
     r = httpx.post(base + "/v1/responses", json=body)

@@ -15,19 +15,63 @@ def test_a_mixed_batch_with_bad_lines(tiny_k3_dir, tmp_path):
         if i == 17:
             lines.append('{"custom_id": "broken", "url": "/v1/completions", "body": {')  # not JSON
         elif i == 31:  # a request the server refuses (400 naming the field)
-            lines.append(json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
-                                     "body": {"prompt": "x", "max_tokens": 2, "temperature": -1}}))
+            lines.append(
+                json.dumps(
+                    {
+                        "custom_id": "bad-temp",
+                        "method": "POST",
+                        "url": "/v1/completions",
+                        "body": {"prompt": "x", "max_tokens": 2, "temperature": -1},
+                    }
+                )
+            )
         elif i % 2:
-            lines.append(json.dumps({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                     "body": {"messages": [{"role": "user", "content": f"Weather {i}?"}],
-                                              "max_tokens": 4, "temperature": 0}}))
+            lines.append(
+                json.dumps(
+                    {
+                        "custom_id": f"chat-{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {
+                            "messages": [{"role": "user", "content": f"Weather {i}?"}],
+                            "max_tokens": 4,
+                            "temperature": 0,
+                        },
+                    }
+                )
+            )
         else:
-            lines.append(json.dumps({"custom_id": f"cmpl-{i}", "method": "POST", "url": "/v1/completions",
-                                     "body": {"prompt": f"number {i}", "max_tokens": 3, "temperature": 0}}))
+            lines.append(
+                json.dumps(
+                    {
+                        "custom_id": f"cmpl-{i}",
+                        "method": "POST",
+                        "url": "/v1/completions",
+                        "body": {"prompt": f"number {i}", "max_tokens": 3, "temperature": 0},
+                    }
+                )
+            )
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    assert main(["run-batch", "-i", str(src), "-o", str(dst), str(tiny_k3_dir), "--cache-memory", "32MiB",
-                 "--max-model-len", "512", "--max-num-seqs", "8"]) == 0
+    assert (
+        main(
+            [
+                "run-batch",
+                "-i",
+                str(src),
+                "-o",
+                str(dst),
+                str(tiny_k3_dir),
+                "--cache-memory",
+                "32MiB",
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert len(out) == 50
     broken, bad = out[17], out[31]

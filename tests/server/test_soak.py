@@ -27,10 +27,18 @@ async def worker(base: str, deadline: float, rng: random.Random, stats: dict) ->
     async with httpx.AsyncClient(base_url=base, timeout=120) as client:
         while time.monotonic() < deadline:
             chat = rng.random() < 0.5
-            body = ({"messages": [{"role": "user", "content": f"soak {rng.random()}"}]} if chat
-                    else {"prompt": f"soak {rng.random()}"})
-            body.update(max_tokens=rng.randint(4, 40), temperature=rng.choice([0, 0.7, 1.0]), stream=True,
-                        seed=rng.randint(0, 2 ** 32), ignore_eos=rng.random() < 0.5)
+            body = (
+                {"messages": [{"role": "user", "content": f"soak {rng.random()}"}]}
+                if chat
+                else {"prompt": f"soak {rng.random()}"}
+            )
+            body.update(
+                max_tokens=rng.randint(4, 40),
+                temperature=rng.choice([0, 0.7, 1.0]),
+                stream=True,
+                seed=rng.randint(0, 2**32),
+                ignore_eos=rng.random() < 0.5,
+            )
             cancel_after = rng.randint(1, 6) if rng.random() < CANCEL else None
             path = "/v1/chat/completions" if chat else "/v1/completions"
             async with client.stream("POST", path, json=body) as r:
@@ -88,12 +96,22 @@ def soak(seconds: float, tiny_k3_dir, streams: int = STREAMS) -> dict:
         stop.set()
         sampler.join()
         t0 = time.monotonic()
-        while any(metric(base, m) for m in ("k3serve:num_requests_running", "k3serve:num_requests_waiting",
-                                              "k3serve:state_slots_used", "k3serve:latent_blocks_used")):
+        while any(
+            metric(base, m)
+            for m in (
+                "k3serve:num_requests_running",
+                "k3serve:num_requests_waiting",
+                "k3serve:state_slots_used",
+                "k3serve:latent_blocks_used",
+            )
+        ):
             assert time.monotonic() - t0 < 10, "pools did not return to zero"
             time.sleep(0.05)
-        five = [line for line in httpx.get(base + "/metrics").text.splitlines()
-                if line.startswith("k3serve:http_requests_total") and 'status="5' in line]
+        five = [
+            line
+            for line in httpx.get(base + "/metrics").text.splitlines()
+            if line.startswith("k3serve:http_requests_total") and 'status="5' in line
+        ]
     assert not state.engine.engine.has_unfinished_requests()
     assert not five, five
     return stats
@@ -125,6 +143,8 @@ def test_thirty_minute_soak(tiny_k3_dir):
     stats = soak(1800, tiny_k3_dir, streams=48)
     check(stats)
     growth = rss_growth(stats["rss"], after_s=300)
-    print(f"soak: RSS {stats['rss'][0][1] / 2**20:.0f} MiB at 5 s, {stats['rss'][-1][1] / 2**20:.0f} MiB at the end; "
-          f"growth over the last 25 minutes {growth * 100:.2f}%")
+    print(
+        f"soak: RSS {stats['rss'][0][1] / 2**20:.0f} MiB at 5 s, {stats['rss'][-1][1] / 2**20:.0f} MiB at the end; "
+        f"growth over the last 25 minutes {growth * 100:.2f}%"
+    )
     assert growth < 0.01, stats["rss"][::12]

@@ -21,23 +21,32 @@ MSGS = [{"role": "user", "content": "hi"}]
 def test_thinking_must_be_a_boolean(live_server, value):
     base, _ = live_server
     for key in ("thinking", "enable_thinking"):
-        r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "messages": MSGS, "max_tokens": 2, "chat_template_kwargs": {key: value}})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": MSGS, "max_tokens": 2, "chat_template_kwargs": {key: value}},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
-    ok = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-        "messages": MSGS, "max_tokens": 2, "chat_template_kwargs": {"thinking": False}})
+    ok = httpx.post(
+        base + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": MSGS, "max_tokens": 2, "chat_template_kwargs": {"thinking": False}},
+    )
     assert ok.status_code == 200, ok.text
 
 
 def test_min_tokens_past_max_tokens_is_a_400(live_server):
     base, _ = live_server
-    for path, body in (("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3, "min_tokens": 5}),
-                       ("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 3, "min_tokens": 4}),
-                       ("/v1/completions", {"prompt": "a b", "max_tokens": 2, "min_tokens": 3})):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3, "min_tokens": 5}),
+        ("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 3, "min_tokens": 4}),
+        ("/v1/completions", {"prompt": "a b", "max_tokens": 2, "min_tokens": 3}),
+    ):
         r = httpx.post(base + path, json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
-    r = httpx.post(base + "/v1/completions", json={"prompt": "a b", "max_tokens": 4, "min_tokens": 4,
-                                                   "temperature": 0}, timeout=60)
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": "a b", "max_tokens": 4, "min_tokens": 4, "temperature": 0}, timeout=60
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
 
 
@@ -69,7 +78,10 @@ def test_tokenizer_flag_is_the_tokenizer_and_abbreviations_are_refused(tiny_k3_d
     llm = LLM(str(model), tokenizer=str(tok), cache_memory="8MiB", max_model_len=128)
     want = LLM(str(tiny_k3_dir), cache_memory="8MiB", max_model_len=128)
     greedy = SamplingParams(max_tokens=6, temperature=0)
-    assert llm.generate(["a b c"], greedy)[0].outputs[0].token_ids == want.generate(["a b c"], greedy)[0].outputs[0].token_ids
+    assert (
+        llm.generate(["a b c"], greedy)[0].outputs[0].token_ids
+        == want.generate(["a b c"], greedy)[0].outputs[0].token_ids
+    )
 
 
 def test_without_xgrammar_constraints_are_a_501_saying_what_to_install(live_server, monkeypatch):
@@ -78,14 +90,18 @@ def test_without_xgrammar_constraints_are_a_501_saying_what_to_install(live_serv
     base, _ = live_server
     monkeypatch.setitem(__import__("sys").modules, "xgrammar", None)  # `import xgrammar` raises ImportError
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for path, body in (("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}),
-                       ("/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"}),
-                       ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "[ab]+"}})):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}),
+        ("/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"}),
+        ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "[ab]+"}}),
+    ):
         r = httpx.post(base + path, json={**body, "max_tokens": 4}, timeout=60)
         assert r.status_code == 501, r.text
         assert "pip install" in r.json()["error"]["message"] and "xgrammar" in r.json()["error"]["message"]
-    assert httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
-                      timeout=60).status_code == 200
+    assert (
+        httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, timeout=60).status_code
+        == 200
+    )
 
 
 def test_overflowing_weights_are_the_models_fault_not_the_clients(tiny_k3_dir, tmp_path, caplog, monkeypatch):
@@ -111,8 +127,10 @@ def test_overflowing_weights_are_the_models_fault_not_the_clients(tiny_k3_dir, t
     save_file(tensors, str(shard), metadata={"format": "pt"})
     app, _ = make_app(model)
     with serving(app) as base, caplog.at_level("ERROR"):
-        for body in ({"prompt": "a b", "max_tokens": 3, "temperature": 0},
-                     {"prompt": "a b", "max_tokens": 3, "temperature": 1.0, "seed": 1}):
+        for body in (
+            {"prompt": "a b", "max_tokens": 3, "temperature": 0},
+            {"prompt": "a b", "max_tokens": 3, "temperature": 1.0, "seed": 1},
+        ):
             r = httpx.post(base + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 500, r.text
             assert "model" in r.json()["error"]["message"] and "temperature" not in r.json()["error"]["message"]

@@ -19,13 +19,21 @@ from k3serve.server.tool_choice import k3_tool_choice
 from tests.live import serving
 from tests.server.conftest import make_app
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                                            "units": {"enum": ["c", "f"]}},
-           "required": ["city", "days"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "units": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 CALC = {"type": "object", "properties": {"expr": {"type": "string", "maxLength": 5}}, "required": ["expr"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "calc", "parameters": CALC}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "calc", "parameters": CALC}},
+]
 SCHEMAS = {"get_weather": WEATHER, "calc": CALC}
 MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -40,17 +48,31 @@ def _check_calls(choice, allowed: set[str]) -> int:
     return len(calls)
 
 
-@pytest.mark.parametrize("tools, choice, allowed", [
-    (TOOLS[:1], "required", {"get_weather"}),  # the case: only get_weather declared
-    (TOOLS, "required", {"get_weather", "calc"}),
-    (TOOLS, {"type": "function", "function": {"name": "calc"}}, {"calc"}),
-])
+@pytest.mark.parametrize(
+    "tools, choice, allowed",
+    [
+        (TOOLS[:1], "required", {"get_weather"}),  # the case: only get_weather declared
+        (TOOLS, "required", {"get_weather", "calc"}),
+        (TOOLS, {"type": "function", "function": {"name": "calc"}}, {"calc"}),
+    ],
+)
 def test_required_and_named_choices_only_call_declared_tools_k3(live_server, tools, choice, allowed):
     base, _ = live_server
     for seed in range(4):
-        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-            "messages": MSGS, "tools": tools, "tool_choice": choice, "max_tokens": 450, "temperature": 1.0,
-            "seed": seed, "parallel_tool_calls": False, "chat_template_kwargs": {"thinking": False}})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "messages": MSGS,
+                "tools": tools,
+                "tool_choice": choice,
+                "max_tokens": 450,
+                "temperature": 1.0,
+                "seed": seed,
+                "parallel_tool_calls": False,
+                "chat_template_kwargs": {"thinking": False},
+            },
+        )
         assert r.status_code == 200, r.text
         assert _check_calls(r.json()["choices"][0], allowed) == 1
 
@@ -63,28 +85,33 @@ def test_the_k3_call_grammar_accepts_what_the_renderer_writes(live_server):
     backend_owner = eng.runner
     if backend_owner.grammar is None:
         from k3serve.sampling.grammar import GrammarBackend
+
         backend_owner.grammar = GrammarBackend(eng.tokenizer, eng.model.cfg.vocab_size)
-    calls = [ToolCall("a", "get_weather", json.dumps({"city": "Paris", "days": 3})),
-             ToolCall("b", "calc", json.dumps({"expr": "2+2"}))]
+    calls = [
+        ToolCall("a", "get_weather", json.dumps({"city": "Paris", "days": 3})),
+        ToolCall("b", "calc", json.dumps({"expr": "2+2"})),
+    ]
     for thinking in (False, True):
         m = Message("assistant", "", reasoning="let me look" if thinking else None, tool_calls=calls)
         ids = encode_segments(eng.tokenizer, message("assistant", assistant_body(m, thinking)))
-        opened = encode_segments(eng.tokenizer, open_tag("message", [("role", "assistant")])
-                                 + open_tag("think" if thinking else "response"))  # the generation prompt's end
-        assert ids[:len(opened)] == opened
+        opened = encode_segments(
+            eng.tokenizer, open_tag("message", [("role", "assistant")]) + open_tag("think" if thinking else "response")
+        )  # the generation prompt's end
+        assert ids[: len(opened)] == opened
         think = k3_think_close(eng.tokenizer, "think" if thinking else "response", None)
-        c = backend_owner.grammar.constraint(k3_tool_choice(TOOLS, "required", think, True,
-                                                            eng.model.cfg.eos_token_id))
-        for t in ids[len(opened):]:
+        c = backend_owner.grammar.constraint(k3_tool_choice(TOOLS, "required", think, True, eng.model.cfg.eos_token_id))
+        for t in ids[len(opened) :]:
             assert c.accept(t), (thinking, eng.tokenizer.decode([t]))
         assert c.phase == "done"
 
 
 def test_auto_never_returns_an_undeclared_tool_as_a_call():
-    text = ('<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="calculator" index="1"<|sep|>'
-            '<|open|>argument key="expr" type="string"<|sep|>1+1<|close|>argument<|sep|><|close|>call<|sep|>'
-            '<|open|>call tool="get_weather" index="2"<|sep|><|open|>argument key="city" type="string"<|sep|>Oslo'
-            '<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>')
+    text = (
+        '<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="calculator" index="1"<|sep|>'
+        '<|open|>argument key="expr" type="string"<|sep|>1+1<|close|>argument<|sep|><|close|>call<|sep|>'
+        '<|open|>call tool="get_weather" index="2"<|sep|><|open|>argument key="city" type="string"<|sep|>Oslo'
+        "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>"
+    )
     parsed = OutputParser("kimi_k3", "response", tools_enabled=True, declared=frozenset({"get_weather"})).parse(text)
     assert [c.name for c in parsed.tool_calls] == ["get_weather"]
     assert 'call tool="calculator"' in parsed.content and "1+1" in parsed.content
@@ -96,30 +123,52 @@ def test_required_choice_on_the_k2_family(tiny_kl_dir):
     app, state = make_app(tiny_kl_dir, "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2")
     with serving(app) as base:
         for seed in range(3):
-            r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-                "messages": MSGS, "tools": TOOLS[:1], "tool_choice": "required", "max_tokens": 400,
-                "temperature": 1.0, "seed": seed, "parallel_tool_calls": False})
+            r = httpx.post(
+                base + "/v1/chat/completions",
+                timeout=120,
+                json={
+                    "messages": MSGS,
+                    "tools": TOOLS[:1],
+                    "tool_choice": "required",
+                    "max_tokens": 400,
+                    "temperature": 1.0,
+                    "seed": seed,
+                    "parallel_tool_calls": False,
+                },
+            )
             assert r.status_code == 200, r.text
             assert _check_calls(r.json()["choices"][0], {"get_weather"}) == 1
 
 
 def test_required_choice_through_the_openai_client(client):
-    r = client.chat.completions.create(model="tiny-k3", messages=MSGS, tools=TOOLS, tool_choice="required",
-                                       max_tokens=450, temperature=1.0, seed=7, parallel_tool_calls=False,
-                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    r = client.chat.completions.create(
+        model="tiny-k3",
+        messages=MSGS,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=450,
+        temperature=1.0,
+        seed=7,
+        parallel_tool_calls=False,
+        extra_body={"chat_template_kwargs": {"thinking": False}},
+    )
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name in SCHEMAS
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@pytest.mark.parametrize("params", [{"type": "nonsense"},
-                                    {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}])
+@pytest.mark.parametrize(
+    "params", [{"type": "nonsense"}, {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}]
+)
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
 def test_a_tool_schema_that_does_not_compile_is_a_400(live_server, params, choice):
     base, _ = live_server
     tools = [{"type": "function", "function": {"name": "bad", "parameters": params}}]
-    r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-        "messages": MSGS, "tools": tools, "tool_choice": choice, "max_tokens": 8})
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": MSGS, "tools": tools, "tool_choice": choice, "max_tokens": 8},
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "tools" and "do not compile" in err["message"], err

@@ -26,6 +26,7 @@ from tests.live import serving
 from tests.server.conftest import make_app
 from tests.server.test_multimodal import chat, data_url, png
 
+
 def video(seed: int, frames: int = 12, fps: int = 4, size=(24, 20)) -> bytes:
     return random_video(seed, frames, fps, size)
 
@@ -57,10 +58,14 @@ def test_chunks_and_prompt_blocks_match_the_reference_processor():
     assert v.indices == (0, 5, 10, 15, 20, 25) and v.fps == 10.0 and v.total_frames == 30 and v.size == (24, 20)
     assert [c.grid for c in v.chunks] == [(4, 10, 12), (2, 10, 12)]  # 20 x 24 px is 10 x 12 patches of 2
     meta = VideoMetadata(total_num_frames=30, fps=10.0, frames_indices=list(v.indices))
-    inputs = {"num_chunks_per_video": [2], "video_grid_thw": torch.tensor([c.grid for c in v.chunks]),
-              "video_metadata": [meta]}
-    fake = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=4),
-                           video_token="<|media_pad|>")
+    inputs = {
+        "num_chunks_per_video": [2],
+        "video_grid_thw": torch.tensor([c.grid for c in v.chunks]),
+        "video_metadata": [meta],
+    }
+    fake = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=4), video_token="<|media_pad|>"
+    )
     want = Kimi_K25Processor.replace_video_token(fake, inputs, 0)
     assert segments_text(media_block(v)) == want
     assert want.startswith("00:00:00.000<|media_begin|>video") and "00:00:02.000<|media_begin|>" in want
@@ -75,7 +80,7 @@ def test_each_frame_goes_through_the_image_path():
     want = [preprocess(frames[i], spec.frame_spec()) for i in v.indices]
     assert want[0].grid != (1, 14, 20)  # resized under the per-frame limit
     for k, chunk in enumerate(v.chunks):
-        group = want[4 * k:4 * k + 4]
+        group = want[4 * k : 4 * k + 4]
         assert chunk.grid == (len(group),) + group[0].grid[1:]
         assert torch.equal(chunk.pixel_values, torch.cat([g.pixel_values for g in group]))
     assert len({c.digest for c in v.chunks}) == len(v.chunks)
@@ -115,8 +120,7 @@ def vmessages(*media: tuple[str, bytes], text: str = "What happens in the clip?"
 def servers(tiny_k3_dir):
     """A: prefix caching on, 16-token prefill chunks (each 30-token video chunk is cut);
     B: prefix caching off, one prefill chunk."""
-    a, _ = make_app(tiny_k3_dir, "--max-num-batched-tokens", "16", "--limit-mm-per-prompt",
-                    '{"image": 2, "video": 1}')
+    a, _ = make_app(tiny_k3_dir, "--max-num-batched-tokens", "16", "--limit-mm-per-prompt", '{"image": 2, "video": 1}')
     b, _ = make_app(tiny_k3_dir, "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048")
     with serving(a) as base_a, serving(b) as base_b:
         yield base_a, base_b
@@ -152,10 +156,13 @@ def test_images_and_a_video_in_one_message_keep_their_order(servers):
     assert chat(base_b, swapped)["choices"][0]["message"] != b["choices"][0]["message"]
 
 
-@pytest.mark.parametrize("media, says", [
-    ([("video", b"junk bytes")], "cannot be decoded"),
-    ([("video", video(1)), ("video", video(2))], "more than 1 videos"),
-])
+@pytest.mark.parametrize(
+    "media, says",
+    [
+        ([("video", b"junk bytes")], "cannot be decoded"),
+        ([("video", video(1)), ("video", video(2))], "more than 1 videos"),
+    ],
+)
 def test_bad_video_is_a_400_naming_the_part(servers, media, says):
     base_a, _ = servers
     r = httpx.post(base_a + "/v1/chat/completions", timeout=60, json={"messages": vmessages(*media), "max_tokens": 2})
@@ -174,8 +181,9 @@ def test_the_openai_client_sends_a_video(servers):
     from openai import OpenAI
 
     client = OpenAI(base_url=servers[0] + "/v1", api_key="x", max_retries=0)
-    r = client.chat.completions.create(model="tiny-k3", messages=vmessages(("video", video(4, frames=20))),
-                                       max_tokens=3)
+    r = client.chat.completions.create(
+        model="tiny-k3", messages=vmessages(("video", video(4, frames=20))), max_tokens=3
+    )
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 90  # 5 s: 3 chunks
 
 
@@ -188,8 +196,9 @@ def test_an_engine_prompt_with_image_and_video_needs_both(tiny_k3_dir):
     p = llm.engine.model.cfg.vision.patch_size
     img, clip = load_image(png(7), ImageSpec(patch_size=p)), load_video(video(2), VideoSpec(patch_size=p))
     ids = encode_segments(llm.engine.tokenizer, message("user", [Seg("look")] + media_block(clip) + media_block(img)))
-    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": [img], "video": [clip]}}],
-                       SamplingParams(max_tokens=2))
+    out = llm.generate(
+        [{"prompt_token_ids": ids, "multi_modal_data": {"image": [img], "video": [clip]}}], SamplingParams(max_tokens=2)
+    )
     assert len(out[0].outputs[0].token_ids) == 2 and llm.engine.media.misses == 3  # 2 video chunks + 1 image
     with pytest.raises(ValueError, match="1 image and 2 video blocks; the request brings 0 images and 2 video"):
         llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"video": [clip]}}], SamplingParams(max_tokens=1))
@@ -206,10 +215,15 @@ def test_gpu_memory_utilization_keeps_the_tower_and_its_encoder_cache_out_of_the
     tower = 0
     for f in tiny_k3_dir.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
-            tower += sum(int(np.prod(st.get_slice(k).get_shape())) for k in st.keys()
-                         if k.startswith(("vision_tower.", "mm_projector.")))
-    cfg = {m: EngineConfig.from_kwargs(str(tiny_k3_dir), gpu_memory_utilization=0.05, mm_encoder_cache=m)
-           for m in ("0", "8MiB")}
+            tower += sum(
+                int(np.prod(st.get_slice(k).get_shape()))
+                for k in st.keys()
+                if k.startswith(("vision_tower.", "mm_projector."))
+            )
+    cfg = {
+        m: EngineConfig.from_kwargs(str(tiny_k3_dir), gpu_memory_utilization=0.05, mm_encoder_cache=m)
+        for m in ("0", "8MiB")
+    }
     assert vision_reserve(cfg["0"], model) == tower * model.dtype.itemsize > 0
     cpu = torch.device("cpu")
     assert cache_budget(cfg["0"], cpu, model) - cache_budget(cfg["8MiB"], cpu, model) == 8 << 20
@@ -223,7 +237,10 @@ def test_build_tiny_vision_flag(tmp_path, capsys):
     assert main(["build-tiny", str(tmp_path / "v"), "--vision"]) == 0 and "MoonViT3d tower" in capsys.readouterr().out
     assert main(["build-tiny", str(tmp_path / "t"), "--no-vision"]) == 0
     names = {k: set(CheckpointIndex.open(tmp_path / k).tensors) for k in ("v", "t")}
-    assert any(n.startswith("vision_tower.encoder.blocks.0.") for n in names["v"]) and "mm_projector.proj.0.weight" in names["v"]
+    assert (
+        any(n.startswith("vision_tower.encoder.blocks.0.") for n in names["v"])
+        and "mm_projector.proj.0.weight" in names["v"]
+    )
     assert not any(n.startswith(("vision_tower.", "mm_projector.")) for n in names["t"])
     read = lambda k: ModelConfig.from_dict(json.loads((tmp_path / k / "config.json").read_text()))  # noqa: E731
     assert read("t").vision is None and read("v").vision is not None

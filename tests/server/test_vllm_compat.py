@@ -18,31 +18,72 @@ from k3serve.sampling.params import SamplingParams
 from k3serve.server.launch import build_server
 from tests.live import serving
 
-TEMPLATE = ("{% for m in messages %}[BOS]{{ m.role }}: {{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[BOS]assistant: {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}[BOS]{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[BOS]assistant: {% endif %}"
+)
 
 
 def _serve(model_dir, *flags: str):
-    return build_server(build_parser().parse_args(["serve", *flags] if model_dir is None else
-                                                  ["serve", str(model_dir), *flags]))
+    return build_server(
+        build_parser().parse_args(["serve", *flags] if model_dir is None else ["serve", str(model_dir), *flags])
+    )
 
 
 def test_a_vllm_launch_line_starts_the_server(tiny_k3_dir, tmp_path):
     tpl = tmp_path / "tpl.jinja"
     tpl.write_text(TEMPLATE)
-    line = ["--model", str(tiny_k3_dir), "--served-model-name", "k3", "--gpu-memory-utilization", "0.02",
-            "--kv-cache-dtype", "fp8", "--quantization", "compressed-tensors", "--chat-template", str(tpl),
-            "--generation-config", "auto", "--enable-chunked-prefill", "--max-logprobs", "5",
-            "--disable-log-requests", "--uvicorn-log-level", "warning", "--allowed-origins", '["*"]',
-            "--disable-log-stats", "--max-model-len", "1024", "--tensor-parallel-size", "1", "--trust-remote-code",
-            "--enforce-eager", "--swap-space", "4", "--distributed-executor-backend", "mp", "--tokenizer-mode", "auto"]
+    line = [
+        "--model",
+        str(tiny_k3_dir),
+        "--served-model-name",
+        "k3",
+        "--gpu-memory-utilization",
+        "0.02",
+        "--kv-cache-dtype",
+        "fp8",
+        "--quantization",
+        "compressed-tensors",
+        "--chat-template",
+        str(tpl),
+        "--generation-config",
+        "auto",
+        "--enable-chunked-prefill",
+        "--max-logprobs",
+        "5",
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "warning",
+        "--allowed-origins",
+        '["*"]',
+        "--disable-log-stats",
+        "--max-model-len",
+        "1024",
+        "--tensor-parallel-size",
+        "1",
+        "--trust-remote-code",
+        "--enforce-eager",
+        "--swap-space",
+        "4",
+        "--distributed-executor-backend",
+        "mp",
+        "--tokenizer-mode",
+        "auto",
+    ]
     app, state = _serve(None, *line)
-    assert state.engine.engine.runner.cache.latent[next(
-        i for i, t in enumerate(state.engine.engine.runner.cache.latent) if t is not None)].dtype == torch.float8_e4m3fn
+    assert (
+        state.engine.engine.runner.cache.latent[
+            next(i for i, t in enumerate(state.engine.engine.runner.cache.latent) if t is not None)
+        ].dtype
+        == torch.float8_e4m3fn
+    )
     assert state.renderer.source == "--chat-template"
     with serving(app) as base:
-        r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "model": "k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         r = httpx.post(base + "/v1/completions", timeout=60, json={"prompt": "a", "max_tokens": 2, "logprobs": 6})
         assert r.status_code == 400 and "--max-logprobs" in r.json()["error"]["message"]
@@ -50,17 +91,20 @@ def test_a_vllm_launch_line_starts_the_server(tiny_k3_dir, tmp_path):
         assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 5
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--limit-mm-per-prompt", '{"audio": 1}'], "takes a JSON object like"),
-    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not built"),
-    (["--tensor-parallel-size", "3"], "num_heads = 4 is not divisible by --tensor-parallel-size 3"),
-    (["--distributed-executor-backend", "uni", "-tp", "2"], "needs --tensor-parallel-size 1"),
-    (["--quantization", "awq"], "never requantizes"),
-    (["--no-enable-chunked-prefill"], "always chunks prefill"),
-    (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
-    (["--chat-template", "no-such-file"], "not a file, and not a Jinja template"),
-    (["--generation-config", "/nonexistent"], "generation_config.json"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--limit-mm-per-prompt", '{"audio": 1}'], "takes a JSON object like"),
+        (["--pipeline-parallel-size", "2"], "pipeline parallelism is not built"),
+        (["--tensor-parallel-size", "3"], "num_heads = 4 is not divisible by --tensor-parallel-size 3"),
+        (["--distributed-executor-backend", "uni", "-tp", "2"], "needs --tensor-parallel-size 1"),
+        (["--quantization", "awq"], "never requantizes"),
+        (["--no-enable-chunked-prefill"], "always chunks prefill"),
+        (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (["--chat-template", "no-such-file"], "not a file, and not a Jinja template"),
+        (["--generation-config", "/nonexistent"], "generation_config.json"),
+    ],
+)
 def test_unsupported_vllm_flags_say_why(tiny_k3_dir, capsys, flags, says):
     assert main(["serve", str(tiny_k3_dir), "--cache-memory", "16MiB", *flags]) == 2
     err = capsys.readouterr().err
@@ -112,17 +156,23 @@ def test_a_k3_checkpoint_with_an_hf_tokenizer_serves_its_own_template(tiny_k3_di
 def test_generation_config_supplies_defaults_a_request_overrides(tiny_k3_dir, tmp_path):
     ckpt = tmp_path / "gc"
     shutil.copytree(tiny_k3_dir, ckpt)
-    (ckpt / "generation_config.json").write_text(json.dumps({"do_sample": False, "max_new_tokens": 5,
-                                                             "temperature": 0.0}))
+    (ckpt / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "max_new_tokens": 5, "temperature": 0.0})
+    )
     app, _ = _serve(ckpt, "--cache-memory", "16MiB", "--max-model-len", "512")
     msgs = [{"role": "user", "content": "tell me"}]
     with serving(app) as base:
-        a, b = (httpx.post(base + "/v1/chat/completions", timeout=60, json={"messages": msgs, "ignore_eos": True,
-                                                                             "seed": s}).json() for s in (1, 2))
+        a, b = (
+            httpx.post(
+                base + "/v1/chat/completions", timeout=60, json={"messages": msgs, "ignore_eos": True, "seed": s}
+            ).json()
+            for s in (1, 2)
+        )
         assert a["usage"]["completion_tokens"] == 5 and a["choices"][0]["finish_reason"] == "length"
         assert a["choices"][0]["message"] == b["choices"][0]["message"]  # greedy whatever the seed
-        own = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "messages": msgs, "max_tokens": 2, "ignore_eos": True}).json()
+        own = httpx.post(
+            base + "/v1/chat/completions", timeout=60, json={"messages": msgs, "max_tokens": 2, "ignore_eos": True}
+        ).json()
         assert own["usage"]["completion_tokens"] == 2
     app, _ = _serve(ckpt, "--cache-memory", "16MiB", "--max-model-len", "128", "--generation-config", "vllm")
     with serving(app) as base:
@@ -153,19 +203,31 @@ def test_fp8_latent_cache_costs_a_quarter_of_fp32_and_tracks_it(tiny_k3_dir):
     assert b.outputs[0].token_ids and all(0 <= t < fp8.model.cfg.vocab_size for t in b.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("path, field, value, says", [
-    ("/v1/completions", "use_beam_search", True, "beam search is not supported"),
-    ("/v1/chat/completions", "use_beam_search", True, "beam search is not supported"),
-    ("/v1/chat/completions", "functions", [{"name": "f"}], "declare `tools`"),
-    ("/v1/completions", "truncate_prompt_tokens", 8, "this server does not honour it"),
-    ("/v1/chat/completions", "made_up_field", 1, "this server does not honour it"),
-])
+@pytest.mark.parametrize(
+    "path, field, value, says",
+    [
+        ("/v1/completions", "use_beam_search", True, "beam search is not supported"),
+        ("/v1/chat/completions", "use_beam_search", True, "beam search is not supported"),
+        ("/v1/chat/completions", "functions", [{"name": "f"}], "declare `tools`"),
+        ("/v1/completions", "truncate_prompt_tokens", 8, "this server does not honour it"),
+        ("/v1/chat/completions", "made_up_field", 1, "this server does not honour it"),
+    ],
+)
 def test_fields_the_server_does_not_honour_are_refused_by_name(live_server, path, field, value, says):
     base, _ = live_server
     body = {"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a"}]}
     r = httpx.post(base + path, timeout=60, json={**body, "max_tokens": 2, field: value})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == field and f"`{field}`" in err["message"] and says in err["message"]
-    ok = httpx.post(base + path, timeout=60, json={**body, "max_tokens": 2, "use_beam_search": False,
-                                                   "skip_special_tokens": False, "add_special_tokens": False})
+    ok = httpx.post(
+        base + path,
+        timeout=60,
+        json={
+            **body,
+            "max_tokens": 2,
+            "use_beam_search": False,
+            "skip_special_tokens": False,
+            "add_special_tokens": False,
+        },
+    )
     assert ok.status_code == 200

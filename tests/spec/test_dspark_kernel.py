@@ -15,9 +15,18 @@ pytestmark = pytest.mark.skipif(K is None, reason="the CPU kernels did not build
 
 def _draft(layers: int, vocab: int, markov: int = 0) -> DSparkModel:
     torch.manual_seed(layers * 100 + vocab)
-    cfg = DSparkConfig(target_layer_ids=(0, 2), block_size=4, mask_token_id=vocab - 1, vocab_size=vocab,
-                       target_hidden_size=24, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                       intermediate_size=48, markov_rank=markov)
+    cfg = DSparkConfig(
+        target_layer_ids=(0, 2),
+        block_size=4,
+        mask_token_id=vocab - 1,
+        vocab_size=vocab,
+        target_hidden_size=24,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=48,
+        markov_rank=markov,
+    )
     model = DSparkModel(cfg)
     with torch.no_grad():  # nonzero norms and positions, so every term of the forward is exercised
         for p in model.parameters():
@@ -77,7 +86,7 @@ def test_the_greedy_shortcut_drafts_what_the_general_path_drafts():
     fused, short = prop.propose([plain, plain], [4, 2])  # all plain greedy: dspark_draft, one call
     assert fused.token_ids == a.token_ids and short.token_ids == a.token_ids[:2]
     prop.kernels = None  # the shortcut in torch (and the draft's forward through the module)
-    c, = prop.propose([plain], [4])
+    (c,) = prop.propose([plain], [4])
     assert c.token_ids == a.token_ids
 
 
@@ -92,8 +101,9 @@ def test_the_greedy_chain_takes_the_first_maximum_like_torch(vocab, rank):
     u = torch.randint(-2, 3, (vocab, rank), generator=g).float()
     w = torch.randint(-2, 3, (vocab, rank), generator=g).float()  # markov_w.weight [V, r]
     last = torch.randint(0, vocab, (B,), generator=g)
-    got = K.dspark_greedy(block, last, u if rank else torch.empty(0), w.t().contiguous() if rank else torch.empty(0),
-                          [4, 2, 3])
+    got = K.dspark_greedy(
+        block, last, u if rank else torch.empty(0), w.t().contiguous() if rank else torch.empty(0), [4, 2, 3]
+    )
     for b in range(B):
         prev, want = int(last[b]), []
         for j in range((4, 2, 3)[b]):

@@ -54,11 +54,17 @@ def test_model_drafters_greedy_equal_plain(tiny_k3_dir, tiny_kl_dir, base, rando
 def test_mixed_batch_with_prefix_cache_and_preemption(tiny_k3_dir, base):
     shared = prompts(1, length=40, seed=9)[0]["prompt_token_ids"]
     ps = [{"prompt_token_ids": shared + p["prompt_token_ids"]} for p in prompts(6, seed=10)]
-    sps = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **(LOOPY if i % 2 else {}))
-           for i in range(6)]  # half loop (and speculate), half do not
+    sps = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **(LOOPY if i % 2 else {})) for i in range(6)
+    ]  # half loop (and speculate), half do not
     want = ids(base.generate(ps, sps))
-    tight = LLM(str(tiny_k3_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                cache_memory=5 * 32_000 + 14 * 16 * 480, num_state_slots=4, max_model_len=200)
+    tight = LLM(
+        str(tiny_k3_dir),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        cache_memory=5 * 32_000 + 14 * 16 * 480,
+        num_state_slots=4,
+        max_model_len=200,
+    )
     run_twice = ids(tight.generate(ps[:1], sps[:1])) + ids(tight.generate(ps[1:], sps[1:]))
     assert run_twice == want
     eng = tight.engine
@@ -68,8 +74,13 @@ def test_mixed_batch_with_prefix_cache_and_preemption(tiny_k3_dir, base):
 
 
 def test_seeded_sampling_with_probabilistic_block_verification(tiny_k3_dir, random_dspark):
-    llm = spec_llm(tiny_k3_dir, method="dspark", model=random_dspark, draft_sample_method="probabilistic",
-                   rejection_sample_method="block")
+    llm = spec_llm(
+        tiny_k3_dir,
+        method="dspark",
+        model=random_dspark,
+        draft_sample_method="probabilistic",
+        rejection_sample_method="block",
+    )
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=20, ignore_eos=True)
     a = ids(llm.generate(prompts(3, seed=5), sp))
     b = ids(llm.generate(prompts(3, seed=5), sp))
@@ -80,20 +91,26 @@ def test_stop_string_cuts_accepted_drafts(tiny_k3_dir, base):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **LOOPY)
     p = prompts(1, seed=21)
     text = base.generate(p, sp)[0].outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     spx = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], **LOOPY)
     want = base.generate(p, spx)[0].outputs[0]
     got = spec_llm(tiny_k3_dir, method="ngram", prompt_lookup_min=2).generate(p, spx)[0].outputs[0]
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "dspark", "num_speculative_tokens": 2}, "model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "magic"}, "rejection_sample_method"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "dspark", "num_speculative_tokens": 2}, "model"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "magic"},
+            "rejection_sample_method",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown keys"),
+    ],
+)
 def test_config_errors_name_the_key(tiny_k3_dir, cfg, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(tiny_k3_dir), speculative_config=cfg, **KW)
@@ -101,8 +118,11 @@ def test_config_errors_name_the_key(tiny_k3_dir, cfg, match):
 
 def test_dspark_more_tokens_than_its_block_is_an_error(tiny_k3_dir, random_dspark):
     with pytest.raises(ValueError, match="num_speculative_tokens 5 exceeds the dspark draft's block_size 4"):
-        LLM(str(tiny_k3_dir), speculative_config={"method": "dspark", "model": random_dspark,
-                                                  "num_speculative_tokens": 5}, **KW)
+        LLM(
+            str(tiny_k3_dir),
+            speculative_config={"method": "dspark", "model": random_dspark, "num_speculative_tokens": 5},
+            **KW,
+        )
 
 
 def test_dspark_distillation_learns(tiny_k3_dir, tmp_path):
@@ -118,8 +138,9 @@ def test_dspark_distillation_learns(tiny_k3_dir, tmp_path):
 def test_dspark_distillation_cosine_decays_to_zero(tiny_k3_dir, tmp_path):
     from k3serve.spec.train_dspark import distill_dspark
 
-    r = distill_dspark(str(tiny_k3_dir), str(tmp_path / "d"), steps=12, num_seqs=4, seq_len=24, block_size=3,
-                       cosine=True)
+    r = distill_dspark(
+        str(tiny_k3_dir), str(tmp_path / "d"), steps=12, num_seqs=4, seq_len=24, block_size=3, cosine=True
+    )
     assert r["last_lr"] < 1e-9 and r["last_loss"] < r["first_loss"]
 
 
@@ -139,6 +160,6 @@ def test_dspark_examples_gather_the_targets_distributions():
     for row, tp, pr, s in zip(seqs, taps, probs, start):
         for n in range(max(0, s - 1), row.shape[0] - k - 1):
             want_x.append(tp[n])
-            want_p.append(pr[n + 1:n + 1 + k])  # targets at n + 2 .. n + k + 1, their p one row before
+            want_p.append(pr[n + 1 : n + 1 + k])  # targets at n + 2 .. n + k + 1, their p one row before
     assert torch.equal(x, torch.stack(want_x)) and torch.equal(table[rows], torch.stack(want_p))
     assert table.shape[0] < sum(lens)  # prompt rows are not kept

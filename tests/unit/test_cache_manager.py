@@ -15,9 +15,11 @@ from k3serve.config.bundled import load_model_config
 
 
 def test_bookkeeping_modules_never_import_torch():
-    code = ("import sys; import k3serve, k3serve.cache.manager, k3serve.cache.sizing, "
-            "k3serve.scheduler.scheduler, k3serve.sampling.params; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys; import k3serve, k3serve.cache.manager, k3serve.cache.sizing, "
+        "k3serve.scheduler.scheduler, k3serve.sampling.params; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -103,8 +105,10 @@ def test_plan_cache_split_and_errors():
         plan_cache(cfg, 10 * 2**30, max_model_len=4096, max_num_seqs=8, num_slots=1000)
 
 
-@pytest.mark.parametrize("text, want", [("1GiB", 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9),
-                                        ("1073741824", 2**30), ("1.5 GiB", 3 * 2**29)])
+@pytest.mark.parametrize(
+    "text, want",
+    [("1GiB", 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1073741824", 2**30), ("1.5 GiB", 3 * 2**29)],
+)
 def test_parse_bytes(text, want):
     assert parse_bytes(text) == want
 

@@ -70,23 +70,41 @@ def test_single_turn_golden_thinking_on(tok, renderer):
 
 
 def test_multi_turn_with_tools_and_results_in_call_order(tok, renderer):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
-              "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "two calls",
-         "tool_calls": [{"id": "a", "type": "function", "function": {"name": "get_weather",
-                                                                      "arguments": '{"city": "Paris"}'}},
-                        {"id": "b", "type": "function", "function": {"name": "get_weather",
-                                                                      "arguments": '{"city": "Rome", "days": 2}'}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "two calls",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {
+                    "id": "b",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "b", "content": "sun"},  # answers arrive out of order
         {"role": "tool", "tool_call_id": "a", "content": "rain"},
     ]
     got = renderer.render(messages, ChatOptions(tools=tools, effort="high", tool_choice="required")).token_ids
     decl = json.dumps(tools, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-    g = G(tok).msg(lambda g: g.tx("# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
-                                  + decl + "\n```"), role="system", type="tool-declare")
+    g = G(tok).msg(
+        lambda g: g.tx("# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n" + decl + "\n```"),
+        role="system",
+        type="tool-declare",
+    )
     g.msg(lambda g: g.tx("Be brief."), role="system")
     g.msg(lambda g: g.tx("Weather in Paris and Rome?"), role="user")
 
@@ -98,6 +116,7 @@ def test_multi_turn_with_tools_and_results_in_call_order(tok, renderer):
         g.open("call", tool="get_weather", index="2").open("argument", key="city", type="string").tx("Rome")
         g.close("argument").open("argument", key="days", type="number").tx("2").close("argument").close("call")
         g.close("tools")
+
     g.msg(assistant, role="assistant")
     g.msg(lambda g: g.tx("rain"), role="tool", tool="get_weather", index="1")
     g.msg(lambda g: g.tx("sun"), role="tool", tool="get_weather", index="2")
@@ -108,8 +127,11 @@ def test_multi_turn_with_tools_and_results_in_call_order(tok, renderer):
 
 
 def test_thinking_off_prefills_response_and_drops_think(tok, renderer):
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning_content": "x"},
-            {"role": "user", "content": "again"}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "x"},
+        {"role": "user", "content": "again"},
+    ]
     r = renderer.render(msgs, ChatOptions(thinking=False, response_format={"type": "json_object"}))
     g = G(tok).msg(lambda g: g.tx("hi"), role="user")
     g.msg(lambda g: g.open("response").tx("hello").close("response"), role="assistant")
@@ -125,32 +147,45 @@ def test_attribute_escaping_and_specials_in_user_text_stay_text(tok, renderer):
     assert r.token_ids.count(tok.token_to_id("<|open|>")) == 4  # user, effort, assistant, think; not the text
 
 
-@pytest.mark.parametrize("messages, opts, match", [
-    ([], ChatOptions(), "at least one message"),
-    ([{"role": "robot", "content": "x"}], ChatOptions(), "role must be one of"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ChatOptions(),
-     "takes text only"),  # a renderer given no media loader
-    ([{"role": "user", "content": "x"}], ChatOptions(effort="extreme"), "reasoning_effort"),
-    ([{"role": "tool", "tool_call_id": "z", "content": "x"}], ChatOptions(), "must follow an assistant"),
-])
+@pytest.mark.parametrize(
+    "messages, opts, match",
+    [
+        ([], ChatOptions(), "at least one message"),
+        ([{"role": "robot", "content": "x"}], ChatOptions(), "role must be one of"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            ChatOptions(),
+            "takes text only",
+        ),  # a renderer given no media loader
+        ([{"role": "user", "content": "x"}], ChatOptions(effort="extreme"), "reasoning_effort"),
+        ([{"role": "tool", "tool_call_id": "z", "content": "x"}], ChatOptions(), "must follow an assistant"),
+    ],
+)
 def test_render_errors_name_the_problem(renderer, messages, opts, match):
     with pytest.raises(ChatInputError, match=match):
         renderer.render(messages, opts)
 
 
 def test_k2_jinja_normalises_history_tool_ids():
-    msgs = normalize([
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_xyz", "function": {"name": "search",
-                                                                                            "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_xyz", "content": "result"},
-    ])
+    msgs = normalize(
+        [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_xyz", "function": {"name": "search", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "call_xyz", "content": "result"},
+        ]
+    )
     text = render_jinja(K2_STYLE_TEMPLATE, msgs, [{"type": "function", "function": {"name": "search"}}])
-    assert text == ('<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "search"}}]'
-                    "<|im_end|><|im_user|>user<|im_middle|>q<|im_end|><|im_assistant|>assistant<|im_middle|>"
-                    "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{}"
-                    "<|tool_call_end|><|tool_calls_section_end|><|im_end|><|im_system|>tool<|im_middle|>"
-                    "## Return of functions.search:0\nresult<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert text == (
+        '<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "search"}}]'
+        "<|im_end|><|im_user|>user<|im_middle|>q<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|><|im_system|>tool<|im_middle|>"
+        "## Return of functions.search:0\nresult<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
 
 
 def test_k2_renderer_tokenizes_specials(tiny_kl_dir):

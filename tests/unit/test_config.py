@@ -49,24 +49,35 @@ def test_transformers_serialization_noise_is_ignored():
     assert cfg.quant is not None and cfg.mla.qk_head_dim == 192 and cfg.kda.head_dim == 128
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda r: r["text_config"]["linear_attn_config"].update(full_attn_layers=[0, 4]),
-     "text_config.linear_attn_config.full_attn_layers"),
-    (lambda r: r["text_config"]["linear_attn_config"]["kda_layers"].append(4),
-     "text_config.linear_attn_config.kda_layers"),
-    (lambda r: r["text_config"]["linear_attn_config"]["kda_layers"].remove(1),
-     "text_config.linear_attn_config.kda_layers"),
-    (lambda r: r["text_config"].pop("hidden_size"), "text_config.hidden_size"),
-    (lambda r: r["text_config"].update(hidden_size="7168"), "text_config.hidden_size"),
-    (lambda r: r["text_config"].update(num_experts_per_token=1000), "text_config.num_experts_per_token"),
-    (lambda r: r["text_config"].update(hidden_act="gelu"), "text_config.hidden_act"),
-    (lambda r: r["text_config"].update(mla_use_nope=False), "text_config.mla_use_nope"),
-    (lambda r: r["text_config"].update(routed_expert_hidden_size=3583), "text_config.routed_expert_hidden_size"),
-    (lambda r: r.update(model_type="llama"), "model_type"),
-    (lambda r: r["vision_config"].update(text_hidden_size=4096), "vision_config.text_hidden_size"),
-    (lambda r: r["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8),
-     "quantization_config.config_groups.group_0.weights.num_bits"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (
+            lambda r: r["text_config"]["linear_attn_config"].update(full_attn_layers=[0, 4]),
+            "text_config.linear_attn_config.full_attn_layers",
+        ),
+        (
+            lambda r: r["text_config"]["linear_attn_config"]["kda_layers"].append(4),
+            "text_config.linear_attn_config.kda_layers",
+        ),
+        (
+            lambda r: r["text_config"]["linear_attn_config"]["kda_layers"].remove(1),
+            "text_config.linear_attn_config.kda_layers",
+        ),
+        (lambda r: r["text_config"].pop("hidden_size"), "text_config.hidden_size"),
+        (lambda r: r["text_config"].update(hidden_size="7168"), "text_config.hidden_size"),
+        (lambda r: r["text_config"].update(num_experts_per_token=1000), "text_config.num_experts_per_token"),
+        (lambda r: r["text_config"].update(hidden_act="gelu"), "text_config.hidden_act"),
+        (lambda r: r["text_config"].update(mla_use_nope=False), "text_config.mla_use_nope"),
+        (lambda r: r["text_config"].update(routed_expert_hidden_size=3583), "text_config.routed_expert_hidden_size"),
+        (lambda r: r.update(model_type="llama"), "model_type"),
+        (lambda r: r["vision_config"].update(text_hidden_size=4096), "vision_config.text_hidden_size"),
+        (
+            lambda r: r["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8),
+            "quantization_config.config_groups.group_0.weights.num_bits",
+        ),
+    ],
+)
 def test_bad_configs_name_the_field(mutate, field):
     raw = k3_raw()
     mutate(raw)
@@ -107,14 +118,18 @@ def test_compilation_config_spelled_as_vllm():
     with pytest.raises(ValueError):
         CompilationConfig.parse("{not json")
     with pytest.raises(ValueError, match="kernels must be one of"):
-        EngineConfig(kernels="triton")
+        EngineConfig(kernels="cuda")
 
 
-def test_auto_kernels_on_a_gpu_is_the_graph_backend_unless_eager():
+def test_auto_kernels_on_a_gpu_is_the_triton_backend_unless_eager():
+    """Issue 52: the graph step with the Triton kernels; the graph backend where Triton or
+    fla-core is missing; the torch reference under --enforce-eager."""
     import torch
 
     from k3serve.engine.setup import kernel_mode
+    from k3serve.kernels.triton import unavailable
 
     cuda = torch.device("cuda", 0)
-    assert kernel_mode("auto", cuda) == "graph" and kernel_mode("auto", cuda, enforce_eager=True) == "torch"
+    compiled = "graph" if unavailable("cuda") else "triton"
+    assert kernel_mode("auto", cuda) == compiled and kernel_mode("auto", cuda, enforce_eager=True) == "torch"
     assert kernel_mode("graph", torch.device("cpu")) == "graph" and kernel_mode("auto", torch.device("cpu")) == "auto"

@@ -21,14 +21,23 @@ from k3serve.testing.sync_audit import SyncAudit
 from tests.spec.test_rejection import chisquare_pvalue
 
 V = 12
-CASES = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
-         dict(temperature=0.9, min_p=0.05, top_k=8, top_p=0.95)]
+CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=0.9, min_p=0.05, top_k=8, top_p=0.95),
+]
 
 
 def _reference_probs(row: torch.Tensor, case: dict) -> torch.Tensor:
     t = lambda v, dt=torch.float32: torch.tensor([v], dtype=dt)  # noqa: E731
-    x = logits_process.truncate(row[None], t(case.get("temperature", 1.0)), t(case.get("top_k", 0), torch.long),
-                                t(case.get("top_p", 1.0)), t(case.get("min_p", 0.0)))
+    x = logits_process.truncate(
+        row[None],
+        t(case.get("temperature", 1.0)),
+        t(case.get("top_k", 0), torch.long),
+        t(case.get("top_p", 1.0)),
+        t(case.get("min_p", 0.0)),
+    )
     return torch.softmax(x, -1)[0].double()
 
 
@@ -39,8 +48,9 @@ def test_draws_follow_the_cpu_samplers_distribution(case):
     want = _reference_probs(row, case)
     N = 24000
     across_seeds = sample(row.expand(N, V), DeviceSamplingParams.build([{**case, "seed": s} for s in range(N)]))
-    across_positions = sample(row.expand(N, V), DeviceSamplingParams.build(
-        [{**case, "seed": 7, "position": t} for t in range(N)]))
+    across_positions = sample(
+        row.expand(N, V), DeviceSamplingParams.build([{**case, "seed": 7, "position": t} for t in range(N)])
+    )
     for ids in (across_seeds, across_positions):
         counts = torch.bincount(ids, minlength=V).double()
         assert counts[want == 0].sum() == 0  # nothing truncated away is ever drawn
@@ -51,8 +61,13 @@ def test_draws_follow_the_cpu_samplers_distribution(case):
 def test_a_seeded_row_draws_the_same_whatever_the_batch():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(5, 50, generator=g)
-    rows = [dict(temperature=1.0, seed=11, position=3), dict(temperature=0.0), dict(temperature=0.8, seed=5),
-            dict(temperature=1.2, top_k=10, seed=11, position=4), dict(temperature=1.0, seed=99, position=3)]
+    rows = [
+        dict(temperature=1.0, seed=11, position=3),
+        dict(temperature=0.0),
+        dict(temperature=0.8, seed=5),
+        dict(temperature=1.2, top_k=10, seed=11, position=4),
+        dict(temperature=1.0, seed=99, position=3),
+    ]
     ids = sample(logits, DeviceSamplingParams.build(rows))
     for perm in ([4, 3, 2, 1, 0], [2, 0, 4, 1, 3]):
         again = sample(logits[perm], DeviceSamplingParams.build([rows[i] for i in perm]))
@@ -77,6 +92,7 @@ def test_penalties_equal_the_cpu_samplers():
 
         class View:  # what apply_bias_and_penalties reads of a request
             pass
+
         v = View()
         v.params, v.prompt_token_ids, v.output_token_ids, v.eos_token_id = params, prompt, out, None
         reqs.append(v)
@@ -107,9 +123,13 @@ def _fake_cuda_call(B: int, Vv: int):
         p = DeviceSamplingParams(f(), f(torch.long), f(), f(), f(torch.long), f(torch.long), f(), f(), f())
         logits = torch.empty(B, Vv, device="cuda")
         with SyncAudit() as audit:
-            ids = sample(logits, p, bias=torch.zeros(B, Vv, device="cuda"),
-                         counts=torch.zeros(B, Vv, device="cuda"),
-                         prompt_mask=torch.zeros(B, Vv, dtype=torch.bool, device="cuda"))
+            ids = sample(
+                logits,
+                p,
+                bias=torch.zeros(B, Vv, device="cuda"),
+                counts=torch.zeros(B, Vv, device="cuda"),
+                prompt_mask=torch.zeros(B, Vv, dtype=torch.bool, device="cuda"),
+            )
         assert ids.device.type == "cuda" and tuple(ids.shape) == (B,)
     return audit
 
@@ -128,6 +148,7 @@ def test_device_sampling_compiles_whole_without_recompiles():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(3):
             logits = torch.randn(4, 64, generator=g)
-            p = DeviceSamplingParams.build([dict(temperature=0.0 if b == step else 1.0, top_k=b * 3, seed=b,
-                                                 position=step) for b in range(4)])
+            p = DeviceSamplingParams.build(
+                [dict(temperature=0.0 if b == step else 1.0, top_k=b * 3, seed=b, position=step) for b in range(4)]
+            )
             assert torch.equal(fn(logits, p), sample(logits, p))

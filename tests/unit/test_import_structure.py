@@ -24,8 +24,12 @@ def _imports(path: Path) -> set[str]:
 
 
 def _violations(package: str, banned: tuple[str, ...]) -> list[str]:
-    return [f"{p.relative_to(ROOT)} imports {m}" for p in sorted((ROOT / package).rglob("*.py"))
-            for m in sorted(_imports(p)) if m.startswith(banned)]
+    return [
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in sorted((ROOT / package).rglob("*.py"))
+        for m in sorted(_imports(p))
+        if m.startswith(banned)
+    ]
 
 
 def test_layers_models_and_forward_never_import_runner_engine_or_server():

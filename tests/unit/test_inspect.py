@@ -24,14 +24,21 @@ def test_inspect_bundled_kimi_linear():
 def test_inspect_cli_json_on_tiny_checkpoint(tiny_k3_dir, capsys):
     assert main(["inspect", str(tiny_k3_dir), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("total_params", "active_params", "mla_cache_bytes_per_token",
-                "kda_state_bytes_per_request", "weight_bytes"):
+    for key in (
+        "total_params",
+        "active_params",
+        "mla_cache_bytes_per_token",
+        "kda_state_bytes_per_request",
+        "weight_bytes",
+    ):
         assert isinstance(out[key], int) and out[key] > 0
     assert out["source"] == "checkpoint headers"
     assert out["layer_schedule"] == "kKKMKKMM"
     # header bytes equal the bytes the safetensors files actually hold for tensor data
-    assert out["weight_bytes"] == json.loads(
-        (tiny_k3_dir / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert (
+        out["weight_bytes"]
+        == json.loads((tiny_k3_dir / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    )
 
 
 def test_inspect_cli_reports_errors(capsys):
@@ -40,8 +47,22 @@ def test_inspect_cli_reports_errors(capsys):
 
 
 def test_generate_cli_json(tiny_k3_dir, capsys):
-    assert main(["generate", "--model", str(tiny_k3_dir), "--prompt-token-ids", "1,2,3",
-                 "--max-tokens", "6", "--ignore-eos", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_k3_dir),
+                "--prompt-token-ids",
+                "1,2,3",
+                "--max-tokens",
+                "6",
+                "--ignore-eos",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_token_ids"] == [1, 2, 3] and len(out["token_ids"]) == 6
     assert isinstance(out["text"], str) and out["finish_reason"] == "length"

@@ -10,8 +10,14 @@ from safetensors.torch import load_file, save_file
 from k3serve.config import load_model_config
 from k3serve.testing.builder import build_tiny_checkpoint, random_weights
 from k3serve.weights.checkpoint import CheckpointIndex
-from k3serve.weights.errors import (BadIndexError, DtypeMismatchError, MissingTensorError,
-                                    ShapeMismatchError, TruncatedShardError, UnexpectedTensorError)
+from k3serve.weights.errors import (
+    BadIndexError,
+    DtypeMismatchError,
+    MissingTensorError,
+    ShapeMismatchError,
+    TruncatedShardError,
+    UnexpectedTensorError,
+)
 from k3serve.weights.loader import load_weights
 from k3serve.weights.mxfp4 import PackedMXFP4
 
@@ -23,7 +29,7 @@ def test_tiny_k3_loads_back_bit_exactly(tiny_k3_dir):
     text = {k: v for k, v in written.items() if k.startswith("language_model.")}
     n_checked = 0
     for name, t in text.items():
-        key = name[len("language_model."):]
+        key = name[len("language_model.") :]
         if key.endswith(".weight_scale"):
             continue
         if key.endswith(".weight_packed"):
@@ -33,7 +39,7 @@ def test_tiny_k3_loads_back_bit_exactly(tiny_k3_dir):
             assert torch.equal(p.scale, text[name.replace("_packed", "_scale")])
         elif key.endswith("A_log"):
             assert torch.equal(loaded[key], t[: cfg.kda.num_heads])
-            assert torch.all(t[cfg.kda.num_heads:] == 0)
+            assert torch.all(t[cfg.kda.num_heads :] == 0)
         else:
             assert loaded[key].dtype == t.dtype and torch.equal(loaded[key], t)
         n_checked += 1
@@ -96,6 +102,7 @@ def test_unexpected_tensor(ckpt):
     def add(t, i):
         t[extra] = torch.zeros(4)
         i["weight_map"][extra] = i["weight_map"][NAME]
+
     fname = _edit_shard(d, NAME, add)
     with pytest.raises(UnexpectedTensorError) as e:
         load_weights(d, cfg, progress=False)

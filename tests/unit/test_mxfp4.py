@@ -7,8 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3serve.weights.mxfp4 import (PackedMXFP4, dequantize_mxfp4, from_ggml_blocks, pack_nibbles,
-                                   quantize_mxfp4, to_ggml_blocks, unpack_nibbles)
+from k3serve.weights.mxfp4 import (
+    PackedMXFP4,
+    dequantize_mxfp4,
+    from_ggml_blocks,
+    pack_nibbles,
+    quantize_mxfp4,
+    to_ggml_blocks,
+    unpack_nibbles,
+)
 from k3serve.weights.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
 
@@ -16,7 +23,9 @@ def _random_weights(seed, rows=16, cols=256):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g)
     # spread magnitudes over many binades, and plant exact ties / zeros / negative zeros
-    x = x * torch.exp2(torch.randint(-20, 20, (rows, cols // 32, 1), generator=g).float()).repeat_interleave(32, -1).reshape(rows, cols)
+    x = x * torch.exp2(torch.randint(-20, 20, (rows, cols // 32, 1), generator=g).float()).repeat_interleave(
+        32, -1
+    ).reshape(rows, cols)
     x[0, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
     x[1, :4] = torch.tensor([-0.0, 0.0, -1e-30, 1e-30])
     return x
@@ -69,7 +78,7 @@ def test_nibble_order_low_is_even_column():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 4), st.floats(-30, 30), st.integers(0, 2**31 - 1))
 def test_quantize_is_idempotent_and_bounded(rows, groups, log_scale, seed):
-    x = torch.randn(rows, groups * 32, generator=torch.Generator().manual_seed(seed)) * 2.0 ** log_scale
+    x = torch.randn(rows, groups * 32, generator=torch.Generator().manual_seed(seed)) * 2.0**log_scale
     p = PackedMXFP4.quantize(x)
     deq = p.dequantize()
     again = PackedMXFP4.quantize(deq)
@@ -128,5 +137,5 @@ def test_lut_decode_equals_reference_dequant_on_every_byte():
     fast, ref = decode_mxfp4(packed, scale, torch.float32), dequantize_mxfp4(packed, scale)
     assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
     bf = decode_mxfp4(packed, scale, torch.bfloat16).float()
-    normal = ref.abs() >= 2.0 ** -126
+    normal = ref.abs() >= 2.0**-126
     assert torch.equal(bf[normal], ref[normal])  # products of a power of two and an fp4 value are exact

@@ -16,12 +16,16 @@ from k3serve.server.output_parser import OutputParser
 
 
 def xtml_calls(calls: list[tuple[str, object]]) -> str:
-    return segments_text(tool_calls_body([ToolCall(f"c{i}", n, a if isinstance(a, str) else json.dumps(a))
-                                          for i, (n, a) in enumerate(calls)]))
+    return segments_text(
+        tool_calls_body(
+            [ToolCall(f"c{i}", n, a if isinstance(a, str) else json.dumps(a)) for i, (n, a) in enumerate(calls)]
+        )
+    )
 
 
-def k3_output(reasoning: str | None, content: str, calls=(), close_think=True, close_response=True,
-              close_message=True) -> str:
+def k3_output(
+    reasoning: str | None, content: str, calls=(), close_think=True, close_response=True, close_message=True
+) -> str:
     """What a K3 model emits after a prompt ending in <|open|>think<|sep|> (reasoning given)
     or <|open|>response<|sep|> (reasoning None)."""
     text = ""
@@ -53,9 +57,13 @@ def test_k3_round_trip_typed_arguments(args):
 
 
 def test_k3_attribute_unescaping_and_raw_json_form():
-    text = (segments_text(open_tag("tools") + element("call", element("argument", [], [("key", 'a"b&c'),
-                                                                                         ("type", "string")]),
-                                                      [("tool", "t&x"), ("index", "1")]) + close_tag("tools")))
+    text = segments_text(
+        open_tag("tools")
+        + element(
+            "call", element("argument", [], [("key", 'a"b&c'), ("type", "string")]), [("tool", "t&x"), ("index", "1")]
+        )
+        + close_tag("tools")
+    )
     text += segments_text(element("tools", element("call", element("json", []), [("tool", "raw"), ("index", "1")])))
     text = text.replace("<|sep|><|close|>argument", "<|sep|>v<|close|>argument")
     text = text.replace("<|sep|><|close|>json", '<|sep|>["not", "an object"]<|close|>json')
@@ -65,11 +73,13 @@ def test_k3_attribute_unescaping_and_raw_json_form():
 
 
 def test_k3_string_args_not_json_decoded_and_bad_json_kept_raw():
-    text = k3_output(None, "", []) .replace(segments_text(close_tag("message")), "")
-    text += ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
-             '<|open|>argument key="s" type="string"<|sep|>123<|close|>argument<|sep|>'
-             '<|open|>argument key="n" type="number"<|sep|>12x<|close|>argument<|sep|>'
-             '<|close|>call<|sep|><|close|>tools<|sep|>')
+    text = k3_output(None, "", []).replace(segments_text(close_tag("message")), "")
+    text += (
+        '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+        '<|open|>argument key="s" type="string"<|sep|>123<|close|>argument<|sep|>'
+        '<|open|>argument key="n" type="number"<|sep|>12x<|close|>argument<|sep|>'
+        "<|close|>call<|sep|><|close|>tools<|sep|>"
+    )
     p = OutputParser("kimi_k3", "response", tools_enabled=True).parse(text)
     assert json.loads(p.tool_calls[0].arguments) == {"s": "123", "n": "12x"}
 
@@ -104,19 +114,23 @@ def test_k3_thinking_off_and_unprefilled_think():
 
 def test_k3_incomplete_call_at_length_cutoff_is_not_emitted():
     text = k3_output("r", "c", [("f", {"x": 1})], close_message=False)
-    cut = text[:text.index("<|close|>call")]
+    cut = text[: text.index("<|close|>call")]
     p = OutputParser("kimi_k3", "think", tools_enabled=True).parse(cut)
     assert p.tool_calls == [] and p.content == "c"
 
 
 def test_k2_sections_ids_and_reasoning():
-    text = ("<think>why</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3"
-            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>search:4'
-            "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+    text = (
+        "<think>why</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>search:4'
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+    )
     p = OutputParser("kimi_k2", None, tools_enabled=True).parse(text)
     assert (p.reasoning, p.content) == ("why", "Sure.")
     assert [(c.name, c.id, c.arguments) for c in p.tool_calls] == [
-        ("get_weather", "functions.get_weather:3", '{"city": "Paris"}'), ("search", "search:4", "{}")]
+        ("get_weather", "functions.get_weather:3", '{"city": "Paris"}'),
+        ("search", "search:4", "{}"),
+    ]
     p = OutputParser("kimi_k2", None, tools_enabled=False).parse(text)
     assert p.content == "Sure." and p.tool_calls == []
 
@@ -124,15 +138,27 @@ def test_k2_sections_ids_and_reasoning():
 # ---- streaming == non-streaming -------------------------------------------------------------
 
 TEXT = st.lists(st.sampled_from(list("ab <>&\"'{}é🙂\n|") + ["<|", "|>", "x"]), max_size=12).map("".join)
-VALUES = st.one_of(TEXT, st.integers(-5, 5), st.booleans(), st.none(),
-                   st.lists(st.integers(0, 3), max_size=2), st.dictionaries(st.sampled_from("kq"), TEXT, max_size=2))
-CALLS = st.lists(st.tuples(st.sampled_from(["get_weather", "calc", "f"]),
-                           st.dictionaries(st.sampled_from(["a", "b", 'q"&']), VALUES, max_size=3)), max_size=3)
+VALUES = st.one_of(
+    TEXT,
+    st.integers(-5, 5),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.sampled_from("kq"), TEXT, max_size=2),
+)
+CALLS = st.lists(
+    st.tuples(
+        st.sampled_from(["get_weather", "calc", "f"]),
+        st.dictionaries(st.sampled_from(["a", "b", 'q"&']), VALUES, max_size=3),
+    ),
+    max_size=3,
+)
 
 
 @pytest.fixture(scope="module")
 def k3_tok(tiny_k3_dir):
     from k3serve.tokenizer import Tokenizer
+
     return Tokenizer.from_dir(tiny_k3_dir)
 
 
@@ -164,11 +190,19 @@ def check_streaming(make, full: str, prefixes: list[str]) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(reasoning=st.one_of(st.none(), TEXT), content=TEXT, calls=CALLS, close_think=st.booleans(),
-       close_response=st.booleans(), close_message=st.booleans(), tools_enabled=st.booleans(),
-       data=st.data())
-def test_k3_streaming_equals_non_streaming(k3_tok, reasoning, content, calls, close_think, close_response,
-                                           close_message, tools_enabled, data):
+@given(
+    reasoning=st.one_of(st.none(), TEXT),
+    content=TEXT,
+    calls=CALLS,
+    close_think=st.booleans(),
+    close_response=st.booleans(),
+    close_message=st.booleans(),
+    tools_enabled=st.booleans(),
+    data=st.data(),
+)
+def test_k3_streaming_equals_non_streaming(
+    k3_tok, reasoning, content, calls, close_think, close_response, close_message, tools_enabled, data
+):
     full = k3_output(reasoning, content, calls, close_think, close_response, close_message)
     n = len(k3_tok.encode(full, allow_special=True))
     every = data.draw(st.booleans())
@@ -186,9 +220,14 @@ def test_k3_streaming_equals_non_streaming(k3_tok, reasoning, content, calls, cl
 def test_k2_streaming_equals_non_streaming(think, before, calls, split):
     full = ("<think>plan</think>" if think else "") + before
     if calls:
-        full += "<|tool_calls_section_begin|>" + "".join(
-            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
-            for i, (n, a) in enumerate(calls)) + "<|tool_calls_section_end|>"
+        full += (
+            "<|tool_calls_section_begin|>"
+            + "".join(
+                f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+                for i, (n, a) in enumerate(calls)
+            )
+            + "<|tool_calls_section_end|>"
+        )
     cuts = sorted({min(c, len(full)) for c in split})
     prefixes = [full[:c] for c in cuts] + [full]  # character-level splits: markers split anywhere
     check_streaming(lambda: OutputParser("kimi_k2", None, tools_enabled=True), full, prefixes)
@@ -199,8 +238,7 @@ MARKER_TEXT = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 
 @settings(max_examples=60, deadline=None)
 @given(reasoning=st.one_of(st.none(), TEXT), content=TEXT, calls=CALLS, tools_enabled=st.booleans())
-def test_k3_truncated_anywhere_leaks_no_markup_and_streams_its_final(k3_tok, reasoning, content, calls,
-                                                                     tools_enabled):
+def test_k3_truncated_anywhere_leaks_no_markup_and_streams_its_final(k3_tok, reasoning, content, calls, tools_enabled):
     """max_tokens may cut a reply at any token, inside a channel marker too (`<|close|>think`
     without its `<|sep|>` came back in reasoning_content, `<|open|>` in content): at every cut
     the final parse holds no marker text in any field, and the streamed deltas equal it."""
@@ -242,9 +280,16 @@ def test_k3_undeclared_calls_stay_in_place_and_stream_as_final(k3_tok, reasoning
 @settings(max_examples=80, deadline=None)
 @given(before=TEXT, calls=CALLS, after=TEXT, split=st.lists(st.integers(1, 300), max_size=8))
 def test_k2_undeclared_calls_stay_in_place_and_stream_as_final(before, calls, after, split):
-    full = before + "<|tool_calls_section_begin|>" + "".join(
-        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
-        for i, (n, a) in enumerate(calls)) + "<|tool_calls_section_end|>" + after
+    full = (
+        before
+        + "<|tool_calls_section_begin|>"
+        + "".join(
+            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+            for i, (n, a) in enumerate(calls)
+        )
+        + "<|tool_calls_section_end|>"
+        + after
+    )
     cuts = sorted({min(c, len(full)) for c in split})
     prefixes = [full[:c] for c in cuts] + [full]
     make = lambda: OutputParser("kimi_k2", None, tools_enabled=True, declared=DECLARED)  # noqa: E731

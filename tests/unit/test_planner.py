@@ -42,9 +42,20 @@ def test_k3_model_numbers(k3):
     assert abs(w.active_params / 1e9 - 104) < 1
 
 
-@pytest.mark.parametrize("gpu, n, fits", [
-    ("GB300", 8, True), ("B300", 8, True), ("MI355X", 8, True), ("MI350X", 8, True), ("B200", 16, True),
-    ("H200", 8, False), ("B200", 8, False), ("H100", 8, False), ("H100", 16, False)])
+@pytest.mark.parametrize(
+    "gpu, n, fits",
+    [
+        ("GB300", 8, True),
+        ("B300", 8, True),
+        ("MI355X", 8, True),
+        ("MI350X", 8, True),
+        ("B200", 16, True),
+        ("H200", 8, False),
+        ("B200", 8, False),
+        ("H100", 8, False),
+        ("H100", 16, False),
+    ],
+)
 def test_k3_fit_per_platform(k3, gpu, n, fits):
     cfg, w = k3
     rep = plan(cfg, K3, "schema", [get_gpu(gpu)], w, Workload(context=8192), num_gpus=n)
@@ -95,9 +106,17 @@ def test_engine_and_planner_agree_on_the_tiny_model(tiny_k3_dir):
 
     llm = LLM(str(tiny_k3_dir), cache_memory="8MiB", max_model_len=1024, max_num_seqs=16)
     cfg = llm.engine.model.cfg
-    rep = plan(cfg, str(tiny_k3_dir), "schema", [get_gpu("H100")], weight_split(cfg, tiny_k3_dir),
-               Workload(context=1024, max_num_seqs=16, kv_dtype="float32", memory_fraction=0.92),
-               num_gpus=1, tp=1, cache_bytes=8 * 2**20)
+    rep = plan(
+        cfg,
+        str(tiny_k3_dir),
+        "schema",
+        [get_gpu("H100")],
+        weight_split(cfg, tiny_k3_dir),
+        Workload(context=1024, max_num_seqs=16, kv_dtype="float32", memory_fraction=0.92),
+        num_gpus=1,
+        tp=1,
+        cache_bytes=8 * 2**20,
+    )
     got, want = rep.results[0].rank.plan, llm.engine.plan
     assert (got.num_slots, got.kv_tokens, got.num_checkpoints) == (want.num_slots, want.kv_tokens, want.num_checkpoints)
     line = next(x for x in llm.engine.startup_log if "latent KV" in x)
@@ -105,8 +124,25 @@ def test_engine_and_planner_agree_on_the_tiny_model(tiny_k3_dir):
 
 
 def test_cli_json_markdown_and_search(capsys):
-    assert main(["plan", "--gpu", "B300", "--num-gpus", "8", "--tp", "8", "--context", "32768",
-                 "--concurrency", "16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpu",
+                "B300",
+                "--num-gpus",
+                "8",
+                "--tp",
+                "8",
+                "--context",
+                "32768",
+                "--concurrency",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     lay = out["layouts"][0]
     assert lay["fits"] and lay["max_concurrency_at_context"] >= 16 and "vllm serve" in lay["launch"]["vllm"]
@@ -147,10 +183,21 @@ def test_html_is_well_formed_with_the_numbers(tmp_path):
     assert out.read_text().count("<svg") >= 1 and "<script" not in out.read_text()
 
 
-CHROMIUM = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
-MEASURE = ("<script>addEventListener('load', () => { const e = document.documentElement;"
-           " document.title = 'scroll=' + e.scrollWidth + ' client=' + e.clientWidth; });</script>")
+CHROMIUM = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
+MEASURE = (
+    "<script>addEventListener('load', () => { const e = document.documentElement;"
+    " document.title = 'scroll=' + e.scrollWidth + ' client=' + e.clientWidth; });</script>"
+)
 
 
 @pytest.mark.slow
@@ -169,9 +216,20 @@ def test_html_fits_1280px_in_headless_chromium(tmp_path):
     probe = tmp_path / "probe.html"
     probe.write_text(out.read_text().replace("</body>", MEASURE + "</body>"))
     user = tmp_path / "profile"
-    proc = subprocess.run([browser, *CHROMIUM, f"--user-data-dir={user}", "--window-size=1280,900",
-                           "--virtual-time-budget=2000", "--dump-dom", probe.as_uri()],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            browser,
+            *CHROMIUM,
+            f"--user-data-dir={user}",
+            "--window-size=1280,900",
+            "--virtual-time-budget=2000",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     title = proc.stdout.split("<title>")[1].split("</title>")[0]
     scroll, client = (int(x.split("=")[1]) for x in title.split())
@@ -179,8 +237,12 @@ def test_html_fits_1280px_in_headless_chromium(tmp_path):
     for gpu in ("H100", "H200", "B200", "B300"):
         assert f"x{gpu}</td>" in proc.stdout
     shot = tmp_path / "plan.png"
-    proc = subprocess.run([browser, *CHROMIUM, f"--user-data-dir={user}", "--window-size=1280,900",
-                           f"--screenshot={shot}", out.as_uri()], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [browser, *CHROMIUM, f"--user-data-dir={user}", "--window-size=1280,900", f"--screenshot={shot}", out.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -204,8 +266,25 @@ def test_fits_means_the_requested_concurrency_fits(k3, capsys):
         assert 0 < r.capacity < 64 and not r.fits and r.verdict == f"holds {r.capacity} of 64"
         assert r.perf.concurrency == r.capacity and f"holds {r.capacity} of the 64 requested" in r.why_not
     assert rep.best() is None
-    assert main(["plan", "--gpu", "B300", "--num-gpus", "8", "--pp", "1", "--context", "131072",
-                 "--concurrency", "64", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpu",
+                "B300",
+                "--num-gpus",
+                "8",
+                "--pp",
+                "1",
+                "--context",
+                "131072",
+                "--concurrency",
+                "64",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert not any(lay["fits"] for lay in out["layouts"]) and any(lay["loads"] for lay in out["layouts"])
 
@@ -228,20 +307,42 @@ def test_cross_node_all_to_all_is_timed_on_the_nic(k3):
 def test_pipeline_stages_hold_their_layers_only(k3):
     cfg, ws = k3
     gpu, w = get_gpu("B300"), Workload(context=32768)
-    flat, staged = evaluate(cfg, K3, gpu, Layout(8, 4, 1, 4), ws, w), evaluate(cfg, K3, gpu, Layout(8, 4, 1, 4, 2), ws, w)
+    flat, staged = (
+        evaluate(cfg, K3, gpu, Layout(8, 4, 1, 4), ws, w),
+        evaluate(cfg, K3, gpu, Layout(8, 4, 1, 4, 2), ws, w),
+    )
     assert staged.layout.label == "TP4/EP4/PP2"
     # 93 layers -> stages of 47 + 46: the first stage holds 47/93 of the dense weights
     assert staged.rank.weights == pytest.approx(flat.rank.weights * 47 / 93, rel=0.02)
     kda_first = sum(1 for i in cfg.kda_layers if i < 47)
-    assert staged.rank.plan.slot_bytes == -(-464_633_856 * kda_first // len(cfg.kda_layers) // 4) or \
-        abs(staged.rank.plan.slot_bytes - 464_633_856 * kda_first / len(cfg.kda_layers) / 4) <= 1
+    assert (
+        staged.rank.plan.slot_bytes == -(-464_633_856 * kda_first // len(cfg.kda_layers) // 4)
+        or abs(staged.rank.plan.slot_bytes - 464_633_856 * kda_first / len(cfg.kda_layers) / 4) <= 1
+    )
     assert Layout(16, 8, 1, 8, 2).links(8) == {"tp_allreduce": "scale-up", "ep_alltoall": "scale-up", "pp_send": "NIC"}
     assert "--pipeline-parallel-size 2" in staged.commands["vllm"] and "--pp-size 2" in staged.commands["sglang"]
 
 
 def test_cost_ranking_shows_its_number_and_takes_prices(capsys):
-    assert main(["plan", "--gpu", "B300", "--gpu", "H200", "--optimize", "cost", "--concurrency", "32",
-                 "--markdown", "--top", "30"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpu",
+                "B300",
+                "--gpu",
+                "H200",
+                "--optimize",
+                "cost",
+                "--concurrency",
+                "32",
+                "--markdown",
+                "--top",
+                "30",
+            ]
+        )
+        == 0
+    )
     md = capsys.readouterr().out
     lines = [x for x in md.splitlines() if x.startswith("| ")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
@@ -250,8 +351,10 @@ def test_cost_ranking_shows_its_number_and_takes_prices(capsys):
     ranked = [r for r in lines[1:] if "fits" in r][:10]
     costs = [float(r.strip("|").split("|")[col].replace(",", "")) for r in ranked]
     assert costs == sorted(costs) and len(costs) >= 3
-    assert main(["plan", "--gpu", "B300", "--optimize", "cost", "--concurrency", "32", "--price", "B300=13",
-                 "--json"]) == 0
+    assert (
+        main(["plan", "--gpu", "B300", "--optimize", "cost", "--concurrency", "32", "--price", "B300=13", "--json"])
+        == 0
+    )
     best = json.loads(capsys.readouterr().out)["layouts"][0]
     assert best["perf"]["usd_per_mtok"] == pytest.approx(best["perf"]["gpu_hours_per_mtok"] * 13)
     assert main(["plan", "--gpu", "B300", "--price", "B300=cheap"]) == 2
@@ -263,8 +366,26 @@ def test_unasked_questions_are_stated_in_every_format(tmp_path, capsys):
         assert main(["plan", "--gpu", "B300", "--num-gpus", "8", *fmt]) == 0
         out = capsys.readouterr().out
         assert said in out and "concurrency not given" in out and "Decode step time per GPU" in out
-    assert main(["plan", "--gpu", "B300", "--num-gpus", "8", "--context", "8192", "--concurrency", "4",
-                 "--optimize", "cost", "--no-latency-sensitive", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpu",
+                "B300",
+                "--num-gpus",
+                "8",
+                "--context",
+                "8192",
+                "--concurrency",
+                "4",
+                "--optimize",
+                "cost",
+                "--no-latency-sensitive",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["assumed"] == []
     page = tmp_path / "p.html"
     assert main(["plan", "--gpu", "B300", "--num-gpus", "8", "--html", str(page)]) == 0
@@ -272,14 +393,33 @@ def test_unasked_questions_are_stated_in_every_format(tmp_path, capsys):
 
 
 def test_every_asked_gpu_type_gets_its_best_row(tmp_path, capsys):
-    assert main(["plan", "--gpu", "B300", "--gpu", "H100", "--gpu", "H200", "--gpu", "B200", "--top", "3",
-                 "--json"]) == 0
+    assert (
+        main(["plan", "--gpu", "B300", "--gpu", "H100", "--gpu", "H200", "--gpu", "B200", "--top", "3", "--json"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [r["gpu"] for r in out["best_per_gpu"]] == ["B300", "B200", "H200", "H100"]
     assert {r["gpu"] for r in out["layouts"]} == {"B300", "B200", "H200", "H100"}
     page = tmp_path / "p.html"
-    assert main(["plan", "--gpu", "B300", "--gpu", "H100", "--gpu", "H200", "--gpu", "B200", "--top", "3",
-                 "--html", str(page)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpu",
+                "B300",
+                "--gpu",
+                "H100",
+                "--gpu",
+                "H200",
+                "--gpu",
+                "B200",
+                "--top",
+                "3",
+                "--html",
+                str(page),
+            ]
+        )
+        == 0
+    )
     for gpu in ("B300", "H100", "H200", "B200"):
         assert f"x{gpu}</td>" in page.read_text()
 
@@ -368,7 +508,24 @@ def test_tier_capacity_counts_the_bytes_the_engine_stores(tiny_k3_dir, capsys):
     plan = llm.engine.plan
     cap = tier_capacity(plan.token_bytes, plan.slot_bytes, 64, 1, 0.01, 0.0)
     assert cap.bytes_per_conversation == llm.engine.tiers.index.cpu.used
-    assert main(["plan", "--gpu", "H200", "--num-gpus", "16", "--context", "32768", "--kv-offloading-size", "512",
-                 "--kv-offloading-dir-size", "4096", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpu",
+                "H200",
+                "--num-gpus",
+                "16",
+                "--context",
+                "32768",
+                "--kv-offloading-size",
+                "512",
+                "--kv-offloading-dir-size",
+                "4096",
+                "--json",
+            ]
+        )
+        == 0
+    )
     tiers = json.loads(capsys.readouterr().out)["prefix_cache_tiers"]
     assert tiers["host_conversations"] == 512 * 2**30 // tiers["bytes_per_conversation"] > 0

@@ -22,8 +22,15 @@ def make(num_blocks=64, num_slots=4, block_size=4, **cfg):
 
 
 def req(rid, n_prompt, max_tokens=4, arrival=0, priority=0, **kw):
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, **kw), EOS, 512,
-                   arrival=arrival, priority=priority)
+    return Request(
+        rid,
+        list(range(1, n_prompt + 1)),
+        SamplingParams(max_tokens=max_tokens, **kw),
+        EOS,
+        512,
+        arrival=arrival,
+        priority=priority,
+    )
 
 
 def run_step(s: Scheduler, token=7):
@@ -40,8 +47,10 @@ def test_decodes_first_then_chunked_prefill_on_kda_grid():
     s.add(req("b", 300, arrival=1))
     b, _ = run_step(s)
     # a decodes first (1 token); b gets 99 budget, cut back to the 64-token KDA chunk grid
-    assert [(q.request_id, q.start, q.num_tokens, q.sample) for q in b.seqs] == [("a", 10, 1, True),
-                                                                                 ("b", 0, 64, False)]
+    assert [(q.request_id, q.start, q.num_tokens, q.sample) for q in b.seqs] == [
+        ("a", 10, 1, True),
+        ("b", 0, 64, False),
+    ]
     b, _ = run_step(s)
     assert [(q.request_id, q.start, q.num_tokens) for q in b.seqs] == [("a", 11, 1), ("b", 64, 64)]
     assert "a" not in s.requests  # 3 tokens generated: finished and forgotten
@@ -123,14 +132,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.s = make(num_blocks=12, num_slots=3, block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
-                      max_model_len=40, chunk_align=8)
+        self.s = make(
+            num_blocks=12,
+            num_slots=3,
+            block_size=4,
+            max_num_seqs=3,
+            max_num_batched_tokens=24,
+            max_model_len=40,
+            chunk_align=8,
+        )
         self.n = 0
 
     @rule(prompt=st.integers(1, 30), max_tokens=st.integers(1, 9))
     def arrive(self, prompt, max_tokens):
-        r = Request(f"r{self.n}", list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens), EOS, 40,
-                    arrival=self.n)
+        r = Request(
+            f"r{self.n}", list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens), EOS, 40, arrival=self.n
+        )
         self.n += 1
         self.s.add(r)
 
@@ -167,14 +184,20 @@ class CachingSchedulerMachine(SchedulerMachine):
 
     def __init__(self):
         super().__init__()
-        self.s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=24, max_model_len=40, chunk_align=8),
-                           HybridCacheManager(12, 3, 4, enable_prefix_caching=True, num_checkpoints=2))
+        self.s = Scheduler(
+            SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=24, max_model_len=40, chunk_align=8),
+            HybridCacheManager(12, 3, 4, enable_prefix_caching=True, num_checkpoints=2),
+        )
 
-    @rule(prefix=st.sampled_from([(), (5, 6, 7, 8), (5, 6, 7, 8, 9, 9, 9, 9)]), tail=st.integers(1, 12),
-          max_tokens=st.integers(1, 6))
+    @rule(
+        prefix=st.sampled_from([(), (5, 6, 7, 8), (5, 6, 7, 8, 9, 9, 9, 9)]),
+        tail=st.integers(1, 12),
+        max_tokens=st.integers(1, 6),
+    )
     def arrive_shared(self, prefix, tail, max_tokens):
-        r = Request(f"r{self.n}", list(prefix) + [3] * tail, SamplingParams(max_tokens=max_tokens), EOS, 40,
-                    arrival=self.n)
+        r = Request(
+            f"r{self.n}", list(prefix) + [3] * tail, SamplingParams(max_tokens=max_tokens), EOS, 40, arrival=self.n
+        )
         self.n += 1
         self.s.add(r)
 
@@ -204,11 +227,11 @@ TestCachingSchedulerMachine.settings = settings(max_examples=60, stateful_step_c
 
 def test_everything_finishes_under_pressure():
     """A long random workload on a tiny cache drains: no deadlock, no leak."""
-    s = make(num_blocks=10, num_slots=3, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=40,
-             chunk_align=8)
+    s = make(num_blocks=10, num_slots=3, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=40, chunk_align=8)
     for i in range(20):
-        s.add(Request(str(i), list(range(1, 5 + (i * 7) % 25)), SamplingParams(max_tokens=1 + i % 8), EOS, 40,
-                      arrival=i))
+        s.add(
+            Request(str(i), list(range(1, 5 + (i * 7) % 25)), SamplingParams(max_tokens=1 + i % 8), EOS, 40, arrival=i)
+        )
     for _ in range(2000):
         if not s.has_unfinished:
             break

@@ -62,8 +62,9 @@ def test_bad_tokenizer_dirs(tmp_path):
     with pytest.raises(TokenizerError):
         Tokenizer.from_dir(tmp_path)
     (tmp_path / "tiktoken.model").write_text("YQ== 0\n")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"added_tokens_decoder": {"0": {"content": "[BOS]", "special": True}}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"added_tokens_decoder": {"0": {"content": "[BOS]", "special": True}}})
+    )
     with pytest.raises(TokenizerError, match="collides"):
         Tokenizer.from_dir(tmp_path)
 
@@ -80,18 +81,27 @@ _ALPHABET = st.sampled_from(list("ab Zé中 ,.!?'\n\t123") + [" ", "  ", "'s", "
 @given(parts=st.lists(_ALPHABET, min_size=1, max_size=400), size=st.integers(1, 40))
 def test_piecewise_encoding_equals_one_shot(tiny_k3_dir, parts, size):
     from k3serve.tokenizer import Tokenizer
+
     tok = Tokenizer.from_dir(tiny_k3_dir)
     text = "".join(parts)
     pieces = split_long(text, size)
     assert "".join(pieces) == text
     for special in (False, True):
         whole = tok._tk.encode(text, allowed_special="all") if special else tok._tk.encode_ordinary(text)
-        assert [t for p in pieces for t in (tok._tk.encode(p, allowed_special="all") if special
-                                             else tok._tk.encode_ordinary(p))] == whole
+        assert [
+            t
+            for p in pieces
+            for t in (tok._tk.encode(p, allowed_special="all") if special else tok._tk.encode_ordinary(p))
+        ] == whole
 
 
-TEXTS = ["hello world", "What is 23 + 45?", "<|open|>think<|sep|>I should call get_weather.<|close|>",
-         "naïve café 東京 🙂", "  spaces\n\ttabs"]
+TEXTS = [
+    "hello world",
+    "What is 23 + 45?",
+    "<|open|>think<|sep|>I should call get_weather.<|close|>",
+    "naïve café 東京 🙂",
+    "  spaces\n\ttabs",
+]
 
 
 @pytest.mark.parametrize("which", ["demo", "tiny"])
@@ -105,11 +115,19 @@ def test_transformers_autotokenizer_loads_without_asking_and_agrees(which, tiny_
     from k3serve.demo import default_model
 
     d = default_model() if which == "demo" else tiny_k3_dir
-    code = ("import json, sys; from transformers import AutoTokenizer; "
-            "t = AutoTokenizer.from_pretrained(sys.argv[1]); "
-            "print(json.dumps([t.encode(s, add_special_tokens=False) for s in json.loads(sys.argv[2])]))")
-    out = subprocess.run([sys.executable, "-c", code, str(d), json.dumps(TEXTS)], capture_output=True, text=True,
-                         timeout=120, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    code = (
+        "import json, sys; from transformers import AutoTokenizer; "
+        "t = AutoTokenizer.from_pretrained(sys.argv[1]); "
+        "print(json.dumps([t.encode(s, add_special_tokens=False) for s in json.loads(sys.argv[2])]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(d), json.dumps(TEXTS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "trust_remote_code" not in out.stdout + out.stderr
     ours = Tokenizer.from_dir(d)

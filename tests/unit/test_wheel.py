@@ -27,19 +27,29 @@ def installed(tmp_path_factory):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "k3serve", src / "k3serve", ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                    str(src)], check=True, cwd=src)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)],
+        check=True,
+        cwd=src,
+    )
     wheel = next(dist.glob("k3serve-*.whl"))
     site = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)], check=True
+    )
     return wheel, site
 
 
 def run_installed(site: Path, code: str, **env) -> str:
     """`code` in a fresh interpreter that imports k3serve from the install (not the checkout)."""
-    out = subprocess.run([sys.executable, "-c", code], cwd=site.parent, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(site), **env})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=site.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(site), **env},
+    )
     return out.stdout
 
 
@@ -53,20 +63,31 @@ def test_the_wheel_carries_every_file_the_kernels_include(installed):
         text = zipfile.ZipFile(wheel).read(name).decode()
         for inc in re.findall(r'#include\s+"([^"]+)"', text):
             assert KERNELS + inc in names, f"{name} includes {inc}, which the wheel lacks"
-    where = run_installed(site, "import k3serve.kernels as k; print(k.__file__); print(len(k._SOURCES), len(k._HEADERS))")
+    where = run_installed(
+        site, "import k3serve.kernels as k; print(k.__file__); print(len(k._SOURCES), len(k._HEADERS))"
+    )
     path, counts = where.split("\n")[:2]
     assert path.startswith(str(site)), path
-    assert counts.split() == [str(sum(n.endswith(".cpp") for n in shipped)), str(sum(n.endswith(".h") for n in shipped))]
+    assert counts.split() == [
+        str(sum(n.endswith(".cpp") for n in shipped)),
+        str(sum(n.endswith(".h") for n in shipped)),
+    ]
 
 
 @pytest.mark.slow
 def test_the_installed_wheel_builds_its_kernels_and_decodes_through_them(installed, tmp_path):
     _, site = installed
-    out = run_installed(site, "\n".join([
-        "from k3serve import LLM, SamplingParams",
-        "llm = LLM(kernels='cpp', cache_memory='16MiB', max_model_len=128)",
-        "print(llm.engine.model.model.backend.name)",
-        "print(len(llm.generate('hello', SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids))",
-    ]), K3SERVE_KERNEL_CACHE=str(tmp_path / "kernels"))
+    out = run_installed(
+        site,
+        "\n".join(
+            [
+                "from k3serve import LLM, SamplingParams",
+                "llm = LLM(kernels='cpp', cache_memory='16MiB', max_model_len=128)",
+                "print(llm.engine.model.model.backend.name)",
+                "print(len(llm.generate('hello', SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids))",
+            ]
+        ),
+        K3SERVE_KERNEL_CACHE=str(tmp_path / "kernels"),
+    )
     assert out.split() == ["cpp", "4"]
     assert any((tmp_path / "kernels").glob("*/*.so"))  # built from the install's own sources

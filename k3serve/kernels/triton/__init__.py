@@ -23,6 +23,8 @@ def unavailable(device_type: str) -> str | None:
     except ImportError as e:
         return f"kernels='triton' needs Triton and fla-core ({e.name} is missing): pip install {TRITON_PIN} fla-core==0.6.0"
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
-        return ("kernels='triton' runs on a CPU only under Triton's interpreter (TRITON_INTERPRET=1, slow: "
-                "for testing); use kernels='graph' or 'cpp' here")
+        return (
+            "kernels='triton' runs on a CPU only under Triton's interpreter (TRITON_INTERPRET=1, slow: "
+            "for testing); use kernels='graph' or 'cpp' here"
+        )
     return None

@@ -29,14 +29,43 @@ def _recurrent(q, k, v, z, b, a_log, dt_bias, pool, slots, lower_bound, T, recor
     ht = pool if records is None else records
     BV = min(32, triton.next_power_of_2(D))
     fused_recurrent_kda_fwd_kernel[(triton.cdiv(D, BV) * B * H,)](
-        q=q, k=k, v=v, g=z, beta=b, A_log=a_log, dt_bias=dt_bias, o=o, h0=pool, ht=ht, cu_seqlens=cu,
-        ssm_state_indices=slots, num_accepted_tokens=None, lower_bound=lower_bound, scale=D ** -0.5,
-        N=B, T=N, H=H, HV=H, K=D, V=D, BK=triton.next_power_of_2(D), BV=BV,
-        stride_init_state_token=pool.stride(0), stride_final_state_token=ht.stride(0),
-        stride_indices_seq=slots.stride(0), stride_indices_tok=1,
-        IS_BETA_HEADWISE=False, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=records is None,
-        USE_GATE_IN_KERNEL=True, APPLY_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False,
-        num_warps=4, num_stages=2)
+        q=q,
+        k=k,
+        v=v,
+        g=z,
+        beta=b,
+        A_log=a_log,
+        dt_bias=dt_bias,
+        o=o,
+        h0=pool,
+        ht=ht,
+        cu_seqlens=cu,
+        ssm_state_indices=slots,
+        num_accepted_tokens=None,
+        lower_bound=lower_bound,
+        scale=D**-0.5,
+        N=B,
+        T=N,
+        H=H,
+        HV=H,
+        K=D,
+        V=D,
+        BK=triton.next_power_of_2(D),
+        BV=BV,
+        stride_init_state_token=pool.stride(0),
+        stride_final_state_token=ht.stride(0),
+        stride_indices_seq=slots.stride(0),
+        stride_indices_tok=1,
+        IS_BETA_HEADWISE=False,
+        USE_QK_L2NORM_IN_KERNEL=True,
+        INPLACE_FINAL_STATE=records is None,
+        USE_GATE_IN_KERNEL=True,
+        APPLY_BETA_SIGMOID=True,
+        ALLOW_NEG_EIGVAL=False,
+        STATE_V_FIRST=False,
+        num_warps=4,
+        num_stages=2,
+    )
     return o
 
 
@@ -47,21 +76,51 @@ def _gated(o, gate, o_norm, eps):
     return (normed * torch.sigmoid(gate.view(N, H, D))).reshape(N, H * D)
 
 
-def kda_decode(u, z, b, gate, conv_w, a_log, dt_bias, o_norm, rec, conv, slots, head_dim: int,
-               lower_bound: float | None, eps: float):
+def kda_decode(
+    u,
+    z,
+    b,
+    gate,
+    conv_w,
+    a_log,
+    dt_bias,
+    o_norm,
+    rec,
+    conv,
+    slots,
+    head_dim: int,
+    lower_bound: float | None,
+    eps: float,
+):
     """One step per row: u [N, 3P], z [N, P], b [N, H], gate [N, P] fp32; conv_w [3P, K];
     a_log [H] fp32 (the gate's A_log); dt_bias [P]; o_norm [D]; rec [S, H, D, D] fp32 and conv
     [S, K-1, 3P] updated in place at slots [N] (int). -> [N, P] fp32."""
     N, H, D = u.shape[0], b.shape[1], head_dim
     qkv, _ = short_conv_update(u, conv_w, conv, slots)
     q, k, v = (x.view(N, H, D) for x in qkv)
-    o = _recurrent(q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots,
-                   lower_bound, 1, None)
+    o = _recurrent(
+        q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots, lower_bound, 1, None
+    )
     return _gated(o, gate, o_norm, eps)
 
 
-def kda_verify(u, z, b, gate, conv_w, a_log, dt_bias, o_norm, rec, conv, slots, last, head_dim: int,
-               lower_bound: float | None, eps: float):
+def kda_verify(
+    u,
+    z,
+    b,
+    gate,
+    conv_w,
+    a_log,
+    dt_bias,
+    o_norm,
+    rec,
+    conv,
+    slots,
+    last,
+    head_dim: int,
+    lower_bound: float | None,
+    eps: float,
+):
     """B sequences of T rows (the inputs as `kda_decode`'s, slots/last [B]) -> (o [N, P], the
     state after every position rec [B, T, H, D, D] and conv [B, T, K-1, 3P]); each slot keeps
     the state after its `last` position."""
@@ -71,8 +130,9 @@ def kda_verify(u, z, b, gate, conv_w, a_log, dt_bias, o_norm, rec, conv, slots, 
     qkv, conv_rec = short_conv_update(u, conv_w, conv, slots, last, record=True)
     q, k, v = (x.view(N, H, D) for x in qkv)
     records = torch.empty(N, H, D, D, dtype=rec.dtype, device=rec.device)
-    o = _recurrent(q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots,
-                   lower_bound, T, records)
+    o = _recurrent(
+        q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots, lower_bound, T, records
+    )
     records = records.view(B, T, H, D, D)
     rec.index_copy_(0, slots, records[torch.arange(B, device=slots.device), last])
     return _gated(o, gate, o_norm, eps), records, conv_rec.to(conv.dtype)

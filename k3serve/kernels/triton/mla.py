@@ -21,10 +21,29 @@ from k3serve.layers.norm import rms_norm
 
 
 @triton.jit
-def _mla_split_kernel(q_ptr, qpe_ptr, store_ptr, table_ptr, lens_ptr, part_ptr, lse_ptr,
-                      H, C, R, W, T, row_stride, chunk, scale,
-                      BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr,
-                      BH: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr):
+def _mla_split_kernel(
+    q_ptr,
+    qpe_ptr,
+    store_ptr,
+    table_ptr,
+    lens_ptr,
+    part_ptr,
+    lse_ptr,
+    H,
+    C,
+    R,
+    W,
+    T,
+    row_stride,
+    chunk,
+    scale,
+    BLOCK_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BH: tl.constexpr,
+    BC: tl.constexpr,
+    BR: tl.constexpr,
+    BL: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -44,8 +63,12 @@ def _mla_split_kernel(q_ptr, qpe_ptr, store_ptr, table_ptr, lens_ptr, part_ptr, 
         pm = p < end
         block = tl.load(table_ptr + seq * W + p // BLOCK_SIZE, mask=pm, other=0)
         rows = block * BLOCK_SIZE + p % BLOCK_SIZE
-        kv = tl.load(store_ptr + rows[:, None] * row_stride + c[None, :], mask=pm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        kpe = tl.load(store_ptr + rows[:, None] * row_stride + C + r[None, :], mask=pm[:, None] & rm[None, :], other=0.0).to(tl.float32)
+        kv = tl.load(store_ptr + rows[:, None] * row_stride + c[None, :], mask=pm[:, None] & cm[None, :], other=0.0).to(
+            tl.float32
+        )
+        kpe = tl.load(
+            store_ptr + rows[:, None] * row_stride + C + r[None, :], mask=pm[:, None] & rm[None, :], other=0.0
+        ).to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision="ieee") + tl.dot(qpe, tl.trans(kpe), input_precision="ieee")
         s = tl.where(pm[None, :], s * scale, float("-inf"))  # [BH, BL]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -74,17 +97,48 @@ def paged_attention(q_lat, q_pe, store, table, lens, block_size: int, scale: flo
     part = torch.empty(N, splits, H, C, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(N, splits, H, dtype=torch.float32, device=q_lat.device)
     _mla_split_kernel[(N, splits, triton.cdiv(H, BH))](
-        q_lat.contiguous(), q_pe.contiguous(), store, table, lens, part, lse,
-        H, C, R, W, N // B, store.stride(0), chunk, scale,
-        BLOCK_SIZE=block_size, SPLITS=splits, BH=BH, BC=max(16, triton.next_power_of_2(C)),
-        BR=max(16, triton.next_power_of_2(R)), BL=BL)
+        q_lat.contiguous(),
+        q_pe.contiguous(),
+        store,
+        table,
+        lens,
+        part,
+        lse,
+        H,
+        C,
+        R,
+        W,
+        N // B,
+        store.stride(0),
+        chunk,
+        scale,
+        BLOCK_SIZE=block_size,
+        SPLITS=splits,
+        BH=BH,
+        BC=max(16, triton.next_power_of_2(C)),
+        BR=max(16, triton.next_power_of_2(R)),
+        BL=BL,
+    )
     # merge splits: weights exp(lse_s - max); an empty split has lse -inf and weight 0
     w = torch.softmax(lse, dim=1)  # [N, S, H]
     return (part * w.unsqueeze(-1)).sum(1)
 
 
-def mla_decode(q, ckv, kv_norm, store, cache_rows, table, lens, kv_b, nope: int, v_dim: int, scale: float,
-               eps: float, block_size: int):
+def mla_decode(
+    q,
+    ckv,
+    kv_norm,
+    store,
+    cache_rows,
+    table,
+    lens,
+    kv_b,
+    nope: int,
+    v_dim: int,
+    scale: float,
+    eps: float,
+    block_size: int,
+):
     """The graph backend's `mla_decode` with the kernel inside: q [N, H, nope + r] fp32; ckv
     [N, c + r] (latent before its norm | k_pe); store written at cache_rows [N] in place; table
     [B, W]; lens [N]; kv_b [H, nope + v, c] fp32. -> [N, H, v] fp32."""

@@ -72,10 +72,35 @@ def _tanh(x):
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, x_rows_ptr, out_ptr, out_rows_ptr, block_expert_ptr, wa_ptr, sa_ptr, wb_ptr, sb_ptr,
-                    K, NOUT, x_stride, out_stride, sw_e, sw_r, ss_e, ss_r, beta, linear_beta,
-                    PACKED: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, LINEAR_TANH: tl.constexpr,
-                    ROUND_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _grouped_kernel(
+    x_ptr,
+    x_rows_ptr,
+    out_ptr,
+    out_rows_ptr,
+    block_expert_ptr,
+    wa_ptr,
+    sa_ptr,
+    wb_ptr,
+    sb_ptr,
+    K,
+    NOUT,
+    x_stride,
+    out_stride,
+    sw_e,
+    sw_r,
+    ss_e,
+    ss_r,
+    beta,
+    linear_beta,
+    PACKED: tl.constexpr,
+    GLU: tl.constexpr,
+    SITU: tl.constexpr,
+    LINEAR_TANH: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """One block of BM rows (one expert) x BN output columns: out[out_rows] = x[x_rows] @ Wa[e]^T,
     or act(x @ Wa[e]^T, x @ Wb[e]^T) with GLU. Rows with x_rows < 0 (padding) are skipped."""
     blk = tl.program_id(0)
@@ -96,19 +121,31 @@ def _grouped_kernel(x_ptr, x_rows_ptr, out_ptr, out_rows_ptr, block_expert_ptr, 
                 xe = tl.load(x_ptr + xr[:, None] * x_stride + 2 * j[None, :], mask=xm, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + xr[:, None] * x_stride + 2 * j[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
                 lo, hi = _mx_tile(wa_ptr, sa_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r)
-                acc_a += tl.dot(xe, tl.trans(lo), input_precision="ieee") + tl.dot(xo, tl.trans(hi), input_precision="ieee")
+                acc_a += tl.dot(xe, tl.trans(lo), input_precision="ieee") + tl.dot(
+                    xo, tl.trans(hi), input_precision="ieee"
+                )
                 if GLU:
                     lo, hi = _mx_tile(wb_ptr, sb_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r)
-                    acc_b += tl.dot(xe, tl.trans(lo), input_precision="ieee") + tl.dot(xo, tl.trans(hi), input_precision="ieee")
+                    acc_b += tl.dot(xe, tl.trans(lo), input_precision="ieee") + tl.dot(
+                        xo, tl.trans(hi), input_precision="ieee"
+                    )
             else:
                 kk = k0 + tl.arange(0, BK)
                 km = kk < K
-                x = tl.load(x_ptr + xr[:, None] * x_stride + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + xr[:, None] * x_stride + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(
+                    tl.float32
+                )
                 woff = e * sw_e + n[:, None] * sw_r + kk[None, :]
                 wmask = nm[:, None] & km[None, :]
-                acc_a += tl.dot(x, tl.trans(tl.load(wa_ptr + woff, mask=wmask, other=0.0).to(tl.float32)), input_precision="ieee")
+                acc_a += tl.dot(
+                    x, tl.trans(tl.load(wa_ptr + woff, mask=wmask, other=0.0).to(tl.float32)), input_precision="ieee"
+                )
                 if GLU:
-                    acc_b += tl.dot(x, tl.trans(tl.load(wb_ptr + woff, mask=wmask, other=0.0).to(tl.float32)), input_precision="ieee")
+                    acc_b += tl.dot(
+                        x,
+                        tl.trans(tl.load(wb_ptr + woff, mask=wmask, other=0.0).to(tl.float32)),
+                        input_precision="ieee",
+                    )
         if ROUND_BF16:  # the reference's GEMM outputs are in the model dtype before the activation
             acc_a = acc_a.to(tl.bfloat16).to(tl.float32)
             acc_b = acc_b.to(tl.bfloat16).to(tl.float32)
@@ -123,8 +160,11 @@ def _grouped_kernel(x_ptr, x_rows_ptr, out_ptr, out_rows_ptr, block_expert_ptr, 
             else:
                 y = acc_a * _sigmoid(acc_a) * acc_b
         orow = tl.load(out_rows_ptr + rows)
-        tl.store(out_ptr + orow[:, None] * out_stride + n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=rm[:, None] & nm[None, :])
+        tl.store(
+            out_ptr + orow[:, None] * out_stride + n[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=rm[:, None] & nm[None, :],
+        )
 
 
 def _grouped(x, x_rows, out, out_rows, block_expert, wa, sa, wb, sb, glu, situ, beta, linear_beta):
@@ -136,15 +176,39 @@ def _grouped(x, x_rows, out, out_rows, block_expert, wa, sa, wb, sb, glu, situ, 
     BK = min(128, max(32, triton.next_power_of_2(K)))
     ss = sa.stride() if packed else (0, 0, 0)
     _grouped_kernel[(block_expert.shape[0], triton.cdiv(nout, BN))](
-        x, x_rows, out, out_rows, block_expert, wa, sa if packed else wa, wb if glu else wa,
-        (sb if packed else wa) if glu else wa, K, nout, x.stride(0), out.stride(0), wa.stride(0), wa.stride(1),
-        ss[0], ss[1], float(beta), float(linear_beta or 0.0),
-        PACKED=packed, GLU=glu, SITU=situ, LINEAR_TANH=linear_beta is not None,
-        ROUND_BF16=x.dtype == torch.bfloat16, BM=BM, BN=BN, BK=BK)
+        x,
+        x_rows,
+        out,
+        out_rows,
+        block_expert,
+        wa,
+        sa if packed else wa,
+        wb if glu else wa,
+        (sb if packed else wa) if glu else wa,
+        K,
+        nout,
+        x.stride(0),
+        out.stride(0),
+        wa.stride(0),
+        wa.stride(1),
+        ss[0],
+        ss[1],
+        float(beta),
+        float(linear_beta or 0.0),
+        PACKED=packed,
+        GLU=glu,
+        SITU=situ,
+        LINEAR_TANH=linear_beta is not None,
+        ROUND_BF16=x.dtype == torch.bfloat16,
+        BM=BM,
+        BN=BN,
+        BK=BK,
+    )
 
 
-def moe_experts(z, ids, weights, w1, w2, w3, s1, s2, s3, situ: bool, beta: float, linear_beta: float | None,
-                a8: bool = False):
+def moe_experts(
+    z, ids, weights, w1, w2, w3, s1, s2, s3, situ: bool, beta: float, linear_beta: float | None, a8: bool = False
+):
     """Routed sum: z [N, in] (model dtype), ids [N, k] local expert ids, weights [N, k] ->
     FP32 [N, out]. w* dense [E, rows, cols] or packed MXFP4 with scales s* (see the module)."""
     from k3serve.weights.mxfp8 import fake_quantize_mxfp8
@@ -160,6 +224,19 @@ def moe_experts(z, ids, weights, w1, w2, w3, s1, s2, s3, situ: bool, beta: float
     if a8:
         h = fake_quantize_mxfp8(h)
     y = torch.empty(N * k, w2.shape[1], dtype=z.dtype, device=z.device)  # one row per assignment
-    _grouped(h, torch.where(row_assign >= 0, every, -1), y, row_assign, block_expert, w2, s2, None, None,
-             False, situ, beta, linear_beta)
+    _grouped(
+        h,
+        torch.where(row_assign >= 0, every, -1),
+        y,
+        row_assign,
+        block_expert,
+        w2,
+        s2,
+        None,
+        None,
+        False,
+        situ,
+        beta,
+        linear_beta,
+    )
     return (y.view(N, k, -1).float() * weights.float().unsqueeze(-1)).sum(1)

@@ -27,8 +27,23 @@ def _x_row(state, u, i, c, m, KW: tl.constexpr, C):
 
 
 @triton.jit
-def _short_conv_kernel(u_ptr, w_ptr, pool_ptr, slots_ptr, last_ptr, out_ptr, rec_ptr, N, T, C, P,
-                       KW: tl.constexpr, BC: tl.constexpr, HAS_LAST: tl.constexpr, RECORD: tl.constexpr):
+def _short_conv_kernel(
+    u_ptr,
+    w_ptr,
+    pool_ptr,
+    slots_ptr,
+    last_ptr,
+    out_ptr,
+    rec_ptr,
+    N,
+    T,
+    C,
+    P,
+    KW: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_LAST: tl.constexpr,
+    RECORD: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m = c < C
@@ -44,7 +59,9 @@ def _short_conv_kernel(u_ptr, w_ptr, pool_ptr, slots_ptr, last_ptr, out_ptr, rec
         tl.store(out_ptr + plane * N * P + (b * T + t) * P + p, y, mask=m)
         if RECORD:  # the window after position t: rec [B, T, KW-1, C]
             for j in tl.static_range(KW - 1):
-                tl.store(rec_ptr + ((b * T + t) * (KW - 1) + j) * C + c, _x_row(state, u, t + 1 + j, c, m, KW, C), mask=m)
+                tl.store(
+                    rec_ptr + ((b * T + t) * (KW - 1) + j) * C + c, _x_row(state, u, t + 1 + j, c, m, KW, C), mask=m
+                )
     last = 0
     if HAS_LAST:
         last = tl.load(last_ptr + b).to(tl.int64)
@@ -55,8 +72,14 @@ def _short_conv_kernel(u_ptr, w_ptr, pool_ptr, slots_ptr, last_ptr, out_ptr, rec
         tl.store(state + j * C + c, row.to(state.dtype.element_ty), mask=m)
 
 
-def short_conv_update(u: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                      last: torch.Tensor | None = None, record: bool = False):
+def short_conv_update(
+    u: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    last: torch.Tensor | None = None,
+    record: bool = False,
+):
     """u [B*T, C] (sequence-major), weight [C, KW], pool [S, KW-1, C] updated in place at `slots`
     [B] with the window after each sequence's `last` [B] position (default 0, a decode).
     -> (out [3, B*T, C/3] fp32 after SiLU, rec [B, T, KW-1, C] fp32 when `record`, else None)."""
@@ -67,6 +90,20 @@ def short_conv_update(u: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
     rec = torch.empty(B, T, KW - 1, C, dtype=torch.float32, device=u.device) if record else out
     BC = min(triton.next_power_of_2(C), 256)
     _short_conv_kernel[(B, triton.cdiv(C, BC))](
-        u.contiguous(), weight.contiguous(), pool, slots, last if last is not None else slots, out, rec,
-        N, T, C, C // 3, KW=KW, BC=BC, HAS_LAST=last is not None, RECORD=record)
+        u.contiguous(),
+        weight.contiguous(),
+        pool,
+        slots,
+        last if last is not None else slots,
+        out,
+        rec,
+        N,
+        T,
+        C,
+        C // 3,
+        KW=KW,
+        BC=BC,
+        HAS_LAST=last is not None,
+        RECORD=record,
+    )
     return out, (rec if record else None)

@@ -64,8 +64,9 @@ def position_embedding(table: torch.Tensor, grids: list[tuple[int, int, int]], c
             raise ValueError(f"{t} frames in one media chunk; the temporal table covers {cfg.pos_emb_time}")
         grid = table
         if (h, w) != tuple(table.shape[:2]):
-            grid = F.interpolate(table.permute(2, 0, 1)[None].float(), size=(h, w), mode=cfg.interpolation,
-                                 align_corners=False)[0].permute(1, 2, 0)
+            grid = F.interpolate(
+                table.permute(2, 0, 1)[None].float(), size=(h, w), mode=cfg.interpolation, align_corners=False
+            )[0].permute(1, 2, 0)
         pos = grid.reshape(1, h * w, -1).expand(t, -1, -1)
         if t > 1:
             pos = pos + temporal_embedding(t, table.shape[-1])[:, None, :]
@@ -119,8 +120,9 @@ class Block(nn.Module):
         start = 0
         for n in lengths:  # full attention inside each media item, none across items
             s = slice(start, start + n)
-            out[s] = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1),
-                                                    v[s].transpose(0, 1)).transpose(0, 1)
+            out[s] = F.scaled_dot_product_attention(
+                q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1)
+            ).transpose(0, 1)
             start += n
         x = x + self.wo(out.reshape(x.shape[0], H * d))
         h = self.mlp.fc1(F.gelu(self.mlp.fc0(rms_norm(x, self.norm1.weight)), approximate="tanh"))
@@ -161,7 +163,7 @@ def sd2_tpool(x: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tenso
     """[L, C] -> [sum (h/2)(w/2), 4, C]: each 2x2 group (slots row-major), mean over frames (fp32)."""
     out, start = [], 0
     for t, h, w in grids:
-        item = x[start:start + t * h * w].float().view(t, h // 2, 2, w // 2, 2, -1)
+        item = x[start : start + t * h * w].float().view(t, h // 2, 2, w // 2, 2, -1)
         out.append(item.permute(0, 1, 3, 2, 4, 5).mean(0).reshape((h // 2) * (w // 2), 4, -1).to(x.dtype))
         start += t * h * w
     return torch.cat(out)
@@ -175,8 +177,9 @@ class Projector(nn.Module):
         super().__init__()
         merged = cfg.mm_hidden_size * math.prod(cfg.merge_kernel)
         self.eps = cfg.projector_eps
-        self.proj = nn.Sequential(nn.Linear(merged, merged, bias=False), nn.GELU(),
-                                  nn.Linear(merged, cfg.text_hidden_size, bias=False))
+        self.proj = nn.Sequential(
+            nn.Linear(merged, merged, bias=False), nn.GELU(), nn.Linear(merged, cfg.text_hidden_size, bias=False)
+        )
         self.post_norm = Weighted(cfg.text_hidden_size)
 
     def forward(self, merged: torch.Tensor) -> torch.Tensor:
