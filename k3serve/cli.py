@@ -53,7 +53,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from k3serve import LLM, SamplingParams
-    from k3serve.server.launch import backend_kwargs
+    from k3serve.server.launch import backend_kwargs, source_kwargs
 
     if not args.json:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -77,6 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         load_format=args.load_format,
         **backend_kwargs(args),
+        **source_kwargs(args),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         cache_memory=args.cache_memory,
@@ -205,7 +206,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from k3serve.bench.cli import add_bench_args
     from k3serve.planner.cli import add_plan_args
-    from k3serve.server.launch import add_backend_args, add_serve_args
+    from k3serve.server.launch import add_backend_args, add_serve_args, add_source_args
 
     # no abbreviations: vLLM's `--tokenizer PATH` was read as `--tokenizer-mode` by prefix
     parser = argparse.ArgumentParser(prog="k3serve", description=__doc__, allow_abbrev=False)
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("generate", help="offline generation through the engine (continuous batching)")
-    p.add_argument("--model", help="checkpoint dir (default: the bundled tiny model)")
+    p.add_argument("--model", help="checkpoint dir or Hugging Face repo id (default: the bundled tiny model)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several prompts")
     p.add_argument("--prompt-token-ids", help="comma-separated token ids")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "fastsafetensors"))
     add_backend_args(p)
+    add_source_args(p)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--cache-memory", help="cache bytes, e.g. 1GiB (default: a fraction of free memory)")

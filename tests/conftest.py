@@ -16,6 +16,13 @@ if not torch.cuda.is_available():
 from k3serve.testing.builder import build_tiny_checkpoint
 
 
+@pytest.fixture(autouse=True)
+def _no_hub_downloads(monkeypatch):
+    """Nothing in the suite reaches the Hugging Face Hub: a repo id resolves from a cache or fails
+    fast (weights/hub.py reads the variable per call); tests/unit/test_hub.py serves its own hub."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_k3_dir(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_k3"), kind="k3", seed=0)

@@ -23,6 +23,10 @@ ALL2ALL_BACKENDS = ("auto", "alltoall", "allgather_reducescatter", "naive")
 class EngineConfig:
     model: str | None = None  # checkpoint dir; None = the bundled default tiny model
     tokenizer: str | None = None  # default: the model dir
+    # a Hugging Face repo id as `model` (weights/hub.py): its revision, the cache folder, the token
+    revision: str | None = None
+    download_dir: str | None = None
+    hf_token: str | None = field(default=None, repr=False)
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3 MLA latent cache
     max_model_len: int | None = None  # None = min(max_position_embeddings, 8192)

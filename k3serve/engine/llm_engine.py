@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import time
+from pathlib import Path
 
 from k3serve.backends import STATIC
 from k3serve.cache.manager import HybridCacheManager
@@ -26,6 +27,7 @@ from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.engine.stats import IterationTokens
 from k3serve.offload.setup import make_tiers
+from k3serve.weights.hub import resolve_model
 from k3serve.distributed.executor import WorkerDied
 from k3serve.distributed.start import start_executor
 from k3serve.distributed.group import NO_TP, CollectiveError
@@ -61,7 +63,14 @@ class LLMEngine(HandoffMixin):
         the replica's model lives in a worker process (distributed/dp_replicas.py RemoteRank)."""
         self.remote = remote
         self.config, self.ep = config, (remote.model.ep if remote is not None else ep)
-        self.model_path = str(config.model or _default_model())
+        spec_model = (config.speculative_config or {}).get("model")
+        self.model_path = resolve_model(
+            str(config.model or _default_model()),
+            config.revision,
+            config.download_dir,
+            config.hf_token,
+            draft=bool(spec_model) and not Path(spec_model).exists(),  # a draft folder inside the repo
+        )
         where = placement(config)
         # TP ranks 1..N-1, or the replica's worker (its liveness and faults), or None
         self.executor = remote if remote is not None else start_executor(config, self.model_path, where)

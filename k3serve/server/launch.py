@@ -53,8 +53,19 @@ def backend_kwargs(args: argparse.Namespace) -> dict:
     return dict(kernels=args.kernels, enforce_eager=args.enforce_eager, compilation_config=args.compilation_config)
 
 
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """Where a model given as a Hugging Face repo id comes from (weights/hub.py), vLLM's flags."""
+    p.add_argument("--revision", help="branch, tag or commit of a Hugging Face repo id (default: main)")
+    p.add_argument("--download-dir", help="hub cache folder for a repo id (default: HF_HUB_CACHE)")
+    p.add_argument("--hf-token", help="token for gated repos (default: HF_TOKEN or the saved login)")
+
+
+def source_kwargs(args: argparse.Namespace) -> dict:
+    return dict(revision=args.revision, download_dir=args.download_dir, hf_token=args.hf_token)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="checkpoint dir (default: the bundled tiny model)")
+    p.add_argument("model", nargs="?", help="checkpoint dir or Hugging Face repo id (default: the bundled tiny model)")
     p.add_argument("--model", dest="model_flag", help="the same as MODEL (vLLM's older spelling)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -200,6 +211,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="tokenizer directory (tiktoken.model or tokenizer.json and tokenizer_config.json); default: the model's",
     )
     add_backend_args(p)
+    add_source_args(p)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -456,6 +468,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         load_format=args.load_format,
         **backend_kwargs(args),
+        **source_kwargs(args),
         load_progress=True,
         tokenizer=args.tokenizer,
         max_model_len=args.max_model_len,

@@ -49,14 +49,8 @@ FLAGS = [
     VllmFlag(
         "--tokenizer-revision",
         True,
-        "models and tokenizers load from local directories (no hub downloads yet): there is no revision to pick",
+        "the tokenizer is read from the model's own revision (--revision): a separate one is not supported",
         refuse=True,
-    ),
-    VllmFlag(
-        "--hf-token",
-        True,
-        "nothing is downloaded (models load from local directories): the token is unused",
-        secret=True,
     ),
     VllmFlag(
         "--async-scheduling",

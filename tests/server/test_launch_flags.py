@@ -85,7 +85,7 @@ def test_response_role_and_whitespace_default_act_in_the_server(tiny_k3_dir):
     "flags, match",
     [
         (("--otlp-traces-endpoint", "http://collector:4318"), "tracing is not built"),
-        (("--tokenizer-revision", "main"), "no revision"),
+        (("--tokenizer-revision", "main"), "the model's own revision"),
         (("--max-num-partial-prefills", "2"), "no separate cap"),
     ],
 )
@@ -95,9 +95,14 @@ def test_flags_refused_with_the_reason(flags, match):
 
 
 def test_flags_accepted_because_they_hold():
-    _, notes = parsed("--hf-token", "hf_x", "--async-scheduling")
-    assert any("--hf-token ***" in n and "unused" in n for n in notes) and not any("hf_x" in n for n in notes)
+    args, notes = parsed("--hf-token", "hf_x", "--async-scheduling", "--revision", "v2", "--download-dir", "/d")
+    assert not any("hf_x" in n for n in notes)  # the token is used now (weights/hub.py), never printed
     assert any("--async-scheduling" in n and "changes nothing" in n for n in notes)
+    from k3serve.config.engine_config import EngineConfig
+    from k3serve.server.launch import source_kwargs
+
+    cfg = EngineConfig(model="org/name", **source_kwargs(args))
+    assert (cfg.revision, cfg.download_dir, cfg.hf_token) == ("v2", "/d", "hf_x") and "hf_x" not in repr(cfg)
 
 
 def test_root_path_and_request_id_headers_act(tiny_k3_dir):

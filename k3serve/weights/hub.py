@@ -1,0 +1,125 @@
+"""Where a model comes from: a local directory, or a Hugging Face repo id (issue 50).
+
+`resolve_model("moonshotai/Kimi-K3")` returns a local directory: a snapshot in the hub cache
+(`HF_HUB_CACHE`, or `download_dir`) holding only the files the engine reads: config and
+generation config, tokenizer and chat template, the safetensors index and the shards it names
+(the DSpark draft's folder when asked). A snapshot already cached is used without a network
+call; `HF_HUB_OFFLINE=1` never calls the network (nothing cached: one error naming the repo and
+the variable); a repo that is not a K3-class model (config.json's model_type) is refused before
+anything large is fetched. `HF_TOKEN` (or `--hf-token`) for gated repos, `HF_ENDPOINT` for a
+mirror. A bundled config name (config/bundled.py) stays what `plan` and `inspect` read offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+KINDS = ("kimi_k3", "kimi_linear")  # config.json model_type values the engine serves
+# what the engine reads besides the shards (missing ones are simply absent from the repo)
+ENGINE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "tiktoken.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class ModelSourceError(ValueError):
+    pass
+
+
+def is_repo_id(model: str) -> bool:
+    return bool(REPO_ID.fullmatch(model)) and not Path(model).exists()
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_model(
+    model: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | None = None,
+    draft: bool = False,
+    config_only: bool = False,
+) -> str:
+    """A local directory for `model` (a path is returned as it is)."""
+    if Path(model).exists():
+        return str(model)
+    if not is_repo_id(model):
+        raise ModelSourceError(f"model {model!r}: no such directory, and not a Hugging Face repo id (org/name)")
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    # the variables are read per call (huggingface_hub reads them once, at its import)
+    cache = download_dir or os.environ.get("HF_HUB_CACHE") or None
+    kw = dict(revision=revision, cache_dir=cache, token=token, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    try:
+        return _fetch(model, kw, draft, config_only, local=True)  # a cached snapshot: no network
+    except (LocalEntryNotFoundError, _Incomplete, EntryNotFoundError) as e:
+        if offline():
+            where = cache or "the Hugging Face cache"
+            raise ModelSourceError(
+                f"model {model!r} is not in {where} and HF_HUB_OFFLINE is set: fetch it once "
+                f"online, or pass a local directory ({type(e).__name__})"
+            ) from None
+    try:
+        return _fetch(model, kw, draft, config_only, local=False)
+    except RepositoryNotFoundError:
+        raise ModelSourceError(
+            f"model {model!r}: no such repository (or a gated one: set HF_TOKEN or --hf-token)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelSourceError(f"model {model!r}: no revision {revision!r}") from None
+    except EntryNotFoundError as e:
+        raise ModelSourceError(f"model {model!r}: {e}") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelSourceError(
+            f"model {model!r}: download failed ({type(e).__name__}: {e}); HF_HUB_OFFLINE=1 reads the cache only"
+        ) from None
+
+
+class _Incomplete(Exception):
+    """A cached snapshot lacks some of the files the engine reads."""
+
+
+def _fetch(repo: str, kw: dict, draft: bool, config_only: bool, local: bool) -> str:
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    config = Path(hf_hub_download(repo, "config.json", local_files_only=local, **kw))
+    kind = json.loads(config.read_text()).get("model_type")
+    if kind not in KINDS:
+        raise ModelSourceError(f"model {repo!r} is a {kind!r} model; k3serve serves {' and '.join(KINDS)} checkpoints")
+    if config_only:
+        return str(config.parent)
+    try:
+        index = Path(hf_hub_download(repo, "model.safetensors.index.json", local_files_only=local, **kw))
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except EntryNotFoundError:
+        shards = ["model.safetensors"]
+    patterns = [*ENGINE_FILES, *shards] + (["dspark/*"] if draft else [])
+    path = Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=local, **kw))
+    missing = [s for s in shards if not (path / s).is_file()]
+    if missing:
+        raise _Incomplete(f"{len(missing)} shards not cached, first {missing[0]}")
+    if draft and not (path / "dspark").is_dir():
+        raise _Incomplete("the DSpark draft is not cached")
+    return str(path)
