@@ -180,10 +180,32 @@ def test_bad_load_format(tiny_k3_dir):
         load_weights(tiny_k3_dir, load_model_config(tiny_k3_dir), load_format="gguf")
 
 
-def test_fastsafetensors_alias_loads(tiny_k3_dir):
+def test_fastsafetensors_reads_the_same_bytes_through_its_own_reader(tiny_k3_dir, monkeypatch):
+    """--load-format fastsafetensors is the fastsafetensors library (its no-GDS path here), not an
+    alias: every tensor equal to the mmap reader's, read by its loader; without the library, a
+    clear error saying what to install."""
+    pytest.importorskip("fastsafetensors")
+    import fastsafetensors
+
     cfg = load_model_config(tiny_k3_dir)
-    a = load_weights(tiny_k3_dir, cfg, load_format="fastsafetensors", progress=False)
-    assert "lm_head.weight" in a
+    want = load_weights(tiny_k3_dir, cfg, progress=False)
+    calls = []
+    real = fastsafetensors.SafeTensorsFileLoader.copy_files_to_device
+    monkeypatch.setattr(
+        fastsafetensors.SafeTensorsFileLoader, "copy_files_to_device", lambda self: calls.append(1) or real(self)
+    )
+    got = load_weights(tiny_k3_dir, cfg, load_format="fastsafetensors", progress=False)
+    assert set(got) == set(want) and len(calls) > 1  # a buffer per shard holding text tensors
+    for k, w in want.items():
+        g = got[k]
+        assert (
+            (torch.equal(g.packed, w.packed) and torch.equal(g.scale, w.scale))
+            if isinstance(w, PackedMXFP4)
+            else torch.equal(g, w)
+        )
+    monkeypatch.setitem(__import__("sys").modules, "fastsafetensors", None)  # as if not installed
+    with pytest.raises(ValueError, match="pip install fastsafetensors=="):
+        load_weights(tiny_k3_dir, cfg, load_format="fastsafetensors", progress=False)
 
 
 def test_loaded_experts_stay_packed(tiny_k3_dir):
