@@ -85,7 +85,7 @@ def kda_decode(
         u, g, beta, conv_w, conv.index_select(0, slots), rec.index_select(0, slots), H, D
     )
     conv.index_copy_(0, slots, conv_new)
-    rec.index_copy_(0, slots, state)
+    rec.index_copy_(0, slots, state.to(rec.dtype))  # a bf16 state pool (--mamba-ssm-cache-dtype) rounds here
     return gated(o)
 
 
@@ -119,12 +119,13 @@ def kda_verify(
     outs, states, convs = [], [], []
     for t in range(T):
         o, conv_state, state = _kda_position(u[:, t], g[:, t], beta[:, t], conv_w, conv_state, state, H, D)
+        state = state.to(rec.dtype)  # as a decode would store it (bf16 pools round every position)
         outs.append(o)
         states.append(state)
         convs.append(conv_state)
-    rec_rec, conv_rec = torch.stack(states, 1), torch.stack(convs, 1)
+    rec_rec, conv_rec = torch.stack(states, 1).to(rec.dtype), torch.stack(convs, 1)
     every = torch.arange(B, device=slots.device)
-    rec.index_copy_(0, slots, rec_rec[every, last])
+    rec.index_copy_(0, slots, rec_rec[every, last].to(rec.dtype))
     conv.index_copy_(0, slots, conv_rec[every, last])
     return gated(torch.stack(outs, 1).view(B * T, H, D)), rec_rec, conv_rec
 

@@ -107,6 +107,7 @@ class CachePlan:
     token_bytes: int  # one token's latent rows across all MLA layers
     max_model_len: int
     num_checkpoints: int = 0  # extra state slots holding prefix-cache KDA checkpoints
+    state_dtype: str = "float32"  # the KDA recurrent state's (--mamba-ssm-cache-dtype); conv state stays fp32
 
     @property
     def kv_tokens(self) -> int:
@@ -125,10 +126,12 @@ class CachePlan:
         return min(self.num_slots, self.requests_by_tokens(context_len))
 
 
-def full_request_bytes(cfg: ModelConfig, max_model_len: int, block_size: int = 16, kv_dtype: str = "bfloat16") -> int:
+def full_request_bytes(
+    cfg: ModelConfig, max_model_len: int, block_size: int = 16, kv_dtype: str = "bfloat16", state_dtype: str = "float32"
+) -> int:
     """Cache bytes of one request at max_model_len: its state slot plus whole latent blocks."""
     blocks = -(-max_model_len // block_size)
-    return kda_state_bytes_per_request(cfg) + blocks * latent_block_bytes(cfg, block_size, kv_dtype)
+    return kda_state_bytes_per_request(cfg, state_dtype) + blocks * latent_block_bytes(cfg, block_size, kv_dtype)
 
 
 def _share(nbytes: int, share: float) -> int:
@@ -148,6 +151,7 @@ def plan_cache(
     state_shards: int = 1,
     kda_share: float = 1.0,
     mla_share: float = 1.0,
+    state_dtype: str = "float32",
 ) -> CachePlan:
     """Split `cache_bytes` by the expected request shape.
 
@@ -164,7 +168,7 @@ def plan_cache(
     """
     token_bytes = _share(mla_cache_bytes_per_token(cfg, kv_dtype), mla_share)
     block_bytes = block_size * token_bytes
-    slot_bytes = -(-_share(kda_state_bytes_per_request(cfg), kda_share) // state_shards)
+    slot_bytes = -(-_share(kda_state_bytes_per_request(cfg, state_dtype), kda_share) // state_shards)
     blocks_per_req = -(-max_model_len // block_size)
     per_request = slot_bytes + blocks_per_req * block_bytes
     num_ckpt = 0
@@ -187,4 +191,6 @@ def plan_cache(
     rest = cache_bytes - num_slots * slot_bytes
     # Without MLA layers blocks cost nothing; keep enough for every slot at max_model_len.
     num_blocks = rest // block_bytes if block_bytes else num_slots * blocks_per_req
-    return CachePlan(block_size, num_blocks, num_slots, block_bytes, slot_bytes, token_bytes, max_model_len, num_ckpt)
+    return CachePlan(
+        block_size, num_blocks, num_slots, block_bytes, slot_bytes, token_bytes, max_model_len, num_ckpt, state_dtype
+    )

@@ -29,6 +29,9 @@ class EngineConfig:
     hf_token: str | None = field(default=None, repr=False)
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3 MLA latent cache
+    # the KDA recurrent state's dtype (vLLM's mamba_ssm_cache_dtype; SGLang's --mamba-ssm-dtype): auto =
+    # float32, the model card's; bfloat16 halves the state's bytes (its drift: docs/features.md)
+    mamba_ssm_cache_dtype: str = "auto"
     max_model_len: int | None = None  # None = min(max_position_embeddings, 8192)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -74,6 +77,11 @@ class EngineConfig:
     master_port: int = 0  # its port (required with nnodes > 1; 0 = any, one node)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def ssm_dtype(self) -> str:
+        """The KDA recurrent state's dtype name ("auto": float32)."""
+        return "float32" if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -100,6 +108,10 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_state_fraction must be in (0, 1), got {self.prefix_cache_state_fraction}")
         if self.prefix_cache_state_interval % self.block_size:
             raise ValueError(f"prefix_cache_state_interval must be a multiple of block_size {self.block_size}")
+        if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"mamba_ssm_cache_dtype must be auto, float32 or bfloat16, got {self.mamba_ssm_cache_dtype!r}"
+            )
         if self.kv_offloading_backend != "native":
             raise ValueError(
                 f"kv_offloading_backend {self.kv_offloading_backend!r} is not available: k3serve's "

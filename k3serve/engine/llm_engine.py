@@ -109,6 +109,14 @@ class LLMEngine(HandoffMixin):
                     "DP-attention engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)"
                 )
             mode = "torch"  # auto on a GPU with DP-attention replicas: their dispatch is eager
+        if config.ssm_dtype != "float32" and mode in ("auto", "cpp"):
+            if config.kernels == "cpp":  # its C++ kernels read and write the KDA state as float32
+                raise ValueError(
+                    "kernels='cpp' keeps the KDA state in float32: with --mamba-ssm-cache-dtype "
+                    f"{config.ssm_dtype} use 'torch', 'graph' or 'triton'"
+                )
+            mode = "torch"
+            log.info("KDA state in %s: the CPU kernels (float32 state) stand aside; layers run torch", config.ssm_dtype)
         self.kernels = self.model.use_kernels(mode)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.model)

@@ -151,7 +151,7 @@ def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, ma
     frac = config.prefix_cache_state_fraction if config.enable_prefix_caching else 0.0
     if config.cache_memory is None and config.gpu_memory_utilization is None:
         # a fraction of free memory never reserves more than max_num_seqs full requests use
-        full = full_request_bytes(model.cfg, max_model_len, config.block_size, kv_name)
+        full = full_request_bytes(model.cfg, max_model_len, config.block_size, kv_name, config.ssm_dtype)
         # ... plus the checkpoint share taken off the top, or one slot of max_num_seqs goes missing
         budget = min(budget, math.ceil(config.max_num_seqs * full / (1.0 - frac)))
     return plan_cache(
@@ -164,6 +164,7 @@ def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, ma
         num_slots=config.num_state_slots,
         checkpoint_fraction=frac,
         state_shards=config.tensor_parallel_size,
+        state_dtype=config.ssm_dtype,
     )
 
 

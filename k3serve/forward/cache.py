@@ -1,6 +1,6 @@
 """CacheTensors: where a rank's cache state lives, indexed by layer (None for the other kind).
 
-  KDA layer l:  recurrent[l][slot] [H, D, D] fp32,  conv[l][slot] [K-1, 3P] fp32
+  KDA layer l:  recurrent[l][slot] [H, D, D] fp32 (or bf16: --mamba-ssm-cache-dtype),  conv[l][slot] [K-1, 3P] fp32
   MLA layer l:  latent[l][row] [kv_lora + rope], row = block_id * block_size + offset
 
 Sizes come from the pure-Python `CachePlan` (cache/sizing.py); checkpoint slots for prefix
@@ -44,6 +44,7 @@ class CacheTensors:
         device: str | torch.device = "cpu",
         tp_size: int = 1,
         scratch: bool = False,
+        state_dtype: torch.dtype = torch.float32,
     ) -> "CacheTensors":
         """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole.
         `scratch`: one more slot and block for the static step's padding rows."""
@@ -53,7 +54,7 @@ class CacheTensors:
         rec, conv, lat = [], [], []
         for kind in cfg.layer_kinds:
             if kind is LayerKind.KDA:
-                rec.append(torch.zeros(num_slots, heads, k.head_dim, k.head_dim, device=device))
+                rec.append(torch.zeros(num_slots, heads, k.head_dim, k.head_dim, dtype=state_dtype, device=device))
                 conv.append(torch.zeros(num_slots, k.conv_kernel - 1, 3 * heads * k.head_dim, device=device))
                 lat.append(None)
             else:

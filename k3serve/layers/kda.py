@@ -94,8 +94,9 @@ class KimiDeltaAttention(nn.Module):
             at = batch.index(("verify seqs", t), act)
             c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
             q, k, v = self._qkv(c)
-            o[rows], rec[slots] = kda_step(q, k, v, g[rows], beta[rows], rec[slots])
-            rec_buf[at, t], conv_buf[at, t] = rec[slots], conv[slots]
+            o[rows], new = kda_step(q, k, v, g[rows], beta[rows], rec[slots].float())
+            rec[slots] = new.to(rec.dtype)  # a bf16 pool (--mamba-ssm-cache-dtype) rounds here
+            rec_buf[at, t], conv_buf[at, t] = rec[slots].float(), conv[slots]
         batch.keep_kda_records(self.layer_idx, (rec_buf, conv_buf))
 
     def _run(self, decodes, u, conv_w, g, beta, batch, rec, conv, o) -> None:
@@ -108,7 +109,7 @@ class KimiDeltaAttention(nn.Module):
             slot = batch.state_slots[i]
             fresh = batch.context_lens[i] == 0  # a new sequence starts from zero state
             c0 = torch.zeros_like(conv[slot]) if fresh else conv[slot]
-            s0 = torch.zeros_like(rec[slot]) if fresh else rec[slot]
+            s0 = rec.new_zeros(rec.shape[1:], dtype=torch.float32) if fresh else rec[slot].float()
             c, conv[slot] = short_conv(u[s:e], conv_w, c0)
             q, k, v = self._qkv(c)
             o[s:e], rec[slot] = kda_chunked(q, k, v, g[s:e], beta[s:e], s0)
@@ -119,7 +120,8 @@ class KimiDeltaAttention(nn.Module):
         slots = batch.index(("decode slots", tuple(idx)), [batch.state_slots[i] for i in idx])
         c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
         q, k, v = self._qkv(c)
-        o[rows], rec[slots] = kda_step(q, k, v, g[rows], beta[rows], rec[slots])
+        o[rows], new = kda_step(q, k, v, g[rows], beta[rows], rec[slots].float())
+        rec[slots] = new.to(rec.dtype)  # a bf16 pool (--mamba-ssm-cache-dtype) rounds here
 
     def _qkv(self, c: torch.Tensor):
         """Post-conv [T, 3P] -> q (l2norm, * D^-1/2), k (l2norm), v, each [T, H, D]."""

@@ -37,6 +37,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="USD per GPU-hour for the cost column, repeatable (illustrative defaults otherwise)",
     )
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the KDA recurrent state's dtype (auto: float32)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--memory-fraction", type=float, default=0.92, help="of total HBM (vLLM semantics)")
@@ -118,6 +124,7 @@ def run_plan(args: argparse.Namespace) -> int:
         spec_tokens=args.spec_tokens,
         draft_bytes=int(args.draft_params * 2),
         encoder_cache_bytes=parse_bytes(args.mm_encoder_cache),
+        state_dtype="float32" if args.mamba_ssm_cache_dtype == "auto" else args.mamba_ssm_cache_dtype,
     )
     report = plan(
         cfg,

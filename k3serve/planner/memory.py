@@ -40,6 +40,7 @@ class Workload:
     spec_tokens: int = 0  # speculative tokens k: per-position KDA states k per request
     draft_bytes: int = 0  # speculative draft weights (replicated per rank)
     encoder_cache_bytes: int = 256 * 2**20  # vision-tower rows by image digest (models with a tower)
+    state_dtype: str = "float32"  # the KDA recurrent state's (--mamba-ssm-cache-dtype)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def rank_memory(
     budget = (
         cache_bytes if cache_bytes is not None else usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder
     )
-    spec_states = w.spec_tokens * -(-int(kda_state_bytes_per_request(cfg) * share.kda) // tp)
+    spec_states = w.spec_tokens * -(-int(kda_state_bytes_per_request(cfg, w.state_dtype) * share.kda) // tp)
     plan, why = None, None
     try:
         if budget <= 0:
@@ -101,18 +102,21 @@ def rank_memory(
             state_shards=tp,
             kda_share=share.kda,
             mla_share=share.mla,
+            state_dtype=w.state_dtype,
         )
     except ValueError as e:
         why = str(e)
     return RankMemory(gpu.hbm_bytes, usable, wbytes, w.draft_bytes, act, w.overhead_bytes, encoder, budget, plan, why)
 
 
-def max_context_one_request(cfg: ModelConfig, rank: RankMemory, layout: Layout, kv_dtype: str) -> int:
+def max_context_one_request(
+    cfg: ModelConfig, rank: RankMemory, layout: Layout, kv_dtype: str, state_dtype: str = "float32"
+) -> int:
     """Longest single request the cache budget holds (one state slot + its latent rows)."""
     if rank.cache_budget <= 0:
         return 0
     share = stage_shares(cfg, layout.pp)
-    state = -(-int(kda_state_bytes_per_request(cfg) * share.kda) // layout.tp)
+    state = -(-int(kda_state_bytes_per_request(cfg, state_dtype) * share.kda) // layout.tp)
     per_token = math.ceil(mla_cache_bytes_per_token(cfg, kv_dtype) * share.mla)
     if not per_token:
         return cfg.max_position_embeddings

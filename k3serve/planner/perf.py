@@ -75,6 +75,7 @@ def estimate(
     concurrency: int,
     context: int,
     kv_dtype: str = "bfloat16",
+    state_dtype: str = "float32",
 ) -> Perf:
     B = max(1, concurrency)
     pp, tp, dp = layout.pp, layout.tp, layout.dp
@@ -89,7 +90,7 @@ def estimate(
     expert_bytes = w.expert / max(1, moe_layers * m.num_experts) if m.num_experts else 0
     non_expert = (w.tp_sharded / tp + w.replicated) * layer_share
     kv = per_group * context * mla_cache_bytes_per_token(cfg, kv_dtype) * mla_share
-    state = 2 * per_group * kda_state_bytes_per_request(cfg) * kda_share / tp
+    state = 2 * per_group * kda_state_bytes_per_request(cfg, state_dtype) * kda_share / tp
     nbytes = non_expert + stage_moe * touched * expert_bytes / layout.ep + kv + state
     attn_flops = 4 * len(cfg.mla_layers) * cfg.mla.num_heads * context * (cfg.mla.cache_dim + cfg.mla.v_head_dim)
     flops = micro * (2 * w.active_params + attn_flops) * layer_share / layout.stage_gpus

@@ -123,10 +123,10 @@ def evaluate(
     problems = layout.problems(cfg, gpu.scaleup_domain)
     rank = rank_memory(cfg, gpu, layout, weights, w, cache_bytes)
     capacity = layout.dp * rank.plan.max_concurrency(w.context) if rank.plan else 0
-    max_ctx = max_context_one_request(cfg, rank, layout, w.kv_dtype)
+    max_ctx = max_context_one_request(cfg, rank, layout, w.kv_dtype, w.state_dtype)
     perf = None
     if not problems and rank.fits:
-        perf = estimate(cfg, gpu, layout, weights, min(w.concurrency, capacity), w.context, w.kv_dtype)
+        perf = estimate(cfg, gpu, layout, weights, min(w.concurrency, capacity), w.context, w.kv_dtype, w.state_dtype)
     static = min(0.99, (rank.weights + rank.draft_weights + max(rank.cache_budget, 0)) / gpu.hbm_bytes)
     cmds = launch_commands(
         model,
@@ -226,7 +226,7 @@ def plan(
         w,
         mla_cache_bytes_per_token(cfg, "bfloat16"),
         mla_cache_bytes_per_token(cfg, "fp8"),
-        kda_state_bytes_per_request(cfg),
+        kda_state_bytes_per_request(cfg, w.state_dtype),
         ranked,
         smallest,
         optimize,

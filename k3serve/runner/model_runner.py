@@ -337,6 +337,7 @@ def allocate_cache(
         device=device,
         tp_size=model.tp.size,
         scratch=scratch,
+        state_dtype=getattr(torch, plan.state_dtype),
     )
 
 

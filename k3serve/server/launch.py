@@ -303,6 +303,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="share of the cache memory reserved for KDA checkpoints",
     )
     p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the KDA recurrent state's dtype (auto: float32, the model card's; bfloat16 halves its bytes)",
+    )
+    p.add_argument(
         "--kv-offloading-size",
         type=float,
         default=None,
@@ -481,6 +487,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=spec,
         prefix_cache_state_interval=args.prefix_cache_state_interval,
         prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
         kv_offloading_dir=args.kv_offloading_dir,

@@ -53,5 +53,5 @@ def rollback_states(
         pos = torch.tensor([accepted[j] for j in keep], device=device)
         rows = torch.tensor(keep, device=device)
         for layer, (rec_buf, conv_buf) in records.items():
-            cache.recurrent[layer][dst] = rec_buf[rows, pos]
+            cache.recurrent[layer][dst] = rec_buf[rows, pos].to(cache.recurrent[layer].dtype)
             cache.conv[layer][dst] = conv_buf[rows, pos]

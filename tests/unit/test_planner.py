@@ -100,11 +100,15 @@ def test_kimi_linear_numbers():
     assert (rep.token_bytes, rep.state_bytes) == (8_064, 44_892_160)
 
 
-def test_engine_and_planner_agree_on_the_tiny_model(tiny_k3_dir):
-    """Same cache size -> the planner predicts exactly the engine's start-up slots and tokens."""
+@pytest.mark.parametrize("state", ["float32", "bfloat16"])
+def test_engine_and_planner_agree_on_the_tiny_model(tiny_k3_dir, state):
+    """Same cache size -> the planner predicts exactly the engine's start-up slots and tokens,
+    with either KDA state dtype (--mamba-ssm-cache-dtype)."""
     from k3serve import LLM
 
-    llm = LLM(str(tiny_k3_dir), cache_memory="8MiB", max_model_len=1024, max_num_seqs=16)
+    llm = LLM(
+        str(tiny_k3_dir), cache_memory="8MiB", max_model_len=1024, max_num_seqs=16, mamba_ssm_cache_dtype=state
+    )
     cfg = llm.engine.model.cfg
     rep = plan(
         cfg,
@@ -112,13 +116,16 @@ def test_engine_and_planner_agree_on_the_tiny_model(tiny_k3_dir):
         "schema",
         [get_gpu("H100")],
         weight_split(cfg, tiny_k3_dir),
-        Workload(context=1024, max_num_seqs=16, kv_dtype="float32", memory_fraction=0.92),
+        Workload(context=1024, max_num_seqs=16, kv_dtype="float32", memory_fraction=0.92, state_dtype=state),
         num_gpus=1,
         tp=1,
         cache_bytes=8 * 2**20,
     )
     got, want = rep.results[0].rank.plan, llm.engine.plan
     assert (got.num_slots, got.kv_tokens, got.num_checkpoints) == (want.num_slots, want.kv_tokens, want.num_checkpoints)
+    cache = llm.engine.runner.cache  # the bytes one slot really takes in the engine's tensors
+    held = sum(t[0].nbytes for t in cache.recurrent + cache.conv if t is not None)
+    assert got.slot_bytes == want.slot_bytes == held
     line = next(x for x in llm.engine.startup_log if "latent KV" in x)
     assert f"{got.kv_tokens:,} tokens" in line and f"{got.num_slots} slots" in line
 
