@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray,nixl]'
+	$(PY) -m pip install -q -e '.[test,ray,nixl,tracing]'
 	$(PY) -m pip install -q --no-deps nixl==1.5.1  # the `nixl` module over nixl-cu12; see pyproject.toml
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9  # structured outputs; see pyproject.toml
 	touch $(STAMP)

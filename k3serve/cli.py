@@ -117,7 +117,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from k3serve.server.http import uvicorn_config
     from k3serve.server.router import build_router
 
-    app = build_router(args.prefill, args.decode)
+    from k3serve.server.launch import tracing
+
+    app = build_router(args.prefill, args.decode, tracing=tracing(args.otlp_traces_endpoint, "k3serve-router"))
     uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.uvicorn_log_level)).run()
     return 0
 
@@ -225,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--otlp-traces-endpoint", help="OpenTelemetry collector for the router's spans (OTLP/HTTP)")
     p.set_defaults(func=_cmd_router)
     p = sub.add_parser("plan", help="capacity planner: fit, GPU count, concurrency, latency, launch commands")
     add_plan_args(p)

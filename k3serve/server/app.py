@@ -74,6 +74,8 @@ def build_app(
         yield
         if task is not None:
             task.cancel()
+        if state.tracing is not None:  # the last spans leave before the process does
+            state.tracing.flush()
 
     app = FastAPI(title="k3serve", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     install_error_handlers(app)
@@ -209,6 +211,10 @@ def build_app(
         routes=ROUTES,
         count=lambda route, status: state.metrics.http.labels(route, status).inc(),
     )
+    if state.tracing is not None:  # the request's traceparent, for its span (server/tracing.py)
+        from k3serve.server.tracing import TraceHeaders
+
+        app.add_middleware(TraceHeaders)
     if cors:  # outermost: a preflight carries no API key and is answered here
         app.add_middleware(CORSMiddleware, **cors)
     return app

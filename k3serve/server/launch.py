@@ -60,6 +60,15 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-token", help="token for gated repos (default: HF_TOKEN or the saved login)")
 
 
+def tracing(endpoint: str | None, service: str = "k3serve"):
+    """Tracing to `endpoint` (server/tracing.py), or None."""
+    if not endpoint:
+        return None
+    from k3serve.server.tracing import Tracing
+
+    return Tracing(endpoint, service)
+
+
 def source_kwargs(args: argparse.Namespace) -> dict:
     return dict(revision=args.revision, download_dir=args.download_dir, hf_token=args.hf_token)
 
@@ -301,6 +310,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.1,
         help="share of the cache memory reserved for KDA checkpoints",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        help="OpenTelemetry collector for per-request spans (OTLP/HTTP, e.g. http://127.0.0.1:4318)",
     )
     p.add_argument(
         "--mamba-ssm-cache-dtype",
@@ -628,6 +641,7 @@ def build_server(args: argparse.Namespace):
         kv_transfer=kv_transfer(args),
         response_role=args.response_role,
         json_any_whitespace=not (args.structured_outputs_config or {}).get("disable_any_whitespace", True),
+        tracing=tracing(args.otlp_traces_endpoint),
     )
     app = build_app(
         state,

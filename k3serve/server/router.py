@@ -72,7 +72,9 @@ class Pool:
         return min(choices, key=lambda u: self.in_flight.get(u, 0)) if choices else None
 
 
-def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> FastAPI:
+def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0, tracing=None) -> FastAPI:
+    """`tracing` (server/tracing.py): a `router_request` span per request, the parent of the
+    prefill and decode servers' spans (its traceparent goes on to both)."""
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode server")
     pool = Pool([u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode])
@@ -82,6 +84,8 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
     async def lifespan(_app):
         yield
         await client.aclose()
+        if tracing is not None:
+            tracing.flush()
 
     app = FastAPI(title="k3serve router", lifespan=lifespan)
 
@@ -95,6 +99,17 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
         return JSONResponse(r.json(), status_code=r.status_code)
 
     async def disaggregated(raw: Request, path: str):
+        if tracing is None:
+            return await route(raw, path, {})
+        span, headers = tracing.router_span(dict(raw.headers), path)
+        try:
+            answer = await route(raw, path, headers)
+            span.set_attribute("http.status_code", answer.status_code)
+            return answer
+        finally:
+            span.end()
+
+    async def route(raw: Request, path: str, headers: dict):
         try:
             body = await raw.json()
         except ValueError:
@@ -110,12 +125,12 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
             prefill_url = pool.pick_prefill(body, await _held(client, pool, path, body))
             pool.in_flight[prefill_url] = pool.in_flight.get(prefill_url, 0) + 1
             try:
-                prefilled = await _prefill(client, prefill_url, path, body)
+                prefilled = await _prefill(client, prefill_url, path, body, headers)
             finally:
                 pool.in_flight[prefill_url] -= 1
             if isinstance(prefilled, Response):
                 return prefilled  # the prefill server's own 4xx/5xx, passed through
-            answer = await _decode(client, pool, decode_url, path, body, prefilled)
+            answer = await _decode(client, pool, decode_url, path, body, prefilled, headers)
             if isinstance(answer, PullFailed):  # the prefill side failed, not this decode server: retry it
                 pull_failed = answer
             elif answer is not None:
@@ -168,11 +183,11 @@ async def _release(client: httpx.AsyncClient, kv: dict) -> None:
         pass
 
 
-async def _prefill(client: httpx.AsyncClient, url: str, path: str, body: dict) -> dict | Response:
+async def _prefill(client: httpx.AsyncClient, url: str, path: str, body: dict, headers: dict) -> dict | Response:
     first = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
     first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     try:
-        r = await client.post(url + path, json=first)
+        r = await client.post(url + path, json=first, headers=headers)
     except httpx.HTTPError as e:
         return _error(503, f"the prefill server {url} cannot be reached ({type(e).__name__})")
     if r.status_code != 200:
@@ -194,11 +209,11 @@ class PullFailed:
 
 
 async def _decode(
-    client: httpx.AsyncClient, pool: Pool, url: str, path: str, body: dict, kv: dict
+    client: httpx.AsyncClient, pool: Pool, url: str, path: str, body: dict, kv: dict, headers: dict
 ) -> Response | PullFailed | None:
     """The decode server's answer; None when it failed before sending anything (retry
     elsewhere); PullFailed when it says it could not pull the prefill's state (a 502)."""
-    req = client.build_request("POST", url + path, json={**body, "kv_transfer_params": kv})
+    req = client.build_request("POST", url + path, json={**body, "kv_transfer_params": kv}, headers=headers)
     pool.in_flight[url] = pool.in_flight.get(url, 0) + 1
     try:
         r = await client.send(req, stream=True)

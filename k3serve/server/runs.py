@@ -14,6 +14,7 @@ from fastapi import Request
 from k3serve.engine.async_engine import EngineOverloaded, EngineUnavailable, RequestFailed
 from k3serve.engine.outputs import RequestOutput
 from k3serve.server.media import engine_prompt
+from k3serve.server.tracing import HEADERS as TRACE_HEADERS
 from k3serve.sampling.params import ParamError, SamplingParams
 from k3serve.server.errors import APIError, error_body
 from k3serve.server.state import ServerState
@@ -89,6 +90,7 @@ class Run:
         handoff=None,
     ):
         self.state, self.prompt_ids, self.params, self.request_id = state, prompt_ids, params, request_id
+        self.trace_headers = TRACE_HEADERS.get()  # the request's traceparent (server/tracing.py)
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
         self._gen = state.engine.generate(
             engine_prompt(prompt_ids, media), params, request_id, priority, keep_cache, handoff
@@ -182,6 +184,19 @@ class Run:
         asked = self.params.max_tokens
         if asked is None:  # up to the context: what is left of it after the prompt
             asked = max(0, self.state.max_model_len - len(self.prompt_ids))
+        if self.state.tracing is not None:
+            self.state.tracing.request_span(
+                self.trace_headers,
+                self.request_id,
+                self.state.served_model_name,
+                self.params,
+                len(self.prompt_ids),
+                n,
+                out.num_cached_tokens,
+                out.metrics,
+                self.arrival,
+                time.monotonic(),
+            )
         self.state.metrics.observe_request(
             len(self.prompt_ids),
             n,

@@ -9,6 +9,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from k3serve.chat.render import ChatRenderer
 from k3serve.server.kv_transfer import KVTransferConfig
@@ -54,6 +55,7 @@ class ServerState:
     kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (server/kv_transfer.py)
     response_role: str = "assistant"  # --response-role: the role chat completions answer with
     json_any_whitespace: bool = False  # --structured-outputs-config disable_any_whitespace false: allowed by default
+    tracing: Any = None  # --otlp-traces-endpoint: server/tracing.py Tracing
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

@@ -41,12 +41,6 @@ FLAGS = [
         refuse=True,
     ),
     VllmFlag(
-        "--otlp-traces-endpoint",
-        True,
-        "OpenTelemetry tracing is not built yet (issue 47); /metrics and --enable-log-requests are what there is",
-        refuse=True,
-    ),
-    VllmFlag(
         "--tokenizer-revision",
         True,
         "the tokenizer is read from the model's own revision (--revision): a separate one is not supported",

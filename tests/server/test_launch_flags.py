@@ -84,7 +84,6 @@ def test_response_role_and_whitespace_default_act_in_the_server(tiny_k3_dir):
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (("--otlp-traces-endpoint", "http://collector:4318"), "tracing is not built"),
         (("--tokenizer-revision", "main"), "the model's own revision"),
         (("--max-num-partial-prefills", "2"), "no separate cap"),
     ],

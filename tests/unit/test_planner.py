@@ -106,9 +106,7 @@ def test_engine_and_planner_agree_on_the_tiny_model(tiny_k3_dir, state):
     with either KDA state dtype (--mamba-ssm-cache-dtype)."""
     from k3serve import LLM
 
-    llm = LLM(
-        str(tiny_k3_dir), cache_memory="8MiB", max_model_len=1024, max_num_seqs=16, mamba_ssm_cache_dtype=state
-    )
+    llm = LLM(str(tiny_k3_dir), cache_memory="8MiB", max_model_len=1024, max_num_seqs=16, mamba_ssm_cache_dtype=state)
     cfg = llm.engine.model.cfg
     rep = plan(
         cfg,

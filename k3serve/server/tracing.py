@@ -1,0 +1,135 @@
+"""OpenTelemetry traces (`--otlp-traces-endpoint`, issue 47), as vLLM names them.
+
+One `llm_request` span (kind SERVER) per finished request, whose parent is the W3C
+`traceparent` the request came with (so a router's span, or a client's, is its parent), with
+vLLM's attributes: gen_ai.request.{id,temperature,top_p,max_tokens,n}, gen_ai.response.model,
+gen_ai.usage.{prompt_tokens,completion_tokens} (and cached_tokens, k3serve's), and
+gen_ai.latency.{time_in_queue,time_to_first_token,e2e,time_in_model_prefill,
+time_in_model_decode,time_in_model_inference} in seconds. `k3serve router` makes a
+`router_request` span per request and sends its context to the prefill and decode servers.
+Spans leave through a batch processor to the OTLP/HTTP endpoint (protobuf; `/v1/traces` is
+appended to a bare host:port). Needs `opentelemetry-sdk` and
+`opentelemetry-exporter-otlp-proto-http` (`pip install 'k3serve[tracing]'`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from urllib.parse import urlparse
+
+PIN = "opentelemetry-sdk==1.45.0 opentelemetry-exporter-otlp-proto-http==1.45.0"
+REQUEST_SPAN, ROUTER_SPAN = "llm_request", "router_request"
+# the incoming request's headers, for the span made when it finishes (set by the app's middleware)
+HEADERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("k3serve_trace_headers", default=None)
+_EPOCH = time.time_ns() - time.monotonic_ns()  # monotonic stamps -> the wall-clock ns spans carry
+
+
+def _ns(monotonic_s: float) -> int:
+    return int(monotonic_s * 1e9) + _EPOCH
+
+
+def traces_url(endpoint: str) -> str:
+    u = urlparse(endpoint if "://" in endpoint else "http://" + endpoint)
+    return u._replace(path=u.path if u.path not in ("", "/") else "/v1/traces").geturl()
+
+
+class Tracing:
+    def __init__(self, endpoint: str, service: str = "k3serve"):
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        except ImportError:
+            raise ValueError(f"--otlp-traces-endpoint needs OpenTelemetry: pip install {PIN}") from None
+        self.url = traces_url(endpoint)
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.url)))
+        self.tracer = self.provider.get_tracer("k3serve")
+        self.propagator = TraceContextTextMapPropagator()
+
+    def parent(self, headers: dict | None):
+        """The span context a request's headers carry (traceparent), or None."""
+        return self.propagator.extract(headers) if headers else None
+
+    def request_span(
+        self,
+        headers: dict | None,
+        request_id: str,
+        model: str,
+        params,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        metrics: dict,
+        arrival: float,
+        end: float,
+    ) -> None:
+        """The finished request's span, from its engine stamps (monotonic seconds)."""
+        from opentelemetry.trace import SpanKind
+
+        m = metrics
+        queued = m.get("scheduled_time", arrival)
+        first = m.get("first_token_time", end)
+        attrs = {
+            "gen_ai.request.id": request_id,
+            "gen_ai.response.model": model,
+            "gen_ai.request.temperature": float(params.temperature),
+            "gen_ai.request.top_p": float(params.top_p),
+            "gen_ai.request.n": int(params.n),
+            "gen_ai.usage.prompt_tokens": prompt_tokens,
+            "gen_ai.usage.completion_tokens": completion_tokens,
+            "gen_ai.usage.cached_tokens": cached_tokens,
+            "gen_ai.latency.time_in_queue": max(0.0, queued - arrival),
+            "gen_ai.latency.time_to_first_token": max(0.0, first - arrival),
+            "gen_ai.latency.e2e": max(0.0, end - arrival),
+            "gen_ai.latency.time_in_model_prefill": max(0.0, first - queued),
+            "gen_ai.latency.time_in_model_decode": max(0.0, end - first),
+            "gen_ai.latency.time_in_model_inference": max(0.0, end - queued),
+        }
+        if params.max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = int(params.max_tokens)
+        span = self.tracer.start_span(
+            REQUEST_SPAN, context=self.parent(headers), kind=SpanKind.SERVER, attributes=attrs, start_time=_ns(arrival)
+        )
+        span.end(end_time=_ns(end))
+
+    def router_span(self, headers: dict | None, path: str):
+        """A started `router_request` span and the headers that carry it on (traceparent)."""
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        span = self.tracer.start_span(
+            ROUTER_SPAN, context=self.parent(headers), kind=SpanKind.SERVER, attributes={"http.route": path}
+        )
+        carrier: dict = {}
+        self.propagator.inject(carrier, context=set_span_in_context(span))
+        return span, carrier
+
+    def flush(self, timeout_ms: int = 10_000) -> bool:
+        return self.provider.force_flush(timeout_ms)
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+class TraceHeaders:
+    """ASGI middleware: a request's W3C trace headers, for the span its Run makes (HEADERS)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        keep = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"traceparent", b"tracestate")
+        }
+        token = HEADERS.set(keep or None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            HEADERS.reset(token)
