@@ -63,7 +63,8 @@ def serve(llm, docs, turns, answer, replay=None):
             prompt = history[c] + turns[c][t]
             if t == len(turns[0]) - 1:
                 last.append(prompt)
-            history[c] = prompt + one(prompt, t + 1)
+            # the answer joins the history, less any special id (a media pad would ask for an image)
+            history[c] = prompt + [tok for tok in one(prompt, t + 1) if tok < 500]
     return rows, last
 
 

@@ -84,8 +84,11 @@ def main() -> None:
     for kind in ("demo", "k3", "kimi_linear"):  # the trained demo (K3 layout), then random tiny weights
         t0 = time.perf_counter()
         path = default_model() if kind == "demo" else build_tiny_checkpoint(work / kind, kind=kind, seed=0)
-        ref, model = generate(path, args.tokens, prompt, "float32")
-        bf16, _ = generate(path, args.tokens, prompt, "bfloat16")
+        from k3serve.config.bundled import load_model_config
+
+        n = min(args.tokens, load_model_config(path).max_position_embeddings - len(prompt) - 16)
+        ref, model = generate(path, n, prompt, "float32")
+        bf16, _ = generate(path, n, prompt, "bfloat16")
         first = next((i for i, (a, b) in enumerate(zip(ref, bf16)) if a != b), len(ref))
         agree = sum(a == b for a, b in zip(ref, bf16)) / len(ref)
         worst, disagree, trace = teacher_forced(model, prompt, ref)

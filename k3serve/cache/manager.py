@@ -206,6 +206,18 @@ class HybridCacheManager:
         hashes = block_hashes(token_ids, self.block_size)
         return tuple(self.blocks.cached[h] for h in hashes[: self._cached_run(hashes)])
 
+    def reusable_tokens(self, token_ids: list[int]) -> int:
+        """Tokens of the longest block prefix of `token_ids` cached on the device or in a tier
+        (host memory, disk): what a replica could reuse, for routing (no KDA state asked: the
+        lookup at admission decides the exact hit)."""
+        if not self.prefix_caching:
+            return 0
+        hashes = block_hashes(token_ids, self.block_size)
+        n = self._cached_run(hashes)
+        while self.tiers is not None and n < len(hashes) and self.tiers.where(("block", hashes[n])):
+            n += 1
+        return n * self.block_size
+
     def _cached_run(self, hashes: list[bytes]) -> int:
         """How many leading block hashes have a cached block."""
         n = 0

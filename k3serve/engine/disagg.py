@@ -26,6 +26,10 @@ class HandoffMixin:
         prompt's `cache_ids`."""
         return len(self.cache.held_prefix(prompt_token_ids)) * self.cache.block_size
 
+    def reusable_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens this engine could reuse, its prefix-cache tiers included (routing)."""
+        return self.cache.reusable_tokens(prompt_token_ids)
+
     def cache_ids(self, prompt: PromptInput) -> list[int]:
         """The prefix-cache keys of a prompt: its ids, with media pads replaced by the items'
         content keys (engine/media.py); nothing is encoded."""

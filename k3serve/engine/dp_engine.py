@@ -61,7 +61,7 @@ class DPEngine:
 
     async def pick(self, prompt_token_ids: list[int]) -> int:
         """Index of the replica for a prompt: longest cached prefix, then least loaded."""
-        held = [await r.held_tokens(prompt_token_ids) for r in self.replicas]
+        held = [await r.reusable_tokens(prompt_token_ids) for r in self.replicas]  # tiers included
 
         def load(i: int) -> int:
             s = self.replicas[i].stats
@@ -108,6 +108,9 @@ class DPEngine:
 
     async def held_tokens(self, prompt_token_ids: list[int]) -> int:
         return max([await r.held_tokens(prompt_token_ids) for r in self.replicas])
+
+    async def reusable_tokens(self, prompt_token_ids: list[int]) -> int:
+        return max([await r.reusable_tokens(prompt_token_ids) for r in self.replicas])
 
     async def cache_ids(self, prompt) -> list[int]:
         return await self.replicas[0].cache_ids(prompt)

@@ -49,7 +49,7 @@ class DataParallelEngine:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.replicas[0].cache_ids(prompt)
-        held = [r.held_tokens(ids) for r in self.replicas]
+        held = [r.reusable_tokens(ids) for r in self.replicas]  # prefix-cache tiers included
         load = [len(r.scheduler.running) + len(r.scheduler.waiting) for r in self.replicas]
         i = max(range(len(self.replicas)), key=lambda j: (held[j], -load[j], -j))
         self.replicas[i].add_request(request_id, prompt, params, priority)

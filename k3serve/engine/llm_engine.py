@@ -332,7 +332,10 @@ class LLMEngine(HandoffMixin):
         return True
 
     def reset_prefix_cache(self) -> tuple[int, int]:
-        """Drop cached-free latent blocks and unpinned KDA checkpoints: (blocks, checkpoints)."""
+        """Drop cached-free latent blocks and unpinned KDA checkpoints: (blocks, checkpoints); the
+        host-memory tier empties too (the directory tier persists: delete it to clear it)."""
+        if self.tiers is not None:
+            self.tiers.clear_host()
         return self.cache.flush()
 
     def has_unfinished_requests(self) -> bool:

@@ -177,6 +177,12 @@ class PrefixTiers:
             self.host.pop(old, None)
             self.index.stats["cpu"].evictions += 1
 
+    def clear_host(self) -> None:
+        """Empty host memory (POST /reset_prefix_cache); disk reads in flight land afterwards."""
+        for key in self.index.cpu.keys():
+            self.index.cpu.remove(key)
+        self.host.clear()
+
     def store(self, cache, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
         """Copy what the pools published this step into host memory (and queue it for the disk)."""
         new = []

@@ -50,7 +50,11 @@ async def held(state, req: HeldRequest) -> dict:
     except ValueError as e:  # pydantic's ValidationError
         raise APIError(400, f"not a valid request body: {e}") from None
     cache_ids = await state.engine.cache_ids(engine_prompt(ids, media)) if media else ids
-    return {"held_tokens": await state.engine.held_tokens(cache_ids), "prompt_tokens": len(ids)}
+    return {
+        "held_tokens": await state.engine.held_tokens(cache_ids),  # on the device (a hand-off skips them)
+        "reusable_tokens": await state.engine.reusable_tokens(cache_ids),  # the prefix-cache tiers too
+        "prompt_tokens": len(ids),
+    }
 
 
 async def pull(state, req: PullRequest) -> Response:

@@ -166,7 +166,10 @@ async def _held(client: httpx.AsyncClient, pool: Pool, path: str, body: dict) ->
     async def ask(url: str) -> int:
         try:
             r = await client.post(url + "/v1/kv/held", json=probe, timeout=PROBE_TIMEOUT_S)
-            return int(r.json()["held_tokens"]) if r.status_code == 200 else -1
+            if r.status_code != 200:
+                return -1
+            a = r.json()  # what its prefill could reuse, its host and disk tiers included
+            return int(a.get("reusable_tokens", a["held_tokens"]))
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return -1
 

@@ -227,3 +227,29 @@ def test_a_restarted_server_serves_its_first_repeated_prompt_from_disk(tiny_k3_d
         else:
             assert cached == r["usage"]["prompt_tokens"] // 16 * 16 and texts[1] == texts[0]
             assert "k3serve:prefix_cache_tier_hits_total{" in metrics and 'tier="disk"' in metrics
+
+
+def serve_on(engine, prompts: list[list[int]]) -> None:
+    """Run prompts on one engine (a replica), one at a time, to the end."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"direct-{len(p)}-{i}-{p[0]}", {"prompt_token_ids": p}, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def test_data_parallel_routing_counts_what_a_replica_holds_in_its_tiers(tiny_k3_dir):
+    """Two replicas, each with host memory: a prefix evicted from replica 1's device but kept in
+    its host tier still draws the next request sharing it, which hits there."""
+    dp = LLM(str(tiny_k3_dir), data_parallel_size=2, **SMALL, kv_offloading_size=0.05)
+    replicas = dp.engine.replicas
+    prefix = toks(64, 31)
+    serve_on(replicas[1], [prefix + [5]])
+    for i in range(24):  # unrelated prompts on replica 1 until the prefix has left its device
+        if replicas[1].cache.held_prefix(prefix + [6]) == ():
+            break
+        serve_on(replicas[1], [toks(150, 700 + i)])
+    assert replicas[1].cache.held_prefix(prefix + [6]) == ()
+    assert replicas[1].cache.reusable_tokens(prefix + [6]) == 64 and replicas[0].cache.reusable_tokens(prefix) == 0
+    before = list(dp.engine.routed)
+    _, cached = run(dp, [prefix + [6, 7]])
+    assert cached == [64] and dp.engine.routed[1] == before[1] + 1
