@@ -7,8 +7,8 @@ persists each new entry to the directory. Host memory and the directory each kee
 under their byte budget (cache/tiers.py); the directory's survives restarts (scanned at start,
 oldest first) and may be shared by engines of the same model (same fingerprint).
 
-Reading: a lookup that needs disk entries asks for them (`prefetch`); a reader thread loads and
-verifies them (offload/entry.py) while other requests' steps run, and `poll` (at each step's
+Reading: a lookup that needs disk entries asks for them (`prefetch`); reader threads load and
+verify them (offload/entry.py) while other requests' steps run, and `poll` (at each step's
 start, on the engine thread, which alone changes the index) moves them into host memory or
 drops a rejected file with a warning naming it. `load` copies host entries into the device
 pools before the step that uses them. Threads do file I/O only.
@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from k3serve.cache.tiers import Key, TierIndex, TierLRU
 from k3serve.offload.entry import EntryError, read_entry, write_entry
 
 log = logging.getLogger("k3serve.offload")
+READERS = 8  # threads reading disk entries
 
 
 class PrefixTiers:
@@ -53,19 +55,19 @@ class PrefixTiers:
         self.dir = Path(disk_dir) / fingerprint if disk_dir else None
         self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.dir else None)
         self.host: dict[Key, dict[str, torch.Tensor]] = {}
-        self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()  # (op, key, payload) back to the engine thread
         self._arrived = threading.Event()
-        self._threads = []
+        self._threads, self._readers = [], None
         if self.dir is not None:
             self._scan()
-            for target, name in ((self._read_loop, "reader"), (self._write_loop, "writer")):
-                t = threading.Thread(target=target, daemon=True, name=f"k3serve-tier-{name}")
-                t.start()
-                self._threads.append(t)
+            # file reads and checksums release the GIL: a prefix of many small blocks reads in parallel
+            self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="k3serve-tier-read")
+            t = threading.Thread(target=self._write_loop, daemon=True, name="k3serve-tier-writer")
+            t.start()
+            self._threads.append(t)
         # at close, garbage collection or interpreter exit: queued writes reach the directory
-        self._finalizer = weakref.finalize(self, _stop, self._reads, self._writes, self._threads)
+        self._finalizer = weakref.finalize(self, _stop, self._readers, self._writes, self._threads)
 
     # ---- files -------------------------------------------------------------------------------
     def path(self, key: Key) -> Path:
@@ -90,20 +92,16 @@ class PrefixTiers:
                 "prefix cache directory %s: %d entries, %.1f MiB", self.dir, len(found), self.index.disk.used / 2**20
             )
 
-    def _read_loop(self) -> None:
-        while True:
-            key = self._reads.get()
-            if key is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                tensors = read_entry(self.path(key), self.fingerprint, key[1].hex(), self.expect[key[0]])
-                if self.pin:
-                    tensors = {n: t.pin_memory() for n, t in tensors.items()}
-                self._done.put(("read", key, (tensors, time.perf_counter() - t0)))
-            except EntryError as e:
-                self._done.put(("reject", key, str(e)))
-            self._arrived.set()
+    def _read(self, key: Key) -> None:
+        t0 = time.perf_counter()
+        try:
+            tensors = read_entry(self.path(key), self.fingerprint, key[1].hex(), self.expect[key[0]])
+            if self.pin:
+                tensors = {n: t.pin_memory() for n, t in tensors.items()}
+            self._done.put(("read", key, (tensors, time.perf_counter() - t0)))
+        except EntryError as e:
+            self._done.put(("reject", key, str(e)))
+        self._arrived.set()
 
     def _write_loop(self) -> None:
         while True:
@@ -140,7 +138,7 @@ class PrefixTiers:
         for key in keys:
             if key not in self.index.prefetching and self.index.where(key) == "disk":
                 self.index.prefetching.add(key)
-                self._reads.put(key)
+                self._readers.submit(self._read, key)
 
     def poll(self) -> None:
         """Take the threads' results: written files join the disk index, read ones host memory,
@@ -245,9 +243,10 @@ class PrefixTiers:
         self._finalizer()
 
 
-def _stop(reads: queue.Queue, writes: queue.Queue, threads: list, timeout: float = 30.0) -> None:
+def _stop(readers: ThreadPoolExecutor | None, writes: queue.Queue, threads: list, timeout: float = 30.0) -> None:
+    if readers is not None:
+        readers.shutdown(wait=True)
     if threads:
-        reads.put(None)
         writes.put(None)
         for t in threads:
             t.join(timeout)
