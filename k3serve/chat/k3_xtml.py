@@ -22,9 +22,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from k3serve.chat.markers import CLOSE, END_OF_MSG, OPEN, SEP
 from k3serve.chat.messages import MEDIA, ChatInputError, Message, ToolCall
 
-OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+EOM = END_OF_MSG
 EFFORTS = ("low", "medium", "high", "max")
 TOOL_DECLARE_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 

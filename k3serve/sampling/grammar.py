@@ -19,20 +19,27 @@ from collections import OrderedDict
 
 import torch
 
+from k3serve.chat.markers import (
+    END_OF_MSG,
+    K2_ARGUMENT_BEGIN,
+    K2_CALL_BEGIN,
+    K2_CALL_END,
+    K2_SECTION_BEGIN,
+    K2_SECTION_END,
+    K3_STRUCTURAL,
+)
 from k3serve.sampling.structured import StructuredOutputs
 
 FREE, OPENING, GRAMMAR, TAIL, DONE = "free", "opening", "grammar", "tail", "done"
 # chat markup spelled in the tool-call vocabulary: K3 XTML, then the K2 family's tool markers
 MARKUP = (
-    "<|open|>",
-    "<|close|>",
-    "<|sep|>",
-    "<|end_of_msg|>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-    "<|tool_calls_section_end|>",
+    *K3_STRUCTURAL,
+    END_OF_MSG,
+    K2_SECTION_BEGIN[0],
+    K2_CALL_BEGIN,
+    K2_ARGUMENT_BEGIN,
+    K2_CALL_END,
+    K2_SECTION_END[0],
 )
 _XGR_LOCATION = re.compile(r"\[[0-9:]+\] \S+:\d+: ")  # "[11:07:00] /project/cpp/x.cc:5082: " prefixes
 

@@ -15,19 +15,17 @@ from dataclasses import dataclass, field
 from k3serve.server.parsed import Parsed, ParsedCall, hold_back
 from k3serve.server.reasoning_parser import REASONING_PARSERS
 from k3serve.server.tool_parser import TOOL_PARSERS
+from k3serve.chat.markers import (
+    K2_ARGUMENT_BEGIN,
+    K2_CALL_BEGIN,
+    K2_CALL_END,
+    K2_SECTION_BEGIN,
+    K2_SECTION_END,
+    K2_THINK,
+)
 from k3serve.server.xtml import complete_length, stable_length
 
-K2_MARKERS = (
-    "<think>",
-    "</think>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_call_section_begin|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-    "<|tool_calls_section_end|>",
-    "<|tool_call_section_end|>",
-)
+K2_MARKERS = (*K2_THINK, *K2_SECTION_BEGIN, K2_CALL_BEGIN, K2_ARGUMENT_BEGIN, K2_CALL_END, *K2_SECTION_END)
 
 
 def json_calls(text: str) -> list[ParsedCall]:

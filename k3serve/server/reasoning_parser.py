@@ -9,9 +9,8 @@ kimi_k2: `<think>…</think>` text; a tool-call section also ends it (vllm PR #3
 
 from __future__ import annotations
 
+from k3serve.chat.markers import K2_SECTION_BEGIN
 from k3serve.server.xtml import lex
-
-K2_SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 
 
 class KimiK3ReasoningParser:

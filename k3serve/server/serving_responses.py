@@ -20,6 +20,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from k3serve.chat.markers import CLOSE
 from k3serve.server.errors import APIError
 from k3serve.server.protocol import ChatCompletionRequest
 from k3serve.server.responses_convert import (
@@ -154,7 +155,7 @@ def _reasoning_tokens(state: ServerState, chat, token_ids: list[int], reasoning:
     than the ids sampled (re-encoding can count more tokens than the model sampled)."""
     if not reasoning:
         return 0
-    close = state.tokenizer.special_tokens.get("<|close|>")
+    close = state.tokenizer.special_tokens.get(CLOSE)
     if chat.prompt.start_channel == "think" and close is not None:
         return token_ids.index(close) if close in token_ids else len(token_ids)
     return min(len(state.tokenizer.encode(reasoning)), len(token_ids))

@@ -17,20 +17,12 @@ from k3serve.engine.async_engine import AsyncEngine
 from k3serve.server.guard import Lifecycle
 from k3serve.server.media import MediaLimits, MediaLoader
 from k3serve.server.response_store import ResponseStore
+from k3serve.chat.markers import K2_STRUCTURAL, K3_STRUCTURAL
 from k3serve.server.errors import APIError
 from k3serve.server.metrics import ServerMetrics
 
 PREP_THREADS = 2
-STRUCTURAL = {
-    "kimi_k3": ("<|open|>", "<|close|>", "<|sep|>"),
-    "kimi_k2": (
-        "<|tool_calls_section_begin|>",
-        "<|tool_calls_section_end|>",
-        "<|tool_call_begin|>",
-        "<|tool_call_argument_begin|>",
-        "<|tool_call_end|>",
-    ),
-}
+STRUCTURAL = {"kimi_k3": K3_STRUCTURAL, "kimi_k2": K2_STRUCTURAL}
 
 
 log = logging.getLogger("k3serve.server")

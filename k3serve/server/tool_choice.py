@@ -20,7 +20,16 @@ text over a vocabulary in which the XTML specials carry their own spelling.
 
 from __future__ import annotations
 
-from k3serve.chat.k3_xtml import CLOSE, OPEN, SEP
+from k3serve.chat.markers import (
+    CLOSE,
+    K2_ARGUMENT_BEGIN,
+    K2_CALL_BEGIN,
+    K2_CALL_END,
+    K2_SECTION_BEGIN,
+    K2_SECTION_END,
+    OPEN,
+    SEP,
+)
 from k3serve.sampling.structured import StructuredOutputs
 
 # xgrammar's kimi_k3_xml style allows whitespace runs around argument values and between
@@ -33,8 +42,8 @@ WHITESPACE_RUN = "[ \\n\\r\\t]*"
 # A raw string value is any text up to `<|close|>argument<|sep|>`; xgrammar lets it hold other
 # XTML markers, which K3's parser cannot read back as a value (a named call came back as no call
 # at all: `65 ft<|sep|>...<|close|>response<|sep|>...` inside `expression`). No marker is text.
-VALUE_END = 'excludes=("<|close|>argument<|sep|>")'
-VALUE_EXCLUDES = 'excludes=("<|close|>argument<|sep|>", "<|open|>", "<|close|>", "<|sep|>")'
+VALUE_END = f'excludes=("{CLOSE}argument{SEP}")'
+VALUE_EXCLUDES = f'excludes=("{CLOSE}argument{SEP}", "{OPEN}", "{CLOSE}", "{SEP}")'
 
 
 def _call_tag(tool: dict):
@@ -87,24 +96,24 @@ def k2_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: int)
         fn = tool.get("function") or {}
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         return TagFormat(
-            begin=f"<|tool_call_begin|>functions.{fn['name']}:",
+            begin=f"{K2_CALL_BEGIN}functions.{fn['name']}:",
             content=SequenceFormat(
                 elements=[
                     RegexFormat(pattern=r"[0-9]{1,2}"),
-                    ConstStringFormat(value="<|tool_call_argument_begin|>"),
+                    ConstStringFormat(value=K2_ARGUMENT_BEGIN),
                     JSONSchemaFormat(json_schema=params),
                 ]
             ),
-            end="<|tool_call_end|>",
+            end=K2_CALL_END,
         )
 
     return _grammar(
         [
-            ConstStringFormat(value="<|tool_calls_section_begin|>"),
+            ConstStringFormat(value=K2_SECTION_BEGIN[0]),
             TagsWithSeparatorFormat(
                 tags=[call(t) for t in tools], separator="", at_least_one=True, stop_after_first=not parallel
             ),
-            ConstStringFormat(value="<|tool_calls_section_end|>"),
+            ConstStringFormat(value=K2_SECTION_END[0]),
         ],
         eos_token_id,
     )

@@ -14,6 +14,8 @@ the last '.' and ':'.
 
 from __future__ import annotations
 
+from k3serve.chat.markers import K2_ARGUMENT_BEGIN, K2_CALL_BEGIN, K2_CALL_END, K2_SECTION_END
+
 import json
 import re
 
@@ -103,7 +105,7 @@ class KimiK3ToolParser:
 class KimiK2ToolParser:
     name = "kimi_k2"
     markers = K2_SECTION_BEGIN
-    _END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+    _END = K2_SECTION_END
     _CALL = re.compile(
         r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>"
         r"(?P<args>.*?)<\|tool_call_end\|>",
@@ -131,10 +133,7 @@ class KimiK2ToolParser:
 
     @staticmethod
     def render(call: ParsedCall) -> str:
-        return (
-            f"<|tool_call_begin|>{call.id or f'functions.{call.name}:0'}<|tool_call_argument_begin|>"
-            f"{call.arguments}<|tool_call_end|>"
-        )
+        return f"{K2_CALL_BEGIN}{call.id or f'functions.{call.name}:0'}{K2_ARGUMENT_BEGIN}{call.arguments}{K2_CALL_END}"
 
     @staticmethod
     def _name(call_id: str) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from k3serve.chat.markers import CLOSE, OPEN, SEP
 from k3serve.server.parsed import hold_back
 
-OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 _MARKER = re.compile(
     r"<\|open\|>\s*([A-Za-z_][\w-]*)((?:\s+[\w-]+\s*=\s*\"[^\"]*\")*)\s*<\|sep\|>"
     r"|<\|close\|>\s*([A-Za-z_][\w-]*)\s*<\|sep\|>"

@@ -1,6 +1,8 @@
 """The package layout is the architecture: what computes the model (layers/, models/) and the
 step's data (forward/) never reach up into the runner, the engine or the server, at module
-level or inside a function. Read from the source (ast), so a lazy import counts too."""
+level or inside a function; server/ and distributed/ have no import circles (issue 51: the
+kv_transfer/handler circle and the executor/ray_executor one were split). Read from the
+source (ast), so a lazy import counts too."""
 
 from __future__ import annotations
 
@@ -39,3 +41,79 @@ def test_layers_models_and_forward_never_import_runner_engine_or_server():
 
 def test_the_step_data_imports_no_layer():
     assert not _violations("forward", ("k3serve.layers", "k3serve.models", "k3serve.spec")), "forward/ is below layers/"
+
+
+def _name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+MODULES = {_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports(module: str) -> set[str]:
+    """The k3serve modules `module` imports anywhere in its body."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m in MODULES}
+
+
+def cycles(prefix: str) -> list[list[str]]:
+    """Import circles among `prefix`'s modules."""
+    return circles({m: {d for d in imports(m) if d.startswith(prefix)} for m in MODULES if m.startswith(prefix)})
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_in_server_or_distributed():
+    assert cycles("k3serve.server") == []
+    assert cycles("k3serve.distributed") == []
+
+
+def test_the_checker_sees_a_circle():
+    """The control: a circle is found (kv_transfer and the handlers were one before the split,
+    issue 51, through a lazy import), and the imports it reads include the lazy ones."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "k3serve.distributed.ray_executor" in imports("k3serve.distributed.start")  # inside a function
+    assert "k3serve.server.kv_transfer" in imports("k3serve.server.serving_chat")
+    assert "k3serve.server.serving_chat" in imports("k3serve.server.kv_endpoints")
+    assert imports("k3serve.server.kv_transfer").isdisjoint({"k3serve.server.serving_chat", "k3serve.server.runs"})
