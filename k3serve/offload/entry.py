@@ -1,5 +1,6 @@
-"""One tier entry on disk: a safetensors file whose metadata carries the format version, the
-model fingerprint, the entry's key and a SHA-256 over its tensors' bytes. A file that is torn
+"""Tier entries on disk: a safetensors file (a *pack*: the blocks one step published, or one KDA
+state) whose metadata carries the format version, the model fingerprint, the kind and keys of
+its entries and a SHA-256 over its tensors' bytes; entry `k`'s tensors are named `{k}.{name}`. A file that is torn
 or truncated (no parse), bit-flipped (checksum), from another model or cache layout
 (fingerprint), or whose tensors are not the ones the cache expects (names, shapes, dtypes) is
 refused with an `EntryError` naming the file and the tensor: it is dropped and recomputed,
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-FORMAT = "k3serve-prefix-entry-1"
+FORMAT = "k3serve-prefix-pack-1"
 
 
 class EntryError(ValueError):
@@ -34,10 +35,16 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def write_entry(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str, key: str) -> int:
-    """Write atomically; the file's size in bytes."""
-    cpu = {n: t.contiguous().cpu() for n, t in tensors.items()}
-    meta = {"format": FORMAT, "fingerprint": fingerprint, "key": key, "sha256": checksum(cpu)}
+def write_pack(path: Path, kind: str, entries: dict[str, dict[str, torch.Tensor]], fingerprint: str) -> int:
+    """Write entries {key hex: {name: tensor}} as one file, atomically; its size in bytes."""
+    cpu = {f"{k}.{n}": t.contiguous().cpu() for k, named in entries.items() for n, t in named.items()}
+    meta = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "kind": kind,
+        "keys": ",".join(entries),
+        "sha256": checksum(cpu),
+    }
     data = st_save(cpu, metadata=meta)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
@@ -47,10 +54,23 @@ def write_entry(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str, 
     return len(data)
 
 
-def read_entry(
-    path: Path, fingerprint: str, key: str, expect: dict[str, tuple[tuple[int, ...], torch.dtype]]
-) -> dict[str, torch.Tensor]:
-    """The entry's tensors, checked against everything above; EntryError otherwise."""
+def pack_keys(path: Path) -> tuple[str, list[str]]:
+    """(kind, key hexes) from a pack's header alone; ("", []) when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(min(n, 1 << 24))).get("__metadata__") or {}
+        keys = [k for k in meta.get("keys", "").split(",") if k]
+        return str(meta.get("kind", "")), keys
+    except (OSError, ValueError, struct.error):
+        return "", []
+
+
+def read_pack(
+    path: Path, fingerprint: str, kind: str, keys: list[str], expect: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The pack's entries {key hex: {name: tensor}}, checked against everything above (each
+    entry holding exactly `expect`'s tensors); EntryError otherwise."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -61,21 +81,24 @@ def read_entry(
         tensors = st_load(data)
     except Exception as e:  # noqa: BLE001 - any parse failure is a torn or foreign file
         raise EntryError(f"{path}: not a complete safetensors file ({type(e).__name__}: {e})") from e
-    if meta.get("format") != FORMAT or meta.get("fingerprint") != fingerprint or meta.get("key") != key:
+    if meta.get("format") != FORMAT or meta.get("fingerprint") != fingerprint or meta.get("kind") != kind:
         raise EntryError(
-            f"{path}: written for another model, cache layout or key "
+            f"{path}: written for another model, cache layout or format "
             f"(fingerprint {meta.get('fingerprint')!r}, this engine's {fingerprint!r})"
         )
-    for name, (shape, dtype) in expect.items():
+    if meta.get("keys", "").split(",") != keys:
+        raise EntryError(f"{path}: holds other entries than its header said")
+    want = {f"{k}.{name}": spec for k in keys for name, spec in expect.items()}
+    for name, (shape, dtype) in want.items():
         t = tensors.get(name)
         if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
             got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise EntryError(f"{path}: tensor {name!r} is {got}, the cache needs {tuple(shape)} {dtype}")
-    if set(tensors) != set(expect):
-        raise EntryError(f"{path}: unexpected tensors {sorted(set(tensors) - set(expect))}")
+    if set(tensors) != set(want):
+        raise EntryError(f"{path}: unexpected tensors {sorted(set(tensors) - set(want))[:3]}")
     if checksum(tensors) != meta.get("sha256"):
         raise EntryError(f"{path}: checksum mismatch (a flipped bit or a partial write)")
-    return tensors
+    return {k: {name: tensors[f"{k}.{name}"] for name in expect} for k in keys}
 
 
 def model_fingerprint(model_dir: str | Path, **layout) -> str:

@@ -3,7 +3,9 @@
 Write-through, as vLLM's CPU offloading and LMCache store: after each step the blocks the
 pools published and the KDA checkpoints they committed are copied to host memory (pinned, with
 non-blocking copies, on a GPU) before the next step can reuse their rows; a writer thread
-persists each new entry to the directory. Host memory and the directory each keep an LRU
+persists them to the directory as packs: one file for the blocks a step published (a prefill
+chunk's 32 blocks, say), one for each state (offload/entry.py). A pack is read, verified and
+evicted whole; the index still holds each block and state under its own key. Host memory and the directory each keep an LRU
 under their byte budget (cache/tiers.py); the directory's survives restarts (scanned at start,
 oldest first) and may be shared by engines of the same model (same fingerprint).
 
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from k3serve.cache.tiers import Key, TierIndex, TierLRU
-from k3serve.offload.entry import EntryError, read_entry, write_entry
+from k3serve.offload.entry import EntryError, pack_keys, read_pack, write_pack
 
 log = logging.getLogger("k3serve.offload")
 READERS = 8  # threads reading disk entries
@@ -55,6 +57,9 @@ class PrefixTiers:
         self.dir = Path(disk_dir) / fingerprint if disk_dir else None
         self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.dir else None)
         self.host: dict[Key, dict[str, torch.Tensor]] = {}
+        self.file_of: dict[Key, Path] = {}  # disk entries: the pack each is read from
+        self.packs: dict[Path, list[Key]] = {}  # every entry a pack holds (its header's keys)
+        self._reading: dict[Path, set[Key]] = {}  # packs being read -> the entries waited for
         self._writes: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()  # (op, key, payload) back to the engine thread
         self._arrived = threading.Event()
@@ -70,37 +75,64 @@ class PrefixTiers:
         self._finalizer = weakref.finalize(self, _stop, self._readers, self._writes, self._threads)
 
     # ---- files -------------------------------------------------------------------------------
-    def path(self, key: Key) -> Path:
+    def pack_path(self, key: Key) -> Path:
+        """The pack a store starting with `key` writes: named after its first entry."""
         kind, h = key
         return self.dir / kind / h.hex()[:2] / f"{h.hex()}.safetensors"
 
     def _scan(self) -> None:
-        """Index the directory's entries, oldest first; remove temporary files of dead writers."""
+        """Index the directory's packs (keys from their headers), oldest first; remove temporary
+        files of dead writers. Nothing is trusted until read (read_pack checks it all)."""
         found = []
         for kind in ("block", "state"):
             for p in (self.dir / kind).glob("*/*"):
                 if p.name.endswith(".tmp"):
                     p.unlink(missing_ok=True)
-                elif p.suffix == ".safetensors" and len(p.stem) == 32:
+                elif p.suffix == ".safetensors":
+                    got, keys = pack_keys(p)
                     st = p.stat()
-                    found.append((st.st_mtime, (kind, bytes.fromhex(p.stem)), st.st_size))
-        for _, key, size in sorted(found):
-            for old in self.index.disk.add(key, size):
-                self._writes.put(("delete", old, None))
+                    keys = [(kind, bytes.fromhex(k)) for k in keys] if got == kind else [(kind, bytes.fromhex(p.stem))]
+                    found.append((st.st_mtime, p, keys, st.st_size))
+        for _, path, keys, size in sorted(found, key=lambda f: f[0]):
+            self._index_pack(path, keys, size)
         if found:
             log.info(
-                "prefix cache directory %s: %d entries, %.1f MiB", self.dir, len(found), self.index.disk.used / 2**20
+                "prefix cache directory %s: %d packs, %.1f MiB", self.dir, len(found), self.index.disk.used / 2**20
             )
 
-    def _read(self, key: Key) -> None:
+    def _index_pack(self, path: Path, keys: list[Key], size: int) -> None:
+        """A pack on disk joins the index, each entry with its share of the bytes (an entry some
+        other pack already holds stays with that one); packs the budget then evicts leave whole."""
+        if path in self.packs:  # rewritten: its old entries go first
+            self._drop_pack(path, delete=False)
+        self.packs[path] = keys
+        evicted = []
+        for key in keys:
+            if key not in self.file_of:
+                self.file_of[key] = path
+                evicted += self.index.disk.add(key, max(1, size // len(keys)))
+        for old in evicted:
+            self.index.stats["disk"].evictions += 1
+            if old in self.file_of:
+                self._drop_pack(self.file_of[old])
+
+    def _drop_pack(self, path: Path, delete: bool = True) -> None:
+        for key in self.packs.pop(path, []):
+            if self.file_of.get(key) == path:
+                del self.file_of[key]
+                self.index.disk.remove(key)
+        if delete:
+            self._writes.put(("delete", path, None))
+
+    def _read(self, path: Path, kind: str, keys: list[Key]) -> None:
         t0 = time.perf_counter()
         try:
-            tensors = read_entry(self.path(key), self.fingerprint, key[1].hex(), self.expect[key[0]])
+            entries = read_pack(path, self.fingerprint, kind, [k[1].hex() for k in keys], self.expect[kind])
             if self.pin:
-                tensors = {n: t.pin_memory() for n, t in tensors.items()}
-            self._done.put(("read", key, (tensors, time.perf_counter() - t0)))
+                entries = {h: {n: t.pin_memory() for n, t in e.items()} for h, e in entries.items()}
+            self._done.put(("read", path, (entries, time.perf_counter() - t0)))
         except EntryError as e:
-            self._done.put(("reject", key, str(e)))
+            self._done.put(("reject", path, str(e)))
         self._arrived.set()
 
     def _write_loop(self) -> None:
@@ -109,18 +141,18 @@ class PrefixTiers:
             if job is None:
                 self._writes.task_done()
                 return
-            op, key, payload = job
+            op, path, payload = job
             try:
                 if op == "delete":
-                    self.path(key).unlink(missing_ok=True)
+                    path.unlink(missing_ok=True)
                 else:
-                    tensors, ready = payload
+                    kind, entries, ready = payload
                     if ready is not None:
-                        ready.synchronize()  # the device-to-host copies of this entry are done
-                    n = write_entry(self.path(key), tensors, self.fingerprint, key[1].hex())
-                    self._done.put(("written", key, n))
+                        ready.synchronize()  # the device-to-host copies of this pack are done
+                    n = write_pack(path, kind, {k[1].hex(): t for k, t in entries}, self.fingerprint)
+                    self._done.put(("written", path, ([k for k, _ in entries], n)))
             except OSError as e:
-                log.warning("prefix cache: could not write %s: %s", self.path(key), e)
+                log.warning("prefix cache: could not write %s: %s", path, e)
             finally:
                 self._writes.task_done()
 
@@ -135,39 +167,50 @@ class PrefixTiers:
         self._arrived.clear()
 
     def prefetch(self, keys: list[Key]) -> None:
+        """Read the packs holding these disk entries (each pack once, all its entries)."""
         for key in keys:
-            if key not in self.index.prefetching and self.index.where(key) == "disk":
-                self.index.prefetching.add(key)
-                self._readers.submit(self._read, key)
+            if self.index.where(key) != "disk":
+                continue
+            path = self.file_of.get(key)
+            if path is None:  # never expected: an index entry without its pack would wait forever
+                self.index.disk.remove(key)
+                continue
+            if path in self._reading:
+                continue
+            mine = {k for k in self.packs[path] if self.file_of.get(k) == path}
+            self._reading[path] = mine
+            self.index.prefetching.update(mine)
+            self._readers.submit(self._read, path, key[0], list(self.packs[path]))
 
     def poll(self) -> None:
-        """Take the threads' results: written files join the disk index, read ones host memory,
-        rejected ones are deleted (and so recomputed)."""
-        stats = self.index.stats
+        """Take the threads' results: written packs join the disk index, read ones host memory,
+        rejected ones are deleted (their prefixes are recomputed)."""
+        stats = self.index.stats["disk"]
         while True:
             try:
-                op, key, payload = self._done.get_nowait()
+                op, path, payload = self._done.get_nowait()
             except queue.Empty:
                 return
             if op == "written":
-                stats["disk"].bytes_written += payload
-                for old in self.index.disk.add(key, payload):
-                    stats["disk"].evictions += 1
-                    self._writes.put(("delete", old, None))
-            elif op == "read":
-                tensors, seconds = payload
-                self.index.prefetching.discard(key)
-                stats["disk"].hits += 1
-                stats["disk"].bytes_read += self.entry_bytes[key[0]]
-                stats["disk"].load_seconds += seconds
-                self.index.disk.touch(key)
-                self._put_host(key, tensors)
+                keys, n = payload
+                stats.bytes_written += n
+                self._index_pack(path, keys, n)
+                continue
+            self.index.prefetching.difference_update(self._reading.pop(path, set()))
+            keys = [k for k in self.packs.get(path, []) if self.file_of.get(k) == path]
+            if op == "read":
+                entries, seconds = payload
+                stats.hits += len(keys)
+                stats.bytes_read += sum(self.entry_bytes[k[0]] for k in keys)
+                stats.load_seconds += seconds
+                for key in keys:
+                    self.index.disk.touch(key)
+                    if self.index.where(key) == "disk":
+                        self._put_host(key, entries[key[1].hex()])
             else:  # reject
-                self.index.prefetching.discard(key)
-                stats["disk"].rejected += 1
+                stats.rejected += 1
                 log.warning("prefix cache: dropped a bad entry, recomputing instead: %s", payload)
-                self.index.disk.remove(key)
-                self._writes.put(("delete", key, None))
+                self._drop_pack(path)
 
     def _put_host(self, key: Key, tensors: dict[str, torch.Tensor]) -> None:
         self.host[key] = tensors
@@ -197,6 +240,7 @@ class PrefixTiers:
                     },
                 )
             )
+        packs: dict = {}  # this call's blocks in one pack, each state in its own
         for key, views in new:
             if self.index.where(key) is not None:
                 continue
@@ -209,12 +253,15 @@ class PrefixTiers:
                 host = {n: v.clone() for n, v in views.items()}
             self.index.stats["cpu"].bytes_written += self.entry_bytes[key[0]]
             self._put_host(key, host)
-            if self.dir is not None:
-                ready = None
-                if self.pin:
-                    ready = torch.cuda.Event()
-                    ready.record()
-                self._writes.put(("write", key, (host, ready)))
+            packs.setdefault(key if key[0] == "state" else "blocks", []).append((key, host))
+        if self.dir is not None and packs:
+            ready = None
+            if self.pin:
+                ready = torch.cuda.Event()
+                ready.record()
+            for entries in packs.values():
+                key = entries[0][0]
+                self._writes.put(("write", self.pack_path(key), (key[0], entries, ready)))
 
     def load(self, cache, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
         """Fill fresh blocks and live slots from host memory, before the step that reads them."""

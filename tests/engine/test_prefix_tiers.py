@@ -145,32 +145,41 @@ def test_a_restarted_process_hits_and_bad_files_are_dropped_and_recomputed(tiny_
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [cold[0], 80]  # served from the directory
-    # now spoil the files: a flipped bit in the state, a truncated block, a foreign block
-    from k3serve.offload.entry import write_entry
+    # now spoil the files, one at a time: the prompt's 5 blocks are one pack (one step published
+    # them), its state another file; each new engine must reject, warn, recompute (and rewrite it)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     root = next(Path(disk).iterdir())
     hashes = block_hashes(prefix, BS)
+    pack = root / "block" / hashes[0].hex()[:2] / f"{hashes[0].hex()}.safetensors"
     state = root / "state" / hashes[4].hex()[:2] / f"{hashes[4].hex()}.safetensors"
-    data = bytearray(state.read_bytes())
-    data[-3] ^= 0x10
-    state.write_bytes(bytes(data))
-    block = root / "block" / hashes[1].hex()[:2] / f"{hashes[1].hex()}.safetensors"
-    block.write_bytes(block.read_bytes()[:-100])
-    foreign = root / "block" / hashes[0].hex()[:2] / f"{hashes[0].hex()}.safetensors"
-    from safetensors.torch import load_file
-
-    write_entry(foreign, load_file(foreign), "0123456789abcdef", hashes[0].hex())
+    assert pack.is_file() and state.is_file()
     caplog.set_level(logging.WARNING, logger="k3serve.offload")
-    second = LLM(path, **SMALL, kv_offloading_dir=disk)
-    got, cached = run(second, [prefix + suffix])
-    assert got == cold and cached == [0]  # every prefix needs block 0 and 1: all recomputed
-    for bad, why in ((foreign, "another model"), (block, "not a complete safetensors")):
-        assert any(str(bad) in r.getMessage() and why in r.getMessage() for r in caplog.records), why
-        assert not bad.exists() or bad.stat().st_size > 0  # dropped (a recompute may write it again)
-    assert second.engine.tiers.index.stats["disk"].rejected >= 2
-    # the flipped state is found when a lookup reaches it: block 0 and 1 were rewritten above
-    got, cached = run(second, [prefix + toks(5, 6)])
-    assert cached[0] in (64, 80)
+    for spoil, target, why in (
+        ("truncate", pack, "not a complete safetensors"),
+        ("foreign", pack, "another model"),
+        ("flip", state, "checksum"),
+    ):
+        if spoil == "truncate":
+            target.write_bytes(target.read_bytes()[:-100])
+        elif spoil == "foreign":
+            with safe_open(str(target), "pt") as f:
+                meta = {**f.metadata(), "fingerprint": "0123456789abcdef"}
+            save_file(load_file(target), str(target), metadata=meta)
+        else:
+            data = bytearray(target.read_bytes())
+            data[-3] ^= 0x10
+            target.write_bytes(bytes(data))
+        caplog.clear()
+        engine = LLM(path, **SMALL, kv_offloading_dir=disk)
+        got, cached = run(engine, [prefix + suffix])
+        assert got == cold and cached == [0], spoil  # no hit without both blocks and state
+        assert any(str(target) in r.getMessage() and why in r.getMessage() for r in caplog.records), spoil
+        assert engine.engine.tiers.index.stats["disk"].rejected == 1, spoil
+        engine.engine.shutdown()  # its recompute wrote the file anew
+    again = LLM(path, **SMALL, kv_offloading_dir=disk)
+    assert run(again, [prefix + suffix]) == (cold, [80])  # whole again
 
 
 def test_32_concurrent_requests_over_a_tiny_pool_stay_exact_and_within_bounds(tiny_k3_dir, tmp_path):
