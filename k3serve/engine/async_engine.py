@@ -159,6 +159,9 @@ class AsyncEngine:
     async def held_tokens(self, prompt_token_ids: list[int]) -> int:
         return await self._call(self.engine.held_tokens, prompt_token_ids)
 
+    def info(self):
+        return self.engine.info()
+
     async def reusable_tokens(self, prompt_token_ids: list[int]) -> int:
         return await self._call(self.engine.reusable_tokens, prompt_token_ids)
 

@@ -39,6 +39,9 @@ class DPEngine:
     def engine(self):
         return self.replicas[0].engine
 
+    def info(self):
+        return self.replicas[0].engine.info()
+
     @property
     def executor(self):
         return self.replicas[0].engine.executor

@@ -23,6 +23,7 @@ from k3serve.cache.sizing import parse_bytes
 from k3serve.engine.disagg import HandoffMixin
 from k3serve.engine.groups import Group, PromptInput, Sample  # noqa: F401 - PromptInput is re-exported
 from k3serve.engine.handoff import HandoffStore
+from k3serve.engine.info import EngineInfo
 from k3serve.engine.media import MediaEncoder
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.engine.stats import IterationTokens
@@ -337,6 +338,26 @@ class LLMEngine(HandoffMixin):
         if self.tiers is not None:
             self.tiers.clear_host()
         return self.cache.flush()
+
+    def info(self) -> EngineInfo:
+        """What a server reads of this engine (engine/info.py)."""
+        cfg = self.model.cfg
+        return EngineInfo(
+            self.model_path,
+            cfg.model_type,
+            self.tokenizer,
+            self.max_model_len,
+            cfg.vocab_size,
+            cfg.eos_token_id,
+            self.unmapped,
+            self.plan.num_slots,
+            self.seq_limit_note,
+            self.cache.block_size,
+            self.plan.slot_bytes,
+            cfg.vision,
+            self.spec is not None,
+            self.handoffs,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

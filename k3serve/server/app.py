@@ -136,8 +136,8 @@ def build_app(
                 }
             ],
         }
-        if state.engine.engine.seq_limit_note:  # fewer slots than asked for: say why
-            card["max_num_seqs_note"] = state.engine.engine.seq_limit_note
+        if state.info.seq_limit_note:  # fewer slots than asked for: say why
+            card["max_num_seqs_note"] = state.info.seq_limit_note
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")

@@ -618,7 +618,7 @@ def build_server(args: argparse.Namespace):
         log.warning("%s; those requests are answered 501", why)
     template = chat_template_arg(args.chat_template)
     engine = start_engines(args)
-    defaults = load_generation_defaults(args.generation_config, engine.engine.model_path)
+    defaults = load_generation_defaults(args.generation_config, engine.info().model_path)
     if defaults:
         log.info("request defaults from generation_config.json (a request's own values win): %s", defaults)
     from k3serve.demo import bundled_demo

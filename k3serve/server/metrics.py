@@ -269,14 +269,14 @@ class _EngineCollector:
             "prefix_cache_checkpoints": ("KDA checkpoints held now", s.prefix_checkpoints),
             "prefix_cache_checkpoint_bytes": (
                 "State memory held by KDA checkpoints",
-                s.prefix_checkpoints * self.engine.engine.plan.slot_bytes,
+                s.prefix_checkpoints * self.engine.info().slot_bytes,
             ),
             "prefix_cache_cached_free_blocks": (
                 "Latent blocks kept for reuse, unreferenced",
                 s.prefix_cached_free_blocks,
             ),
         }
-        if self.engine.engine.spec is not None:
+        if self.engine.info().speculative:
             plain.update(
                 {
                     "spec_decode_num_drafts": ("Verify passes with drafted tokens", s.spec_drafts),

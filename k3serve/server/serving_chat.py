@@ -269,7 +269,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if chat.keeps_cache:  # what the decode side pulls with (POST /v1/kv/pull)
         body["kv_transfer_params"] = {
             "remote_request_id": run.request_id,
-            "remote_block_size": state.engine.engine.cache.block_size,
+            "remote_block_size": state.info.block_size,
         }
     return JSONResponse(body)
 

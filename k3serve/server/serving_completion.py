@@ -113,7 +113,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if keep:  # what the decode side pulls with (POST /v1/kv/pull)
         body["kv_transfer_params"] = {
             "remote_request_id": runs[0].request_id,
-            "remote_block_size": state.engine.engine.cache.block_size,
+            "remote_block_size": state.info.block_size,
         }
     return JSONResponse(body)
 

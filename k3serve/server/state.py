@@ -51,11 +51,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        eng = self.engine.engine
-        self.tokenizer = eng.tokenizer
-        self.model_type = eng.model.cfg.model_type
-        self.max_model_len = eng.max_model_len
-        self.renderer = ChatRenderer(self.model_type, self.tokenizer, eng.model_path, self.chat_template)
+        info = self.info = self.engine.info()
+        self.tokenizer = info.tokenizer
+        self.model_type = info.model_type
+        self.max_model_len = info.max_model_len
+        self.renderer = ChatRenderer(self.model_type, self.tokenizer, info.model_path, self.chat_template)
         problem = self.renderer.startup_problem()
         if problem:
             raise ValueError(problem)
@@ -71,17 +71,17 @@ class ServerState:
         names = set(STRUCTURAL[self.tool_call_parser]) | set(STRUCTURAL.get(self.reasoning_parser, ()))
         self.structural_ids = sorted(i for n, i in self.tokenizer.special_tokens.items() if n in names)
         self.metrics = ServerMetrics(self.engine, self.served_model_name)
-        self.vocab_size = eng.model.cfg.vocab_size
-        self.eos_token_id = eng.model.cfg.eos_token_id
-        self.unmapped_ids = eng.unmapped  # frozenset
-        self.max_num_seqs = eng.plan.num_slots  # what can run at once (eng.seq_limit_note says why if fewer)
+        self.vocab_size = info.vocab_size
+        self.eos_token_id = info.eos_token_id
+        self.unmapped_ids = info.unmapped  # frozenset
+        self.max_num_seqs = info.num_slots  # what can run at once (info.seq_limit_note says why if fewer)
         self.responses = ResponseStore(self.max_stored_responses)
         self.nixl = None  # the NIXL agent of a NixlConnector server (server/kv_nixl.py)
         if self.kv_transfer is not None and self.kv_transfer.kv_connector == "NixlConnector":
             from k3serve.server.kv_nixl import NixlTransport
 
-            self.nixl = NixlTransport(ttl_s=eng.handoffs.ttl_s)
-        self.metrics.watch_handoffs(eng.handoffs, self.nixl)
+            self.nixl = NixlTransport(ttl_s=info.handoffs.ttl_s)
+        self.metrics.watch_handoffs(info.handoffs, self.nixl)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="k3serve-prep")
 
     async def offload(self, fn, *args):
@@ -91,7 +91,7 @@ class ServerState:
 
     def media_loader(self) -> MediaLoader | None:
         """A per-request image loader, or None when the model has no vision tower."""
-        vision = self.engine.engine.model.cfg.vision
+        vision = self.info.vision
         return MediaLoader(self.media_limits, vision.patch_size) if vision is not None else None
 
     def check_logprobs(self, n: int | None, param: str) -> None:
