@@ -22,8 +22,8 @@ import torch
 
 from k3serve import LLM, SamplingParams
 from k3serve.config.bundled import load_model_config
-from k3serve.spec.dspark import DSparkConfig, DSparkModel, save_dspark
-from k3serve.spec.train_dspark import distill_dspark
+from k3serve.spec_decode.dspark import DSparkConfig, DSparkModel, save_dspark
+from k3serve.spec_decode.train_dspark import distill_dspark
 from k3serve.testing.builder import ensure_default_model
 
 K, N_PROMPTS, NEW = 4, 6, 48

@@ -165,7 +165,7 @@ def _cmd_train_demo(args: argparse.Namespace) -> int:
 def _cmd_train_dspark(args: argparse.Namespace) -> int:
     import logging
 
-    from k3serve.spec.train_dspark import distill_dspark
+    from k3serve.spec_decode.train_dspark import distill_dspark
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     from k3serve.demo import default_model

@@ -39,7 +39,7 @@ def random_dspark(tiny_k3_dir, tmp_path_factory):
     import torch
 
     from k3serve.config.bundled import load_model_config
-    from k3serve.spec.dspark import DSparkConfig, DSparkModel, save_dspark
+    from k3serve.spec_decode.dspark import DSparkConfig, DSparkModel, save_dspark
 
     cfg = load_model_config(tiny_k3_dir)
     torch.manual_seed(0)

@@ -109,7 +109,7 @@ def kda_verify(
     """A verify pass: B sequences of T positions each (rows b * T + t, N = B * T; the inputs as
     `kda_decode`'s), run as T consecutive decode steps from the states at `slots` [B]. Returns
     o [N, P] and the state after every position, rec [B, T, H, D, D] and conv [B, T, K-1, 3P]
-    (spec/rollback.py picks the accepted one); each slot keeps the state after its sequence's
+    (spec_decode/rollback.py picks the accepted one); each slot keeps the state after its sequence's
     `last` [B] position, which is the right one when every draft is accepted."""
     B, H, D = slots.shape[0], b.shape[1], head_dim
     T = u.shape[0] // B

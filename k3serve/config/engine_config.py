@@ -134,7 +134,7 @@ class EngineConfig:
                 f"'ray' (Ray actors on the cluster), got {self.distributed_executor_backend!r}"
             )
         if self.speculative_config:
-            from k3serve.spec.config import SpeculativeConfig
+            from k3serve.spec_decode.config import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
         if self.extra:

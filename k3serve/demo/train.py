@@ -270,7 +270,7 @@ def train_demo_draft(
     target's distributions are kept in memory) against 480 for 800 at a constant rate: mean
     acceptance length 3.80 -> 4.34 on bench/demo_spec.py's arithmetic answers, 4.36 -> 4.50 on its
     tool calls."""
-    from k3serve.spec.train_dspark import distill_dspark
+    from k3serve.spec_decode.train_dspark import distill_dspark
     from k3serve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)

@@ -156,8 +156,8 @@ class LLMEngine(HandoffMixin):
         )
         self.spec = None
         if config.speculative_config:
-            from k3serve.spec.config import SpeculativeConfig
-            from k3serve.spec.decoder import SpecDecoder
+            from k3serve.spec_decode.config import SpeculativeConfig
+            from k3serve.spec_decode.decoder import SpecDecoder
 
             spec_cfg = SpeculativeConfig.from_dict(config.speculative_config).resolve_model(self.model_path)
             self.spec = SpecDecoder(spec_cfg, self.model, self.max_model_len, config.max_num_seqs, where.device)

@@ -13,5 +13,5 @@ class ForwardOut:
     # layer -> [N, d] output hidden states of the layers asked for (the tap layers a DSpark drafter reads)
     taps: dict[int, torch.Tensor] = field(default_factory=dict)
     # a verify pass's per-position KDA states, layer -> (rec [S, T, H, D, D], conv [S, T, K-1, 3P]),
-    # S = verifying sequences in batch order; spec/rollback.py picks each one's accepted position
+    # S = verifying sequences in batch order; spec_decode/rollback.py picks each one's accepted position
     kda_records: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)

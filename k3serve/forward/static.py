@@ -53,7 +53,7 @@ class StaticStep:
     fresh = None  # a decode or verify step has no new sequence to zero
     media_rows = None
     # a verify step's per-position KDA states, layer -> (rec [B, T, H, D, D], conv [B, T, K-1, 3P]),
-    # filled by the KDA layers (the graph's outputs; spec/rollback.py picks the accepted position)
+    # filled by the KDA layers (the graph's outputs; spec_decode/rollback.py picks the accepted position)
     kda_records: dict = field(default_factory=dict)
 
     def expand(self) -> "StaticStep":

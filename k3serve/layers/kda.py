@@ -80,7 +80,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _verify(self, u, conv_w, g, beta, batch, cache, o) -> None:
         """Speculating sequences (last token + drafts): consecutive batched recurrent steps, the
-        decode arithmetic, recording the state after every position for rollback (spec/rollback.py)."""
+        decode arithmetic, recording the state after every position for rollback (spec_decode/rollback.py)."""
         rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
         bounds, idx = batch.seq_bounds(), batch.verify
         lens = [batch.seq_lens[i] for i in idx]

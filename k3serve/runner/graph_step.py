@@ -56,7 +56,7 @@ class GraphOut:
     ids: list[int] | None
     faults: list[bool] | None
     taps: dict[int, torch.Tensor]
-    records: dict[int, tuple[torch.Tensor, torch.Tensor]]  # a verify step's, for spec/rollback.py
+    records: dict[int, tuple[torch.Tensor, torch.Tensor]]  # a verify step's, for spec_decode/rollback.py
 
 
 @dataclass

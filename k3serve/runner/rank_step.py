@@ -16,7 +16,7 @@ import torch
 
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.forward import CacheTensors, ForwardBatch
-from k3serve.spec.rollback import rollback_states
+from k3serve.spec_decode.rollback import rollback_states
 
 
 @dataclass

@@ -104,8 +104,8 @@ def test_drafters_live_on_the_targets_device(tiny_k3_dir):
     tap state by CPU weights."""
     from types import SimpleNamespace
 
-    from k3serve.spec.draft_model import DraftModelProposer
-    from k3serve.spec.dspark import DSparkConfig, DSparkModel, DSparkProposer
+    from k3serve.spec_decode.draft_model import DraftModelProposer
+    from k3serve.spec_decode.dspark import DSparkConfig, DSparkModel, DSparkProposer
 
     meta = torch.device("meta")
     target = load_model(tiny_k3_dir, progress=False)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3serve import kernels
-from k3serve.spec.dspark import DSparkConfig, DSparkModel, DSparkProposer
+from k3serve.spec_decode.dspark import DSparkConfig, DSparkModel, DSparkProposer
 
 K = kernels.get("auto")
 pytestmark = pytest.mark.skipif(K is None, reason="the CPU kernels did not build")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 
-from k3serve.spec.rejection import block_thresholds, verify_block, verify_greedy, verify_standard
+from k3serve.spec_decode.rejection import block_thresholds, verify_block, verify_greedy, verify_standard
 
 V, K, N = 5, 3, 6000
 

@@ -8,7 +8,7 @@ import torch
 
 from k3serve.models.registry import load_model
 from k3serve.forward import CacheTensors, ForwardBatch
-from k3serve.spec.rollback import rollback_states
+from k3serve.spec_decode.rollback import rollback_states
 
 BS = 16
 
@@ -60,7 +60,7 @@ def test_few_and_many_sequences_roll_back_alike(monkeypatch):
     hands every layer to the compiled kda_rollback; each form moves each sequence's recorded
     state at its accepted position into its slot and leaves the other slots alone."""
     from k3serve import kernels
-    from k3serve.spec import rollback
+    from k3serve.spec_decode import rollback
 
     g = torch.Generator().manual_seed(3)
     rec_buf, conv_buf = torch.randn(4, 5, 2, 3, 3, generator=g), torch.randn(4, 5, 3, 6, generator=g)

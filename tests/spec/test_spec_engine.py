@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3serve import LLM, SamplingParams
-from k3serve.spec.dspark import load_dspark
+from k3serve.spec_decode.dspark import load_dspark
 
 KW = dict(cache_memory="32MiB", max_model_len=512)
 # a bias toward four tokens makes greedy text loop, so n-gram drafts get accepted
@@ -126,7 +126,7 @@ def test_dspark_more_tokens_than_its_block_is_an_error(tiny_k3_dir, random_dspar
 
 
 def test_dspark_distillation_learns(tiny_k3_dir, tmp_path):
-    from k3serve.spec.train_dspark import distill_dspark
+    from k3serve.spec_decode.train_dspark import distill_dspark
 
     r = distill_dspark(str(tiny_k3_dir), str(tmp_path / "d"), steps=40, num_seqs=8, seq_len=40, block_size=3)
     assert r["last_loss"] < 0.7 * r["first_loss"]
@@ -136,7 +136,7 @@ def test_dspark_distillation_learns(tiny_k3_dir, tmp_path):
 
 
 def test_dspark_distillation_cosine_decays_to_zero(tiny_k3_dir, tmp_path):
-    from k3serve.spec.train_dspark import distill_dspark
+    from k3serve.spec_decode.train_dspark import distill_dspark
 
     r = distill_dspark(
         str(tiny_k3_dir), str(tmp_path / "d"), steps=12, num_seqs=4, seq_len=24, block_size=3, cosine=True
@@ -147,7 +147,7 @@ def test_dspark_distillation_cosine_decays_to_zero(tiny_k3_dir, tmp_path):
 def test_dspark_examples_gather_the_targets_distributions():
     """examples() keeps each used distribution once; its rows must pick, for every position and
     draft offset, the distribution a per-position copy would hold (probs of sequence j at idx - 1)."""
-    from k3serve.spec.train_dspark import examples
+    from k3serve.spec_decode.train_dspark import examples
 
     g = torch.Generator().manual_seed(3)
     # sequence 1's completion (2 tokens) is shorter than k + 1: no positions (its arange raised before)

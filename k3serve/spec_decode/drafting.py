@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3serve.scheduler.request import Request
-from k3serve.spec.verifier import distribution, processed_row
+from k3serve.spec_decode.verifier import distribution, processed_row
 
 
 def draft_token(

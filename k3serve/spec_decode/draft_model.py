@@ -14,8 +14,8 @@ import torch
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.scheduler.request import Request
-from k3serve.spec.drafting import draft_token, request_generator, stack_q
-from k3serve.spec.proposer import Draft
+from k3serve.spec_decode.drafting import draft_token, request_generator, stack_q
+from k3serve.spec_decode.proposer import Draft
 
 BLOCK = 16
 

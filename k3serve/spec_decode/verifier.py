@@ -14,7 +14,7 @@ import torch
 
 from k3serve.sampling.logits_process import apply_bias_and_penalties, needs_processing, row_params, truncate
 from k3serve.scheduler.request import Request
-from k3serve.spec.rejection import verify_block, verify_greedy, verify_standard
+from k3serve.spec_decode.rejection import verify_block, verify_greedy, verify_standard
 
 
 @dataclass

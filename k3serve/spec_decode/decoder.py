@@ -8,9 +8,9 @@ import torch
 from k3serve.sampling.sampler import sampled_token
 from k3serve.scheduler.batch import SampledToken
 from k3serve.scheduler.request import Request
-from k3serve.spec.config import SpeculativeConfig
-from k3serve.spec.proposer import Draft, NgramProposer
-from k3serve.spec.verifier import SpecStats, verify
+from k3serve.spec_decode.config import SpeculativeConfig
+from k3serve.spec_decode.proposer import Draft, NgramProposer
+from k3serve.spec_decode.verifier import SpecStats, verify
 
 
 def make_proposer(
@@ -20,7 +20,7 @@ def make_proposer(
     if cfg.method == "ngram":
         return NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "dspark":
-        from k3serve.spec.dspark import DSparkProposer
+        from k3serve.spec_decode.dspark import DSparkProposer
 
         proposer = DSparkProposer.load(cfg.model, target, cfg.draft_sample_method, device)
         block = proposer.model.cfg.block_size
@@ -30,7 +30,7 @@ def make_proposer(
                 f"dspark draft's block_size {block} ({cfg.model})"
             )
         return proposer
-    from k3serve.spec.draft_model import DraftModelProposer
+    from k3serve.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer.load(cfg.model, target, cfg.draft_sample_method, max_model_len, max_num_seqs, device)
 

@@ -25,8 +25,8 @@ from torch import nn
 from k3serve.layers.common import kernel_matrix
 from k3serve.sampling.logits_process import needs_processing
 from k3serve.scheduler.request import Request
-from k3serve.spec.drafting import draft_token, request_generator, stack_q
-from k3serve.spec.proposer import Draft
+from k3serve.spec_decode.drafting import draft_token, request_generator, stack_q
+from k3serve.spec_decode.proposer import Draft
 
 
 @dataclass(frozen=True)

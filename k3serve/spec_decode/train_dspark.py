@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.forward import CacheTensors, ForwardBatch
-from k3serve.spec.dspark import DSparkConfig, DSparkModel, save_dspark
+from k3serve.spec_decode.dspark import DSparkConfig, DSparkModel, save_dspark
 
-log = logging.getLogger("k3serve.spec")
+log = logging.getLogger("k3serve.spec_decode")
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
