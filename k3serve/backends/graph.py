@@ -70,15 +70,24 @@ class GraphBackend(Backend):
         u, z, b, gate = layer.projections(x)  # [N, 3P], [N, P], [N, H], [N, P] fp32
         return layer.o_proj(self.kda_core(layer, u, z, b, gate, batch, cache).to(x.dtype))
 
+    @property
+    def core_ops(self):
+        """The ops KDA, MLA and the experts run through (the triton backend's: its kernels)."""
+        return self.ops
+
+    def kda_gate(self, i: int) -> torch.Tensor:
+        """Layer i's decay input to the KDA op: exp(A_log) per channel [P] (the triton kernel's: A_log [H])."""
+        return self.kda_w[i][1]
+
     def kda_core(self, layer, u, z, b, gate, batch, cache):
         """Conv, gates, the delta rule on the slots' states and the gated norm -> [N, P] fp32; a
         verify pass's per-position states go to the step's records."""
         i = layer.layer_idx
-        conv_w, decay, dt_bias, o_norm = self.kda_w[i]
-        state = (conv_w, decay, dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
+        conv_w, _, dt_bias, o_norm = self.kda_w[i]
+        state = (conv_w, self.kda_gate(i), dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
         if batch.T == 1:
-            return self.ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
-        o, rec, conv = self.ops.kda_verify(
+            return self.core_ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
+        o, rec, conv = self.core_ops.kda_verify(
             u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound, layer.eps
         )
         batch.kda_records[i] = (rec, conv)

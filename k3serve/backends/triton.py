@@ -11,6 +11,8 @@ this is what `auto` picks; on a CPU it runs only under Triton's interpreter, for
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from k3serve.backends.graph import GraphBackend
@@ -23,7 +25,8 @@ class TritonBackend(GraphBackend):
     def __init__(self, inline: bool = False):
         from k3serve.kernels.triton import ops
 
-        super().__init__(inline=inline)
+        # every MoE block takes the grouped kernels, eager prefill chunks too (no row limit)
+        super().__init__(static_rows=sys.maxsize, inline=inline)
         self.kernels_ops = ops.BODIES if inline else ops.OPS
         self.a_log: dict[int, torch.Tensor] = {}  # KDA layer -> A_log [H] fp32 (the kernel's gate input)
 
@@ -36,17 +39,12 @@ class TritonBackend(GraphBackend):
             if isinstance(m, KimiDeltaAttention):
                 self.a_log[m.layer_idx] = m.A_log.float()
 
-    def kda_core(self, layer, u, z, b, gate, batch, cache):
-        i = layer.layer_idx
-        conv_w, _, dt_bias, o_norm = self.kda_w[i]
-        state = (conv_w, self.a_log[i], dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
-        if batch.T == 1:
-            return self.kernels_ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
-        o, rec, conv = self.kernels_ops.kda_verify(
-            u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound, layer.eps
-        )
-        batch.kda_records[i] = (rec, conv)
-        return o
+    @property
+    def core_ops(self):
+        return self.kernels_ops
+
+    def kda_gate(self, i: int) -> torch.Tensor:
+        return self.a_log[i]
 
     def mla_core(self, layer, q, ckv, batch, cache):
         m = layer.cfg
@@ -64,15 +62,6 @@ class TritonBackend(GraphBackend):
             layer.scale,
             MLA_NORM_EPS,
             batch.block_size,
-        )
-
-    def moe(self, layer, x):
-        if layer.ep is not None:
-            raise NotImplementedError("DP-attention's token exchange is not fixed-shape: it uses 'torch' or 'cpp'")
-        if layer.tp.size > 1:
-            return layer.partial_forward(x, self)
-        return layer.single_rank(
-            x, lambda z, ids, w: self.moe_experts(layer, z, ids, w), lambda x: self.moe_route(layer, x)
         )
 
     def moe_experts(self, layer, z, ids, weights):

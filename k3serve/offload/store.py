@@ -88,10 +88,8 @@ class PrefixTiers:
             for p in (self.dir / kind).glob("*/*"):
                 if p.name.endswith(".tmp"):
                     p.unlink(missing_ok=True)
-                elif p.suffix == ".safetensors":
-                    got, keys = pack_keys(p)
+                elif p.suffix == ".safetensors" and (keys := _pack_index_keys(p, kind)):
                     st = p.stat()
-                    keys = [(kind, bytes.fromhex(k)) for k in keys] if got == kind else [(kind, bytes.fromhex(p.stem))]
                     found.append((st.st_mtime, p, keys, st.st_size))
         for _, path, keys, size in sorted(found, key=lambda f: f[0]):
             self._index_pack(path, keys, size)
@@ -288,6 +286,21 @@ class PrefixTiers:
     def close(self) -> None:
         """Finish queued writes (a restart then finds them) and stop the threads."""
         self._finalizer()
+
+
+def _pack_index_keys(path: Path, kind: str) -> list[Key]:
+    """The keys a pack's header names; a pack whose header cannot be read is indexed under its
+    name (its first key), so the lookup that reaches it rejects and deletes it; a file that is
+    neither is not ours: []."""
+    got, keys = pack_keys(path)
+    for names in (keys if got == kind else [], [path.stem]):
+        try:
+            out = [(kind, bytes.fromhex(k)) for k in names]
+        except ValueError:
+            continue
+        if out and all(len(h) == 16 for _, h in out):
+            return out
+    return []
 
 
 def _stop(readers: ThreadPoolExecutor | None, writes: queue.Queue, threads: list, timeout: float = 30.0) -> None:

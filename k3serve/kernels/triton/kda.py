@@ -12,7 +12,10 @@ Shapes: N = B * T rows, sequence-major; H heads of D; P = H * D; S state slots.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 import triton
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
 
@@ -77,21 +80,21 @@ def _gated(o, gate, o_norm, eps):
 
 
 def kda_decode(
-    u,
-    z,
-    b,
-    gate,
-    conv_w,
-    a_log,
-    dt_bias,
-    o_norm,
-    rec,
-    conv,
-    slots,
+    u: Tensor,
+    z: Tensor,
+    b: Tensor,
+    gate: Tensor,
+    conv_w: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    o_norm: Tensor,
+    rec: Tensor,
+    conv: Tensor,
+    slots: Tensor,
     head_dim: int,
-    lower_bound: float | None,
+    lower_bound: Optional[float],
     eps: float,
-):
+) -> Tensor:
     """One step per row: u [N, 3P], z [N, P], b [N, H], gate [N, P] fp32; conv_w [3P, K];
     a_log [H] fp32 (the gate's A_log); dt_bias [P]; o_norm [D]; rec [S, H, D, D] fp32 and conv
     [S, K-1, 3P] updated in place at slots [N] (int). -> [N, P] fp32."""
@@ -105,22 +108,22 @@ def kda_decode(
 
 
 def kda_verify(
-    u,
-    z,
-    b,
-    gate,
-    conv_w,
-    a_log,
-    dt_bias,
-    o_norm,
-    rec,
-    conv,
-    slots,
-    last,
+    u: Tensor,
+    z: Tensor,
+    b: Tensor,
+    gate: Tensor,
+    conv_w: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    o_norm: Tensor,
+    rec: Tensor,
+    conv: Tensor,
+    slots: Tensor,
+    last: Tensor,
     head_dim: int,
-    lower_bound: float | None,
+    lower_bound: Optional[float],
     eps: float,
-):
+) -> tuple[Tensor, Tensor, Tensor]:
     """B sequences of T rows (the inputs as `kda_decode`'s, slots/last [B]) -> (o [N, P], the
     state after every position rec [B, T, H, D, D] and conv [B, T, K-1, 3P]); each slot keeps
     the state after its `last` position."""

@@ -12,7 +12,9 @@ of the context and writes a partial (normalized output, log-sum-exp); `combine` 
 
 from __future__ import annotations
 
+
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
@@ -125,20 +127,20 @@ def paged_attention(q_lat, q_pe, store, table, lens, block_size: int, scale: flo
 
 
 def mla_decode(
-    q,
-    ckv,
-    kv_norm,
-    store,
-    cache_rows,
-    table,
-    lens,
-    kv_b,
+    q: Tensor,
+    ckv: Tensor,
+    kv_norm: Tensor,
+    store: Tensor,
+    cache_rows: Tensor,
+    table: Tensor,
+    lens: Tensor,
+    kv_b: Tensor,
     nope: int,
     v_dim: int,
     scale: float,
     eps: float,
     block_size: int,
-):
+) -> Tensor:
     """The graph backend's `mla_decode` with the kernel inside: q [N, H, nope + r] fp32; ckv
     [N, c + r] (latent before its norm | k_pe); store written at cache_rows [N] in place; table
     [B, W]; lens [N]; kv_b [H, nope + v, c] fp32. -> [N, H, v] fp32."""

@@ -12,7 +12,10 @@ expert's group padded to whole BM blocks fits, whatever the routing, so all shap
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
@@ -207,12 +210,25 @@ def _grouped(x, x_rows, out, out_rows, block_expert, wa, sa, wb, sb, glu, situ, 
 
 
 def moe_experts(
-    z, ids, weights, w1, w2, w3, s1, s2, s3, situ: bool, beta: float, linear_beta: float | None, a8: bool = False
-):
+    z: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    s1: Optional[Tensor],
+    s2: Optional[Tensor],
+    s3: Optional[Tensor],
+    situ: bool,
+    beta: float,
+    linear_beta: Optional[float],
+    a8: bool = False,
+) -> Tensor:
     """Routed sum: z [N, in] (model dtype), ids [N, k] local expert ids, weights [N, k] ->
     FP32 [N, out]. w* dense [E, rows, cols] or packed MXFP4 with scales s* (see the module)."""
     from k3serve.weights.mxfp8 import fake_quantize_mxfp8
 
+    linear_beta = linear_beta or None  # 0.0 stands for none (the layers' `situ` pair)
     N, k = ids.shape
     E, I = w1.shape[0], w1.shape[1]
     row_token, row_assign, block_expert = align(ids, E)
