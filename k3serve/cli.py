@@ -27,6 +27,7 @@ def _cmd_build_tiny(args: argparse.Namespace) -> int:
         tiny_k3_config,
         tiny_kimi_linear_config,
         with_mxfp4_experts,
+        with_nvfp4_experts,
     )
 
     if args.size == "400m" and args.kind != "kimi_linear":
@@ -38,12 +39,16 @@ def _cmd_build_tiny(args: argparse.Namespace) -> int:
     config = kimi_linear_400m_config() if args.size == "400m" else None
     if args.mxfp4:
         config = with_mxfp4_experts(config or tiny_kimi_linear_config())
+    if args.mxfp4 and args.nvfp4:
+        raise SystemExit("build-tiny: --mxfp4 and --nvfp4 are two packings of the same experts: pick one")
     if args.kind == "k3" and args.vision is False:  # the tiny K3 carries a tower unless told not to
         config = tiny_k3_config()
         del config["vision_config"]
+    if args.nvfp4:
+        config = with_nvfp4_experts(config or (tiny_k3_config() if args.kind == "k3" else tiny_kimi_linear_config()))
     out = build_tiny_checkpoint(args.out, kind=args.kind, seed=args.seed, config=config)
     tower = " with a MoonViT3d tower and projector" if args.kind == "k3" and args.vision is not False else ""
-    tower += " with MXFP4 experts" if args.mxfp4 else ""
+    tower += " with MXFP4 experts" if args.mxfp4 else " with NVFP4 experts" if args.nvfp4 else ""
     print(f"wrote {args.size} {args.kind} checkpoint{tower} (random weights, seed {args.seed}) to {out}")
     return 0
 
@@ -301,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mxfp4", action="store_true", help="kimi_linear: routed experts packed MXFP4 (K3's compressed-tensors layout)"
+    )
+    p.add_argument(
+        "--nvfp4",
+        action="store_true",
+        help="routed experts packed NVFP4 (compressed-tensors nvfp4-pack-quantized: E4M3 scales per 16, a global scale)",
     )
     p.add_argument(
         "--vision",

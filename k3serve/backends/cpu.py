@@ -302,8 +302,8 @@ class CpuKernels(Backend):
 
     # ---- the MoE block ---------------------------------------------------------------------
     def moe(self, layer, x):
-        if not self.takes(x) or x.dtype not in _DTYPES:
-            return super().moe(layer, x)
+        if not self.takes(x) or x.dtype not in _DTYPES or layer.w1.fmt == "nvfp4":
+            return super().moe(layer, x)  # NVFP4: the layer's torch around this backend's grouped kernel
         if layer.ep is None and (
             layer.tp.size == 1 or (layer.cfg.latent_size is None and not layer.tp.expert_parallel)
         ):
@@ -320,6 +320,7 @@ class CpuKernels(Backend):
         return (
             layer.ep is None
             and layer.tp.size == 1
+            and layer.w1.fmt != "nvfp4"  # the block kernels read MXFP4 or dense; NVFP4 the grouped kernel
             and self.takes(x)
             and x.dtype in _DTYPES
             and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts())
@@ -349,7 +350,7 @@ class CpuKernels(Backend):
     def moe_experts(self, layer, z, ids, weights):
         """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or
         dense); off the fast path, torch with packed MXFP4 through the grouped kernels."""
-        if not (self.takes(z) and z.dtype in _DTYPES):
+        if not (self.takes(z) and z.dtype in _DTYPES) or layer.w1.fmt == "nvfp4":
             return self._grouped_experts(layer, z, ids, weights)
         ws = self.moe_weights(layer)[5:11]  # the experts in the form moe_block takes them (the same bits)
         beta, linear_beta = layer.situ or (0.0, 0.0)
@@ -365,7 +366,7 @@ class CpuKernels(Backend):
         )
 
     def _grouped_experts(self, layer, z, ids, weights):
-        """torch's experts, packed MXFP4 through the grouped kernels (layers/experts.py)."""
+        """torch's experts, packed MXFP4 / NVFP4 through the grouped kernels (layers/experts.py)."""
         return experts_forward(
             z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act, kernels=self.kernels
         )
@@ -473,7 +474,7 @@ class CpuKernels(Backend):
             attn_w = self.mla_weights(attn) if mla else self.kda_weights(attn)
             attn_i, attn_f = self.mla_scalars(attn) if mla else self.kda_scalars(attn)
             moe = getattr(layer, "block_sparse_moe", None)
-            if moe is not None and (moe.ep is not None or moe.tp.size > 1):
+            if moe is not None and (moe.ep is not None or moe.tp.size > 1 or moe.w1.fmt == "nvfp4"):
                 return None
             ffn = self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()

@@ -41,12 +41,14 @@ class GraphBackend(Backend):
         self.kv_b: dict[int, torch.Tensor] = {}  # MLA layer -> [H, n + v, c] fp32
         self.vectors: list[torch.Tensor] | None = None  # AttnRes score vectors, fp32 [d] each
         self.luts: tuple[torch.Tensor, torch.Tensor] | None = None  # MXFP4 decode tables in the model dtype
+        self.nv_tables: dict = {}  # NVFP4 MoE layer -> its w1, w2, w3 group-factor tables [3, E, 256] fp32
 
     @torch.no_grad()
     def prepare(self, model) -> None:
         """Weights in the form the step computes with, once (after the last load or move)."""
         from k3serve.layers.kda import KimiDeltaAttention
         from k3serve.layers.mla import GatedMLA
+        from k3serve.layers.moe import SparseMoE
 
         for m in model.modules():
             if isinstance(m, KimiDeltaAttention):
@@ -58,6 +60,8 @@ class GraphBackend(Backend):
                 )
             elif isinstance(m, GatedMLA):
                 self.kv_b[m.layer_idx] = m.kv_b_proj.weight.float().view(m.cfg.num_heads, -1, m.cfg.kv_lora_rank)
+            elif isinstance(m, SparseMoE) and m.w1.fmt == "nvfp4":
+                self.nv_tables[m] = torch.stack([w.tables for w in (m.w1, m.w2, m.w3)])
         if model.cfg.use_attnres:
             self.vectors = model.model.attnres_vectors()
         # not the shared table cache: prepare may run on fake tensors (the sync audit)
@@ -178,6 +182,8 @@ class GraphBackend(Backend):
         ws = [(w.packed, w.scale) if w.is_packed else (w.value, None) for w in (layer.w1, layer.w2, layer.w3)]
         packed = ws[0][1] is not None
         pair, scale = self.luts if packed else (None, None)
+        if layer.w1.fmt == "nvfp4":
+            scale = self.nv_tables[layer]
         return self.ops.moe_experts(
             z,
             ids,

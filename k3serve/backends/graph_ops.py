@@ -202,41 +202,46 @@ def moe_experts(
 ) -> Tensor:
     """Routed sum, FP32 [N, out], shapes fixed by N. w* [E, out, in] dense, or with scales s*
     packed MXFP4 ([E, out, in/2] codes, [E, out, in/32] E8M0) decoded by the lookup tables
-    (pair_lut [256, 2], scale_lut [256] in z's dtype). When the N * k assignments are fewer than
+    (pair_lut [256, 2], scale_lut [256] in z's dtype), or packed NVFP4 ([E, out, in/16] E4M3
+    bytes) with scale_lut the group-factor tables of w1, w2, w3 [3, E, 256] float32 (products
+    in float32, the reference's rounding: weights/nvfp4.py). When the N * k assignments are fewer than
     the experts each assignment's expert is gathered (exactly the selected weights read);
     otherwise every expert runs on every row, weighted by that row's routing weight for it
     (zero when not chosen): E matrices read, no sort, no count, no host sync."""
     N, k = ids.shape
     E = w1.shape[0]
 
-    def select(w, s, idx):  # [M, out, in] in z's dtype
+    def select(w, s, idx, m):  # matrix m's experts idx: [M, out, in] in z's dtype
         if s is None:
             return w[idx].to(z.dtype)
-        packed = w[idx]
-        vals = pair_lut[packed.to(torch.int64)].view(*packed.shape[:-1], -1, 32)
-        return (vals * scale_lut[s[idx].to(torch.int64)].unsqueeze(-1)).view(*packed.shape[:-1], -1)
+        packed, sb = w[idx], s[idx].to(torch.int64)
+        vals = pair_lut[packed.to(torch.int64)].view(*packed.shape[:-1], -1, 2 * packed.shape[-1] // s.shape[-1])
+        if scale_lut.dim() == 1:  # MXFP4: powers of two, exact in z's dtype
+            return (vals * scale_lut[sb].unsqueeze(-1)).view(*packed.shape[:-1], -1)
+        factor = scale_lut[m][idx.view(-1, 1, 1), sb]  # NVFP4 [M, out, in/16] float32
+        return (vals.float() * factor.unsqueeze(-1)).view(*packed.shape[:-1], -1).to(z.dtype)
 
     if N * k <= E:
         flat = ids.reshape(-1)
         xs = z.repeat_interleave(k, 0).unsqueeze(1)  # [N*k, 1, in]
         h = _glu(
-            torch.bmm(xs, select(w1, s1, flat).transpose(1, 2)),
-            torch.bmm(xs, select(w3, s3, flat).transpose(1, 2)),
+            torch.bmm(xs, select(w1, s1, flat, 0).transpose(1, 2)),
+            torch.bmm(xs, select(w3, s3, flat, 2).transpose(1, 2)),
             situ,
             beta,
             linear_beta,
         )
-        y = torch.bmm(h, select(w2, s2, flat).transpose(1, 2)).view(N, k, -1)  # [N, k, out]
+        y = torch.bmm(h, select(w2, s2, flat, 1).transpose(1, 2)).view(N, k, -1)  # [N, k, out]
         return (y.float() * weights.float().unsqueeze(-1)).sum(1)
     every = torch.arange(E, device=z.device)
     h = _glu(
-        torch.einsum("ni,eoi->eno", z, select(w1, s1, every)),
-        torch.einsum("ni,eoi->eno", z, select(w3, s3, every)),
+        torch.einsum("ni,eoi->eno", z, select(w1, s1, every, 0)),
+        torch.einsum("ni,eoi->eno", z, select(w3, s3, every, 2)),
         situ,
         beta,
         linear_beta,
     )
-    y = torch.einsum("eni,eoi->eno", h, select(w2, s2, every))  # [E, N, out]
+    y = torch.einsum("eni,eoi->eno", h, select(w2, s2, every, 1))  # [E, N, out]
     # scatter_add: a row's ids may repeat (expert parallelism maps other ranks' experts to local
     # expert 0 with weight 0), and a plain scatter would let such a 0 overwrite a real weight
     dense_w = torch.zeros(N, E, dtype=torch.float32, device=z.device).scatter_add_(1, ids, weights.float())

@@ -81,4 +81,6 @@ class TritonBackend(GraphBackend):
             layer.situ is not None,
             beta,
             linear_beta,
+            False,
+            self.nv_tables.get(layer),
         )

@@ -11,7 +11,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16")
 KV_DTYPES = DTYPES + ("fp8",)  # fp8: float8_e4m3fn latent rows, unit scale (vLLM's default k_scale 1.0)
 KERNELS = ("auto", "cpp", "torch", "graph", "triton")  # execution backends (k3serve/backends)
-QUANTIZATIONS = ("compressed-tensors", "mxfp4")  # what a checkpoint's quantization_config can be
+QUANTIZATIONS = ("compressed-tensors", "mxfp4", "nvfp4")  # what a checkpoint's quantization_config can be
 
 # how DP-attention ranks exchange tokens for their experts, as vLLM's --all2all-backend spells it:
 # alltoall (rows only to the ranks owning a token's experts), allgather_reducescatter / naive
@@ -97,7 +97,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported: k3serve serves the checkpoint's "
-                f"own format ({' / '.join(QUANTIZATIONS)} for MXFP4 checkpoints, or none) and "
+                f"own format ({' / '.join(QUANTIZATIONS)} for MXFP4 / NVFP4 checkpoints, or none) and "
                 f"never requantizes at load time; convert the checkpoint offline"
             )
         if self.cache_memory_fraction is not None and not 0 < self.cache_memory_fraction <= 1:

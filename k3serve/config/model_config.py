@@ -340,6 +340,6 @@ def _check_consistency(cfg: ModelConfig) -> None:
             ("moe_intermediate_size", cfg.moe.expert_intermediate_size),
         ):
             if dim % g:
-                raise ConfigError(p + name, f"{dim} is not a multiple of the MXFP4 group size {g}")
+                raise ConfigError(p + name, f"{dim} is not a multiple of the {cfg.quant.scheme.upper()} group size {g}")
     if cfg.eos_token_id >= cfg.vocab_size:
         raise ConfigError(p + "eos_token_id", f"{cfg.eos_token_id} >= vocab_size {cfg.vocab_size}")

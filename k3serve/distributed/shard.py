@@ -25,6 +25,7 @@ import torch
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.group import TPGroup, vocab_shard
 from k3serve.weights.mxfp4 import GROUP, PackedMXFP4
+from k3serve.weights.nvfp4 import PackedNVFP4
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts\.)(\d+)(\.w[123]\.weight)$")
 _ROWS = (
@@ -53,7 +54,7 @@ _COLUMNS = (
 )
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
-Weight = torch.Tensor | PackedMXFP4
+Weight = torch.Tensor | PackedMXFP4 | PackedNVFP4
 
 
 def shard_weights(
@@ -84,13 +85,14 @@ def shard_weights(
 
 
 def check_expert_split(cfg: ModelConfig, tp: TPGroup) -> None:
-    """Packed MXFP4 experts split their w2 input channels by whole 32-value scale groups."""
+    """Packed experts split their w2 input channels by whole scale groups (MXFP4 32, NVFP4 16)."""
     inter = cfg.moe.expert_intermediate_size
-    if tp.expert_parallel or tp.size == 1 or cfg.quant is None or (inter // tp.size) % GROUP == 0:
+    if tp.expert_parallel or tp.size == 1 or cfg.quant is None or (inter // tp.size) % cfg.quant.group_size == 0:
         return
     raise ValueError(
         f"moe_intermediate_size = {inter} split over --tensor-parallel-size {tp.size} gives "
-        f"{inter // tp.size} channels per rank, not a multiple of the MXFP4 group of {GROUP}: the "
+        f"{inter // tp.size} channels per rank, not a multiple of the {cfg.quant.scheme.upper()} group of "
+        f"{cfg.quant.group_size}: the "
         f"experts' w2 scales cannot be split; add --enable-expert-parallel (whole experts per rank)"
     )
 
@@ -118,6 +120,10 @@ def _expert(name: str, m: re.Match, w: Weight, cfg: ModelConfig, tp: TPGroup) ->
     dim = 1 if which == ".w2.weight" else 0  # w2 [L, I] splits its input channels
     inter = cfg.moe.expert_intermediate_size
     n = tp.split(inter, "moe_intermediate_size")
+    if isinstance(w, PackedNVFP4):
+        if dim == 1:
+            check_expert_split(cfg, tp)
+        return name, w.narrow(dim, tp.rank * n, n)
     if not isinstance(w, PackedMXFP4):
         return name, w.narrow(dim, tp.rank * n, n)
     if dim == 1:

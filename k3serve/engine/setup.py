@@ -134,6 +134,12 @@ def check_quantization(config: EngineConfig, model: KimiForCausalLM) -> None:
             f"quantization_config); k3serve does not quantize at load time: drop the flag or serve "
             f"an MXFP4 checkpoint"
         )
+    scheme = model.cfg.quant.scheme
+    if config.quantization in ("mxfp4", "nvfp4") and config.quantization != scheme:
+        raise ValueError(
+            f"--quantization {config.quantization}: this checkpoint's experts are {scheme} "
+            f"({model.cfg.quant.format}); drop the flag or pass --quantization {scheme}"
+        )
 
 
 def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:

@@ -1,4 +1,4 @@
-"""Routed experts: stacked weights, either packed MXFP4 (K3) or plain (Kimi-Linear).
+"""Routed experts: stacked weights, either packed MXFP4 (K3) / NVFP4, or plain (Kimi-Linear).
 
 `experts_forward` sorts tokens by expert and runs each *selected* expert once on all its
 tokens, dequantizing only that expert's MXFP4 weights at use (spec §8.3: compute on the
@@ -15,8 +15,10 @@ import torch
 from k3serve.layers.gemm import dense
 from k3serve.weights.mxfp4 import PackedMXFP4, decode_mxfp4
 from k3serve.weights.mxfp8 import fake_quantize_mxfp8
+from k3serve.weights.nvfp4 import PackedNVFP4, decode_nvfp4
 
-ExpertWeight = torch.Tensor | PackedMXFP4  # [E, out, in]
+ExpertWeight = torch.Tensor | PackedMXFP4 | PackedNVFP4  # [E, out, in]
+PACKED = (PackedMXFP4, PackedNVFP4)
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -28,7 +30,10 @@ def mxfp4_linear(x: torch.Tensor, w: PackedMXFP4) -> torch.Tensor:
 def expert_weights(w: ExpertWeight, experts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Weights of the selected experts only, one [out, in] matrix each in `dtype`. Dense experts
     are views of the stacked buffer (no copy: gathering them was ~40% of a bf16 decode step);
-    packed MXFP4 is decoded in one pass for all of them (one call per layer and matrix)."""
+    packed FP4 is decoded in one pass for all of them (one call per layer and matrix)."""
+    if isinstance(w, PackedNVFP4):
+        idx = torch.tensor(experts, dtype=torch.long, device=w.packed.device)
+        return list(decode_nvfp4(w.packed[idx], w.scale[idx], w.tables()[idx], dtype))
     if isinstance(w, PackedMXFP4):
         idx = torch.tensor(experts, dtype=torch.long, device=w.packed.device)
         return list(decode_mxfp4(w.packed[idx], w.scale[idx], dtype))
@@ -59,12 +64,12 @@ def experts_forward(
     """x [N, h], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), FP32 [N, h_out].
 
     With `kernels` (k3serve.kernels) and packed CPU experts, the three matmuls run as grouped
-    MXFP4 kernels on the packed bytes; otherwise each selected expert runs once in torch."""
+    MXFP4 / NVFP4 kernels on the packed bytes; otherwise each selected expert runs once in torch."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // ids.shape[1]  # token of each sorted assignment
-    if kernels is not None and isinstance(w1, PackedMXFP4) and x.device.type == "cpu":
-        return _experts_grouped_mxfp4(x, flat, order, token, weights, w1, w2, w3, act, a8, kernels)
+    if kernels is not None and isinstance(w1, PACKED) and x.device.type == "cpu":
+        return _experts_grouped(x, flat, order, token, weights, w1, w2, w3, act, a8, kernels)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     out_dim = w2.shape[1]
     out = torch.zeros(x.shape[0], out_dim, dtype=torch.float32, device=x.device)
@@ -80,7 +85,14 @@ def experts_forward(
     return out
 
 
-def _experts_grouped_mxfp4(x, flat, order, token, weights, w1, w2, w3, act: Act, a8: bool, kernels) -> torch.Tensor:
+def _grouped_matmul(kernels, x, offsets, w):
+    """kernels/cpu: x [M, K] fp32 rows sorted by expert @ W_e^T on the packed bytes -> [M, O] fp32."""
+    if isinstance(w, PackedNVFP4):
+        return kernels.nvfp4_grouped_matmul(x, offsets, w.packed, w.scale, w.tables())
+    return kernels.mxfp4_grouped_matmul(x, offsets, w.packed, w.scale)
+
+
+def _experts_grouped(x, flat, order, token, weights, w1, w2, w3, act: Act, a8: bool, kernels) -> torch.Tensor:
     """Three grouped kernel calls per layer instead of a Python loop over experts; FP32 inside.
     x [N, h]; assignments sorted by expert; offsets [E + 1] delimit each expert's rows."""
     counts = torch.bincount(flat, minlength=w1.shape[0])
@@ -89,12 +101,12 @@ def _experts_grouped_mxfp4(x, flat, order, token, weights, w1, w2, w3, act: Act,
     xs = x[token].float()  # [N*k, h], one row per (token, expert) pair
     if a8:
         xs = fake_quantize_mxfp8(xs)
-    g = kernels.mxfp4_grouped_matmul(xs, offsets, w1.packed, w1.scale)
-    u = kernels.mxfp4_grouped_matmul(xs, offsets, w3.packed, w3.scale)
+    g = _grouped_matmul(kernels, xs, offsets, w1)
+    u = _grouped_matmul(kernels, xs, offsets, w3)
     h = act(g, u)
     if a8:
         h = fake_quantize_mxfp8(h)
-    y = kernels.mxfp4_grouped_matmul(h.contiguous(), offsets, w2.packed, w2.scale)  # [N*k, out]
+    y = _grouped_matmul(kernels, h.contiguous(), offsets, w2)  # [N*k, out]
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
     return out.index_add_(0, token, y * weights.reshape(-1)[order, None])
 
@@ -103,7 +115,7 @@ def experts_reference(x, ids, weights, w1, w2, w3, act: Act, a8: bool = False) -
     """Plain loop over tokens and their selected experts, dequantize-then-matmul in FP32."""
 
     def deq(w, e):
-        return w.select(e).dequantize(torch.float32) if isinstance(w, PackedMXFP4) else w[e].float()
+        return w.select(e).dequantize(torch.float32) if isinstance(w, PACKED) else w[e].float()
 
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
     for t in range(x.shape[0]):

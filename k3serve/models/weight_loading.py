@@ -13,6 +13,7 @@ import torch
 
 from k3serve.weights.errors import MissingTensorError, UnexpectedTensorError
 from k3serve.weights.mxfp4 import PackedMXFP4
+from k3serve.weights.nvfp4 import PackedNVFP4
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _FP32 = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
@@ -52,7 +53,9 @@ def _assign_experts(model, experts) -> None:
                     tensor=f"model.layers.{i}.block_sparse_moe.experts.{missing}.{w}.weight",
                 )
             mats = [per[e] for e in range(count)]
-            if isinstance(mats[0], PackedMXFP4):
+            if isinstance(mats[0], PackedNVFP4):
+                stacked = PackedNVFP4.stack(mats)
+            elif isinstance(mats[0], PackedMXFP4):
                 stacked = PackedMXFP4(torch.stack([m.packed for m in mats]), torch.stack([m.scale for m in mats]))
             else:
                 stacked = torch.stack(mats).to(model.dtype)

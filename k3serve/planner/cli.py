@@ -36,6 +36,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         metavar="GPU=USD",
         help="USD per GPU-hour for the cost column, repeatable (illustrative defaults otherwise)",
     )
+    p.add_argument(
+        "--experts",
+        choices=("checkpoint", "mxfp4", "nvfp4", "bf16"),
+        default="checkpoint",
+        help="routed experts as the model ships them (default), or packed MXFP4 / NVFP4, or bf16 "
+        "(e.g. nvidia's NVFP4 release of a model whose config says MXFP4)",
+    )
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8"), default="bfloat16")
     p.add_argument(
         "--mamba-ssm-cache-dtype",
@@ -98,6 +105,24 @@ def workload_questions(args: argparse.Namespace) -> list[str]:
     return assumed
 
 
+def experts_as(cfg, fmt: str):
+    """The config with its routed experts in `fmt` ("checkpoint": as they are)."""
+    import dataclasses
+
+    from k3serve.config.quant_config import nvfp4_quantization_config, parse_quant_config
+
+    if fmt == "checkpoint":
+        return cfg
+    if fmt == "bf16":
+        return dataclasses.replace(cfg, quant=None)
+    if fmt == "nvfp4":
+        return dataclasses.replace(cfg, quant=parse_quant_config(nvfp4_quantization_config()))
+    from k3serve.config.bundled import load_model_config
+
+    k3 = load_model_config("moonshotai/Kimi-K3")  # K3's own MXFP4 config
+    return dataclasses.replace(cfg, quant=k3.quant)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from k3serve.config.bundled import load_model_config
     from k3serve.planner.html import to_html
@@ -106,8 +131,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from k3serve.planner.weights import weight_split
 
     assumed = workload_questions(args)
-    cfg = load_model_config(args.model)
+    cfg = experts_as(load_model_config(args.model), args.experts)
     is_dir = Path(args.model).is_dir() and any(Path(args.model).glob("*.safetensors"))
+    if is_dir and args.experts != "checkpoint":
+        raise SystemExit("plan: --experts re-packs a config's experts; a checkpoint's headers already say its format")
     gpus = [load_gpu_file(args.gpu_file)] if args.gpu_file else []
     names = args.gpu or ([] if gpus else ["all"])
     gpus += list(GPUS.values()) if "all" in names else [get_gpu(n) for n in names]

@@ -241,7 +241,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         "-q",
-        help="must match the checkpoint (compressed-tensors / mxfp4): "
+        help="must match the checkpoint (compressed-tensors / mxfp4 / nvfp4): "
         "k3serve reads the format from config.json and never requantizes",
     )
     p.add_argument(

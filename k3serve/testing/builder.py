@@ -25,6 +25,7 @@ from k3serve.tokenizer.bpe_train import train_bpe
 from k3serve.tokenizer.specials import K2_SPECIALS, K3_SPECIALS, NUM_RESERVED_SPECIAL
 from k3serve.tokenizer.tiktoken_file import write_ranks
 from k3serve.weights.mxfp4 import PackedMXFP4
+from k3serve.weights.nvfp4 import PackedNVFP4
 from k3serve.weights.schema import TensorSpec, model_tensor_specs
 
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
@@ -91,7 +92,13 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         if spec.role == "packed":
             module = spec.name[: -len(".weight_packed")]
             logical = (spec.shape[0], spec.shape[1] * 2)
-            packed = PackedMXFP4.quantize(torch.randn(logical, generator=gen) / logical[1] ** 0.5)
+            w = torch.randn(logical, generator=gen) / logical[1] ** 0.5
+            if cfg.quant.scheme == "nvfp4":
+                nv = PackedNVFP4.quantize(w)
+                out[spec.name], out[module + ".weight_scale"] = nv.packed, nv.scale.view(torch.float8_e4m3fn)
+                out[module + ".weight_global_scale"] = nv.global_scale.reshape(1)
+                continue
+            packed = PackedMXFP4.quantize(w)
             out[spec.name], out[module + ".weight_scale"] = packed.packed, packed.scale
             continue
         out[spec.name] = _init(spec, cfg, gen).to(_TORCH_DTYPES[spec.dtype])

@@ -152,3 +152,12 @@ def with_mxfp4_experts(raw: dict[str, Any]) -> dict[str, Any]:
     compressed-tensors quantization_config."""
     k3 = json.loads((BUNDLED_DIR / "moonshotai--Kimi-K3.json").read_text())
     return {**raw, "quantization_config": k3["text_config"]["quantization_config"]}
+
+
+def with_nvfp4_experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config (K3 or Kimi-Linear) with its routed experts packed NVFP4."""
+    from k3serve.config.quant_config import nvfp4_quantization_config
+
+    if "text_config" in raw:
+        return {**raw, "text_config": {**raw["text_config"], "quantization_config": nvfp4_quantization_config()}}
+    return {**raw, "quantization_config": nvfp4_quantization_config()}

@@ -70,7 +70,8 @@ def _report(
     by_format: dict[str, int] = defaultdict(int)
     for s in specs:
         by_dtype[dtypes[s.name]] += nbytes[s.name]
-        by_format["mxfp4" if s.role in ("packed", "scale") else dtypes[s.name].lower()] += nbytes[s.name]
+        packed = s.role in ("packed", "scale") and cfg.quant is not None
+        by_format[cfg.quant.scheme if packed else dtypes[s.name].lower()] += nbytes[s.name]
     text = [s for s in specs if not s.vision]
     total = sum(s.params for s in text)
     expert = sum(s.params for s in text if s.routed_expert)

@@ -3,7 +3,7 @@
 Name rules (k3-model-spec.md §1.6, §3.1, §8): the `language_model.` prefix of K3 is dropped
 so both models share canonical names (`model.layers.{i}...`, `lm_head.weight`);
 `<module>.weight_packed` + `<module>.weight_scale` become one `PackedMXFP4` under
-`<module>.weight`; `A_log` keeps its first `num_heads` entries (K3 pads it to 128).
+`<module>.weight` (with `<module>.weight_global_scale`, one `PackedNVFP4`); `A_log` keeps its first `num_heads` entries (K3 pads it to 128).
 All validation runs on headers before any data is read, so a bad checkpoint fails before
 serving and no partial model is ever returned.
 """
@@ -28,6 +28,7 @@ from k3serve.weights.errors import (
     UnexpectedTensorError,
 )
 from k3serve.weights.mxfp4 import PackedMXFP4
+from k3serve.weights.nvfp4 import PackedNVFP4
 from k3serve.weights.schema import FLOAT_DTYPES, TensorSpec, model_tensor_specs
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 # threaded reader (GPUDirect Storage where cuFile is present, its no-GDS path otherwise)
 LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors")
 FASTSAFETENSORS_PIN = "fastsafetensors==0.5.0"
-Weight = Union[torch.Tensor, PackedMXFP4]
+Weight = Union[torch.Tensor, PackedMXFP4, PackedNVFP4]
 
 
 def validate_checkpoint(index: CheckpointIndex, cfg: ModelConfig) -> list[TensorSpec]:
@@ -48,7 +49,7 @@ def validate_checkpoint(index: CheckpointIndex, cfg: ModelConfig) -> list[Tensor
     for name, spec in specs.items():
         info = index.tensors.get(name)
         if info is None:
-            if spec.vision:
+            if spec.vision or spec.optional:
                 continue  # text-only exports may drop the tower; the text engine never reads it
             raise MissingTensorError(
                 f"required by the config ({spec.dtype}{list(spec.shape)})", tensor=name, file=str(index.root)
@@ -67,8 +68,9 @@ def _unexpected_hint(name: str, cfg: ModelConfig) -> str:
 def _check_tensor(spec: TensorSpec, info: TensorInfo, cfg: ModelConfig) -> None:
     where = dict(tensor=info.name, file=str(info.file))
     if spec.role in ("packed", "scale"):
-        if info.dtype != "U8":
-            raise DtypeMismatchError(f"MXFP4 {spec.role} tensor must be U8, found {info.dtype}", **where)
+        if info.dtype != spec.dtype:
+            fmt = cfg.quant.scheme.upper() if cfg.quant is not None else "packed"
+            raise DtypeMismatchError(f"{fmt} {spec.role} tensor must be {spec.dtype}, found {info.dtype}", **where)
     elif info.dtype not in FLOAT_DTYPES:
         raise DtypeMismatchError(f"expected a float tensor ({spec.dtype}), found {info.dtype}", **where)
     elif info.dtype == "F16" and spec.dtype != "F16":
@@ -167,10 +169,19 @@ def check_finite(t: torch.Tensor, name: str, file: Path) -> None:
     (and used to trip the sampler for all of them), so they stop start-up, named."""
     if t.dtype == torch.uint8:
         bad = name.endswith(".weight_scale") and bool((t == E8M0_NAN).any())
+    elif t.dtype == torch.float8_e4m3fn:  # E4M3 has NaN (0x7F / 0xFF) and no Inf
+        bad = bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    elif name.endswith("global_scale"):  # divides every group scale: zero or negative is as bad as NaN
+        bad = not bool((torch.isfinite(t) & (t > 0)).all())
     else:
         bad = t.is_floating_point() and not bool(torch.isfinite(t).all())
     if bad:
-        raise NonFiniteWeightError("weight holds NaN or Inf values", tensor=name, file=str(file))
+        what = (
+            "a global scale must be finite and > 0"
+            if name.endswith("global_scale")
+            else "weight holds NaN or Inf values"
+        )
+        raise NonFiniteWeightError(what, tensor=name, file=str(file))
 
 
 def _canonicalize(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Weight]:
@@ -178,11 +189,15 @@ def _canonicalize(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, W
     out: dict[str, Weight] = {}
     for name, t in raw.items():
         key = name[len(prefix) :] if prefix and name.startswith(prefix) else name
-        if key.endswith(".weight_scale"):
-            continue
+        if key.endswith((".weight_scale", ".weight_global_scale", ".input_global_scale")):
+            continue  # read with their weight_packed (activation scales: W4A16, config/quant_config.py)
         if key.endswith(".weight_packed"):
             module = name[: -len(".weight_packed")]
-            out[key[: -len("_packed")]] = PackedMXFP4(t, raw[module + ".weight_scale"])
+            scale = raw[module + ".weight_scale"]
+            if scale.dtype == torch.float8_e4m3fn:
+                out[key[: -len("_packed")]] = PackedNVFP4(t, scale, raw[module + ".weight_global_scale"])
+            else:
+                out[key[: -len("_packed")]] = PackedMXFP4(t, scale)
         elif key.endswith(".A_log"):
             out[key] = t.reshape(-1)[: cfg.kda.num_heads].float().contiguous()
         else:

@@ -12,6 +12,7 @@ from typing import Iterator
 
 from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.weights.mxfp4 import GROUP
+from k3serve.weights.nvfp4 import GROUP as NV_GROUP
 
 DTYPE_BYTES = {
     "BF16": 2,
@@ -41,6 +42,7 @@ class TensorSpec:
     role: str  # "float" | "packed" | "scale"
     routed_expert: bool = False
     vision: bool = False
+    optional: bool = False  # validated when present, not required (NVFP4 activation scales)
 
     @property
     def nbytes(self) -> int:
@@ -170,13 +172,20 @@ def _moe_specs(cfg: ModelConfig, mp: str, dt: str) -> Iterator[TensorSpec]:
 
 
 def expert_specs(cfg: ModelConfig, module: str, shape: tuple[int, int], dt: str) -> Iterator[TensorSpec]:
-    """One routed-expert matrix: MXFP4 packed+scale when the config is quantized, else a weight."""
+    """One routed-expert matrix: packed codes + scales when the config is quantized (MXFP4: E8M0
+    bytes per 32; NVFP4: E4M3 per 16 and an F32 global scale), else a weight."""
     out, inp = shape
     if cfg.quant is None:
         yield TensorSpec(module + ".weight", shape, dt, "float", routed_expert=True)
         return
     yield TensorSpec(module + ".weight_packed", (out, inp // 2), "U8", "packed", routed_expert=True)
-    yield TensorSpec(module + ".weight_scale", (out, inp // GROUP), "U8", "scale", routed_expert=True)
+    if cfg.quant.scheme == "mxfp4":
+        yield TensorSpec(module + ".weight_scale", (out, inp // GROUP), "U8", "scale", routed_expert=True)
+        return
+    yield TensorSpec(module + ".weight_scale", (out, inp // NV_GROUP), "F8_E4M3", "scale", routed_expert=True)
+    yield TensorSpec(module + ".weight_global_scale", (1,), "F32", "scale", routed_expert=True)
+    if cfg.quant.input_scales:
+        yield TensorSpec(module + ".input_global_scale", (1,), "F32", "scale", routed_expert=True, optional=True)
 
 
 def _vision_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -245,6 +246,37 @@ struct SerialBlocks {
 inline int64_t grain_for(int64_t flops_per_item, int64_t work = 1 << 18) {
   if (serial_blocks()) return std::numeric_limits<int64_t>::max();
   return std::max<int64_t>(1, work / std::max<int64_t>(1, flops_per_item));
+}
+
+// The driver both grouped expert matmuls share (mxfp4_grouped.cpp, nvfp4_grouped.cpp): rows of
+// x [N, K] fp32 sorted by expert, offsets [E + 1] int64 delimiting each expert's rows; each
+// (active expert, output row) is one work item whose weight row `decode(e, r, row)` writes as K
+// floats once, then dotted with each of the expert's rows in a fixed order (batch invariance).
+template <class Decode>
+at::Tensor grouped_matmul(at::Tensor x, at::Tensor offsets, int64_t E, int64_t O, Decode decode) {
+  x = x.contiguous();
+  offsets = offsets.contiguous();
+  const int64_t K = x.size(1), N = x.size(0);
+  TORCH_CHECK(offsets.size(0) == E + 1, "offsets must have E + 1 = ", E + 1, " entries");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == N, "offsets must run from 0 to N = ", N);
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
+    if (off[e + 1] > off[e]) active.push_back(e);
+  }
+  auto y = at::empty({N, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, int64_t(active.size()) * O, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = active[i / O], r = i % O;
+      decode(e, r, row.data());
+      for (int64_t t = off[e]; t < off[e + 1]; ++t) yp[t * O + r] = dot(row.data(), xp + t * K, K);
+    }
+  });
+  return y;
 }
 
 }  // namespace k3k

@@ -11,6 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_stack(m);
   m.def("mxfp4_grouped_matmul", &mxfp4_grouped_matmul,
         "y[N, O] = x[N, K] @ W_e^T per expert group, W packed MXFP4 [E, O, K/2] + E8M0 [E, O, K/32]");
+  m.def("nvfp4_grouped_matmul", &nvfp4_grouped_matmul,
+        "y[N, O] = x[N, K] @ W_e^T per expert group, W packed NVFP4 [E, O, K/2] + E4M3 bytes [E, O, K/16] "
+        "read through the group-factor tables [E, 256]");
   m.def("mxfp4_rows_bf16", &mxfp4_rows_bf16,
         "packed MXFP4 rows -> (bf16 in nib64 order, rows whose scales fold into bf16): the test hook of the bf16 decode");
   m.def("has_bf16_dot", []() {

@@ -31,37 +31,17 @@ at::Tensor mxfp4_grouped_matmul(at::Tensor x, at::Tensor offsets, at::Tensor pac
   TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kByte, "scale must be [E, O, K/32] uint8");
   TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong, "offsets must be [E + 1] int64");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "this kernel runs on the CPU");
-  const int64_t E = packed.size(0), O = packed.size(1), K = x.size(1), N = x.size(0);
+  const int64_t E = packed.size(0), O = packed.size(1), K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, "K = ", K, " is not a multiple of ", kGroup);
   TORCH_CHECK(packed.size(2) * 2 == K && scale.size(2) * kGroup == K && scale.size(1) == O &&
                   scale.size(0) == E, "packed/scale do not match x's K = ", K);
-  TORCH_CHECK(offsets.size(0) == E + 1, "offsets must have E + 1 = ", E + 1, " entries");
-  x = x.contiguous();
   packed = packed.contiguous();
   scale = scale.contiguous();
-  offsets = offsets.contiguous();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == N, "offsets must run from 0 to N = ", N);
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
-    if (off[e + 1] > off[e]) active.push_back(e);
-  }
-  auto y = at::empty({N, O}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
-  const int64_t items = int64_t(active.size()) * O;
-  at::parallel_for(0, items, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t e = active[i / O], r = i % O;
-      k3k::decode_mxfp4_row(pp + (e * O + r) * (K / 2), sp + (e * O + r) * (K / kGroup), K, row.data());
-      for (int64_t t = off[e]; t < off[e + 1]; ++t) yp[t * O + r] = k3k::dot(row.data(), xp + t * K, K);
-    }
+  return k3k::grouped_matmul(x, offsets, E, O, [&](int64_t e, int64_t r, float* row) {
+    k3k::decode_mxfp4_row(pp + (e * O + r) * (K / 2), sp + (e * O + r) * (K / kGroup), K, row);
   });
-  return y;
 }
 
 // The bf16 decode of simd.h (decode_mxfp4_row_bf16) row by row, for its test against

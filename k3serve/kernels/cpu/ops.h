@@ -24,6 +24,8 @@ void kda_rows(const KdaRows& a);
 
 at::Tensor mxfp4_grouped_matmul(at::Tensor x, at::Tensor offsets, at::Tensor packed, at::Tensor scale);
 std::tuple<at::Tensor, at::Tensor> mxfp4_rows_bf16(at::Tensor packed, at::Tensor scale);
+at::Tensor nvfp4_grouped_matmul(at::Tensor x, at::Tensor offsets, at::Tensor packed, at::Tensor scale,
+                                at::Tensor table);
 void kda_rollback(std::vector<at::Tensor> live_rec, std::vector<at::Tensor> live_conv, std::vector<at::Tensor> rec_bufs,
                   std::vector<at::Tensor> conv_bufs, std::vector<int64_t> slots, std::vector<int64_t> accepted);
 at::Tensor kda_decode(at::Tensor u, at::Tensor conv_w, at::Tensor z, at::Tensor b, at::Tensor gate,

@@ -1,7 +1,8 @@
 """MoE experts in Triton: the (token, expert) assignments aligned on the device into
 fixed-capacity blocks of one expert each, then one grouped GEMM per projection that reads
 MXFP4 experts packed (E2M1 nibbles and E8M0 scales decoded in registers: no bf16 copy of an
-expert is ever made) or dense ones, with SwiGLU/SiTU between. Reference: layers/experts.py
+expert is ever made), NVFP4 ones likewise (E4M3 scale bytes per 16 through a per-expert factor
+table), or dense ones, with SwiGLU/SiTU between. Reference: layers/experts.py
 `experts_reference`, and the graph backend's `moe_experts` body.
 
 Shapes: N tokens, k experts each, M = N * k assignments; E experts; `in` -> I (w1 gate, w3 up)
@@ -54,13 +55,19 @@ def _e2m1(code):
 
 
 @triton.jit
-def _mx_tile(w_ptr, s_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r):
-    """Packed MXFP4 weight columns 2j (low nibbles) and 2j + 1 (high) of rows n of expert e,
-    decoded in registers -> two [BN, BK / 2] fp32 tiles."""
+def _mx_tile(w_ptr, s_ptr, t_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r, NV: tl.constexpr):
+    """Packed FP4 weight columns 2j (low nibbles) and 2j + 1 (high) of rows n of expert e,
+    decoded in registers -> two [BN, BK / 2] fp32 tiles. MXFP4: an E8M0 scale per 32 columns
+    (16 bytes); NVFP4 (NV): an E4M3 byte per 16 columns (8 bytes) read through the expert's
+    group-factor table t [E, 256] = e4m3(b) / global (weights/nvfp4.py)."""
     mask = nm[:, None] & jm[None, :]
     byte = tl.load(w_ptr + e * sw_e + n[:, None] * sw_r + j[None, :], mask=mask, other=0).to(tl.int32)
-    s = tl.load(s_ptr + e * ss_e + n[:, None] * ss_r + (j // 16)[None, :], mask=mask, other=127).to(tl.float32)
-    scale = tl.exp2(s - 127.0)  # E8M0: one per 32 columns = 16 bytes
+    if NV:
+        s = tl.load(s_ptr + e * ss_e + n[:, None] * ss_r + (j // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        scale = tl.load(t_ptr + e * 256 + s)
+    else:
+        s = tl.load(s_ptr + e * ss_e + n[:, None] * ss_r + (j // 16)[None, :], mask=mask, other=127)
+        scale = tl.exp2(s.to(tl.float32) - 127.0)
     return _e2m1(byte & 15) * scale, _e2m1(byte >> 4) * scale
 
 
@@ -85,6 +92,8 @@ def _grouped_kernel(
     sa_ptr,
     wb_ptr,
     sb_ptr,
+    ta_ptr,
+    tb_ptr,
     K,
     NOUT,
     x_stride,
@@ -96,6 +105,7 @@ def _grouped_kernel(
     beta,
     linear_beta,
     PACKED: tl.constexpr,
+    NV: tl.constexpr,
     GLU: tl.constexpr,
     SITU: tl.constexpr,
     LINEAR_TANH: tl.constexpr,
@@ -123,12 +133,12 @@ def _grouped_kernel(
                 xm = rm[:, None] & jm[None, :]
                 xe = tl.load(x_ptr + xr[:, None] * x_stride + 2 * j[None, :], mask=xm, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + xr[:, None] * x_stride + 2 * j[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
-                lo, hi = _mx_tile(wa_ptr, sa_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r)
+                lo, hi = _mx_tile(wa_ptr, sa_ptr, ta_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r, NV)
                 acc_a += tl.dot(xe, tl.trans(lo), input_precision="ieee") + tl.dot(
                     xo, tl.trans(hi), input_precision="ieee"
                 )
                 if GLU:
-                    lo, hi = _mx_tile(wb_ptr, sb_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r)
+                    lo, hi = _mx_tile(wb_ptr, sb_ptr, tb_ptr, e, n, nm, j, jm, sw_e, sw_r, ss_e, ss_r, NV)
                     acc_b += tl.dot(xe, tl.trans(lo), input_precision="ieee") + tl.dot(
                         xo, tl.trans(hi), input_precision="ieee"
                     )
@@ -170,9 +180,11 @@ def _grouped_kernel(
         )
 
 
-def _grouped(x, x_rows, out, out_rows, block_expert, wa, sa, wb, sb, glu, situ, beta, linear_beta):
-    """Launch over every block x output tile; wa/wb [E, NOUT, K or K/2], sa/sb their scales."""
+def _grouped(x, x_rows, out, out_rows, block_expert, wa, sa, wb, sb, glu, situ, beta, linear_beta, ta=None, tb=None):
+    """Launch over every block x output tile; wa/wb [E, NOUT, K or K/2], sa/sb their scales,
+    ta/tb their NVFP4 group-factor tables [E, 256] (None: MXFP4 or dense)."""
     packed = sa is not None
+    nv = ta is not None
     nout = wa.shape[1]
     K = wa.shape[2] * (2 if packed else 1)
     BN = min(64, max(16, triton.next_power_of_2(nout)))
@@ -188,6 +200,8 @@ def _grouped(x, x_rows, out, out_rows, block_expert, wa, sa, wb, sb, glu, situ, 
         sa if packed else wa,
         wb if glu else wa,
         (sb if packed else wa) if glu else wa,
+        ta if nv else wa,
+        (tb if nv and glu else ta) if nv else wa,
         K,
         nout,
         x.stride(0),
@@ -199,6 +213,7 @@ def _grouped(x, x_rows, out, out_rows, block_expert, wa, sa, wb, sb, glu, situ, 
         float(beta),
         float(linear_beta or 0.0),
         PACKED=packed,
+        NV=nv,
         GLU=glu,
         SITU=situ,
         LINEAR_TANH=linear_beta is not None,
@@ -223,9 +238,11 @@ def moe_experts(
     beta: float,
     linear_beta: Optional[float],
     a8: bool = False,
+    tables: Optional[Tensor] = None,
 ) -> Tensor:
     """Routed sum: z [N, in] (model dtype), ids [N, k] local expert ids, weights [N, k] ->
-    FP32 [N, out]. w* dense [E, rows, cols] or packed MXFP4 with scales s* (see the module)."""
+    FP32 [N, out]. w* dense [E, rows, cols] or packed MXFP4 with scales s* (see the module), or
+    packed NVFP4 with E4M3 scale bytes s* and `tables`, w1's, w2's and w3's group factors [3, E, 256]."""
     from k3serve.weights.mxfp8 import fake_quantize_mxfp8
 
     linear_beta = linear_beta or None  # 0.0 stands for none (the layers' `situ` pair)
@@ -236,7 +253,8 @@ def moe_experts(
     x = (fake_quantize_mxfp8(z) if a8 else z).contiguous()
     h = (torch.zeros if a8 else torch.empty)(cap, I, dtype=z.dtype, device=z.device)
     every = torch.arange(cap, device=z.device)
-    _grouped(x, row_token, h, every, block_expert, w1, s1, w3, s3, True, situ, beta, linear_beta)
+    t1, t2, t3 = tables.unbind(0) if tables is not None else (None, None, None)
+    _grouped(x, row_token, h, every, block_expert, w1, s1, w3, s3, True, situ, beta, linear_beta, t1, t3)
     if a8:
         h = fake_quantize_mxfp8(h)
     y = torch.empty(N * k, w2.shape[1], dtype=z.dtype, device=z.device)  # one row per assignment
@@ -254,5 +272,6 @@ def moe_experts(
         situ,
         beta,
         linear_beta,
+        t2,
     )
     return (y.view(N, k, -1).float() * weights.float().unsqueeze(-1)).sum(1)
