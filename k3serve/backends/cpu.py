@@ -206,14 +206,17 @@ class CpuKernels(Backend):
         step = batch.step
         if not (self.takes(x) and step.seqs):
             return layer.reference(x, batch, cache)
-        if step.covers_all:  # a pure decode / verify step: the whole block in one call
-            return self._mla_block(layer, x, batch, cache)
+        if step.covers_all and cache.latent_scale is None:  # a pure decode / verify step: one call
+            return self._mla_block(layer, x, batch, cache)  # (the block writes fp8 at unit scale)
         m = layer.cfg
         q, latent = layer.project(x)
         store = cache.latent[layer.layer_idx]
+        kv_scale = cache.observe(layer.layer_idx, latent)
+        # attention is linear in the cached rows: rows x s is softmax scale x s and output x s
+        s = 1.0 if kv_scale is None else float(kv_scale)
         out = torch.empty(x.shape[0], m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
-        store[step.cache_rows] = to_cache(latent[step.rows], store.dtype)
-        out[step.rows] = self.kernels.mla_decode(
+        store[step.cache_rows] = to_cache(latent[step.rows], store.dtype, kv_scale)
+        o = self.kernels.mla_decode(
             q[step.rows],
             m.qk_nope_head_dim,
             store,
@@ -222,9 +225,10 @@ class CpuKernels(Backend):
             step.seq,
             step.positions,
             batch.block_size,
-            layer.scale,
+            layer.scale * s,
         )
-        layer.attend_rest(q, latent, batch, store, out, done=set(step.seqs))  # the prefill chunks
+        out[step.rows] = o if kv_scale is None else o * s
+        layer.attend_rest(q, latent, batch, store, out, done=set(step.seqs), kv_scale=kv_scale)  # prefill chunks
         return layer.output(out, x)
 
     def mla_weights(self, layer) -> list[torch.Tensor]:

@@ -123,6 +123,7 @@ class GraphBackend(Backend):
             m.v_head_dim,
             layer.scale,
             MLA_NORM_EPS,
+            cache.kv_scale(layer.layer_idx),
         )
 
     # ---- norms, MLPs and the MoE block: any row count, no host sync

@@ -25,7 +25,7 @@ from k3serve.layers.activation import situ_and_mul, silu_and_mul
 from k3serve.layers.attnres import attnres_mix as _attnres_mix
 from k3serve.layers.gemm import dense
 from k3serve.layers.kda_ops import kda_step
-from k3serve.layers.mla import attend_absorbed_batched, to_cache
+from k3serve.layers.mla import attend_absorbed_batched, from_cache, write_rows
 from k3serve.layers.norm import l2_normalize
 from k3serve.layers.norm import rms_norm as _rms_norm
 from k3serve.layers.router import route
@@ -143,15 +143,17 @@ def mla_decode(
     v_dim: int,
     scale: float,
     eps: float,
+    kv_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """One absorbed-attention decode per row. q [N, H, nope + r] fp32; ckv [N, c + r] (the
     kv_a projection: latent before its norm | k_pe); kv_norm [c]; store [rows, c + r] written at
     cache_rows [N] in place; context_rows [N, L] and lens [N] the rows each attends; kv_b
-    [H, nope + v, c] fp32. -> [N, H, v] fp32."""
+    [H, nope + v, c] fp32; kv_scale: the fp8 cache's 0-d scale (forward/cache.py), or None.
+    -> [N, H, v] fp32."""
     c = kv_norm.shape[0]
     latent = torch.cat((_rms_norm(ckv[:, :c], kv_norm, eps), ckv[:, c:]), -1)
-    store.index_copy_(0, cache_rows, to_cache(latent, store.dtype))
-    seq = store[context_rows].float()  # [N, L, c + r]
+    write_rows(store, cache_rows, latent, kv_scale)
+    seq = from_cache(store[context_rows], kv_scale)  # [N, L, c + r]
     out = attend_absorbed_batched(q[..., :nope], q[..., nope:], seq[..., :c], seq[..., c:], lens, kv_b, v_dim, scale)
     return out.contiguous()  # the strides the fake implementation states
 

@@ -62,6 +62,7 @@ class TritonBackend(GraphBackend):
             layer.scale,
             MLA_NORM_EPS,
             batch.block_size,
+            cache.kv_scale(layer.layer_idx),
         )
 
     def moe_experts(self, layer, z, ids, weights):

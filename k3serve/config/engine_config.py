@@ -29,6 +29,9 @@ class EngineConfig:
     hf_token: str | None = field(default=None, repr=False)
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3 MLA latent cache
+    # fp8 latent cache: its per-layer scales from the first rows each layer writes (vLLM's flag);
+    # without it the checkpoint's `self_attn.k_scale` where present, else unit scale
+    calculate_kv_scales: bool = False
     # the KDA recurrent state's dtype (vLLM's mamba_ssm_cache_dtype; SGLang's --mamba-ssm-dtype): auto =
     # float32, the model card's; bfloat16 halves the state's bytes (its drift: docs/features.md)
     mamba_ssm_cache_dtype: str = "auto"
@@ -92,6 +95,11 @@ class EngineConfig:
         self.compilation_config = CompilationConfig.parse(self.compilation_config)
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError(
+                "calculate_kv_scales calibrates the fp8 latent cache's scales: add kv_cache_dtype fp8 "
+                "(--kv-cache-dtype fp8), or drop it"
+            )
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -46,8 +46,8 @@ class RemoteRank:
         self.workers, self.rank, self.model = workers, rank, model
         self._stats: dict = {}  # the workers' parallel_stats as of their last forward
 
-    def allocate(self, plan, kv_dtype: str) -> None:
-        self.workers.send_replica(self.rank, "allocate", plan, kv_dtype)
+    def allocate(self, plan, kv_dtype: str, calculate_kv_scales: bool = False) -> None:
+        self.workers.send_replica(self.rank, "allocate", plan, kv_dtype, None, None, calculate_kv_scales)
 
     def forward(self, inputs, taps: tuple[int, ...] = ()):
         ranks = list(self.workers.ranks_of(self.rank))

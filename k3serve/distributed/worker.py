@@ -170,12 +170,12 @@ def serve(conn, model, spec: WorkerSpec) -> None:
         if method == "shutdown":
             return
         try:
-            if method == "allocate":  # (plan, kv dtype[, the driver's backend mode and graph settings])
-                plan, kv_dtype, mode, graph = (*args, None, None)[:4]
+            if method == "allocate":  # (plan, kv dtype[, the driver's backend mode, graph settings, calibration])
+                plan, kv_dtype, mode, graph, calibrate = (*args, None, None, False)[:5]
                 device = torch.device(spec.device)
                 if mode is not None:
                     model.use_kernels(mode)
-                cache = allocate_cache(model, plan, getattr(torch, kv_dtype), device, scratch=graph is not None)
+                cache = allocate_cache(model, plan, getattr(torch, kv_dtype), device, graph is not None, calibrate)
                 graphs = None
                 if graph is not None:
                     from k3serve.runner.graph_step import GraphSteps

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.forward import CacheTensors
+from k3serve.layers.mla import from_cache, to_cache
 from k3serve.scheduler.batch import PromptLogprob
 
 
@@ -45,6 +46,8 @@ class KVHandoff:
     rng_state: torch.Tensor | None = None  # [5056] uint8: its sampler's generator after the first draw
     first_logprobs: dict[int, float] | None = None  # the first token's {id: logprob} incl. top-n, if asked
     prompt_logprobs: dict[int, PromptLogprob] | None = None  # prompt index -> entry, if asked
+    # an fp8 latent cache's per-layer scales the rows were written with (forward/cache.py), or None
+    latent_scale: dict[int, float] | None = None
 
     @property
     def latent_bytes(self) -> int:
@@ -77,6 +80,8 @@ def capture(
     latent = {i: t[rows].clone() for i, t in enumerate(cache.latent) if t is not None}
     rec = {i: t[slot].clone() for i, t in enumerate(cache.recurrent) if t is not None}
     conv = {i: t[slot].clone() for i, t in enumerate(cache.conv) if t is not None}
+    if cache.latent_scale is not None:
+        carried["latent_scale"] = {i: float(s) for i, s in cache.latent_scale.items()}
     return KVHandoff(request_id, list(prompt), first_token, cache.block_size, 0, latent, rec, conv, **carried)
 
 
@@ -86,8 +91,15 @@ def install(cache: CacheTensors, h: KVHandoff, table: list[int], slot: int) -> N
         raise ValueError(f"hand-off block size {h.block_size} != this engine's {cache.block_size}")
     rows = rows_of(table, h.start, len(h.prompt_token_ids), cache.block_size, cache.device)
     for i, t in enumerate(cache.latent):
-        if t is not None:  # a hand-off read from bytes is on the CPU
+        if t is None:
+            continue
+        if h.latent_scale is None and cache.latent_scale is None:  # a hand-off read from bytes is on the CPU
             t[rows] = h.latent[i].to(t.device, t.dtype)
+            continue
+        # scaled fp8 on either side: the values, rescaled to this cache's scale (a calibrating
+        # layer takes its scale from them, as from a prefill's rows)
+        values = from_cache(h.latent[i].to(t.device), None if h.latent_scale is None else h.latent_scale[i])
+        t[rows] = to_cache(values, t.dtype, cache.observe(i, values))
     for i, t in enumerate(cache.recurrent):
         if t is not None:
             t[slot] = h.recurrent[i]
@@ -171,6 +183,8 @@ def to_bytes(h: KVHandoff) -> bytes:
 def _carried_json(h: KVHandoff) -> dict:
     """cache ids and logprobs as JSON (Python's float repr round-trips exactly)."""
     out: dict = {"cache_ids": h.cache_ids}
+    if h.latent_scale is not None:
+        out["latent_scale"] = [[i, v] for i, v in h.latent_scale.items()]
     if h.first_logprobs is not None:
         out["first_logprobs"] = [[t, lp] for t, lp in h.first_logprobs.items()]
     if h.prompt_logprobs is not None:
@@ -182,6 +196,8 @@ def _carried_json(h: KVHandoff) -> dict:
 
 def _carried_fields(raw: dict) -> dict:
     out = {"cache_ids": raw.get("cache_ids")}
+    if "latent_scale" in raw:
+        out["latent_scale"] = {int(i): float(v) for i, v in raw["latent_scale"]}
     if "first_logprobs" in raw:
         out["first_logprobs"] = {int(t): float(lp) for t, lp in raw["first_logprobs"]}
     if "prompt_logprobs" in raw:

@@ -170,9 +170,10 @@ class LLMEngine(HandoffMixin):
             )
         kv_name = self.kv_dtype_name = str(where.kv_dtype).removeprefix("torch.")
         if self.remote is not None:  # the worker allocates the cache tensors of the same plan
-            self.remote.allocate(self.plan, kv_name)
+            self.remote.allocate(self.plan, kv_name, config.calculate_kv_scales)
         elif self.executor is not None:  # every rank allocates its share of the same plan, runs the same backend
-            self.executor.send("allocate", self.plan, kv_name, mode, self._graph_settings(config, mode, self.spec))
+            graph = self._graph_settings(config, mode, self.spec)
+            self.executor.send("allocate", self.plan, kv_name, mode, graph, config.calculate_kv_scales)
         self.runner = ModelRunner(
             self.model,
             self.plan,
@@ -184,6 +185,7 @@ class LLMEngine(HandoffMixin):
             workers=None if self.remote else self.executor,
             rank=self.remote,
             graph=self._graph_settings(config, mode, self.spec),
+            calculate_kv_scales=config.calculate_kv_scales,
         )
         self.tiers = make_tiers(config, self)  # prefix-cache tiers in host memory and on disk, or None
         graphs = getattr(self.runner.rank, "graphs", None)

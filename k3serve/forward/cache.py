@@ -2,6 +2,11 @@
 
   KDA layer l:  recurrent[l][slot] [H, D, D] fp32 (or bf16: --mamba-ssm-cache-dtype),  conv[l][slot] [K-1, 3P] fp32
   MLA layer l:  latent[l][row] [kv_lora + rope], row = block_id * block_size + offset
+  FP8 latent with scales: latent_scale[l] a 0-d fp32 tensor s on the cache's device; a row holds
+                fp8(latent / s) and reads back as fp8 * s (layers/mla.py to_cache / from_cache).
+                From the checkpoint's `self_attn.k_scale`, or calibrated on the first rows a
+                layer writes (--calculate-kv-scales: s = max|latent| / K_SCALE_RANGE); None:
+                unit scale, as before scales existed.
 
 Sizes come from the pure-Python `CachePlan` (cache/sizing.py); checkpoint slots for prefix
 caching follow the live slots in the same state tensors.
@@ -9,11 +14,17 @@ caching follow the live slots in the same state tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from k3serve.config.model_config import LayerKind, ModelConfig
+
+
+# vLLM's K_SCALE_CONSTANT: a calibrated scale maps the first rows' max |latent| to 200 of fp8's
+# 448, headroom for larger values later (they saturate at 448 * s, never NaN)
+K_SCALE_RANGE = 200.0
+MIN_SCALE = 1e-8  # an all-zero first write would otherwise give s = 0 and divide by it
 
 
 @dataclass
@@ -28,6 +39,31 @@ class CacheTensors:
     # plan's, never handed to a request); None when allocated without them
     scratch_slot: int | None = None
     scratch_block: int | None = None
+    latent_scale: dict[int, torch.Tensor] | None = None  # MLA layer -> 0-d fp32 s (fp8 with scales)
+    calibrating: set[int] = field(default_factory=set)  # layers whose s the first written rows set
+
+    def kv_scale(self, layer: int) -> torch.Tensor | None:
+        return self.latent_scale[layer] if self.latent_scale is not None else None
+
+    def observe(self, layer: int, latent: torch.Tensor) -> torch.Tensor | None:
+        """Layer's scale for rows about to be written, latent [N, c + r]; a calibrating layer
+        takes s = max|latent| / K_SCALE_RANGE from them first (in place: compiled steps that
+        read s see the new value; no host sync)."""
+        if layer in self.calibrating and latent.numel():
+            amax = latent.detach().abs().amax().float()
+            self.latent_scale[layer].copy_((amax / K_SCALE_RANGE).clamp(min=MIN_SCALE))
+            self.calibrating.discard(layer)
+        return self.kv_scale(layer)
+
+    def use_scales(self, scales: dict[int, float], calibrate: bool) -> None:
+        """Give every MLA layer a scale (`scales` where given, else 1.0); `calibrate`: all of them
+        set by their first written rows instead."""
+        layers = [i for i, t in enumerate(self.latent) if t is not None]
+        self.latent_scale = {
+            i: torch.tensor(float(scales.get(i, 1.0)), dtype=torch.float32, device=self.latent[i].device)
+            for i in layers
+        }
+        self.calibrating = set(layers) if calibrate else set()
 
     @property
     def device(self) -> torch.device:

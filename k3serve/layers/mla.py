@@ -92,12 +92,28 @@ def _causal_softmax(scores: torch.Tensor, start: int) -> torch.Tensor:
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: beyond it a cast gives NaN, so clamp
 
 
-def to_cache(latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Latent rows [N, c + r] in the cache dtype; fp8 with unit scale (vLLM's default k_scale),
-    saturating instead of overflowing to NaN."""
+def to_cache(latent: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Latent rows [N, c + r] in the cache dtype; fp8 divided by the layer's scale (0-d fp32;
+    None: unit scale, vLLM's default k_scale), saturating instead of overflowing to NaN."""
     if dtype == torch.float8_e4m3fn:
-        latent = latent.float().clamp(-FP8_MAX, FP8_MAX)
+        latent = latent.float() if scale is None else latent.float() / scale
+        latent = latent.clamp(-FP8_MAX, FP8_MAX)
     return latent.to(dtype)
+
+
+def write_rows(store: torch.Tensor, rows: torch.Tensor, latent: torch.Tensor, scale: torch.Tensor | None = None):
+    """store[rows] = to_cache(latent) as one index_copy_ (graph-safe); fp8 through a uint8 view
+    of both (index_copy_ has no fp8 kernel on the CPU)."""
+    new = to_cache(latent, store.dtype, scale)
+    if store.dtype == torch.float8_e4m3fn:
+        store.view(torch.uint8).index_copy_(0, rows, new.view(torch.uint8))
+    else:
+        store.index_copy_(0, rows, new)
+
+
+def from_cache(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Cached rows [..., c + r] -> fp32 values (times the layer's scale where there is one)."""
+    return rows.float() if scale is None else rows.float() * scale
 
 
 class GatedMLA(nn.Module):
@@ -132,7 +148,8 @@ class GatedMLA(nn.Module):
         m = self.cfg
         q, latent = self.project(x)
         out = torch.empty(x.shape[0], m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
-        self.attend_rest(q, latent, batch, cache.latent[self.layer_idx], out, done=set())
+        s = cache.observe(self.layer_idx, latent)
+        self.attend_rest(q, latent, batch, cache.latent[self.layer_idx], out, done=set(), kv_scale=s)
         return self.output(out, x)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,10 +168,12 @@ class GatedMLA(nn.Module):
         store: torch.Tensor,
         out: torch.Tensor,
         done: set[int],
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
         """Write the latent rows and attend for every sequence not in `done` (those a backend ran
         itself): decodes batched (absorbed), verify passes absorbed per position, prefill chunks
-        through torch's fused attention. out [N, H, v] fp32 is filled in place."""
+        through torch's fused attention. out [N, H, v] fp32 is filled in place; kv_scale: the
+        fp8 cache's scale (forward/cache.py)."""
         m = self.cfg
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
         w_kv_b = (
@@ -162,14 +181,14 @@ class GatedMLA(nn.Module):
         )
         decodes = [i for i in batch.step.decodes if i not in done]
         if len(decodes) > 1:
-            self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out)
+            self._decode_batched(decodes, q_nope, q_pe, latent, w_kv_b, batch, store, out, kv_scale)
             done = done | set(decodes)
         for i, (s, e) in enumerate(batch.seq_bounds()):
             if i in done or s == e:
                 continue
             ctx = batch.context_lens[i]
-            store[batch.cache_rows(i, ctx, ctx + e - s)] = to_cache(latent[s:e], store.dtype)
-            seq = store[batch.cache_rows(i, 0, ctx + e - s)].float()  # [L, c + r]
+            store[batch.cache_rows(i, ctx, ctx + e - s)] = to_cache(latent[s:e], store.dtype, kv_scale)
+            seq = from_cache(store[batch.cache_rows(i, 0, ctx + e - s)], kv_scale)  # [L, c + r]
             # verify passes use the decode algorithm for every drafted position (same arithmetic as
             # non-speculative decoding, so greedy outputs agree)
             attend = attend_absorbed if e - s == 1 or i in batch.verify else attend_fused
@@ -191,7 +210,7 @@ class GatedMLA(nn.Module):
             out = out * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(out.to(x.dtype))
 
-    def _decode_batched(self, idx, q_nope, q_pe, latent, w_kv_b, batch, store, out) -> None:
+    def _decode_batched(self, idx, q_nope, q_pe, latent, w_kv_b, batch, store, out, kv_scale=None) -> None:
         """All single-token decodes: write their rows, gather each sequence's rows padded to the
         longest, one batched absorbed attention."""
         m = self.cfg
@@ -202,8 +221,8 @@ class GatedMLA(nn.Module):
         lens_t = batch.index(("decode lens", tuple(idx)), lens)
         new = rows.gather(1, (lens_t - 1).unsqueeze(1)).squeeze(1)  # each sequence's new row
         at = batch.index(("decode starts", tuple(idx)), starts)
-        store[new] = to_cache(latent[at], store.dtype)
-        seq = store[rows].float()  # [B, Lmax, c + r]
+        store[new] = to_cache(latent[at], store.dtype, kv_scale)
+        seq = from_cache(store[rows], kv_scale)  # [B, Lmax, c + r]
         out[at] = attend_absorbed_batched(
             q_nope[at],
             q_pe[at],

@@ -76,7 +76,8 @@ class KimiModel(nn.Module):
                     t[batch.fresh] = 0.0
         if batch.media_rows is not None:  # media pads take the vision tower's rows
             h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
-        stack = self.backend.decode_stack(self, batch, h)
+        # the stack's MLA blocks write fp8 rows at unit scale: a cache with scales runs layer by layer
+        stack = self.backend.decode_stack(self, batch, h) if cache.latent_scale is None else None
         if stack is not None:  # a decode / verify step: the whole stack in one compiled call
             return self.norm(self.backend.run_stack(self, stack, h, batch, cache, capture))
         if not self.cfg.use_attnres:

@@ -19,13 +19,22 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.
 _FP32 = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
 
 
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
 def assign_weights(model, weights: dict) -> None:
     params = dict(model.named_parameters())
     experts: dict[tuple[int, str], dict[int, object]] = {}
+    model.kv_scales = {}  # MLA layer -> the checkpoint's fp8 cache scale (compressed-tensors kv_cache_scheme)
     for name, value in weights.items():
         m = _EXPERT.match(name)
         if m:
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = value
+            continue
+        m = _KV_SCALE.match(name)
+        if m:  # one latent row holds K and V alike: k_scale is its scale (vLLM's MLA reads k_scale only)
+            if m[2] == "k":
+                model.kv_scales[int(m[1])] = float(value.reshape(-1)[0])
             continue
         if name not in params:
             raise UnexpectedTensorError("checkpoint tensor has no model parameter", tensor=name)

@@ -28,6 +28,9 @@ def make_tiers(config, engine):
         block_size=engine.plan.block_size,
         tp=config.tensor_parallel_size,
         state=str(next(t for t in cache.recurrent if t is not None).dtype),
+        # an fp8 latent's scales: the checkpoint's (its header is in the fingerprint already), or
+        # calibrated ones, which PrefixTiers keeps in the directory beside the entries they wrote
+        kv_scales="calibrated" if config.calculate_kv_scales else cache.latent_scale is not None,
     )
     tiers = PrefixTiers(
         cache,

@@ -21,8 +21,10 @@ state entry `recurrent.{l}` [H, D, D] and `conv.{l}` [K-1, 3P] per KDA layer (th
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
+import shutil
 import threading
 import time
 import weakref
@@ -36,6 +38,7 @@ from k3serve.offload.entry import EntryError, pack_keys, read_pack, write_pack
 
 log = logging.getLogger("k3serve.offload")
 READERS = 8  # threads reading disk entries
+SCALES_FILE = "kv_scales.json"  # calibrated fp8 latent scales, layer -> s, beside the entries
 
 
 class PrefixTiers:
@@ -64,6 +67,9 @@ class PrefixTiers:
         self._done: queue.Queue = queue.Queue()  # (op, key, payload) back to the engine thread
         self._arrived = threading.Event()
         self._threads, self._readers = [], None
+        self._scales_file = None  # calibrated fp8 latent scales: written once beside the entries
+        if self.dir is not None and cache.calibrating:
+            self._adopt_scales(cache)
         if self.dir is not None:
             self._scan()
             # file reads and checksums release the GIL: a prefix of many small blocks reads in parallel
@@ -75,6 +81,31 @@ class PrefixTiers:
         self._finalizer = weakref.finalize(self, _stop, self._readers, self._writes, self._threads)
 
     # ---- files -------------------------------------------------------------------------------
+    def _adopt_scales(self, cache) -> None:
+        """--calculate-kv-scales with a directory: the entries there were written under the scales
+        saved beside them; a restarted engine takes those instead of calibrating anew (else they
+        would be read under other scales). None saved yet: this engine saves its own (store)."""
+        path = self.dir / SCALES_FILE
+        try:
+            saved = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
+        except FileNotFoundError:
+            self._scales_file = path
+            return
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("prefix tier: %s is unreadable (%s): calibrating anew, its entries dropped", path, e)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self._scales_file = path
+            return
+        cache.use_scales(saved, calibrate=False)
+        log.info("fp8 latent scales of %d layers from %s (the entries there were written under them)", len(saved), path)
+
+    def _save_scales(self, cache) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self._scales_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({str(i): float(s) for i, s in cache.latent_scale.items()}))
+        tmp.replace(self._scales_file)
+        self._scales_file = None
+
     def pack_path(self, key: Key) -> Path:
         """The pack a store starting with `key` writes: named after its first entry."""
         kind, h = key
@@ -253,6 +284,8 @@ class PrefixTiers:
             self._put_host(key, host)
             packs.setdefault(key if key[0] == "state" else "blocks", []).append((key, host))
         if self.dir is not None and packs:
+            if self._scales_file is not None and not cache.calibrating:
+                self._save_scales(cache)  # before the first entry written under them
             ready = None
             if self.pin:
                 ready = torch.cuda.Event()

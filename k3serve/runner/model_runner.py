@@ -36,6 +36,7 @@ class ModelRunner:
         workers=None,
         rank=None,
         graph: "GraphSettings | None" = None,
+        calculate_kv_scales: bool = False,
     ):
         """`rank`: a RankRunner stand-in whose model and cache live elsewhere (a DP-attention
         worker process, distributed/dp_replicas.py RemoteRank); None: this process's own.
@@ -46,7 +47,9 @@ class ModelRunner:
         self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
         self.cache = (
-            allocate_cache(model, plan, kv_dtype, self.device, scratch=graph is not None) if rank is None else None
+            allocate_cache(model, plan, kv_dtype, self.device, graph is not None, calculate_kv_scales)
+            if rank is None
+            else None
         )
         graphs = None
         if graph is not None and rank is None:
@@ -323,12 +326,18 @@ class ModelRunner:
 
 
 def allocate_cache(
-    model: KimiForCausalLM, plan: CachePlan, kv_dtype: torch.dtype, device: torch.device, scratch: bool = False
+    model: KimiForCausalLM,
+    plan: CachePlan,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    scratch: bool = False,
+    calculate_kv_scales: bool = False,
 ) -> CacheTensors:
     """This rank's cache for `plan`: checkpoint slots (prefix caching) follow the live slots in
     the same state tensors; under tensor parallelism KDA state holds this rank's heads.
-    `scratch`: a slot and a block for the graph backend's padding rows."""
-    return CacheTensors.allocate(
+    `scratch`: a slot and a block for the graph backend's padding rows. An fp8 latent cache takes
+    the checkpoint's per-layer scales, or calibrates them (`calculate_kv_scales`)."""
+    cache = CacheTensors.allocate(
         model.cfg,
         plan.num_slots + plan.num_checkpoints,
         plan.num_blocks,
@@ -339,6 +348,10 @@ def allocate_cache(
         scratch=scratch,
         state_dtype=getattr(torch, plan.state_dtype),
     )
+    scales = getattr(model, "kv_scales", {})
+    if kv_dtype == torch.float8_e4m3fn and (scales or calculate_kv_scales):
+        cache.use_scales(scales, calculate_kv_scales)
+    return cache
 
 
 def weight_bytes(model: KimiForCausalLM) -> int:

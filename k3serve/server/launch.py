@@ -236,7 +236,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3"),
-        help="MLA latent cache dtype; fp8 = float8_e4m3 with unit scale (half of bf16's bytes)",
+        help="MLA latent cache dtype; fp8 = float8_e4m3 (half of bf16's bytes) with the checkpoint's "
+        "per-layer k_scale where it has one, else unit scale (or --calculate-kv-scales)",
+    )
+    p.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="fp8 latent cache: each MLA layer's scale from the first rows it writes (max |latent| / 200, "
+        "as vLLM), kept for the engine's life and with the disk prefix tier",
     )
     p.add_argument(
         "--quantization",
@@ -501,6 +508,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         prefix_cache_state_interval=args.prefix_cache_state_interval,
         prefix_cache_state_fraction=args.prefix_cache_state_fraction,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
         kv_offloading_dir=args.kv_offloading_dir,

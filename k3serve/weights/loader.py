@@ -3,7 +3,8 @@
 Name rules (k3-model-spec.md §1.6, §3.1, §8): the `language_model.` prefix of K3 is dropped
 so both models share canonical names (`model.layers.{i}...`, `lm_head.weight`);
 `<module>.weight_packed` + `<module>.weight_scale` become one `PackedMXFP4` under
-`<module>.weight` (with `<module>.weight_global_scale`, one `PackedNVFP4`); `A_log` keeps its first `num_heads` entries (K3 pads it to 128).
+`<module>.weight` (with `<module>.weight_global_scale`, one `PackedNVFP4`); `A_log` keeps its
+first `num_heads` entries (K3 pads it to 128).
 All validation runs on headers before any data is read, so a bad checkpoint fails before
 serving and no partial model is ever returned.
 """
@@ -41,7 +42,7 @@ Weight = Union[torch.Tensor, PackedMXFP4, PackedNVFP4]
 
 def validate_checkpoint(index: CheckpointIndex, cfg: ModelConfig) -> list[TensorSpec]:
     """Check names, shapes and dtypes; return the specs of the tensors present."""
-    specs = {s.name: s for s in model_tensor_specs(cfg)}
+    specs = {s.name: s for s in model_tensor_specs(cfg, optional=True)}
     for name, info in index.tensors.items():
         if name not in specs:
             raise UnexpectedTensorError(_unexpected_hint(name, cfg), tensor=name, file=str(info.file))
@@ -84,6 +85,8 @@ def _check_tensor(spec: TensorSpec, info: TensorInfo, cfg: ModelConfig) -> None:
         )
     if spec.name.endswith(".A_log"):
         ok = _a_log_ok(info.shape, cfg.kda.num_heads)
+    elif spec.optional:  # a scalar scale: [1] as compressed-tensors writes it, or []
+        ok = info.shape in ((), (1,))
     else:
         ok = info.shape == spec.shape
     if not ok:
@@ -162,6 +165,7 @@ def _read_fastsafetensors(files, by_file: dict[Path, list[str]], device: str):
 
 
 E8M0_NAN = 0xFF
+_SCALES = ("global_scale", "self_attn.k_scale", "self_attn.v_scale")  # float scales that divide
 
 
 def check_finite(t: torch.Tensor, name: str, file: Path) -> None:
@@ -171,16 +175,12 @@ def check_finite(t: torch.Tensor, name: str, file: Path) -> None:
         bad = name.endswith(".weight_scale") and bool((t == E8M0_NAN).any())
     elif t.dtype == torch.float8_e4m3fn:  # E4M3 has NaN (0x7F / 0xFF) and no Inf
         bad = bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
-    elif name.endswith("global_scale"):  # divides every group scale: zero or negative is as bad as NaN
+    elif name.endswith(_SCALES):  # divides values: zero or negative is as bad as NaN
         bad = not bool((torch.isfinite(t) & (t > 0)).all())
     else:
         bad = t.is_floating_point() and not bool(torch.isfinite(t).all())
     if bad:
-        what = (
-            "a global scale must be finite and > 0"
-            if name.endswith("global_scale")
-            else "weight holds NaN or Inf values"
-        )
+        what = "a scale must be finite and > 0" if name.endswith(_SCALES) else "weight holds NaN or Inf values"
         raise NonFiniteWeightError(what, tensor=name, file=str(file))
 
 

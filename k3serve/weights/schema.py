@@ -62,12 +62,14 @@ class TensorSpec:
         return n
 
 
-def model_tensor_specs(cfg: ModelConfig, include_vision: bool = True) -> Iterator[TensorSpec]:
-    """Every tensor of the checkpoint `cfg` describes, in release order."""
+def model_tensor_specs(cfg: ModelConfig, include_vision: bool = True, optional: bool = False) -> Iterator[TensorSpec]:
+    """Every tensor of the checkpoint `cfg` describes, in release order; `optional`: with the
+    ones a checkpoint may add (fp8 KV-cache scales, NVFP4 activation scales: what the loader
+    validates when present; the builder, `inspect` and the planner leave them out)."""
     p = cfg.tensor_prefix
     dt = _dtype_name(cfg.dtype)
     for i in range(cfg.num_layers):
-        yield from _layer_specs(cfg, i, f"{p}model.layers.{i}.", dt)
+        yield from (s for s in _layer_specs(cfg, i, f"{p}model.layers.{i}.", dt) if optional or not s.optional)
     d = cfg.hidden_size
     yield TensorSpec(f"{p}model.embed_tokens.weight", (cfg.vocab_size, d), dt, "float")
     yield TensorSpec(f"{p}model.norm.weight", (d,), dt, "float")
@@ -95,6 +97,9 @@ def _layer_specs(cfg: ModelConfig, i: int, lp: str, dt: str) -> Iterator[TensorS
     attn = _kda_specs if cfg.layer_kinds[i] is LayerKind.KDA else _mla_specs
     for name, shape, dtype in attn(cfg):
         yield TensorSpec(lp + "self_attn." + name, shape, dtype or dt, "float")
+    if attn is _mla_specs:  # an fp8 KV-cache export's per-layer scales (compressed-tensors kv_cache_scheme)
+        for name in ("k_scale", "v_scale"):
+            yield TensorSpec(lp + "self_attn." + name, (1,), "F32", "float", optional=True)
     if cfg.is_moe_layer(i):
         yield from _moe_specs(cfg, lp + "block_sparse_moe.", dt)
     else:

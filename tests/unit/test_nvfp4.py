@@ -179,7 +179,7 @@ def _respoil(src, dst, fn):
     [
         (lambda t, m: t.__setitem__(m + ".weight_scale", t[m + ".weight_scale"][:, :-1].contiguous()), "shape"),
         (lambda t, m: t.__setitem__(m + ".weight_scale", t[m + ".weight_scale"].view(torch.uint8)), "must be F8_E4M3"),
-        (lambda t, m: t.__setitem__(m + ".weight_global_scale", torch.zeros(1)), "global scale must be finite"),
+        (lambda t, m: t.__setitem__(m + ".weight_global_scale", torch.zeros(1)), "scale must be finite"),
         (lambda t, m: t.pop(m + ".weight_global_scale"), "required by the config"),
     ],
     ids=["scale-shape", "scale-dtype", "zero-global", "no-global"],

@@ -12,13 +12,14 @@ of the context and writes a partial (normalized output, log-sum-exp); `combine` 
 
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 from torch import Tensor
 import triton
 import triton.language as tl
 
-from k3serve.layers.mla import to_cache
+from k3serve.layers.mla import write_rows
 from k3serve.layers.norm import rms_norm
 
 
@@ -140,14 +141,22 @@ def mla_decode(
     scale: float,
     eps: float,
     block_size: int,
+    kv_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """The graph backend's `mla_decode` with the kernel inside: q [N, H, nope + r] fp32; ckv
     [N, c + r] (latent before its norm | k_pe); store written at cache_rows [N] in place; table
-    [B, W]; lens [N]; kv_b [H, nope + v, c] fp32. -> [N, H, v] fp32."""
+    [B, W]; lens [N]; kv_b [H, nope + v, c] fp32; kv_scale: the fp8 cache's 0-d scale or None
+    (attention is linear in the rows: the queries and the mix take it, the kernel reads raw
+    rows). -> [N, H, v] fp32."""
     c = kv_norm.shape[0]
     latent = torch.cat((rms_norm(ckv[:, :c], kv_norm, eps), ckv[:, c:]), -1)
-    store.index_copy_(0, cache_rows, to_cache(latent, store.dtype))
+    write_rows(store, cache_rows, latent, kv_scale)
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
     q_lat = torch.einsum("nhd,hdc->nhc", q[..., :nope], w_uk)
-    mixed = paged_attention(q_lat, q[..., nope:], store, table, lens, block_size, scale)
+    q_pe = q[..., nope:]
+    if kv_scale is not None:
+        q_lat, q_pe = q_lat * kv_scale, q_pe * kv_scale
+    mixed = paged_attention(q_lat, q_pe, store, table, lens, block_size, scale)
+    if kv_scale is not None:
+        mixed = mixed * kv_scale
     return torch.einsum("nhc,hvc->nhv", mixed, w_uv).contiguous()
