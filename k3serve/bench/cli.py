@@ -10,7 +10,8 @@ from pathlib import Path
 
 from k3serve.bench import datasets as ds
 
-BACKENDS = ("openai", "vllm", "k3serve")
+VLLM_DATE = "%Y%m%d-%H%M%S"  # vLLM's result `date` and file-name stamp
+BACKENDS = ("openai", "vllm", "k3serve", "openai-chat")  # openai-chat: /v1/chat/completions, as vLLM
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -22,9 +23,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--backend",
         default="openai",
         choices=BACKENDS,
-        help="openai / vllm / k3serve: /v1/completions (recorded as backend and endpoint_type)",
+        help="openai / vllm / k3serve: /v1/completions; openai-chat: /v1/chat/completions, token-id prompts "
+        "sent as their text (the server's /detokenize) (recorded as backend and endpoint_type)",
     )
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--endpoint", help="default: /v1/chat/completions for openai-chat, else /v1/completions")
     p.add_argument("--tokenizer", help="recorded as tokenizer_id (prompts are sent as token ids)")
     p.add_argument("--label", help="recorded in the result (default: the backend)")
     p.add_argument("--metadata", nargs="*", default=[], help="KEY=VALUE pairs recorded in the result")
@@ -46,6 +48,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=32)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    # vLLM's dataset-independent lengths: they set the random, shared-prefix and sonnet lengths
+    p.add_argument("--input-len", type=int, help="prompt tokens (random, shared-prefix, entropy, sonnet datasets)")
+    p.add_argument("--output-len", type=int, help="output tokens (every dataset)")
     p.add_argument("--shared-prefix-len", type=int, default=256)
     p.add_argument("--shared-prefix-ratio", type=float, default=0.9)
     p.add_argument("--vocab-range", default="1,500", help="token ids drawn from [lo, hi) for synthetic prompts")
@@ -67,7 +72,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key")
     p.add_argument("--save-result", action="store_true")
     p.add_argument(
-        "--result-filename", help="default: {backend}-{request_rate}qps-{model}-{date}.json as vLLM names it"
+        "--save-detailed",
+        action="store_true",
+        help="with --save-result: also the per-request arrays (input_lens, output_lens, ttfts, itls, "
+        "generated_texts, errors), as vLLM",
+    )
+    p.add_argument(
+        "--result-filename",
+        help="default, as vLLM names it: {label or backend}-{request_rate}qps[-concurrency{N}]-{model}-"
+        "{YYYYmmdd-HHMMSS}.json",
     )
     p.add_argument("--plot", help="PNG file: latency CDFs (+ throughput vs concurrency for sweeps)")
     p.add_argument("--precision", default="", help="recorded in the result (e.g. bf16, mxfp4-w4a8)")
@@ -77,7 +90,27 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def resolve_lengths(a: argparse.Namespace) -> None:
+    """--backend openai-chat's endpoint, and --input-len / --output-len over the per-dataset lengths."""
+    if a.endpoint is None:
+        a.endpoint = "/v1/chat/completions" if a.backend == "openai-chat" else "/v1/completions"
+    if a.input_len is not None:
+        a.random_input_len = a.sonnet_input_len = a.input_len
+    if a.output_len is not None:
+        a.random_output_len = a.sonnet_output_len = a.sharegpt_output_len = a.output_len
+
+
 def build_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
+    resolve_lengths(a)
+    requests = _dataset_requests(a)
+    if a.endpoint.endswith("/chat/completions") and any(r.prompt is None for r in requests):
+        from k3serve.bench.text_datasets import as_text
+
+        requests = as_text(requests, a.tokenizer, a.base_url, a.api_key)
+    return requests
+
+
+def _dataset_requests(a: argparse.Namespace) -> list[ds.BenchRequest]:
     lo, hi = (int(x) for x in a.vocab_range.split(","))
     n, seed = a.num_prompts, a.seed
     if a.dataset_name == "random":
@@ -139,12 +172,17 @@ def metadata(items: list[str]) -> dict[str, str]:
     return out
 
 
-def result_path(a: argparse.Namespace, concurrency: int | None, sweep: bool = False) -> Path:
-    rate = "inf" if a.request_rate == float("inf") else f"{a.request_rate:g}"
+def result_path(
+    a: argparse.Namespace, concurrency: int | None, sweep: bool = False, model_id: str | None = None, date: str = ""
+) -> Path:
+    """vLLM's name (benchmarks/serve.py): {label or backend}-{request_rate}qps[-concurrency{N}]-
+    {the model id's last part}-{date}.json, the rate as Python prints a float (inf, 10.0)."""
+    conc = f"-concurrency{concurrency}" if concurrency is not None else ""
+    base_model = (model_id or a.model or "model").rstrip("/").split("/")[-1]
     name = a.result_filename or (
-        f"{a.backend}-{rate}qps-{(a.model or 'model').replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        f"{a.label or a.backend}-{float(a.request_rate)}qps{conc}-{base_model}-{date or time.strftime(VLLM_DATE)}.json"
     )
-    if sweep:
+    if sweep and a.result_filename:
         name = f"{Path(name).stem}-c{concurrency or 'inf'}{Path(name).suffix or '.json'}"
     return Path(a.result_dir or ".") / name
 
@@ -207,7 +245,7 @@ def run_bench(a: argparse.Namespace) -> int:
         "sampling": sampling,
         "ignore_eos": a.ignore_eos,
         "seed": a.seed,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "date": time.strftime(VLLM_DATE),
     }
     if a.ablate:
         result = ablate(requests, settings, a.ablate[0], a.ablate[1], a.ablate_rounds, metrics, ps)
@@ -257,7 +295,8 @@ def run_bench(a: argparse.Namespace) -> int:
                 **metadata(a.metadata),
                 "k3serve": {**meta, "server": r["server"]},
             }
-            save_result(result_path(a, r["concurrency"], len(runs) > 1), vllm_result(r["summary"], r["results"], info))
+            path = result_path(a, r["concurrency"], len(runs) > 1, model_id, meta["date"])
+            save_result(path, vllm_result(r["summary"], r["results"], info, detailed=a.save_detailed))
     if a.plot:
         plot(a.plot, runs, plot_title(model_id, a.devices, a.engine, a.dataset_name, meta["date"]))
     failed = sum(r["summary"]["failed"] for r in runs)

@@ -69,11 +69,15 @@ def _finite(v):
     return v
 
 
-def vllm_result(summary: dict, results: list[RequestResult], info: dict) -> dict:
+DETAILED = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")  # --save-detailed only
+
+
+def vllm_result(summary: dict, results: list[RequestResult], info: dict, detailed: bool = True) -> dict:
     """One run in `vllm bench serve --save-result`'s flat layout and key names
-    (vllm/benchmarks/serve.py): settings, totals, the mean/median/std/pNN metric keys,
-    per-request arrays; `info` carries date, backend, label, model_id, tokenizer_id,
-    num_prompts, request_rate, burstiness, max_concurrency and --metadata pairs."""
+    (vllm/benchmarks/serve.py): settings, totals, the mean/median/std/pNN metric keys, and with
+    `detailed` (--save-detailed) the per-request arrays; `info` carries date, backend, label,
+    model_id, tokenizer_id, num_prompts, request_rate, burstiness, max_concurrency and
+    --metadata pairs."""
     rate = info.get("request_rate")
     out = {
         **info,
@@ -99,6 +103,9 @@ def vllm_result(summary: dict, results: list[RequestResult], info: dict) -> dict
     out.update(
         {k: v for k, v in summary.items() if k.startswith(("mean_", "median_", "std_", "p")) and k.endswith("_ms")}
     )
+    if not detailed:
+        for key in DETAILED:
+            del out[key]
     return out
 
 

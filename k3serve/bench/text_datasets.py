@@ -123,3 +123,42 @@ def token_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> 
             ) from None
 
     return count
+
+
+def as_text(requests: list, tokenizer: str | None, base_url: str, api_key: str | None) -> list:
+    """Token-id prompts as their text for the chat endpoint (vLLM's openai-chat decodes its random
+    prompts likewise), with a local tokenizer directory or the server's /detokenize; the lengths
+    recorded stay the token counts drawn."""
+    import dataclasses
+
+    if tokenizer and Path(tokenizer).is_dir():
+        from k3serve.tokenizer.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(tokenizer)
+        decode = tok.decode
+    else:
+        import httpx
+
+        client = httpx.Client(
+            base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else None
+        )
+
+        def decode(ids: list[int]) -> str:
+            try:
+                r = client.post("/detokenize", json={"tokens": ids})
+                r.raise_for_status()
+                return r.json()["prompt"]
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                raise ValueError(
+                    f"cannot turn token-id prompts into text with {base_url}/detokenize ({e}); "
+                    f"give --tokenizer DIR, or use /v1/completions"
+                ) from None
+
+    return [
+        r
+        if r.prompt is not None
+        else dataclasses.replace(
+            r, prompt=decode(r.prompt_token_ids), prompt_token_ids=None, prompt_tokens=len(r.prompt_token_ids)
+        )
+        for r in requests
+    ]

@@ -24,3 +24,4 @@ class EngineInfo:
     vision: Any  # the vision tower's config, or None
     speculative: bool
     handoffs: Any  # engine/handoff.py HandoffStore: prefills kept for decode engines
+    model_source: str = ""  # the hub repo id served, or "" for a local folder: /v1/models `root`

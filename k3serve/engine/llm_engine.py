@@ -359,6 +359,7 @@ class LLMEngine(HandoffMixin):
             cfg.vision,
             self.spec is not None,
             self.handoffs,
+            hub_source(self.config.model),
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -515,13 +516,18 @@ class LLMEngine(HandoffMixin):
         plp = None
         if group.prompt_logprobs is not None:
             plp = [None] + [group.prompt_logprobs.get(i) for i in range(1, len(group.prompt_token_ids))]
+        metrics = dict(group.metrics)
+        drafted = sum(s.req.spec_draft_tokens for s in group.samples)
+        if drafted:  # speculation: drafts verified for this request and accepted (every sample)
+            metrics["spec_draft_tokens"] = drafted
+            metrics["spec_accepted_tokens"] = sum(s.req.spec_accepted_tokens for s in group.samples)
         return RequestOutput(
             group.request_id,
             group.prompt,
             list(group.prompt_token_ids),
             outs,
             group.finished,
-            dict(group.metrics),
+            metrics,
             group.samples[0].req.num_cached_tokens,
             group.error,
             plp,
@@ -554,3 +560,12 @@ class LLMEngine(HandoffMixin):
                 f"at least one position must be left to generate"
             )
         return text, ids
+
+
+def hub_source(model) -> str:
+    """The model argument when it is a hub repo id (no local folder of that name), else "": a
+    repo id is what a client loads a tokenizer from; a local path stays private (the server shows
+    no file paths)."""
+    if not model or Path(str(model)).exists():
+        return ""
+    return str(model)

@@ -38,6 +38,8 @@ class Request:
     checkpoint_at: list[int] = field(default_factory=list)  # prefix-cache save points still ahead
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at admission
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
+    spec_draft_tokens: int = 0  # drafts verified over the request's life, and how many were accepted
+    spec_accepted_tokens: int = 0
     # the prompt ids prefix caching hashes: media pads replaced by ids derived from the image
     # (engine/media.py), so a cached prefix is reused only for the same images; None: the prompt
     prompt_cache_ids: list[int] | None = None

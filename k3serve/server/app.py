@@ -108,14 +108,16 @@ def build_app(
 
     @app.get("/v1/models")
     async def models():
-        # vLLM's card: `parent` null for a base model, one permission object; `root` stays the
-        # served name, not the model directory (the server does not show its file paths)
+        # vLLM's card: `parent` null for a base model, one permission object; `root` the hub repo
+        # id served (what a tokenizer-driven client, guidellm / lm-eval / aiperf, loads its
+        # tokenizer from, as vLLM's `root`), or the served name for a local folder: the server
+        # shows no file paths
         card = {
             "id": state.served_model_name,
             "object": "model",
             "created": state.created,
             "owned_by": "k3serve",
-            "root": state.served_model_name,
+            "root": state.info.model_source or state.served_model_name,
             "parent": None,
             "max_model_len": state.max_model_len,
             "max_num_seqs": state.max_num_seqs,

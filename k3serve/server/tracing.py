@@ -3,7 +3,8 @@
 One `llm_request` span (kind SERVER) per finished request, whose parent is the W3C
 `traceparent` the request came with (so a router's span, or a client's, is its parent), with
 vLLM's attributes: gen_ai.request.{id,temperature,top_p,max_tokens,n}, gen_ai.response.model,
-gen_ai.usage.{prompt_tokens,completion_tokens} (and cached_tokens, k3serve's), and
+gen_ai.usage.{prompt_tokens,completion_tokens} (and cached_tokens, spec_draft_tokens,
+spec_accepted_tokens: k3serve's), and
 gen_ai.latency.{time_in_queue,time_to_first_token,e2e,time_in_model_prefill,
 time_in_model_decode,time_in_model_inference} in seconds. `k3serve router` makes a
 `router_request` span per request and sends its context to the prefill and decode servers.
@@ -91,6 +92,9 @@ class Tracing:
         }
         if params.max_tokens is not None:
             attrs["gen_ai.request.max_tokens"] = int(params.max_tokens)
+        if "spec_draft_tokens" in m:  # speculative decoding: k3serve's names beside vLLM's (it has none)
+            attrs["gen_ai.usage.spec_draft_tokens"] = int(m["spec_draft_tokens"])
+            attrs["gen_ai.usage.spec_accepted_tokens"] = int(m["spec_accepted_tokens"])
         span = self.tracer.start_span(
             REQUEST_SPAN, context=self.parent(headers), kind=SpanKind.SERVER, attributes=attrs, start_time=_ns(arrival)
         )

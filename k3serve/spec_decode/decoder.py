@@ -71,6 +71,8 @@ class SpecDecoder:
         q = d.probs[: len(drafts)] if d is not None and d.probs is not None else None
         emitted, tau = verify(req, logits, drafts, q, self.cfg.rejection_sample_method, gen)
         self.stats.record(len(drafts), tau)
+        req.spec_draft_tokens += len(drafts)
+        req.spec_accepted_tokens += tau
         n = req.params.logprobs
         raw = torch.log_softmax(logits.float(), -1) if n is not None else None
         return [sampled_token(t, raw, j, n) for j, t in enumerate(emitted)], tau

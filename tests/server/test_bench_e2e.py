@@ -29,6 +29,7 @@ def test_sixteen_requests_json_and_png(live_server, tmp_path):
             "--max-concurrency",
             "8",
             "--save-result",
+            "--save-detailed",
             "--result-filename",
             str(out),
             "--plot",
@@ -128,11 +129,12 @@ def test_vllm_flags_are_accepted_and_recorded(live_server, tmp_path):
             "4",
             "--ignore-eos",
             "--save-result",
+            "--save-detailed",
             "--no-progress",
         ]
     )
     assert rc == 0
-    files = list((tmp_path / "out").glob("vllm-infqps-*.json"))
+    files = list((tmp_path / "out").glob("nightly-infqps-tiny-k3-*.json"))  # vLLM's name: the label first
     assert len(files) == 1
     r = json.loads(files[0].read_text(), parse_constant=_reject)
     assert (r["backend"], r["label"], r["tokenizer_id"], r["gpu"], r["commit"]) == (
@@ -173,6 +175,7 @@ def test_ablation_against_two_servers(live_server, tiny_k3_dir, tmp_path, capsys
                 "--temperature",
                 "0",
                 "--save-result",
+                "--save-detailed",
                 "--result-filename",
                 str(out),
                 "--no-progress",
@@ -218,6 +221,7 @@ def test_sharegpt_and_sonnet_files_against_a_live_server(live_server, tmp_path):
                 "4",
                 "--ignore-eos",
                 "--save-result",
+                "--save-detailed",
                 "--result-filename",
                 str(out),
                 "--no-progress",
@@ -253,6 +257,7 @@ def test_sharegpt_and_sonnet_files_against_a_live_server(live_server, tmp_path):
                 "3",
                 "--ignore-eos",
                 "--save-result",
+                "--save-detailed",
                 "--result-filename",
                 str(out2),
                 "--no-progress",
@@ -262,3 +267,43 @@ def test_sharegpt_and_sonnet_files_against_a_live_server(live_server, tmp_path):
     )
     r2 = json.loads(out2.read_text(), parse_constant=_reject)
     assert r2["failed"] == 0 and r2["output_lens"] == [6, 6, 6] and all(60 <= n <= 120 for n in r2["input_lens"])
+
+
+def test_openai_chat_backend_vllm_lengths_and_the_default_file_name(live_server, tmp_path):
+    """`--backend openai-chat` sends the random prompts' text to /v1/chat/completions (the server's
+    /detokenize); --input-len / --output-len set the lengths; without --save-detailed the file
+    has vLLM's summary keys only, under vLLM's default name."""
+    import re
+
+    base, _ = live_server
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            base,
+            "--input-len",
+            "20",
+            "--output-len",
+            "5",
+            "--num-prompts",
+            "3",
+            "--max-concurrency",
+            "2",
+            "--ignore-eos",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    (path,) = tmp_path.glob("*.json")
+    assert re.fullmatch(r"openai-chat-infqps-concurrency2-tiny-k3-\d{8}-\d{6}\.json", path.name), path.name
+    r = json.loads(path.read_text(), parse_constant=_reject)
+    assert r["completed"] == 3 and r["failed"] == 0 and r["total_output_tokens"] == 15
+    assert r["k3serve"]["endpoint"] == "/v1/chat/completions" and r["backend"] == "openai-chat"
+    assert re.fullmatch(r"\d{8}-\d{6}", r["date"]) and path.name.endswith(f"-{r['date']}.json")
+    assert not any(k in r for k in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"))

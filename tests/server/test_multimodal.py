@@ -170,6 +170,7 @@ def test_bench_random_mm_sends_images(servers, tmp_path):
             "3",
             "--ignore-eos",
             "--save-result",
+            "--save-detailed",
             "--result-filename",
             str(out),
             "--no-progress",

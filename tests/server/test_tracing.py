@@ -58,6 +58,22 @@ def test_a_request_arrives_as_an_llm_request_span_under_its_caller(tiny_k3_dir, 
     assert abs((mine.end_ns - mine.start_ns) / 1e9 - lat["e2e"]) < 0.05
 
 
+def test_a_speculating_request_carries_its_draft_and_accepted_counts(tiny_k3_dir, receiver):
+    """With n-gram speculation the span adds gen_ai.usage.spec_draft_tokens / spec_accepted_tokens,
+    the request's own share of the engine's counters (one request here: all of them)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    app, state = make_app(tiny_k3_dir, "--otlp-traces-endpoint", receiver.url, "--speculative-config", spec)
+    body = {**BODY, "prompt": "a b a b a b a b a b a b", "max_tokens": 12, "logit_bias": {"11": 8, "22": 8}}
+    with serving(app) as base:
+        httpx.post(base + "/v1/completions", json=body, headers=HEADERS, timeout=60).raise_for_status()
+        state.tracing.flush()
+    (span,) = wait_for(receiver, "llm_request")
+    stats = state.engine.engine.spec.stats
+    a = span.attributes
+    assert a["gen_ai.usage.spec_draft_tokens"] == stats.draft_tokens > 0
+    assert a["gen_ai.usage.spec_accepted_tokens"] == stats.accepted_tokens <= stats.draft_tokens
+
+
 def test_the_router_span_parents_the_prefill_and_decode_spans(tiny_k3_dir, receiver):
     from k3serve.server.launch import tracing
     from k3serve.server.router import build_router

@@ -57,6 +57,9 @@ def test_a_repo_id_serves_and_fetches_only_what_the_engine_reads(hub, tiny_k3_di
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_model(REPO, download_dir=str(cache)) == path == llm.engine.model_path
     assert mirror.log == []
+    # /v1/models `root`: the repo id (a tokenizer-driven client loads it); a local folder: nothing
+    assert llm.engine.info().model_source == REPO
+    assert LLM(str(tiny_k3_dir), **KW).engine.info().model_source == ""
 
 
 def test_offline_without_a_cache_unknown_and_foreign_repos_fail_fast(hub, monkeypatch):
