@@ -91,3 +91,40 @@ def test_the_installed_wheel_builds_its_kernels_and_decodes_through_them(install
     )
     assert out.split() == ["cpp", "4"]
     assert any((tmp_path / "kernels").glob("*/*.so"))  # built from the install's own sources
+
+
+WITHOUT_XGRAMMAR = """
+import logging, sys
+sys.modules["xgrammar"] = None  # the wheel's dependencies without the `structured` extra
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+from fastapi.testclient import TestClient
+from k3serve.cli import build_parser
+from k3serve.server.launch import build_server
+app, state = build_server(build_parser().parse_args(
+    ["serve", sys.argv[1], "--cache-memory", "16MiB", "--max-model-len", "256", "--kernels", "torch"]))
+with TestClient(app) as c:
+    msgs = [{"role": "user", "content": "hi"}]
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "response_format": {"type": "json_object"}})
+    print("CONSTRAINED", r.status_code, r.json()["error"]["message"])
+    print("PLAIN", c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3}).status_code)
+"""
+
+
+def test_the_installed_wheel_without_xgrammar_answers_501_and_says_so_at_start(installed, tiny_k3_dir):
+    """`pip install k3serve` without the `structured` extra: structured outputs are a 501 naming
+    what to install (never a 500), said once in the start-up log; plain requests are served."""
+    _, site = installed
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_XGRAMMAR, str(tiny_k3_dir)],
+        cwd=site.parent,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    constrained = next(line for line in out.stdout.splitlines() if line.startswith("CONSTRAINED"))
+    assert constrained.startswith("CONSTRAINED 501") and "pip install" in constrained and "xgrammar" in constrained
+    assert "PLAIN 200" in out.stdout
+    said = [line for line in out.stderr.splitlines() if line.startswith("LOG") and "xgrammar" in line]
+    assert len(said) == 1 and "501" in said[0], out.stderr[-2000:]
