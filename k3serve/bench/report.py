@@ -69,7 +69,8 @@ def _finite(v):
     return v
 
 
-DETAILED = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")  # --save-detailed only
+# --save-detailed only: vLLM's per-request arrays, and each request's end-to-end seconds
+DETAILED = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "generated_texts", "errors")
 
 
 def vllm_result(summary: dict, results: list[RequestResult], info: dict, detailed: bool = True) -> dict:
@@ -97,6 +98,7 @@ def vllm_result(summary: dict, results: list[RequestResult], info: dict, detaile
         "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results],
         "itls": [list(r.itl) for r in results],
+        "latencies": [r.latency for r in results],
         "generated_texts": ["" for _ in results],
         "errors": [r.error for r in results],
     }

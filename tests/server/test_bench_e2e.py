@@ -91,7 +91,10 @@ def _read_like_vllm(r: dict, n: int, concurrency: int | None = None) -> None:
     for m in ("ttft", "tpot", "itl", "e2el"):
         for stat in ("mean", "median", "std", "p99"):
             assert isinstance(r[f"{stat}_{m}_ms"], float), f"{stat}_{m}_ms"
-    assert all(len(r[k]) == n for k in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"))
+    assert all(
+        len(r[k]) == n for k in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "generated_texts", "errors")
+    )
+    assert all(t <= e for t, e in zip(r["ttfts"], r["latencies"]) if t is not None)
     assert r["request_rate"] == "inf" and r["max_concurrency"] == concurrency
     assert 1 <= r["max_concurrent_requests"] <= (concurrency or n)
     assert r["duration"] > 0 and r["output_throughput"] == r["total_output_tokens"] / r["duration"]
@@ -306,4 +309,6 @@ def test_openai_chat_backend_vllm_lengths_and_the_default_file_name(live_server,
     assert r["completed"] == 3 and r["failed"] == 0 and r["total_output_tokens"] == 15
     assert r["k3serve"]["endpoint"] == "/v1/chat/completions" and r["backend"] == "openai-chat"
     assert re.fullmatch(r"\d{8}-\d{6}", r["date"]) and path.name.endswith(f"-{r['date']}.json")
-    assert not any(k in r for k in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"))
+    assert not any(
+        k in r for k in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "generated_texts", "errors")
+    )
