@@ -98,12 +98,25 @@ def sonnet_requests(
     return out
 
 
-def token_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> Counter:
-    """Count with a local tokenizer directory, else with the server's /tokenize."""
-    if tokenizer and Path(tokenizer).is_dir():
-        from k3serve.tokenizer.tokenizer import Tokenizer
+def local_tokenizer(tokenizer: str | None):
+    """--tokenizer as a Tokenizer: a directory, or a hub repo id (its tokenizer files only); None
+    when not given (the server's /tokenize and /detokenize stand in)."""
+    if not tokenizer:
+        return None
+    from k3serve.tokenizer.tokenizer import Tokenizer
+    from k3serve.weights.hub import is_repo_id, resolve_tokenizer
 
-        tok = Tokenizer.from_dir(tokenizer)
+    if Path(tokenizer).is_dir():
+        return Tokenizer.from_dir(tokenizer)
+    if is_repo_id(tokenizer):
+        return Tokenizer.from_dir(resolve_tokenizer(tokenizer))
+    return None  # a name recorded only (tokenizer_id): the server counts
+
+
+def token_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> Counter:
+    """Count with --tokenizer (a directory or a hub repo id), else with the server's /tokenize."""
+    tok = local_tokenizer(tokenizer)
+    if tok is not None:
         return lambda text: len(tok.encode(text))
     import httpx
 
@@ -131,10 +144,8 @@ def as_text(requests: list, tokenizer: str | None, base_url: str, api_key: str |
     recorded stay the token counts drawn."""
     import dataclasses
 
-    if tokenizer and Path(tokenizer).is_dir():
-        from k3serve.tokenizer.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(tokenizer)
+    tok = local_tokenizer(tokenizer)
+    if tok is not None:
         decode = tok.decode
     else:
         import httpx

@@ -123,3 +123,30 @@ def _fetch(repo: str, kw: dict, draft: bool, config_only: bool, local: bool) -> 
     if draft and not (path / "dspark").is_dir():
         raise _Incomplete("the DSpark draft is not cached")
     return str(path)
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "tiktoken.model")
+
+
+def resolve_tokenizer(repo: str, revision: str | None = None, token: str | None = None) -> str:
+    """A hub repo's tokenizer files only (what a client such as `k3serve bench --tokenizer ORG/NAME`
+    counts and decodes with), from the cache when there (offline included); any model family."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    kw = dict(
+        revision=revision,
+        token=token,
+        allow_patterns=list(TOKENIZER_FILES),
+        cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # read per call, as resolve_model does
+        endpoint=os.environ.get("HF_ENDPOINT") or None,
+    )
+    try:
+        return snapshot_download(repo, local_files_only=True, **kw)
+    except LocalEntryNotFoundError:
+        if offline():
+            raise ModelSourceError(f"tokenizer {repo!r} is not in the hub cache and HF_HUB_OFFLINE is set") from None
+    try:
+        return snapshot_download(repo, **kw)
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelSourceError(f"cannot fetch the tokenizer of {repo!r}: {e}") from None

@@ -86,3 +86,21 @@ def test_plan_and_inspect_read_a_repo_config_alone(hub, monkeypatch, capsys):
     assert main(["inspect", REPO, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == REPO
     assert mirror.fetched() == {"config.json"}
+
+
+def test_bench_tokenizer_from_a_repo_id_fetches_the_tokenizer_alone(hub, tiny_k3_dir, monkeypatch):
+    """`k3serve bench --tokenizer ORG/NAME` counts and decodes with the repo's tokenizer files only."""
+    from k3serve.bench.datasets import BenchRequest
+    from k3serve.bench.text_datasets import as_text, token_counter
+    from k3serve.tokenizer.tokenizer import Tokenizer
+
+    mirror, cache = hub
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    want = Tokenizer.from_dir(tiny_k3_dir)
+    count = token_counter(REPO, "http://127.0.0.1:9", None)  # no server: the repo's tokenizer counts
+    assert count("The quick brown fox") == len(want.encode("The quick brown fox"))
+    (req,) = as_text([BenchRequest(want.encode("hello there"), None, 4)], REPO, "http://127.0.0.1:9", None)
+    ids = want.encode("hello there")
+    assert req.prompt == want.decode(ids) and req.prompt_tokens == len(ids) and req.prompt_token_ids is None
+    assert mirror.fetched() <= {"tokenizer_config.json", "tiktoken.model", "tokenizer.json", "special_tokens_map.json"}
+    assert "tiktoken.model" in mirror.fetched()
