@@ -226,26 +226,42 @@ class AsyncEngine:
             return f"an engine step has been running for {time.monotonic() - began:.0f} s"
         return None
 
+    # ---- what a loop driving this engine calls (its own `_run`, or engine/lockstep.py's) ------
+    def has_work(self) -> bool:
+        """Requests to step, or aborts to apply."""
+        return self.engine.has_unfinished_requests() or bool(self._to_abort)
+
+    def share_wakeup(self, event: asyncio.Event) -> None:
+        """Wake `event` (a loop stepping several engines) on this engine's requests and aborts."""
+        self._wakeup = event
+
+    async def step_once(self, always: bool = False) -> None:
+        """One step on the engine thread: pending aborts applied, outputs delivered to their
+        streams; a step that raises fails the running requests and the engine goes on.
+        `always`: step with nothing to run (a DP-attention replica's idle forward)."""
+        aborts, self._to_abort = self._to_abort, set()
+        try:
+            outs = await self._call(self._step, aborts, always)
+        except Exception as e:  # a bug in a step must not take the server down
+            await self._step_failed(e)
+            return
+        self._deliver(outs)
+
+    def stopped(self, e: BaseException) -> None:
+        """The driving loop ended (cancelled at shutdown, or a fault outside any step): not serving."""
+        self._died = e
+        self._fail_streams(list(self._streams), RuntimeError("the engine stopped"))
+
     async def _run(self) -> None:
         try:
-            await self._loop()
-        except BaseException as e:  # cancelled at shutdown, or a fault outside any step: not serving
-            self._died = e
-            self._fail_streams(list(self._streams), RuntimeError("the engine stopped"))
+            while True:
+                if not self.has_work():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                await self.step_once()
+        except BaseException as e:
+            self.stopped(e)
             raise
-
-    async def _loop(self) -> None:
-        while True:
-            if not self.engine.has_unfinished_requests() and not self._to_abort:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            aborts, self._to_abort = self._to_abort, set()
-            try:
-                outs = await self._call(self._step, aborts)
-            except Exception as e:  # a bug in a step must not take the server down
-                await self._step_failed(e)
-                continue
-            self._deliver(outs)
 
     async def _step_failed(self, e: Exception) -> None:
         log.error("engine step failed; failing the running requests", exc_info=e)

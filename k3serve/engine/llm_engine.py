@@ -466,21 +466,10 @@ class LLMEngine(HandoffMixin):
         seen = self._seen[req.request_id] = self._seen.get(req.request_id, 0) + 1
         self.counters["generation_tokens"] += 1
         group.metrics.setdefault("first_token_time", time.monotonic())
-        if sample.logprobs is not None and tok.logprob is not None:
-            sample.logprobs.append({tok.token_id: tok.logprob, **dict(tok.top_logprobs)})
-            sample.cumulative_logprob += tok.logprob
-        last = seen == len(req.output_token_ids)
-        ended_by_token = last and req.finished and req.finish_reason == "stop"
-        if not ended_by_token or req.params.include_stop_str_in_output:
-            stop = sample.detok.add(tok.token_id)
-            if stop is not None:
-                del req.output_token_ids[seen:]  # drafts accepted after the stop string are dropped
-                last = True
-                if req.finished:
-                    req.finish_reason, req.stop_reason = "stop", stop
-                else:
-                    self.scheduler.finish(req, "stop", stop)
-        if req.finished and last:
+        stop = sample.take(tok, seen)
+        if stop is not None:  # the output ends here: drafts accepted after the stop string are dropped
+            self.scheduler.stop_at(req, seen, stop)
+        if req.finished and seen == len(req.output_token_ids):
             sample.detok.flush()
             self._release(req)
             if group.finished:

@@ -31,38 +31,27 @@ class Lockstep:
         if self._task is None or self._task.done():
             self.wakeup = asyncio.Event()
             for r in self.replicas:
-                r._wakeup = self.wakeup  # a replica's generate/abort wakes the shared loop
+                r.share_wakeup(self.wakeup)  # a replica's generate/abort wakes the shared loop
             self._task = asyncio.get_running_loop().create_task(self._run(), name="k3serve-lockstep-loop")
-
-    def _busy(self) -> bool:
-        return any(r.engine.has_unfinished_requests() or r._to_abort for r in self.replicas)
 
     async def _run(self) -> None:
         try:
             while True:
-                if not self._busy():
+                if not any(r.has_work() for r in self.replicas):
                     self.wakeup.clear()
                     await self.wakeup.wait()
-                await self._step()
+                # every replica steps, idle ones included (their MoE collectives); each delivers
+                # its own outputs or fails its own requests (AsyncEngine.step_once)
+                results = await asyncio.gather(
+                    *(r.step_once(always=True) for r in self.replicas), return_exceptions=True
+                )
+                for res in results:
+                    if isinstance(res, BaseException):  # only a cancellation gets past step_once
+                        raise res
         except BaseException as e:  # cancelled at shutdown, or a fault outside any step
             for r in self.replicas:
-                r._died = e
-                r._fail_streams(list(r._streams), RuntimeError("the engine stopped"))
+                r.stopped(e)
             raise
-
-    async def _step(self) -> None:
-        calls = []
-        for r in self.replicas:
-            aborts, r._to_abort = r._to_abort, set()
-            calls.append(r._call(r._step, aborts, True))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for r, res in zip(self.replicas, results):
-            if isinstance(res, asyncio.CancelledError):
-                raise res
-            if isinstance(res, Exception):
-                await r._step_failed(res)
-            else:
-                r._deliver(res)
 
     async def shutdown(self) -> None:
         from k3serve.engine.async_engine import cancel

@@ -106,6 +106,16 @@ class Scheduler:
         req.stop_reason = req.stop_reason if stop_reason is None else stop_reason
         self.requests.pop(req.request_id, None)
 
+    def stop_at(self, req: Request, keep: int, stop_reason: str) -> None:
+        """The output processor found a stop string ending at output token `keep`: the output
+        keeps those tokens (later ones, drafts accepted past it, are dropped) and the request
+        ends with finish reason "stop", also when it had just ended otherwise (length)."""
+        del req.output_token_ids[keep:]
+        if req.finished:
+            req.finish_reason, req.stop_reason = "stop", stop_reason
+        else:
+            self.finish(req, "stop", stop_reason)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
