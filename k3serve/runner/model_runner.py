@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from k3serve.sampling.seeds import request_seed
 from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.forward import CacheTensors
@@ -316,7 +317,7 @@ class ModelRunner:
 
     def _seed(self, req: Request) -> int:
         """The request's seed; unseeded: still deterministic for a given engine seed and arrival order."""
-        return req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.arrival
+        return request_seed(req.params.seed, req.arrival, self.seed)
 
     def _generator(self, req: Request) -> torch.Generator:
         gen = self._generators.get(req.request_id)

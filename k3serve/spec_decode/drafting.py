@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from k3serve.sampling.seeds import request_seed
 from k3serve.scheduler.request import Request
 from k3serve.spec_decode.verifier import distribution, processed_row
 
@@ -36,6 +37,7 @@ def stack_q(rows: list[torch.Tensor | None], tokens: list[int], vocab: int) -> t
 def request_generator(store: dict, req: Request, salt: int) -> torch.Generator:
     gen = store.get(req.request_id)
     if gen is None:
-        seed = (req.params.seed if req.params.seed is not None else req.arrival) * 7919 + salt
-        gen = store[req.request_id] = torch.Generator().manual_seed(seed)
+        gen = store[req.request_id] = torch.Generator().manual_seed(
+            request_seed(req.params.seed, req.arrival, salt=salt)
+        )
     return gen
