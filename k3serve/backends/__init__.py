@@ -74,7 +74,7 @@ class Backend:
         """Routed sum over the layer's experts (local ids), FP32 [N, L]."""
         from k3serve.layers.experts import experts_forward
 
-        return experts_forward(z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act)
+        return experts_forward(z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act, layer.a8)
 
     # ---- the model around the layers
     def decode_stack(self, model, batch, h: torch.Tensor):

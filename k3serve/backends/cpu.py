@@ -306,8 +306,8 @@ class CpuKernels(Backend):
 
     # ---- the MoE block ---------------------------------------------------------------------
     def moe(self, layer, x):
-        if not self.takes(x) or x.dtype not in _DTYPES or layer.w1.fmt == "nvfp4":
-            return super().moe(layer, x)  # NVFP4: the layer's torch around this backend's grouped kernel
+        if not self.takes(x) or x.dtype not in _DTYPES or layer.w1.fmt == "nvfp4" or layer.a8:
+            return super().moe(layer, x)  # NVFP4, MXFP8 inputs: the layer's torch around the grouped kernels
         if layer.ep is None and (
             layer.tp.size == 1 or (layer.cfg.latent_size is None and not layer.tp.expert_parallel)
         ):
@@ -325,6 +325,7 @@ class CpuKernels(Backend):
             layer.ep is None
             and layer.tp.size == 1
             and layer.w1.fmt != "nvfp4"  # the block kernels read MXFP4 or dense; NVFP4 the grouped kernel
+            and not layer.a8  # nor round their inputs through MXFP8
             and self.takes(x)
             and x.dtype in _DTYPES
             and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts())
@@ -354,7 +355,7 @@ class CpuKernels(Backend):
     def moe_experts(self, layer, z, ids, weights):
         """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or
         dense); off the fast path, torch with packed MXFP4 through the grouped kernels."""
-        if not (self.takes(z) and z.dtype in _DTYPES) or layer.w1.fmt == "nvfp4":
+        if not (self.takes(z) and z.dtype in _DTYPES) or layer.w1.fmt == "nvfp4" or layer.a8:
             return self._grouped_experts(layer, z, ids, weights)
         ws = self.moe_weights(layer)[5:11]  # the experts in the form moe_block takes them (the same bits)
         beta, linear_beta = layer.situ or (0.0, 0.0)
@@ -372,7 +373,7 @@ class CpuKernels(Backend):
     def _grouped_experts(self, layer, z, ids, weights):
         """torch's experts, packed MXFP4 / NVFP4 through the grouped kernels (layers/experts.py)."""
         return experts_forward(
-            z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act, kernels=self.kernels
+            z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act, layer.a8, kernels=self.kernels
         )
 
     def moe_weights(self, layer) -> list:
@@ -478,7 +479,7 @@ class CpuKernels(Backend):
             attn_w = self.mla_weights(attn) if mla else self.kda_weights(attn)
             attn_i, attn_f = self.mla_scalars(attn) if mla else self.kda_scalars(attn)
             moe = getattr(layer, "block_sparse_moe", None)
-            if moe is not None and (moe.ep is not None or moe.tp.size > 1 or moe.w1.fmt == "nvfp4"):
+            if moe is not None and (moe.ep is not None or moe.tp.size > 1 or moe.w1.fmt == "nvfp4" or moe.a8):
                 return None
             ffn = self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()

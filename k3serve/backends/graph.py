@@ -200,6 +200,7 @@ class GraphBackend(Backend):
             layer.situ is not None,
             beta,
             linear_beta,
+            layer.a8,
         )
 
     # ---- the model around the layers

@@ -29,6 +29,7 @@ from k3serve.layers.mla import attend_absorbed_batched, from_cache, write_rows
 from k3serve.layers.norm import l2_normalize
 from k3serve.layers.norm import rms_norm as _rms_norm
 from k3serve.layers.router import route
+from k3serve.weights.mxfp8 import fake_quantize_mxfp8
 from k3serve.layers.short_conv import short_conv_step
 
 
@@ -201,6 +202,7 @@ def moe_experts(
     situ: bool,
     beta: float,
     linear_beta: float,
+    a8: bool = False,
 ) -> Tensor:
     """Routed sum, FP32 [N, out], shapes fixed by N. w* [E, out, in] dense, or with scales s*
     packed MXFP4 ([E, out, in/2] codes, [E, out, in/32] E8M0) decoded by the lookup tables
@@ -209,7 +211,11 @@ def moe_experts(
     in float32, the reference's rounding: weights/nvfp4.py). When the N * k assignments are fewer than
     the experts each assignment's expert is gathered (exactly the selected weights read);
     otherwise every expert runs on every row, weighted by that row's routing weight for it
-    (zero when not chosen): E matrices read, no sort, no count, no host sync."""
+    (zero when not chosen): E matrices read, no sort, no count, no host sync. `a8`: the GEMM
+    inputs (z, and the GLU's output before w2) rounded through MXFP8 first (layers/experts.py)."""
+    if a8:
+        z = fake_quantize_mxfp8(z)
+    glu = _glu if not a8 else lambda g, u, *rest: fake_quantize_mxfp8(_glu(g, u, *rest))
     N, k = ids.shape
     E = w1.shape[0]
 
@@ -226,7 +232,7 @@ def moe_experts(
     if N * k <= E:
         flat = ids.reshape(-1)
         xs = z.repeat_interleave(k, 0).unsqueeze(1)  # [N*k, 1, in]
-        h = _glu(
+        h = glu(
             torch.bmm(xs, select(w1, s1, flat, 0).transpose(1, 2)),
             torch.bmm(xs, select(w3, s3, flat, 2).transpose(1, 2)),
             situ,
@@ -236,7 +242,7 @@ def moe_experts(
         y = torch.bmm(h, select(w2, s2, flat, 1).transpose(1, 2)).view(N, k, -1)  # [N, k, out]
         return (y.float() * weights.float().unsqueeze(-1)).sum(1)
     every = torch.arange(E, device=z.device)
-    h = _glu(
+    h = glu(
         torch.einsum("ni,eoi->eno", z, select(w1, s1, every, 0)),
         torch.einsum("ni,eoi->eno", z, select(w3, s3, every, 2)),
         situ,

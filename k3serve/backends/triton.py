@@ -82,6 +82,6 @@ class TritonBackend(GraphBackend):
             layer.situ is not None,
             beta,
             linear_beta,
-            False,
+            layer.a8,
             self.nv_tables.get(layer),
         )

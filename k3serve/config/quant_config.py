@@ -23,6 +23,9 @@ class QuantConfig:
     group_size: int
     ignore: tuple[str, ...]
     input_scales: bool = False  # NVFP4 with static-global activations: `input_global_scale` per module
+    # MXFP4 weights with MXFP8 activations (the QAT recipe, k3-model-spec.md §1.3): the routed
+    # experts' inputs rounded through MXFP8 (E4M3, an E8M0 scale per 32) before each GEMM
+    a8: bool = False
 
     @property
     def scheme(self) -> str:
@@ -59,7 +62,13 @@ def parse_quant_config(raw: Any) -> QuantConfig | None:
     acts = group.get("input_activations") if isinstance(group, dict) else None
     # llm-compressor's NVFP4 (W4A4) stores a static global scale per module for its activations
     input_scales = scheme == "nvfp4" and isinstance(acts, dict) and acts.get("dynamic") in (False, "local")
-    return QuantConfig(method, fmt, num_bits, group_size, tuple(raw.get("ignore") or ()), input_scales)
+    a8 = scheme == "mxfp4" and isinstance(acts, dict) and (acts.get("num_bits"), acts.get("type")) == (8, "float")
+    if a8 and acts.get("group_size") != 32:
+        raise ConfigError(
+            f"quantization_config.config_groups.{name}.input_activations.group_size",
+            f"MXFP8 activations are grouped by 32, got {acts.get('group_size')}",
+        )
+    return QuantConfig(method, fmt, num_bits, group_size, tuple(raw.get("ignore") or ()), input_scales, a8)
 
 
 def nvfp4_quantization_config() -> dict[str, Any]:

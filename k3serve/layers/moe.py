@@ -101,6 +101,7 @@ class SparseMoE(nn.Module):
         self.cfg, self.act, self.tp, self.ep = m, glu_activation(cfg), tp, ep
         xg = self.xg = ep if ep is not None else tp  # the group the routed experts are split over
         self.situ = (cfg.situ_beta, cfg.situ_linear_beta or 0.0) if cfg.use_situ else None  # for the kernels
+        self.a8 = cfg.quant is not None and cfg.quant.a8  # MXFP8 expert inputs (config/quant_config.py)
         self.gate = Gate(m.num_experts, d)
         inner = m.latent_size or d
         if m.latent_size is not None:
