@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 Key = tuple[str, bytes]  # ("block" | "state", 16-byte chained hash)
 TIERS = ("cpu", "disk")  # host memory, then the directory (the labels metrics carry)
@@ -85,10 +86,13 @@ class TierIndex:
     disk: TierLRU | None = None
     stats: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
     prefetching: set = field(default_factory=set)  # disk entries being read into host memory
+    # a directory shared with other engines: `discover(key)` indexes an entry one of them wrote
+    # since this engine's start-up scan (offload/store.py), True if it found one
+    discover: Callable[[Key], bool] | None = None
 
     def where(self, key: Key) -> str | None:
         if key in self.cpu:
             return "cpu"
-        if self.disk is not None and key in self.disk:
+        if self.disk is not None and (key in self.disk or (self.discover is not None and self.discover(key))):
             return "disk"
         return None

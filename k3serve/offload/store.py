@@ -38,6 +38,7 @@ from k3serve.offload.entry import EntryError, pack_keys, read_pack, write_pack
 
 log = logging.getLogger("k3serve.offload")
 READERS = 8  # threads reading disk entries
+ABSENT_S = 1.0  # how long a key not found in a shared directory is not looked for again
 SCALES_FILE = "kv_scales.json"  # calibrated fp8 latent scales, layer -> s, beside the entries
 
 
@@ -68,10 +69,13 @@ class PrefixTiers:
         self._arrived = threading.Event()
         self._threads, self._readers = [], None
         self._scales_file = None  # calibrated fp8 latent scales: written once beside the entries
+        self._absent: dict[Key, float] = {}  # keys looked for on disk and not found: when (discover)
+        self._deleting: set[Path] = set()  # packs dropped, their deletion queued
         if self.dir is not None and cache.calibrating:
             self._adopt_scales(cache)
         if self.dir is not None:
             self._scan()
+            self.index.discover = self.discover
             # file reads and checksums release the GIL: a prefix of many small blocks reads in parallel
             self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="k3serve-tier-read")
             t = threading.Thread(target=self._write_loop, daemon=True, name="k3serve-tier-writer")
@@ -105,6 +109,33 @@ class PrefixTiers:
         tmp.write_text(json.dumps({str(i): float(s) for i, s in cache.latent_scale.items()}))
         tmp.replace(self._scales_file)
         self._scales_file = None
+
+    def discover(self, key: Key) -> bool:
+        """A directory shared with other engines (replicas, a P/D pair): whether a pack named
+        `key` has appeared there since the scan; if so it joins the index, every entry it holds.
+        Packs are named after their first entry, which is what a prefix walk asks for first
+        (a store's blocks run in prefix order). A miss is not asked again for ABSENT_S seconds."""
+        now = time.monotonic()
+        if now - self._absent.get(key, -ABSENT_S) < ABSENT_S:
+            return False
+        path = self.pack_path(key)
+        if path in self._deleting:
+            return False
+        try:
+            size = path.stat().st_size
+        except OSError:
+            self._absent[key] = now
+            if len(self._absent) > 65536:  # forget the oldest half
+                for k in sorted(self._absent, key=self._absent.get)[:32768]:
+                    del self._absent[k]
+            return False
+        keys = _pack_index_keys(path, key[0])
+        if key not in keys:
+            self._absent[key] = now
+            return False
+        self._absent.pop(key, None)
+        self._index_pack(path, keys, size)
+        return key in self.index.disk
 
     def pack_path(self, key: Key) -> Path:
         """The pack a store starting with `key` writes: named after its first entry."""
@@ -151,6 +182,7 @@ class PrefixTiers:
                 del self.file_of[key]
                 self.index.disk.remove(key)
         if delete:
+            self._deleting.add(path)  # not rediscovered while its deletion waits in the queue
             self._writes.put(("delete", path, None))
 
     def _read(self, path: Path, kind: str, keys: list[Key]) -> None:
@@ -174,6 +206,7 @@ class PrefixTiers:
             try:
                 if op == "delete":
                     path.unlink(missing_ok=True)
+                    self._deleting.discard(path)
                 else:
                     kind, entries, ready = payload
                     if ready is not None:
@@ -190,6 +223,10 @@ class PrefixTiers:
     def busy(self) -> bool:
         """Disk entries are being read for a waiting request."""
         return bool(self.index.prefetching)
+
+    def flush(self) -> None:
+        """Block until every queued write has reached the directory."""
+        self._writes.join()
 
     def wait(self, timeout: float) -> None:
         self._arrived.wait(timeout)

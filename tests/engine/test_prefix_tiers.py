@@ -262,3 +262,21 @@ def test_data_parallel_routing_counts_what_a_replica_holds_in_its_tiers(tiny_k3_
     before = list(dp.engine.routed)
     _, cached = run(dp, [prefix + [6, 7]])
     assert cached == [64] and dp.engine.routed[1] == before[1] + 1
+
+
+def test_engines_sharing_a_directory_read_each_others_entries(tiny_k3_dir, tmp_path):
+    """Two live engines on one directory (replicas of one model, or a P/D pair): the entries one
+    writes after the other's start-up scan are discovered by the other's prefix lookup (packs
+    are named after their first entry, the key a prefix walk asks for), read from disk, and
+    give the text of a cold recompute."""
+    path, disk = str(tiny_k3_dir), str(tmp_path / "shared")
+    prefix, suffix = toks(80, 31), toks(7, 32)
+    cold, _ = run(LLM(path, **BIG, enable_prefix_caching=False), [prefix + suffix])
+    a = LLM(path, **SMALL, kv_offloading_dir=disk)
+    b = LLM(path, **SMALL, kv_offloading_dir=disk)  # its scan found an empty directory
+    assert b.engine.tiers.index.disk.used == 0
+    run(a, [prefix])
+    a.engine.tiers.flush()
+    got, cached = run(b, [prefix + suffix])
+    assert got == cold and cached == [80]
+    assert b.engine.tiers.index.stats["disk"].hits >= 6  # five blocks and the state, from a's files
