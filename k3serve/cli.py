@@ -124,7 +124,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
     from k3serve.server.launch import tracing
 
-    app = build_router(args.prefill, args.decode, tracing=tracing(args.otlp_traces_endpoint, "k3serve-router"))
+    app = build_router(
+        args.prefill,
+        args.decode,
+        tracing=tracing(args.otlp_traces_endpoint, "k3serve-router"),
+        decode_prefill_tokens=args.decode_prefill_tokens,
+    )
     uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.uvicorn_log_level)).run()
     return 0
 
@@ -233,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--otlp-traces-endpoint", help="OpenTelemetry collector for the router's spans (OTLP/HTTP)")
+    p.add_argument(
+        "--decode-prefill-tokens",
+        type=int,
+        default=0,
+        help="a decode server whose prefix cache (device, or a tier directory shared with the prefill servers) "
+        "holds all but at most N of a prompt's tokens serves it without a prefill server (0: never)",
+    )
     p.set_defaults(func=_cmd_router)
     p = sub.add_parser("plan", help="capacity planner: fit, GPU count, concurrency, latency, launch commands")
     add_plan_args(p)

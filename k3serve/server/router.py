@@ -9,6 +9,11 @@ POST /v1/completions and /v1/chat/completions (streaming or not):
   2. the least-loaded decode server gets the client's own body plus `do_remote_prefill`, the pull
      id and the prefill URL; it pulls the request's latent rows + KDA state and decodes; its
      answer (or its SSE stream, byte for byte) goes back to the client.
+With `decode_prefill_tokens` N > 0 (`--decode-prefill-tokens`), the decode servers are asked first
+(`/v1/kv/held`, their prefix-cache tiers included): one that already holds all but at most N of
+the prompt's tokens (a prefix on its device, or in a prefix-tier directory it shares with the
+prefill servers: offload/store.py discovers what they wrote) serves the request itself, prefilling
+only the rest, without a prefill server; if it cannot, the request takes the path above.
 A decode server that cannot be reached or answers 5xx before any byte was sent gets the request
 retried once on another decode server (a fresh prefill: the first pull may have consumed the
 state; an unpulled one is released with `/v1/kv/release`); after that the client gets a 503. A client that disconnects closes the upstream stream,
@@ -52,6 +57,7 @@ class Pool:
     prefill: list[str]
     decode: list[str]
     in_flight: dict[str, int] = field(default_factory=dict)
+    local: int = 0  # requests a decode server served from its own prefix cache (decode_prefill_tokens)
 
     def by_hash(self, body: dict) -> str:
         """The prefill server a prompt's first characters hash to: a cold prefix still goes
@@ -72,9 +78,12 @@ class Pool:
         return min(choices, key=lambda u: self.in_flight.get(u, 0)) if choices else None
 
 
-def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0, tracing=None) -> FastAPI:
+def build_router(
+    prefill: list[str], decode: list[str], timeout_s: float = 600.0, tracing=None, decode_prefill_tokens: int = 0
+) -> FastAPI:
     """`tracing` (server/tracing.py): a `router_request` span per request, the parent of the
-    prefill and decode servers' spans (its traceparent goes on to both)."""
+    prefill and decode servers' spans (its traceparent goes on to both). `decode_prefill_tokens`:
+    see the module."""
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode server")
     pool = Pool([u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode])
@@ -88,6 +97,7 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
             tracing.flush()
 
     app = FastAPI(title="k3serve router", lifespan=lifespan)
+    app.state.pool = pool
 
     @app.get("/health")
     async def health():
@@ -117,6 +127,16 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         tried: set[str] = set()
+        if decode_prefill_tokens > 0:
+            held = await _reusable(client, pool.decode, path, body)
+            near = [u for u, (reused, n) in held.items() if reused > 0 and n - reused <= decode_prefill_tokens]
+            if near:  # the most reused, the least loaded of those
+                url = max(near, key=lambda u: (held[u][0], -pool.in_flight.get(u, 0)))
+                answer = await _decode(client, pool, url, path, body, None, headers)
+                if isinstance(answer, Response):
+                    pool.local += 1
+                    return answer
+                tried.add(url)
         pull_failed = None  # the last decode server's 502: it could not pull the prefill's state
         for _ in range(2):  # the first decode server, then one retry elsewhere
             decode_url = pool.pick_decode(tried)
@@ -158,22 +178,29 @@ def build_router(prefill: list[str], decode: list[str], timeout_s: float = 600.0
 
 
 async def _held(client: httpx.AsyncClient, pool: Pool, path: str, body: dict) -> dict[str, int]:
-    """Each prefill server's cached prefix of this prompt, in tokens (-1: it did not answer)."""
+    """Each prefill server's cached prefix of this prompt, in tokens, its host and disk tiers
+    included (0: none, or it did not answer)."""
     if len(pool.prefill) == 1:
         return {}
+    return {u: reused for u, (reused, _) in (await _reusable(client, pool.prefill, path, body)).items()}
+
+
+async def _reusable(client: httpx.AsyncClient, urls: list[str], path: str, body: dict) -> dict[str, tuple[int, int]]:
+    """Each server's (reusable prefix, prompt) of this request in tokens; (0, 0) when it did not
+    answer."""
     probe = {"chat" if path.endswith("chat/completions") else "completion": body}
 
-    async def ask(url: str) -> int:
+    async def ask(url: str) -> tuple[int, int]:
         try:
             r = await client.post(url + "/v1/kv/held", json=probe, timeout=PROBE_TIMEOUT_S)
             if r.status_code != 200:
-                return -1
-            a = r.json()  # what its prefill could reuse, its host and disk tiers included
-            return int(a.get("reusable_tokens", a["held_tokens"]))
+                return 0, 0
+            a = r.json()
+            return int(a.get("reusable_tokens", a["held_tokens"])), int(a["prompt_tokens"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return -1
+            return 0, 0
 
-    return dict(zip(pool.prefill, await asyncio.gather(*(ask(u) for u in pool.prefill))))
+    return dict(zip(urls, await asyncio.gather(*(ask(u) for u in urls))))
 
 
 async def _release(client: httpx.AsyncClient, kv: dict) -> None:
@@ -215,8 +242,10 @@ async def _decode(
     client: httpx.AsyncClient, pool: Pool, url: str, path: str, body: dict, kv: dict, headers: dict
 ) -> Response | PullFailed | None:
     """The decode server's answer; None when it failed before sending anything (retry
-    elsewhere); PullFailed when it says it could not pull the prefill's state (a 502)."""
-    req = client.build_request("POST", url + path, json={**body, "kv_transfer_params": kv}, headers=headers)
+    elsewhere); PullFailed when it says it could not pull the prefill's state (a 502). `kv`
+    None: the client's body as it is (the decode server prefills it itself)."""
+    sent = body if kv is None else {**body, "kv_transfer_params": kv}
+    req = client.build_request("POST", url + path, json=sent, headers=headers)
     pool.in_flight[url] = pool.in_flight.get(url, 0) + 1
     try:
         r = await client.send(req, stream=True)
@@ -224,7 +253,7 @@ async def _decode(
         pool.in_flight[url] -= 1
         log.warning("decode server %s failed (%s); retrying elsewhere", url, type(e).__name__)
         return None
-    if r.status_code == 502:  # server/kv_transfer.py: the pull from the prefill server failed
+    if r.status_code == 502 and kv is not None:  # server/kv_transfer.py: the pull from the prefill server failed
         try:
             message = json.loads(await r.aread())["error"]["message"]
         except (ValueError, KeyError, TypeError):

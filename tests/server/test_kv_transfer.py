@@ -497,3 +497,42 @@ def test_an_image_chat_crosses_the_router(disaggregated):
         _pulled(disaggregated.decode_state) - before
         < got["usage"]["prompt_tokens"] * per_token_bytes(disaggregated.decode_state) + 1
     )  # not every row again
+
+
+def test_a_decode_server_serves_a_prefix_from_the_tier_directory_it_shares_with_the_prefill_server(
+    tiny_k3_dir, tmp_path
+):
+    """P/D with one prefix-tier directory (issue 49): the prefill server's tier writes what it
+    computed; with --decode-prefill-tokens the router asks the decode server first, which
+    finds the prefix in the shared directory (written after its start-up scan), reads it and
+    prefills only the rest itself; no prefill server is involved and the text is a colocated
+    server's."""
+    from k3serve.server.router import build_router
+
+    shared = ["--kv-offloading-dir", str(tmp_path / "shared"), "--kv-offloading-size", "0.05"]
+    prefill_app, prefill_state = make_app(tiny_k3_dir, *PRODUCER, *shared)
+    decode_app, decode_state = make_app(tiny_k3_dir, *CONSUMER, *shared)
+    colocated_app, _ = make_app(tiny_k3_dir, "--block-size", "16")
+    prompt = list(range(100, 180))  # five whole blocks
+    longer = prompt + [7, 8, 9]
+    with serving(prefill_app) as p, serving(decode_app) as d, serving(colocated_app) as c:
+        router_app = build_router([p], [d], decode_prefill_tokens=16)
+        with serving(router_app) as router:
+            _completion(p, prompt=prompt, max_tokens=1)  # the prefill server computes the prefix once
+            prefill_state.engine.engine.tiers.flush()
+            asked = prefill_state.engine.engine.counters["requests_finished"]
+            want = _completion(c, prompt=longer)["choices"][0]
+            got = _completion(router, prompt=longer)["choices"][0]
+            assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"]
+            assert prefill_state.engine.engine.counters["requests_finished"] == asked  # not asked again
+            assert router_app.state.pool.local == 1
+            disk = decode_state.engine.engine.tiers.index.stats["disk"]
+            assert disk.hits >= 6  # five blocks and the state, from the prefill server's files
+            # a prompt the decode server cannot mostly reuse takes the usual prefill -> decode path
+            other = list(range(300, 340))
+            assert (
+                _completion(router, prompt=other)["choices"][0]["text"]
+                == _completion(c, prompt=other)["choices"][0]["text"]
+            )
+            assert router_app.state.pool.local == 1
+            assert prefill_state.engine.engine.counters["requests_finished"] == asked + 1
