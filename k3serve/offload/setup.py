@@ -14,8 +14,14 @@ def make_tiers(config, engine):
         return None
     if not config.enable_prefix_caching:
         raise ValueError("kv offloading tiers hold prefix-cache entries: enable prefix caching")
-    if engine.executor is not None or engine.remote is not None:
-        raise ValueError("kv offloading tiers run with one rank for now (no tensor parallelism or DP-attention)")
+    if engine.remote is not None:
+        raise ValueError("kv offloading tiers run with one replica's ranks for now (no DP-attention)")
+    workers = engine.executor
+    if workers is not None and not workers.local:
+        raise ValueError(
+            "kv offloading tiers under tensor parallelism read and write the other ranks' state over "
+            "their pipes: one host, mp workers (not Ray or several nodes) for now"
+        )
     from k3serve.offload.entry import model_fingerprint
     from k3serve.offload.store import PrefixTiers
 
@@ -39,6 +45,7 @@ def make_tiers(config, engine):
         config.kv_offloading_dir,
         int(config.kv_offloading_dir_size * 2**30),
         fp,
+        workers,
     )
     engine.cache.attach_tiers(tiers.index, tiers.prefetch)
     line = f"prefix cache tiers: {gib:g} GiB host memory" + (

@@ -43,15 +43,37 @@ SCALES_FILE = "kv_scales.json"  # calibrated fp8 latent scales, layer -> s, besi
 
 
 class PrefixTiers:
-    def __init__(self, cache, block_size: int, cpu_bytes: int, disk_dir: str | None, disk_bytes: int, fingerprint: str):
-        self.bs, self.fingerprint = block_size, fingerprint
+    def __init__(
+        self,
+        cache,
+        block_size: int,
+        cpu_bytes: int,
+        disk_dir: str | None,
+        disk_bytes: int,
+        fingerprint: str,
+        workers=None,
+    ):
+        """`workers`: the tensor-parallel executor (distributed/executor.py), or None. Under TP
+        the latent is whole on every rank (a block entry is rank 0's rows, written to every rank
+        on load) and each rank holds its heads of the KDA state: a state entry holds every
+        rank's shard, `recurrent.{l}` rank 0's and `recurrent.{l}.r{r}` rank r's."""
+        self.bs, self.fingerprint, self.workers = block_size, fingerprint, workers
         self.mla = [l for l, t in enumerate(cache.latent) if t is not None]
         self.kda = [l for l, t in enumerate(cache.recurrent) if t is not None]
+        ranks = [""] + [f".r{r}" for r in range(1, workers.size)] if workers is not None else [""]
         self.expect = {
             "block": {f"latent.{l}": ((block_size, cache.latent[l].shape[1]), cache.latent[l].dtype) for l in self.mla},
             "state": {
-                **{f"recurrent.{l}": (tuple(cache.recurrent[l].shape[1:]), cache.recurrent[l].dtype) for l in self.kda},
-                **{f"conv.{l}": (tuple(cache.conv[l].shape[1:]), cache.conv[l].dtype) for l in self.kda},
+                **{
+                    f"recurrent.{l}{r}": (tuple(cache.recurrent[l].shape[1:]), cache.recurrent[l].dtype)
+                    for l in self.kda
+                    for r in ranks
+                },
+                **{
+                    f"conv.{l}{r}": (tuple(cache.conv[l].shape[1:]), cache.conv[l].dtype)
+                    for l in self.kda
+                    for r in ranks
+                },
             },
         }
         self.entry_bytes = {
@@ -297,15 +319,15 @@ class PrefixTiers:
             rows = slice(block * self.bs, (block + 1) * self.bs)
             new.append((("block", h), {f"latent.{l}": cache.latent[l][rows] for l in self.mla}))
         for h, slot in states:
-            new.append(
-                (
-                    ("state", h),
-                    {
-                        **{f"recurrent.{l}": cache.recurrent[l][slot] for l in self.kda},
-                        **{f"conv.{l}": cache.conv[l][slot] for l in self.kda},
-                    },
-                )
-            )
+            entry = {
+                **{f"recurrent.{l}": cache.recurrent[l][slot] for l in self.kda},
+                **{f"conv.{l}": cache.conv[l][slot] for l in self.kda},
+            }
+            if self.workers is not None and self.index.where(("state", h)) is None:  # the other ranks' heads
+                for r, (rec, conv) in enumerate(self.workers.call("read_state", slot), start=1):
+                    entry.update({f"recurrent.{l}.r{r}": rec[l] for l in self.kda})
+                    entry.update({f"conv.{l}.r{r}": conv[l] for l in self.kda})
+            new.append((("state", h), entry))
         packs: dict = {}  # this call's blocks in one pack, each state in its own
         for key, views in new:
             if self.index.where(key) is not None:
@@ -341,11 +363,25 @@ class PrefixTiers:
             for l in self.mla:
                 cache.latent[l][rows].copy_(entry[f"latent.{l}"], non_blocking=self.pin)
             self.index.cpu.touch(("block", h))
+        if self.workers is not None and blocks:  # the latent is whole on every rank
+            rows = torch.cat([torch.arange(b * self.bs, (b + 1) * self.bs) for _, b in blocks])
+            latent = {l: torch.cat([self.host[("block", h)][f"latent.{l}"] for h, _ in blocks]) for l in self.mla}
+            self.workers.send("write_state", -1, {}, {}, rows, latent)
         for h, slot in states:
             entry = self.host[("state", h)]
             for l in self.kda:
                 cache.recurrent[l][slot].copy_(entry[f"recurrent.{l}"], non_blocking=self.pin)
                 cache.conv[l][slot].copy_(entry[f"conv.{l}"], non_blocking=self.pin)
+            if self.workers is not None:  # each rank its own heads
+                shards = [
+                    (
+                        slot,
+                        {l: entry[f"recurrent.{l}.r{r}"] for l in self.kda},
+                        {l: entry[f"conv.{l}.r{r}"] for l in self.kda},
+                    )
+                    for r in range(1, self.workers.size)
+                ]
+                self.workers.send_each("write_state", shards)
             self.index.cpu.touch(("state", h))
         n = len(blocks) + len(states)
         if n:
