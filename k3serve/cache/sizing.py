@@ -126,6 +126,26 @@ class CachePlan:
         return min(self.num_slots, self.requests_by_tokens(context_len))
 
 
+def spec_records_bytes(
+    cfg: ModelConfig,
+    spec_tokens: int,
+    max_num_seqs: int,
+    state_dtype: str = "float32",
+    shards: int = 1,
+    share: float = 1.0,
+) -> int:
+    """What speculative decoding holds beside the cache: a verify pass records the KDA state after
+    each of its 1 + k positions (spec_decode/rollback.py) for every running sequence, at most
+    max_num_seqs; one rank's heads (`shards`), its stage's layers (`share`). The engine takes it
+    out of a budget it derives from device memory (engine/setup.py cache_budget) and the planner
+    out of the same arithmetic (planner/memory.py), so their figures agree; an explicit
+    --cache-memory is the cache's alone."""
+    if not spec_tokens:
+        return 0
+    slot = -(-_share(kda_state_bytes_per_request(cfg, state_dtype), share) // shards)
+    return (1 + spec_tokens) * slot * max_num_seqs
+
+
 def full_request_bytes(
     cfg: ModelConfig, max_model_len: int, block_size: int = 16, kv_dtype: str = "bfloat16", state_dtype: str = "float32"
 ) -> int:

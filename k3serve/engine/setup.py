@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from k3serve.cache.sizing import CachePlan, full_request_bytes, parse_bytes, plan_cache
+from k3serve.cache.sizing import CachePlan, full_request_bytes, parse_bytes, plan_cache, spec_records_bytes
 from k3serve.config.engine_config import EngineConfig
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.runner.model_runner import weight_bytes
@@ -105,13 +105,14 @@ def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausa
         # vision tower and its encoder cache, for a model with one)
         f = config.gpu_memory_utilization
         total, weights, act = total_memory(device), weight_bytes(model), activation_reserve(config, model)
-        vision = vision_reserve(config, model)
-        budget = int(total * f) - weights - act - vision
+        vision, records = vision_reserve(config, model), spec_reserve(config, model)
+        budget = int(total * f) - weights - act - vision - records
         if budget <= 0:
             raise ValueError(
                 f"--gpu-memory-utilization {f}: {f} x {total / 2**30:.1f} GiB leaves no cache after "
-                f"{weights / 2**30:.2f} GiB of weights, {act / 2**30:.2f} GiB of activations and "
-                f"{vision / 2**30:.2f} GiB for the vision tower and its encoder cache; raise it"
+                f"{weights / 2**30:.2f} GiB of weights, {act / 2**30:.2f} GiB of activations, "
+                f"{vision / 2**30:.2f} GiB for the vision tower and its encoder cache and "
+                f"{records / 2**30:.2f} GiB of speculative verify records; raise it"
             )
         free = free_memory(device)
         if budget > free:
@@ -121,7 +122,18 @@ def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausa
             )
         return budget
     frac = config.cache_memory_fraction or (0.9 if device.type == "cuda" else 0.1)
-    return int(free_memory(device) * frac)
+    records = spec_reserve(config, model) if model is not None else 0
+    return max(int(free_memory(device) * frac) - records, 0)
+
+
+def spec_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
+    """Speculative decoding's verify records beside the cache (cache/sizing.py spec_records_bytes)."""
+    if not config.speculative_config:
+        return 0
+    from k3serve.spec_decode.config import SpeculativeConfig
+
+    k = SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
+    return spec_records_bytes(model.cfg, k, config.max_num_seqs, config.ssm_dtype, config.tensor_parallel_size)
 
 
 def check_quantization(config: EngineConfig, model: KimiForCausalLM) -> None:

@@ -55,7 +55,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.92, help="of total HBM (vLLM semantics)")
     p.add_argument("--overhead-gib", type=float, default=3.0, help="non-torch reserve per rank")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--spec-tokens", type=int, default=0, help="speculative tokens (per-position KDA states)")
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=0,
+        help="speculative tokens k: each running request's 1 + k verify-record KDA states, reserved as the engine does",
+    )
     p.add_argument("--draft-params", type=float, default=0.0, help="draft model parameters (BF16, per rank)")
     p.add_argument("--cache-memory", help="cache bytes per rank; skips the GPU arithmetic (engine check)")
     p.add_argument("--mm-encoder-cache", default="256MiB", help="vision encoder cache per rank (models with a tower)")

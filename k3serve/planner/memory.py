@@ -17,7 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from k3serve.cache.sizing import CachePlan, kda_state_bytes_per_request, mla_cache_bytes_per_token, plan_cache
+from k3serve.cache.sizing import (
+    CachePlan,
+    kda_state_bytes_per_request,
+    mla_cache_bytes_per_token,
+    plan_cache,
+    spec_records_bytes,
+)
 from k3serve.config.model_config import ModelConfig
 from k3serve.planner.hardware import GPU
 from k3serve.planner.layout import Layout, stage_shares
@@ -83,17 +89,20 @@ def rank_memory(
     act = activation_bytes(cfg, w, layout)
     usable = int(gpu.hbm_bytes * w.memory_fraction)
     encoder = w.encoder_cache_bytes if cfg.vision is not None else 0
+    # speculative verify records beside the cache, as the engine reserves them (cache/sizing.py)
+    records = spec_records_bytes(cfg, w.spec_tokens, w.max_num_seqs, w.state_dtype, tp, share.kda)
     budget = (
-        cache_bytes if cache_bytes is not None else usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder
+        cache_bytes
+        if cache_bytes is not None
+        else usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder - records
     )
-    spec_states = w.spec_tokens * -(-int(kda_state_bytes_per_request(cfg, w.state_dtype) * share.kda) // tp)
     plan, why = None, None
     try:
         if budget <= 0:
             raise ValueError(f"weights and reserves exceed {w.memory_fraction:.2f} x HBM by {-budget / 1e9:.1f} GB")
         plan = plan_cache(
             cfg,
-            max(budget - spec_states * w.max_num_seqs, 0) if spec_states else budget,
+            budget,
             max_model_len=w.context,
             max_num_seqs=w.max_num_seqs,
             block_size=w.block_size,

@@ -534,3 +534,55 @@ def test_tier_capacity_counts_the_bytes_the_engine_stores(tiny_k3_dir, capsys):
     )
     tiers = json.loads(capsys.readouterr().out)["prefix_cache_tiers"]
     assert tiers["host_conversations"] == 512 * 2**30 // tiers["bytes_per_conversation"] > 0
+
+
+def test_speculative_records_are_one_formula_in_the_engine_and_the_planner(tiny_k3_dir):
+    """Speculative decoding's verify records (1 + k KDA states per running sequence) come out of
+    the memory left for the cache by one function (cache/sizing.py spec_records_bytes): the
+    engine's budget under --gpu-memory-utilization and the planner's rank budget shrink by the
+    same bytes; an explicit --cache-memory is the cache's alone."""
+    import torch
+
+    from k3serve import LLM
+    from k3serve.cache.sizing import kda_state_bytes_per_request, spec_records_bytes
+    from k3serve.config.engine_config import EngineConfig
+    from k3serve.engine.setup import cache_budget
+    from k3serve.planner.memory import rank_memory
+
+    model = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256).engine.model
+    cfg = model.cfg
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    records = spec_records_bytes(cfg, 3, 16)
+    assert records == 4 * kda_state_bytes_per_request(cfg) * 16
+    plain, specd = (
+        EngineConfig.from_kwargs(str(tiny_k3_dir), gpu_memory_utilization=0.05, max_num_seqs=16, **extra)
+        for extra in ({}, {"speculative_config": spec})
+    )
+    cpu = torch.device("cpu")
+    assert cache_budget(plain, cpu, model) - cache_budget(specd, cpu, model) == records
+    fixed = EngineConfig.from_kwargs(str(tiny_k3_dir), cache_memory="16MiB", speculative_config=spec)
+    assert cache_budget(fixed, cpu, model) == 16 << 20
+    layout = next(
+        r.layout
+        for r in plan(
+            cfg,
+            str(tiny_k3_dir),
+            "schema",
+            [get_gpu("H100")],
+            weight_split(cfg, tiny_k3_dir),
+            Workload(context=256, max_num_seqs=16),
+            num_gpus=1,
+            tp=1,
+        ).results
+    )
+    budgets = [
+        rank_memory(
+            cfg,
+            get_gpu("H100"),
+            layout,
+            weight_split(cfg, tiny_k3_dir),
+            Workload(context=256, max_num_seqs=16, spec_tokens=k),
+        ).cache_budget
+        for k in (0, 3)
+    ]
+    assert budgets[0] - budgets[1] == records
