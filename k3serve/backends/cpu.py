@@ -306,8 +306,12 @@ class CpuKernels(Backend):
 
     # ---- the MoE block ---------------------------------------------------------------------
     def moe(self, layer, x):
-        if not self.takes(x) or x.dtype not in _DTYPES or layer.w1.fmt == "nvfp4" or layer.a8:
-            return super().moe(layer, x)  # NVFP4, MXFP8 inputs: the layer's torch around the grouped kernels
+        if not self.takes(x) or x.dtype not in _DTYPES:
+            return super().moe(layer, x)
+        if layer.w1.fmt == "nvfp4" or layer.a8:  # the block kernels take neither: the grouped kernels
+            if layer.ep is None and layer.tp.size == 1:
+                return layer.single_rank(x, partial(self._grouped_experts, layer), lambda x: self.moe_route(layer, x))
+            return super().moe(layer, x)  # TP / EP: the layer's route, this backend's pieces
         if layer.ep is None and (
             layer.tp.size == 1 or (layer.cfg.latent_size is None and not layer.tp.expert_parallel)
         ):

@@ -106,9 +106,10 @@ def _experts_grouped(x, flat, order, token, weights, w1, w2, w3, act: Act, a8: b
     h = act(g, u)
     if a8:
         h = fake_quantize_mxfp8(h)
-    y = _grouped_matmul(kernels, h.contiguous(), offsets, w2)  # [N*k, out]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
-    return out.index_add_(0, token, y * weights.reshape(-1)[order, None])
+    y = _grouped_matmul(kernels, h.contiguous(), offsets, w2)  # [N*k, out], sorted by expert
+    per = torch.empty_like(y)  # back in (token, slot) order, then each token's k slots summed in
+    per[order] = y * weights.reshape(-1)[order, None]  # slot order (batch invariant; index_add_ cost
+    return per.view(x.shape[0], -1, y.shape[1]).sum(1)  # ~0.5 ms a call at one token)
 
 
 def experts_reference(x, ids, weights, w1, w2, w3, act: Act, a8: bool = False) -> torch.Tensor:
