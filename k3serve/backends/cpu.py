@@ -206,8 +206,8 @@ class CpuKernels(Backend):
         step = batch.step
         if not (self.takes(x) and step.seqs):
             return layer.reference(x, batch, cache)
-        if step.covers_all and cache.latent_scale is None:  # a pure decode / verify step: one call
-            return self._mla_block(layer, x, batch, cache)  # (the block writes fp8 at unit scale)
+        if step.covers_all and layer.layer_idx not in cache.calibrating:  # a pure decode / verify step: one call
+            return self._mla_block(layer, x, batch, cache)
         m = layer.cfg
         q, latent = layer.project(x)
         store = cache.latent[layer.layer_idx]
@@ -276,6 +276,7 @@ class CpuKernels(Backend):
             m.qk_nope_head_dim,
             m.kv_lora_rank,
             MLA_NORM_EPS,
+            1.0 if cache.latent_scale is None else float(cache.latent_scale[layer.layer_idx]),
         )
         return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
 

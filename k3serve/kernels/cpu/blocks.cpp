@@ -188,11 +188,11 @@ at::Tensor as_tensor(const Buf& y, int64_t R, int64_t d, const at::Tensor& like)
 }
 
 template <typename T>
-void write_rows(const Buf& lat, int64_t R, int64_t width, const int64_t* rows, T* cache, bool fp8) {
+void write_rows(const Buf& lat, int64_t R, int64_t width, const int64_t* rows, T* cache, bool fp8, float kv_scale) {
   for (int64_t i = 0; i < R; ++i)
     for (int64_t j = 0; j < width; ++j) {
       float v = lat[i * width + j];
-      if (fp8) v = std::min(448.f, std::max(-448.f, v));  // saturate (layers/mla.py to_cache)
+      if (fp8) v = std::min(448.f, std::max(-448.f, v / kv_scale));  // scaled, saturating (layers/mla.py to_cache)
       cache[rows[i] * width + j] = T(v);
     }
 }
@@ -283,10 +283,12 @@ at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_st
 }
 
 // w: q_a, q_a_layernorm, q_b (or q_proj, empty, empty), kv_a_proj_with_mqa, kv_a_layernorm,
-// kv_b, g_proj (or empty), o_proj. Writes the rows' latents at cache_rows, then attends.
+// kv_b, g_proj (or empty), o_proj. Writes the rows' latents at cache_rows, then attends. An fp8
+// cache with a scale (forward/cache.py) holds latent / kv_scale: attention is linear in the rows,
+// so the softmax scale and the mixed output take kv_scale (1.0: unit scale, every other dtype).
 at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, at::Tensor cache_rows,
                      at::Tensor table, at::Tensor seq, at::Tensor pos, int64_t block, double scale, int64_t heads,
-                     int64_t nope, int64_t kv_lora, double norm_eps) {
+                     int64_t nope, int64_t kv_lora, double norm_eps, double kv_scale) {
   using namespace k3k;
   TORCH_CHECK(w.size() == 8, "mla_block takes 8 weights, got ", w.size());
   check_i64(cache_rows, "cache_rows");
@@ -312,15 +314,20 @@ at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, 
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(rows[i] >= 0 && rows[i] < cache.size(0), "cache row ", rows[i], " outside the cache");
   switch (cache.scalar_type()) {
-    case at::kFloat: write_rows(lat, R, width, rows, cache.data_ptr<float>(), false); break;
-    case at::kBFloat16: write_rows(lat, R, width, rows, cache.data_ptr<at::BFloat16>(), false); break;
-    case at::kFloat8_e4m3fn: write_rows(lat, R, width, rows, cache.data_ptr<c10::Float8_e4m3fn>(), true); break;
+    case at::kFloat: write_rows(lat, R, width, rows, cache.data_ptr<float>(), false, 1.f); break;
+    case at::kBFloat16: write_rows(lat, R, width, rows, cache.data_ptr<at::BFloat16>(), false, 1.f); break;
+    case at::kFloat8_e4m3fn:
+      write_rows(lat, R, width, rows, cache.data_ptr<c10::Float8_e4m3fn>(), true, float(kv_scale));
+      break;
     default: TORCH_CHECK(false, "latent cache dtype ", cache.scalar_type(), " is not supported");
   }
   at::Tensor qt = at::from_blob(q.data(), {R, heads, qdim / heads}, x.options().dtype(at::kFloat));
-  at::Tensor att = mla_decode(qt, nope, cache, w[5].view({heads, -1, kv_lora}), table, seq, pos, block, scale);
+  at::Tensor att =
+      mla_decode(qt, nope, cache, w[5].view({heads, -1, kv_lora}), table, seq, pos, block, scale * kv_scale);
   const int64_t hv = att.size(1) * att.size(2);
   Buf o(att.data_ptr<float>(), att.data_ptr<float>() + R * hv), out(R * d);
+  if (kv_scale != 1.0)
+    for (auto& v : o) v *= float(kv_scale);
   if (gdim) {
     TORCH_CHECK(gdim == hv, "g_proj has ", gdim, " rows, the heads' output ", hv);
     for (int64_t i = 0; i < R * hv; ++i) o[i] *= sigmoid(g[i]);

@@ -126,7 +126,7 @@ class DecodeStack {
         return kda_block(a, l.attn, state[i][0], state[i][1], slots, starts, l.attn_f[0], l.attn_f[1],
                          opt(record[i]), opt(record[i] ? record[i] + 1 : nullptr));
       return mla_block(a, l.attn, state[i][0], cache_rows, table, seq, pos, block, l.attn_f[0], l.attn_i[0],
-                       l.attn_i[1], l.attn_i[2], l.attn_f[1]);
+                       l.attn_i[1], l.attn_i[2], l.attn_f[1], 1.0);  // a scaled cache runs layer by layer
     };
     std::vector<at::Tensor> out(1 + capture.size());
     const auto tap = [&](int64_t i, const at::Tensor& t) {

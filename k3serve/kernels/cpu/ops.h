@@ -55,7 +55,7 @@ at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_st
                      c10::optional<at::Tensor> rec_buf, c10::optional<at::Tensor> conv_buf);
 at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, at::Tensor cache_rows,
                      at::Tensor table, at::Tensor seq, at::Tensor pos, int64_t block, double scale, int64_t heads,
-                     int64_t nope, int64_t kv_lora, double norm_eps);
+                     int64_t nope, int64_t kv_lora, double norm_eps, double kv_scale);
 at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int64_t topk, bool use_sigmoid,
                      bool renorm, double scaling, int64_t groups, int64_t keep, int64_t act, double beta,
                      double linear_beta, double eps);
