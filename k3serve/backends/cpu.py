@@ -309,7 +309,7 @@ class CpuKernels(Backend):
     def moe(self, layer, x):
         if not self.takes(x) or x.dtype not in _DTYPES:
             return super().moe(layer, x)
-        if layer.w1.fmt == "nvfp4" or layer.a8:  # the block kernels take neither: the grouped kernels
+        if not _block_experts(layer):  # the grouped kernels, the layer's torch around them
             if layer.ep is None and layer.tp.size == 1:
                 return layer.single_rank(x, partial(self._grouped_experts, layer), lambda x: self.moe_route(layer, x))
             return super().moe(layer, x)  # TP / EP: the layer's route, this backend's pieces
@@ -329,8 +329,7 @@ class CpuKernels(Backend):
         return (
             layer.ep is None
             and layer.tp.size == 1
-            and layer.w1.fmt != "nvfp4"  # the block kernels read MXFP4 or dense; NVFP4 the grouped kernel
-            and not layer.a8  # nor round their inputs through MXFP8
+            and _block_experts(layer)
             and self.takes(x)
             and x.dtype in _DTYPES
             and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts())
@@ -360,7 +359,7 @@ class CpuKernels(Backend):
     def moe_experts(self, layer, z, ids, weights):
         """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or
         dense); off the fast path, torch with packed MXFP4 through the grouped kernels."""
-        if not (self.takes(z) and z.dtype in _DTYPES) or layer.w1.fmt == "nvfp4" or layer.a8:
+        if not (self.takes(z) and z.dtype in _DTYPES) or not _block_experts(layer):
             return self._grouped_experts(layer, z, ids, weights)
         ws = self.moe_weights(layer)[5:11]  # the experts in the form moe_block takes them (the same bits)
         beta, linear_beta = layer.situ or (0.0, 0.0)
@@ -484,7 +483,7 @@ class CpuKernels(Backend):
             attn_w = self.mla_weights(attn) if mla else self.kda_weights(attn)
             attn_i, attn_f = self.mla_scalars(attn) if mla else self.kda_scalars(attn)
             moe = getattr(layer, "block_sparse_moe", None)
-            if moe is not None and (moe.ep is not None or moe.tp.size > 1 or moe.w1.fmt == "nvfp4" or moe.a8):
+            if moe is not None and (moe.ep is not None or moe.tp.size > 1 or not _block_experts(moe)):
                 return None
             ffn = self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
@@ -545,3 +544,9 @@ class CpuKernels(Backend):
 
 def _lower_bound(layer) -> float:
     return float("nan") if layer.lower_bound is None else float(layer.lower_bound)
+
+
+def _block_experts(layer) -> bool:
+    """Whether the block and decode-stack kernels take the MoE layer's experts: MXFP4 or dense,
+    inputs in the model dtype. NVFP4 experts and MXFP8 inputs run through the grouped kernels."""
+    return layer.w1.fmt != "nvfp4" and not layer.a8

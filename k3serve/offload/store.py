@@ -314,24 +314,32 @@ class PrefixTiers:
 
     def store(self, cache, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
         """Copy what the pools published this step into host memory (and queue it for the disk)."""
-        new = []
+        new, held = [], set()  # entries this call adds: not in a tier yet, each key once
+
+        def fresh(key: Key) -> bool:
+            if key in held or self.index.where(key) is not None:
+                return False
+            held.add(key)
+            return True
+
         for h, block in blocks:
-            rows = slice(block * self.bs, (block + 1) * self.bs)
-            new.append((("block", h), {f"latent.{l}": cache.latent[l][rows] for l in self.mla}))
+            if fresh(("block", h)):
+                rows = slice(block * self.bs, (block + 1) * self.bs)
+                new.append((("block", h), {f"latent.{l}": cache.latent[l][rows] for l in self.mla}))
         for h, slot in states:
+            if not fresh(("state", h)):
+                continue
             entry = {
                 **{f"recurrent.{l}": cache.recurrent[l][slot] for l in self.kda},
                 **{f"conv.{l}": cache.conv[l][slot] for l in self.kda},
             }
-            if self.workers is not None and self.index.where(("state", h)) is None:  # the other ranks' heads
+            if self.workers is not None:  # the other ranks' heads
                 for r, (rec, conv) in enumerate(self.workers.call("read_state", slot), start=1):
                     entry.update({f"recurrent.{l}.r{r}": rec[l] for l in self.kda})
                     entry.update({f"conv.{l}.r{r}": conv[l] for l in self.kda})
             new.append((("state", h), entry))
         packs: dict = {}  # this call's blocks in one pack, each state in its own
         for key, views in new:
-            if self.index.where(key) is not None:
-                continue
             if self.pin:
                 host = {
                     n: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)

@@ -68,9 +68,8 @@ def resolve_model(
         RevisionNotFoundError,
     )
 
-    # the variables are read per call (huggingface_hub reads them once, at its import)
-    cache = download_dir or os.environ.get("HF_HUB_CACHE") or None
-    kw = dict(revision=revision, cache_dir=cache, token=token, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    kw = _hub_kw(revision, token, download_dir)
+    cache = kw["cache_dir"]
     try:
         return _fetch(model, kw, draft, config_only, local=True)  # a cached snapshot: no network
     except (LocalEntryNotFoundError, _Incomplete, EntryNotFoundError) as e:
@@ -94,6 +93,12 @@ def resolve_model(
         raise ModelSourceError(
             f"model {model!r}: download failed ({type(e).__name__}: {e}); HF_HUB_OFFLINE=1 reads the cache only"
         ) from None
+
+
+def _hub_kw(revision: str | None, token: str | None, download_dir: str | None = None) -> dict:
+    """huggingface_hub's arguments; its variables read per call (it reads them once, at import)."""
+    cache = download_dir or os.environ.get("HF_HUB_CACHE") or None
+    return dict(revision=revision, cache_dir=cache, token=token, endpoint=os.environ.get("HF_ENDPOINT") or None)
 
 
 class _Incomplete(Exception):
@@ -134,13 +139,7 @@ def resolve_tokenizer(repo: str, revision: str | None = None, token: str | None 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    kw = dict(
-        revision=revision,
-        token=token,
-        allow_patterns=list(TOKENIZER_FILES),
-        cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # read per call, as resolve_model does
-        endpoint=os.environ.get("HF_ENDPOINT") or None,
-    )
+    kw = dict(_hub_kw(revision, token), allow_patterns=list(TOKENIZER_FILES))
     try:
         return snapshot_download(repo, local_files_only=True, **kw)
     except LocalEntryNotFoundError:

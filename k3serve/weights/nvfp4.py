@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.weights.mxfp4 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
+from k3serve.weights.mxfp4 import E2M1_MAX, _luts, e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
 
 GROUP = 16
 E4M3_MAX = 448.0
@@ -75,8 +75,8 @@ def dequantize_nvfp4(
 def decode_nvfp4(packed: torch.Tensor, scale: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Fast dequant of [M, out, in/2] codes with [M, out, in/16] scale bytes through the matrices'
     tables [M, 256] (`scale_tables`): float32 products, then `dtype` (the reference's values)."""
-    pair = e2m1_decode(unpack_nibbles(torch.arange(256, dtype=torch.uint8, device=packed.device)[:, None]))
-    vals = pair.float()[packed.to(torch.int64)]  # [M, out, in/2, 2]
+    pair, _ = _luts(packed.device, torch.float32)  # byte -> (low, high) E2M1 values, cached (mxfp4.py)
+    vals = pair[packed.to(torch.int64)]  # [M, out, in/2, 2]
     M = packed.shape[0]
     factor = tables.gather(1, scale.reshape(M, -1).to(torch.int64)).view(scale.shape)  # [M, out, in/16]
     return (vals.view(*packed.shape[:-1], -1, GROUP) * factor.unsqueeze(-1)).view(*packed.shape[:-1], -1).to(dtype)
