@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from k3serve.backends import Backend
+from k3serve.kernels.packs import GluPack, KdaPack, MlaPack, MoePack
 from k3serve.layers.common import kernel_experts, kernel_matrix
 from k3serve.layers.gemm import SMALL_M
 from k3serve.layers.experts import experts_forward
@@ -29,8 +30,6 @@ from k3serve.layers.mla import MLA_NORM_EPS, to_cache
 from k3serve.layers.moe import DENSE_KERNEL_ROWS
 
 _DTYPES = (torch.float32, torch.bfloat16)  # what the compiled kernels read
-
-_NONE = torch.empty(0)  # an absent weight, for the block kernels
 
 
 class CpuKernels(Backend):
@@ -70,35 +69,30 @@ class CpuKernels(Backend):
             y[rows] = y_rows
         return layer.o_proj(y.to(x.dtype))
 
-    def kda_weights(self, layer) -> list[torch.Tensor]:
-        """kda_block's 15 weights (kernels/cpu/blocks.cpp), built once; with kda_scalars, what
-        the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
+    def kda_weights(self, layer) -> KdaPack:
+        """kda_block's weights (kernels/packs.py), built once; with kda_scalars, what the decode
+        stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
         pack = self._packs.get(layer)
         if pack is None:
-            g = (
-                [layer.g_proj.weight, _NONE]
-                if hasattr(layer, "g_proj")
-                else [layer.g_a_proj.weight, layer.g_b_proj.weight]
+            mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731 - the projections in kernel form
+            low_rank = not hasattr(layer, "g_proj")
+            pack = self._packs[layer] = KdaPack(
+                q_proj=mat(layer.q_proj.weight),
+                k_proj=mat(layer.k_proj.weight),
+                v_proj=mat(layer.v_proj.weight),
+                f_a_proj=mat(layer.f_a_proj.weight),
+                f_b_proj=mat(layer.f_b_proj.weight),
+                b_proj=mat(layer.b_proj.weight),
+                g_proj=mat(layer.g_a_proj.weight if low_rank else layer.g_proj.weight),
+                g_b_proj=mat(layer.g_b_proj.weight) if low_rank else None,
+                o_proj=mat(layer.o_proj.weight),
+                q_conv=layer.q_conv1d.weight,
+                k_conv=layer.k_conv1d.weight,
+                v_conv=layer.v_conv1d.weight,
+                dt_bias=layer.dt_bias,
+                a_log=layer.A_log,
+                o_norm=layer.o_norm.weight,
             )
-            proj = [
-                layer.q_proj.weight,
-                layer.k_proj.weight,
-                layer.v_proj.weight,
-                layer.f_a_proj.weight,
-                layer.f_b_proj.weight,
-                layer.b_proj.weight,
-                *g,
-                layer.o_proj.weight,
-            ]
-            pack = self._packs[layer] = [
-                *(kernel_matrix(w, self.kernels) for w in proj),
-                layer.q_conv1d.weight,
-                layer.k_conv1d.weight,
-                layer.v_conv1d.weight,
-                layer.dt_bias,
-                layer.A_log,
-                layer.o_norm.weight,
-            ]
         return pack
 
     @staticmethod
@@ -112,7 +106,7 @@ class CpuKernels(Backend):
         bufs = self.kda_records(layer, batch, rec, conv)
         y = self.kernels.kda_block(
             x if step.identity else x[step.rows],
-            self.kda_weights(layer),
+            *self.kda_weights(layer).args,
             conv,
             rec,
             step.slots,
@@ -231,26 +225,24 @@ class CpuKernels(Backend):
         layer.attend_rest(q, latent, batch, store, out, done=set(step.seqs), kv_scale=kv_scale)  # prefill chunks
         return layer.output(out, x)
 
-    def mla_weights(self, layer) -> list[torch.Tensor]:
-        """mla_block's 8 weights (kernels/cpu/blocks.cpp), built once; with mla_scalars, what
-        the decode stack takes for this layer."""
+    def mla_weights(self, layer) -> MlaPack:
+        """mla_block's weights (kernels/packs.py), built once; with mla_scalars, what the decode
+        stack takes for this layer."""
         pack = self._packs.get(layer)
         if pack is None:
             m = layer.cfg
             mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731 - the projections; norms and kv_b as they are
-            q = (
-                [mat(layer.q_a_proj.weight), layer.q_a_layernorm.weight, mat(layer.q_b_proj.weight)]
-                if m.q_lora_rank is not None
-                else [mat(layer.q_proj.weight), _NONE, _NONE]
+            lora = m.q_lora_rank is not None
+            pack = self._packs[layer] = MlaPack(
+                q_a_proj=mat(layer.q_a_proj.weight if lora else layer.q_proj.weight),
+                q_a_norm=layer.q_a_layernorm.weight if lora else None,
+                q_b_proj=mat(layer.q_b_proj.weight) if lora else None,
+                kv_a_proj=mat(layer.kv_a_proj_with_mqa.weight),
+                kv_a_norm=layer.kv_a_layernorm.weight,
+                kv_b_proj=layer.kv_b_proj.weight,
+                g_proj=mat(layer.g_proj.weight) if m.use_output_gate else None,
+                o_proj=mat(layer.o_proj.weight),
             )
-            pack = self._packs[layer] = [
-                *q,
-                mat(layer.kv_a_proj_with_mqa.weight),
-                layer.kv_a_layernorm.weight,
-                layer.kv_b_proj.weight,
-                mat(layer.g_proj.weight) if m.use_output_gate else _NONE,
-                mat(layer.o_proj.weight),
-            ]
         return pack
 
     @staticmethod
@@ -264,7 +256,7 @@ class CpuKernels(Backend):
         m, step = layer.cfg, batch.step
         y = self.kernels.mla_block(
             x if step.identity else x[step.rows],
-            self.mla_weights(layer),
+            *self.mla_weights(layer).args,
             cache.latent[layer.layer_idx],
             step.cache_rows,
             step.table,
@@ -290,19 +282,18 @@ class CpuKernels(Backend):
         """Three GEMVs and the GLU in C++ (dense layer 0, shared experts)."""
         if not (self.takes(x) and x.dtype in _DTYPES):
             return layer.reference(x)
-        k = self.kernels
-        gate, up, down = self.glu_weights(layer)
+        k, w = self.kernels, self.glu_weights(layer)
         (act,), (beta, linear_beta) = layer.block_scalars()
-        return k.linear(k.glu(k.linear(x, gate), k.linear(x, up), act, beta, linear_beta), down)
+        return k.linear(k.glu(k.linear(x, w.gate), k.linear(x, w.up), act, beta, linear_beta), w.down)
 
-    def glu_weights(self, layer) -> list[torch.Tensor]:
+    def glu_weights(self, layer) -> GluPack:
         """gate, up, down in the kernels' form (layers/common.py kernel_matrix), built once."""
         pack = self._packs.get(layer)
         if pack is None:
-            pack = self._packs[layer] = [
-                kernel_matrix(w, self.kernels)
-                for w in (layer.gate_proj.weight, layer.up_proj.weight, layer.down_proj.weight)
-            ]
+            mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731
+            pack = self._packs[layer] = GluPack(
+                gate=mat(layer.gate_proj.weight), up=mat(layer.up_proj.weight), down=mat(layer.down_proj.weight)
+            )
         return pack
 
     # ---- the MoE block ---------------------------------------------------------------------
@@ -361,13 +352,18 @@ class CpuKernels(Backend):
         dense); off the fast path, torch with packed MXFP4 through the grouped kernels."""
         if not (self.takes(z) and z.dtype in _DTYPES) or not _block_experts(layer):
             return self._grouped_experts(layer, z, ids, weights)
-        ws = self.moe_weights(layer)[5:11]  # the experts in the form moe_block takes them (the same bits)
+        w = self.moe_weights(layer)  # the experts in the form moe_block takes them (the same bits)
         beta, linear_beta = layer.situ or (0.0, 0.0)
         return self.kernels.moe_experts(
             z.float().contiguous(),
             ids.contiguous(),
             weights.contiguous(),
-            *ws,
+            w.w1,
+            w.w1_scale,
+            w.w3,
+            w.w3_scale,
+            w.w2,
+            w.w2_scale,
             int(layer.situ is not None),
             beta,
             linear_beta,
@@ -380,27 +376,35 @@ class CpuKernels(Backend):
             z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act, layer.a8, kernels=self.kernels
         )
 
-    def moe_weights(self, layer) -> list:
-        """moe_block's 14 weights (None where absent), built once; with layer.block_scalars, what
-        the decode stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
+    def moe_weights(self, layer) -> MoePack:
+        """moe_block's weights (kernels/packs.py, None where absent), built once; with
+        layer.block_scalars, what the decode stack (kernels/cpu/decode_stack.cpp) takes for it."""
         pack = self._packs.get(layer)
         if pack is None:
             m = layer.cfg
             latent = m.latent_size is not None
-            experts = []
-            for w in (layer.w1, layer.w3, layer.w2):
-                experts += kernel_experts(w, self.kernels, layer.gate.weight.dtype == torch.float32)
-            shared = self.glu_weights(layer.shared_experts) if m.num_shared_experts else [None] * 3
+            fp32 = layer.gate.weight.dtype == torch.float32
+            (w1, w1_scale), (w3, w3_scale), (w2, w2_scale) = (
+                kernel_experts(w, self.kernels, fp32) for w in (layer.w1, layer.w3, layer.w2)
+            )
+            shared = self.glu_weights(layer.shared_experts) if m.num_shared_experts else None
             mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731
-            pack = self._packs[layer] = [
-                layer.gate.weight,
-                layer.gate.e_score_correction_bias,
-                mat(layer.routed_expert_down_proj.weight) if latent else None,
-                layer.routed_expert_norm.weight if latent and m.latent_use_norm else None,
-                mat(layer.routed_expert_up_proj.weight) if latent else None,
-                *experts,
-                *shared,
-            ]
+            pack = self._packs[layer] = MoePack(
+                gate=layer.gate.weight,
+                score_bias=layer.gate.e_score_correction_bias,
+                latent_down=mat(layer.routed_expert_down_proj.weight) if latent else None,
+                latent_norm=layer.routed_expert_norm.weight if latent and m.latent_use_norm else None,
+                latent_up=mat(layer.routed_expert_up_proj.weight) if latent else None,
+                w1=w1,
+                w1_scale=w1_scale,
+                w3=w3,
+                w3_scale=w3_scale,
+                w2=w2,
+                w2_scale=w2_scale,
+                shared_gate=shared.gate if shared else None,
+                shared_up=shared.up if shared else None,
+                shared_down=shared.down if shared else None,
+            )
         return pack
 
     def _moe_block(self, layer, x):
@@ -408,7 +412,7 @@ class CpuKernels(Backend):
         call (kernels/cpu/blocks.cpp moe_block), for any number of rows."""
         ints, floats = layer.block_scalars()
         return self.kernels.moe_block(
-            x, self.moe_weights(layer), ints[0], bool(ints[1]), bool(ints[2]), floats[0], *ints[3:], *floats[1:]
+            x, *self.moe_weights(layer).args, ints[0], bool(ints[1]), bool(ints[2]), floats[0], *ints[3:], *floats[1:]
         )
 
     # ---- the model around the layers --------------------------------------------------------
@@ -475,17 +479,17 @@ class CpuKernels(Backend):
 
         vectors = self.attnres_vectors(model) if model.cfg.use_attnres else []
         stack = self.kernels.DecodeStack(
-            model.cfg.rms_norm_eps, model.cfg.attn_res_block_size if vectors else 1, vectors
+            model.cfg.rms_norm_eps, model.cfg.attn_res_block_size if vectors else 1, vectors, model.norm.weight
         )
         for layer in model.layers:
             attn = layer.self_attn
             mla = not isinstance(attn, KimiDeltaAttention)
-            attn_w = self.mla_weights(attn) if mla else self.kda_weights(attn)
+            attn_w = (self.mla_weights(attn) if mla else self.kda_weights(attn)).stack_args(empty_for_none=True)
             attn_i, attn_f = self.mla_scalars(attn) if mla else self.kda_scalars(attn)
             moe = getattr(layer, "block_sparse_moe", None)
             if moe is not None and (moe.ep is not None or moe.tp.size > 1 or not _block_experts(moe)):
                 return None
-            ffn = self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)
+            ffn = (self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)).stack_args(False)
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
             stack.add_layer(
                 int(mla),
@@ -502,7 +506,8 @@ class CpuKernels(Backend):
         return stack
 
     def run_stack(self, model, stack, h, batch, cache, capture):
-        """One DecodeStack call; a verify pass's KDA records are allocated and kept as each KDA
+        """One DecodeStack call -> the final hidden states (the model's last norm applied, as
+        KimiModel.forward's other paths return them); a verify pass's KDA records are allocated and kept as each KDA
         block does, the tap layers' outputs land in `capture`."""
         from k3serve.layers.kda import KimiDeltaAttention
 

@@ -35,6 +35,49 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+# the torch.library ops cpu/registry.cpp defines (the rest of the module is plain bindings)
+OPS = (
+    "rms_norm",
+    "linear",
+    "glu",
+    "attnres_mix",
+    "mxfp4_grouped_matmul",
+    "nvfp4_grouped_matmul",
+    "kda_decode",
+    "kda_rollback",
+    "mla_decode",
+    "moe_route",
+    "moe_experts",
+    "kda_block",
+    "mla_block",
+    "moe_block",
+    "dspark_forward",
+    "dspark_greedy",
+    "dspark_draft",
+)
+
+
+class KernelLib:
+    """The built CPU kernels. Each op of cpu/registry.cpp is an attribute holding its
+    torch.library overload (`torch.ops.<namespace>.<op>.default`: schema, fake, one node to
+    torch.compile); DecodeStack, the panel forms, `simd` and the shared-memory collectives come
+    from the module's bindings (cpu/module.cpp)."""
+
+    def __init__(self, module, namespace: str):
+        import torch
+
+        from k3serve.kernels import fakes
+
+        self.module, self.namespace = module, namespace
+        ops = getattr(torch.ops, namespace)
+        fakes.register(namespace)
+        for name in OPS:
+            setattr(self, name, getattr(ops, name).default)
+        for name in dir(module):
+            if not name.startswith("_"):
+                setattr(self, name, getattr(module, name))
+
+
 def get(mode: str = "auto"):
     """The compiled kernel module for `mode` ("auto": if it builds; "cpp": or raise; "torch": None)."""
     if mode not in MODES:
@@ -119,6 +162,7 @@ def _build():
                 verbose=False,
                 build_directory=str(directory),
                 extra_cflags=[
+                    f"-DK3K_NS={name}",  # the ops' namespace (cpu/registry.cpp): one per ISA build
                     "-O3",
                     f"-march={arch}",
                     "-fopenmp",
@@ -127,7 +171,7 @@ def _build():
                 ],
                 extra_ldflags=["-fopenmp"],
             )
-        return module, None
+        return KernelLib(module, name), None
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, an unknown ISA: use torch
         log.warning(
             "CPU kernels unavailable (%s: %s); using the torch reference paths",

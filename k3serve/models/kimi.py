@@ -79,7 +79,7 @@ class KimiModel(nn.Module):
         # the stack's MLA blocks write fp8 rows at unit scale: a cache with scales runs layer by layer
         stack = self.backend.decode_stack(self, batch, h) if cache.latent_scale is None else None
         if stack is not None:  # a decode / verify step: the whole stack in one compiled call
-            return self.norm(self.backend.run_stack(self, stack, h, batch, cache, capture))
+            return self.backend.run_stack(self, stack, h, batch, cache, capture)  # the last norm inside
         if not self.cfg.use_attnres:
             for i, layer in enumerate(self.layers):
                 h = h + layer.attn(h, batch, cache)

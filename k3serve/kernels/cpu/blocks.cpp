@@ -8,6 +8,7 @@
 // compared in tests/model/test_block_kernels.py.
 #include "common.h"
 #include "ops.h"
+#include "packs.h"
 #include "panels.h"
 #include "simd.h"
 
@@ -221,20 +222,18 @@ at::Tensor glu_act(at::Tensor gate, at::Tensor up, int64_t act, double beta, dou
   return as_tensor(g, gate.size(0), gate.size(1), gate);
 }
 
-// w: q, k, v, f_a, f_b, b, g (or g_a), g_b (or empty), o_proj, q/k/v conv [P, 1, K] x3,
-// dt_bias, A_log, o_norm. x [R, d] are the normed rows in step order.
-at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_state, at::Tensor rec_state,
+// w: the layer's weights (packs.h KdaWeights). x [R, d] are the normed rows in step order.
+at::Tensor kda_block(at::Tensor x, const k3k::KdaWeights& w, at::Tensor conv_state, at::Tensor rec_state,
                      at::Tensor slots, at::Tensor starts, double lower_bound, double eps,
                      c10::optional<at::Tensor> rec_buf, c10::optional<at::Tensor> conv_buf) {
   using namespace k3k;
-  TORCH_CHECK(w.size() == 15, "kda_block takes 15 weights, got ", w.size());
   check_f32(conv_state, "conv_state", 3);
   check_f32(rec_state, "rec_state", 4);
   check_i64(slots, "slots");
   check_i64(starts, "starts");
   const int64_t R = x.size(0), d = x.size(1), H = rec_state.size(1), D = rec_state.size(2), P = H * D;
-  const int64_t K = conv_state.size(1) + 1, S = slots.size(0), Da = out_features(w[3]);
-  TORCH_CHECK(out_features(w[0]) == P && in_features(w[8]) == P && starts.size(0) == S + 1, "kda_block shapes disagree");
+  const int64_t K = conv_state.size(1) + 1, S = slots.size(0), Da = out_features(w.f_a_proj);
+  TORCH_CHECK(out_features(w.q_proj) == P && in_features(w.o_proj) == P && starts.size(0) == S + 1, "kda_block shapes disagree");
   const int64_t* st = starts.data_ptr<int64_t>();
   TORCH_CHECK(st[0] == 0 && st[S] == R, "starts must run from 0 to the rows given");
   int64_t longest = 0;
@@ -248,19 +247,21 @@ at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_st
   const Proj proj{x.scalar_type() == at::kBFloat16};
   Buf xf = floats(x), u(R * 3 * P), fa(R * Da), z(R * P), b(R * H), gate(R * P), y(R * P), out(R * d);
   // every projection of x in one region, then the low-rank second halves
-  const bool low_rank_gate = has(w[7]);
-  Buf ga(low_rank_gate ? R * out_features(w[6]) : 0);
-  proj.many(xf.data(), R, d, {{&w[0], u.data(), 3 * P}, {&w[1], u.data() + P, 3 * P}, {&w[2], u.data() + 2 * P, 3 * P},
-                             {&w[3], fa.data(), Da}, {&w[5], b.data(), H},
-                             low_rank_gate ? Target{&w[6], ga.data(), out_features(w[6])} : Target{&w[6], gate.data(), P}});
-  proj(fa.data(), R, w[4], z.data(), P);
-  if (low_rank_gate) proj(ga.data(), R, w[7], gate.data(), P);
+  const bool low_rank_gate = has(w.g_b_proj);
+  Buf ga(low_rank_gate ? R * out_features(w.g_proj) : 0);
+  proj.many(xf.data(), R, d, {{&w.q_proj, u.data(), 3 * P}, {&w.k_proj, u.data() + P, 3 * P}, {&w.v_proj, u.data() + 2 * P, 3 * P},
+                             {&w.f_a_proj, fa.data(), Da}, {&w.b_proj, b.data(), H},
+                             low_rank_gate ? Target{&w.g_proj, ga.data(), out_features(w.g_proj)} : Target{&w.g_proj, gate.data(), P}});
+  proj(fa.data(), R, w.f_b_proj, z.data(), P);
+  if (low_rank_gate) proj(ga.data(), R, w.g_b_proj, gate.data(), P);
   at::Tensor taps[3], fp32[3];
+  const at::Tensor* conv[3] = {&w.q_conv, &w.k_conv, &w.v_conv};
+  const at::Tensor* fp32_in[3] = {&w.dt_bias, &w.a_log, &w.o_norm};
   for (int part = 0; part < 3; ++part) {
-    taps[part] = w[9 + part].to(at::kFloat).contiguous();
+    taps[part] = conv[part]->to(at::kFloat).contiguous();
     TORCH_CHECK(taps[part].numel() == P * K, "conv taps must be [P, 1, K]");
   }
-  for (int j = 0; j < 3; ++j) fp32[j] = w[12 + j].to(at::kFloat).contiguous();
+  for (int j = 0; j < 3; ++j) fp32[j] = fp32_in[j]->to(at::kFloat).contiguous();
   TORCH_CHECK(fp32[0].numel() == P && fp32[1].numel() == H && fp32[2].numel() == D, "dt_bias [P], A_log [H], o_norm [D]");
   KdaRows a{};
   a.u = u.data(), a.ldu = 3 * P, a.z = z.data(), a.ldz = P, a.b = b.data(), a.ldb = H, a.gate = gate.data(), a.ldg = P;
@@ -278,37 +279,35 @@ at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_st
   }
   kda_rows(a);
   for (auto& v : y) v = proj.r(v);  // o.to(x.dtype) before o_proj
-  proj(y.data(), R, w[8], out.data(), d);
+  proj(y.data(), R, w.o_proj, out.data(), d);
   return as_tensor(out, R, d, x);
 }
 
-// w: q_a, q_a_layernorm, q_b (or q_proj, empty, empty), kv_a_proj_with_mqa, kv_a_layernorm,
-// kv_b, g_proj (or empty), o_proj. Writes the rows' latents at cache_rows, then attends. An fp8
+// w: the layer's weights (packs.h MlaWeights). Writes the rows' latents at cache_rows, then attends. An fp8
 // cache with a scale (forward/cache.py) holds latent / kv_scale: attention is linear in the rows,
 // so the softmax scale and the mixed output take kv_scale (1.0: unit scale, every other dtype).
-at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, at::Tensor cache_rows,
+at::Tensor mla_block(at::Tensor x, const k3k::MlaWeights& w, at::Tensor cache, at::Tensor cache_rows,
                      at::Tensor table, at::Tensor seq, at::Tensor pos, int64_t block, double scale, int64_t heads,
                      int64_t nope, int64_t kv_lora, double norm_eps, double kv_scale) {
   using namespace k3k;
-  TORCH_CHECK(w.size() == 8, "mla_block takes 8 weights, got ", w.size());
   check_i64(cache_rows, "cache_rows");
   TORCH_CHECK(cache.dim() == 2 && cache.is_contiguous(), "cache must be [rows, c + r]");
-  const int64_t R = x.size(0), d = x.size(1), width = out_features(w[3]);
-  const int64_t qdim = out_features(has(w[1]) ? w[2] : w[0]);
+  const int64_t R = x.size(0), d = x.size(1), width = out_features(w.kv_a_proj);
+  const int64_t qdim = out_features(has(w.q_a_norm) ? w.q_b_proj : w.q_a_proj);
   TORCH_CHECK(cache.size(1) == width && cache_rows.size(0) == R, "latent rows and cache disagree");
   const Proj proj{x.scalar_type() == at::kBFloat16};
-  const int64_t ql = out_features(w[0]), gdim = has(w[6]) ? out_features(w[6]) : 0;
-  Buf xf = floats(x), q(R * qdim), lat(R * width), qa(has(w[1]) ? R * ql : 0), g(R * gdim);
+  const int64_t ql = out_features(w.q_a_proj), gdim = has(w.g_proj) ? out_features(w.g_proj) : 0;
+  Buf xf = floats(x), q(R * qdim), lat(R * width), qa(has(w.q_a_norm) ? R * ql : 0), g(R * gdim);
   // q (or q_a), the latent and the output gate are projections of x: one region
-  std::vector<Target> of_x{{&w[0], has(w[1]) ? qa.data() : q.data(), ql}, {&w[3], lat.data(), width}};
-  if (gdim) of_x.push_back({&w[6], g.data(), gdim});
+  std::vector<Target> of_x{{&w.q_a_proj, has(w.q_a_norm) ? qa.data() : q.data(), ql}, {&w.kv_a_proj, lat.data(), width}};
+  if (gdim) of_x.push_back({&w.g_proj, g.data(), gdim});
   proj.many(xf.data(), R, d, of_x);
-  if (has(w[1])) {
-    const Buf nw = floats(w[1]);
+  if (has(w.q_a_norm)) {
+    const Buf nw = floats(w.q_a_norm);
     for (int64_t i = 0; i < R; ++i) proj.norm(qa.data() + i * ql, ql, nw, float(norm_eps));
-    proj(qa.data(), R, w[2], q.data(), qdim);
+    proj(qa.data(), R, w.q_b_proj, q.data(), qdim);
   }
-  const Buf kvw = floats(w[4]);
+  const Buf kvw = floats(w.kv_a_norm);
   for (int64_t i = 0; i < R; ++i) proj.norm(lat.data() + i * width, kv_lora, kvw, float(norm_eps));
   const int64_t* rows = cache_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i)
@@ -323,7 +322,7 @@ at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, 
   }
   at::Tensor qt = at::from_blob(q.data(), {R, heads, qdim / heads}, x.options().dtype(at::kFloat));
   at::Tensor att =
-      mla_decode(qt, nope, cache, w[5].view({heads, -1, kv_lora}), table, seq, pos, block, scale * kv_scale);
+      mla_decode(qt, nope, cache, w.kv_b_proj.view({heads, -1, kv_lora}), table, seq, pos, block, scale * kv_scale);
   const int64_t hv = att.size(1) * att.size(2);
   Buf o(att.data_ptr<float>(), att.data_ptr<float>() + R * hv), out(R * d);
   if (kv_scale != 1.0)
@@ -333,63 +332,60 @@ at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, 
     for (int64_t i = 0; i < R * hv; ++i) o[i] *= sigmoid(g[i]);
   }
   for (auto& v : o) v = proj.r(v);  // out.to(x.dtype) before o_proj
-  proj(o.data(), R, w[7], out.data(), d);
+  proj(o.data(), R, w.o_proj, out.data(), d);
   return as_tensor(out, R, d, x);
 }
 
-// w: gate weight, score bias, down, routed norm, up (the latent MoE's; None for Kimi-Linear),
-// w1, w1 scale, w3, w3 scale, w2, w2 scale (scales None for dense experts), shared gate, up,
-// down (None without shared experts). x [N, d], any number of rows (torch's GEMM past kSmallM).
-at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int64_t topk, bool use_sigmoid,
+// w: the layer's weights (packs.h MoeWeights). x [N, d], any number of rows (torch's GEMM past kSmallM).
+at::Tensor moe_block(at::Tensor x, const k3k::MoeWeights& w, int64_t topk, bool use_sigmoid,
                      bool renorm, double scaling, int64_t groups, int64_t keep, int64_t act, double beta,
                      double linear_beta, double eps) {
-  TORCH_CHECK(w.size() == 14, "moe_block takes 14 weights, got ", w.size());
   x = x.contiguous();
   const int64_t R = x.size(0), d = x.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto [ids, weights] = moe_route(x, *w[0], *w[1], topk, use_sigmoid, renorm, scaling, groups, keep);
+  auto [ids, weights] = moe_route(x, w.gate, w.score_bias, topk, use_sigmoid, renorm, scaling, groups, keep);
   if (R > kSmallM) {  // prefill-sized: torch's GEMMs for the dense projections
-    at::Tensor z = w[2].has_value() ? k3k::gemm(x, *w[2]) : x;
-    at::Tensor y = moe_experts(z.to(at::kFloat).contiguous(), ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10],
+    at::Tensor z = w.latent_down.has_value() ? k3k::gemm(x, *w.latent_down) : x;
+    at::Tensor y = moe_experts(z.to(at::kFloat).contiguous(), ids, weights, w.w1, w.w1_scale, w.w3, w.w3_scale, w.w2, w.w2_scale,
                                act, beta, linear_beta, bf16).to(x.scalar_type());
-    if (w[2].has_value()) y = k3k::gemm(w[3].has_value() ? rms_norm(y, *w[3], eps) : y, *w[4]);
-    if (w[11].has_value())
-      y = y + k3k::gemm(glu_act(k3k::gemm(x, *w[11]), k3k::gemm(x, *w[12]), act, beta, linear_beta), *w[13]);
+    if (w.latent_down.has_value()) y = k3k::gemm(w.latent_norm.has_value() ? rms_norm(y, *w.latent_norm, eps) : y, *w.latent_up);
+    if (w.shared_gate.has_value())
+      y = y + k3k::gemm(glu_act(k3k::gemm(x, *w.shared_gate), k3k::gemm(x, *w.shared_up), act, beta, linear_beta), *w.shared_down);
     return y;
   }
   const Proj proj{bf16};
   Buf xf = floats(x);
   Buf z;
-  const int64_t L = w[2].has_value() ? k3k::out_features(*w[2]) : d, I = w[11].has_value() ? k3k::out_features(*w[11]) : 0;
+  const int64_t L = w.latent_down.has_value() ? k3k::out_features(*w.latent_down) : d, I = w.shared_gate.has_value() ? k3k::out_features(*w.shared_gate) : 0;
   Buf g(R * I), u(R * I);
   // the latent down projection and the shared experts' gate and up are projections of x: one region
   std::vector<Target> of_x;
-  if (w[2].has_value()) {
+  if (w.latent_down.has_value()) {
     z.resize(R * L);
-    of_x.push_back({&*w[2], z.data(), L});
+    of_x.push_back({&*w.latent_down, z.data(), L});
   } else {
     z = xf;
   }
-  if (I) of_x.insert(of_x.end(), {{&*w[11], g.data(), I}, {&*w[12], u.data(), I}});
+  if (I) of_x.insert(of_x.end(), {{&*w.shared_gate, g.data(), I}, {&*w.shared_up, u.data(), I}});
   if (!of_x.empty()) proj.many(xf.data(), R, d, of_x);
   at::Tensor zt = at::from_blob(z.data(), {R, L}, x.options().dtype(at::kFloat));
-  at::Tensor routed = moe_experts(zt, ids, weights, *w[5], w[6], *w[7], w[8], *w[9], w[10], act, beta, linear_beta,
+  at::Tensor routed = moe_experts(zt, ids, weights, w.w1, w.w1_scale, w.w3, w.w3_scale, w.w2, w.w2_scale, act, beta, linear_beta,
                                   bf16);
   Buf y(routed.data_ptr<float>(), routed.data_ptr<float>() + R * L), out(R * d);
   for (auto& v : y) v = proj.r(v);  // y.to(x.dtype)
-  if (w[2].has_value()) {
-    if (w[3].has_value()) {
-      const Buf nw = floats(*w[3]);
+  if (w.latent_down.has_value()) {
+    if (w.latent_norm.has_value()) {
+      const Buf nw = floats(*w.latent_norm);
       for (int64_t i = 0; i < R; ++i) proj.norm(y.data() + i * L, L, nw, float(eps));
     }
-    proj(y.data(), R, *w[4], out.data(), d);
+    proj(y.data(), R, *w.latent_up, out.data(), d);
   } else {
     out = y;
   }
   if (I) {
     Buf s(R * d);
     k3k::activate_n(act, g.data(), u.data(), g.data(), R * I, float(beta), float(linear_beta), proj.rnd);
-    proj(g.data(), R, *w[13], s.data(), d);
+    proj(g.data(), R, *w.shared_down, s.data(), d);
     for (int64_t i = 0; i < R * d; ++i) out[i] = proj.r(out[i] + s[i]);
   }
   return as_tensor(out, R, d, x);

@@ -16,41 +16,55 @@
 
 namespace {
 
-// One decoder layer's arguments. KDA (attn_kind 0): 15 weights, floats {lower_bound, eps}; its
-// conv and recurrent state come with each step. MLA (1): 8 weights (its latent cache comes with
-// each step), ints {heads, nope, kv_lora},
-// floats {scale, norm_eps}. MoE (ffn_kind 0): moe_block's 14 weights, ints {topk, sigmoid,
-// renorm, groups, keep, act}, floats {scaling, beta, linear_beta, eps}. GLU MLP (1): gate, up,
-// down, ints {act}, floats {beta, linear_beta}.
+// One decoder layer's arguments. KDA (attn_kind 0): its pack (packs.h), floats {lower_bound,
+// eps}; its conv and recurrent state come with each step. MLA (1): its pack (its latent cache
+// comes with each step), ints {heads, nope, kv_lora}, floats {scale, norm_eps}. MoE (ffn_kind
+// 0): its pack, ints {topk, sigmoid, renorm, groups, keep, act}, floats {scaling, beta,
+// linear_beta, eps}. GLU MLP (1): its pack, ints {act}, floats {beta, linear_beta}.
 struct Layer {
   int64_t attn_kind, ffn_kind;
   at::Tensor in_norm, post_norm;
-  std::vector<at::Tensor> attn;
+  k3k::KdaWeights kda;
+  k3k::MlaWeights mla;
+  k3k::MoeWeights moe;
+  k3k::GluWeights glu;
   std::vector<int64_t> attn_i, ffn_i;
   std::vector<double> attn_f, ffn_f;
-  std::vector<c10::optional<at::Tensor>> ffn;
 };
 
 }  // namespace
 
 class DecodeStack {
  public:
-  DecodeStack(double norm_eps, int64_t attnres_block, std::vector<at::Tensor> attnres_vectors)
-      : eps_(norm_eps), block_(attnres_block), vectors_(std::move(attnres_vectors)) {}
+  // final_norm: the model's last RMSNorm, applied to the stack's output here (one call less a step)
+  DecodeStack(double norm_eps, int64_t attnres_block, std::vector<at::Tensor> attnres_vectors, at::Tensor final_norm)
+      : eps_(norm_eps), block_(attnres_block), vectors_(std::move(attnres_vectors)), final_norm_(std::move(final_norm)) {}
 
-  void add_layer(int64_t attn_kind, at::Tensor in_norm, std::vector<at::Tensor> attn, std::vector<int64_t> attn_i, std::vector<double> attn_f, int64_t ffn_kind, at::Tensor post_norm,
+  // attn / ffn: the layer's packs as lists in their schemas' order (packs.h from_list)
+  void add_layer(int64_t attn_kind, at::Tensor in_norm, std::vector<at::Tensor> attn, std::vector<int64_t> attn_i,
+                 std::vector<double> attn_f, int64_t ffn_kind, at::Tensor post_norm,
                  std::vector<c10::optional<at::Tensor>> ffn, std::vector<int64_t> ffn_i, std::vector<double> ffn_f) {
-    TORCH_CHECK(attn_kind == 0 ? attn.size() == 15 && attn_f.size() == 2
-                               : attn.size() == 8 && attn_i.size() == 3 && attn_f.size() == 2,
+    TORCH_CHECK(attn_kind == 0 ? attn_f.size() == 2 : attn_i.size() == 3 && attn_f.size() == 2,
                 "decode stack: bad attention arguments for layer ", layers_.size());
-    TORCH_CHECK(ffn_kind == 0 ? ffn.size() == 14 && ffn_i.size() == 6 && ffn_f.size() == 4
-                              : ffn.size() == 3 && ffn_i.size() == 1 && ffn_f.size() == 2,
+    TORCH_CHECK(ffn_kind == 0 ? ffn_i.size() == 6 && ffn_f.size() == 4 : ffn_i.size() == 1 && ffn_f.size() == 2,
                 "decode stack: bad feed-forward arguments for layer ", layers_.size());
-    for (const auto& t : attn) weight_bytes_ += t.nbytes();
-    for (const auto& t : ffn)
-      if (t) weight_bytes_ += t->nbytes();
-    layers_.push_back({attn_kind, ffn_kind, in_norm, post_norm, std::move(attn), std::move(attn_i),
-                       std::move(ffn_i), std::move(attn_f), std::move(ffn_f), std::move(ffn)});
+    Layer l{attn_kind, ffn_kind, in_norm, post_norm};
+    if (attn_kind == 0) {
+      l.kda = k3k::KdaWeights::from_list(attn);
+      weight_bytes_ += l.kda.nbytes();
+    } else {
+      l.mla = k3k::MlaWeights::from_list(attn);
+      weight_bytes_ += l.mla.nbytes();
+    }
+    if (ffn_kind == 0) {
+      l.moe = k3k::MoeWeights::from_list(ffn);
+      weight_bytes_ += l.moe.nbytes();
+    } else {
+      l.glu = k3k::GluWeights::from_list(ffn);
+      weight_bytes_ += l.glu.nbytes();
+    }
+    l.attn_i = std::move(attn_i), l.ffn_i = std::move(ffn_i), l.attn_f = std::move(attn_f), l.ffn_f = std::move(ffn_f);
+    layers_.push_back(std::move(l));
   }
 
   // h [N, d]: the embedded decode / verify rows, in step order (StepRows.identity). states: each
@@ -58,8 +72,8 @@ class DecodeStack {
   // layer its verify pass's per-position state buffers (recurrent, conv) or two undefined
   // tensors. The step's KDA state slots / row starts and MLA cache rows / block table /
   // sequences / positions, as ForwardBatch carries them. capture: layers whose output hidden
-  // states to return too (a DSpark drafter's taps). Returns [last hidden state before the final
-  // norm, the captured layers' outputs in `capture` order].
+  // states to return too (a DSpark drafter's taps). Returns [the final hidden states (after the
+  // model's last norm), the captured layers' outputs in `capture` order].
   //
   // A pure decode step (one row per sequence, no verify records) of at most k3k::kSmallM rows,
   // of a model whose weights fit in cache, runs row-split: each thread takes a contiguous share
@@ -123,9 +137,9 @@ class DecodeStack {
       const Layer& l = layers_[i];
       const at::Tensor a = rms_norm(x.contiguous(), l.in_norm, eps_);
       if (l.attn_kind == 0)
-        return kda_block(a, l.attn, state[i][0], state[i][1], slots, starts, l.attn_f[0], l.attn_f[1],
+        return kda_block(a, l.kda, state[i][0], state[i][1], slots, starts, l.attn_f[0], l.attn_f[1],
                          opt(record[i]), opt(record[i] ? record[i] + 1 : nullptr));
-      return mla_block(a, l.attn, state[i][0], cache_rows, table, seq, pos, block, l.attn_f[0], l.attn_i[0],
+      return mla_block(a, l.mla, state[i][0], cache_rows, table, seq, pos, block, l.attn_f[0], l.attn_i[0],
                        l.attn_i[1], l.attn_i[2], l.attn_f[1], 1.0);  // a scaled cache runs layer by layer
     };
     std::vector<at::Tensor> out(1 + capture.size());
@@ -139,7 +153,7 @@ class DecodeStack {
         h = h + ffn(layers_[i], h);
         tap(int64_t(i), h);
       }
-      out[0] = h;
+      out[0] = rms_norm(h.contiguous(), final_norm_, eps_);
       return out;
     }
     TORCH_CHECK(vectors_.size() == 2 * layers_.size() + 1, "decode stack: one AttnRes vector per sublayer and the output");
@@ -161,7 +175,7 @@ class DecodeStack {
       h = partial + ffn(layers_[i], attnres_mix(with(partial), vectors_[2 * i + 1], eps_));
       tap(int64_t(i), h);
     }
-    out[0] = attnres_mix(with(h), vectors_.back(), eps_);
+    out[0] = rms_norm(attnres_mix(with(h), vectors_.back(), eps_), final_norm_, eps_);
     return out;
   }
 
@@ -171,8 +185,8 @@ class DecodeStack {
     const auto& i = l.ffn_i;
     const auto& f = l.ffn_f;
     if (l.ffn_kind == 0)
-      return moe_block(m, l.ffn, i[0], i[1] != 0, i[2] != 0, f[0], i[3], i[4], i[5], f[1], f[2], f[3]);
-    return fast_linear(glu_act(fast_linear(m, *l.ffn[0]), fast_linear(m, *l.ffn[1]), i[0], f[0], f[1]), *l.ffn[2]);
+      return moe_block(m, l.moe, i[0], i[1] != 0, i[2] != 0, f[0], i[3], i[4], i[5], f[1], f[2], f[3]);
+    return fast_linear(glu_act(fast_linear(m, l.glu.gate), fast_linear(m, l.glu.up), i[0], f[0], f[1]), l.glu.down);
   }
 
   static constexpr int64_t kMinRowsPerPart = 4;  // fewer rows per thread: not worth a fork/join
@@ -181,12 +195,13 @@ class DecodeStack {
   int64_t block_;
   int64_t weight_bytes_ = 0;
   std::vector<at::Tensor> vectors_;
+  at::Tensor final_norm_;
   std::vector<Layer> layers_;
 };
 
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder stack in one call")
-      .def(pybind11::init<double, int64_t, std::vector<at::Tensor>>())
+      .def(pybind11::init<double, int64_t, std::vector<at::Tensor>, at::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("run", &DecodeStack::run)
       .def("row_parts", &DecodeStack::row_parts);

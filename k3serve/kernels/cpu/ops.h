@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include "packs.h"
+
 #include <tuple>
 #include <vector>
 
@@ -50,13 +52,13 @@ at::Tensor dspark_draft(at::Tensor taps, std::vector<int64_t> last, std::vector<
 at::Tensor attnres_mix(std::vector<at::Tensor> candidates, at::Tensor w, double eps);
 at::Tensor fast_linear(at::Tensor x, at::Tensor w);
 at::Tensor glu_act(at::Tensor gate, at::Tensor up, int64_t act, double beta, double linear_beta);
-at::Tensor kda_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor conv_state, at::Tensor rec_state,
+at::Tensor kda_block(at::Tensor x, const k3k::KdaWeights& w, at::Tensor conv_state, at::Tensor rec_state,
                      at::Tensor slots, at::Tensor starts, double lower_bound, double eps,
                      c10::optional<at::Tensor> rec_buf, c10::optional<at::Tensor> conv_buf);
-at::Tensor mla_block(at::Tensor x, std::vector<at::Tensor> w, at::Tensor cache, at::Tensor cache_rows,
+at::Tensor mla_block(at::Tensor x, const k3k::MlaWeights& w, at::Tensor cache, at::Tensor cache_rows,
                      at::Tensor table, at::Tensor seq, at::Tensor pos, int64_t block, double scale, int64_t heads,
                      int64_t nope, int64_t kv_lora, double norm_eps, double kv_scale);
-at::Tensor moe_block(at::Tensor x, std::vector<c10::optional<at::Tensor>> w, int64_t topk, bool use_sigmoid,
+at::Tensor moe_block(at::Tensor x, const k3k::MoeWeights& w, int64_t topk, bool use_sigmoid,
                      bool renorm, double scaling, int64_t groups, int64_t keep, int64_t act, double beta,
                      double linear_beta, double eps);
 

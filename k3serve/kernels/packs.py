@@ -1,0 +1,96 @@
+"""The block kernels' weights by name (kernels/cpu/packs.h): one frozen dataclass per block,
+its fields the op schema's weight arguments in their order (kernels/cpu/registry.cpp;
+tests/model/test_kernel_ops.py checks the two agree). Built once per layer by the `cpp` backend
+(backends/cpu.py); `args` is what the op takes after its input rows, `stack_args` what the decode
+stack's add_layer takes (absent weights as empty tensors there, for its plain tensor lists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_EMPTY = torch.empty(0)
+
+
+class _Pack:
+    @property
+    def args(self) -> tuple:
+        """The weights in schema order (None where absent)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def stack_args(self, empty_for_none: bool) -> list:
+        return [_EMPTY if (w is None and empty_for_none) else w for w in self.args]
+
+
+@dataclass(frozen=True)
+class KdaPack(_Pack):
+    """A KDA attention block: projections in kernel form (layers/common.py kernel_matrix),
+    g_proj the full gate or the low-rank gate's first half (g_b_proj its second), conv taps
+    [P, 1, K], dt_bias [P], a_log [H], o_norm [D]."""
+
+    q_proj: torch.Tensor
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    f_a_proj: torch.Tensor
+    f_b_proj: torch.Tensor
+    b_proj: torch.Tensor
+    g_proj: torch.Tensor
+    g_b_proj: torch.Tensor | None
+    o_proj: torch.Tensor
+    q_conv: torch.Tensor
+    k_conv: torch.Tensor
+    v_conv: torch.Tensor
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+    o_norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MlaPack(_Pack):
+    """A gated-MLA attention block: q_a_proj is q_proj without a q LoRA (q_a_norm and q_b_proj
+    then None); kv_b_proj as the checkpoint holds it; g_proj None without the output gate."""
+
+    q_a_proj: torch.Tensor
+    q_a_norm: torch.Tensor | None
+    q_b_proj: torch.Tensor | None
+    kv_a_proj: torch.Tensor
+    kv_a_norm: torch.Tensor
+    kv_b_proj: torch.Tensor
+    g_proj: torch.Tensor | None
+    o_proj: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MoePack(_Pack):
+    """A MoE block: router, the latent MoE's down / norm / up (None for Kimi-Linear), routed
+    experts with their E8M0 scales (None when dense or fp32 panels: layers/common.py
+    kernel_experts), shared experts (None without)."""
+
+    gate: torch.Tensor
+    score_bias: torch.Tensor
+    latent_down: torch.Tensor | None
+    latent_norm: torch.Tensor | None
+    latent_up: torch.Tensor | None
+    w1: torch.Tensor
+    w1_scale: torch.Tensor | None
+    w3: torch.Tensor
+    w3_scale: torch.Tensor | None
+    w2: torch.Tensor
+    w2_scale: torch.Tensor | None
+    shared_gate: torch.Tensor | None
+    shared_up: torch.Tensor | None
+    shared_down: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class GluPack(_Pack):
+    """A GLU MLP (dense layers, shared experts): gate, up, down in kernel form."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+# pack -> the op whose schema names its fields (GLU runs as linear / glu / linear: no op of its own)
+PACK_OPS = {KdaPack: "kda_block", MlaPack: "mla_block", MoePack: "moe_block"}
