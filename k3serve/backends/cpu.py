@@ -71,7 +71,7 @@ class CpuKernels(Backend):
 
     def kda_weights(self, layer) -> KdaPack:
         """kda_block's weights (kernels/packs.py), built once; with kda_scalars, what the decode
-        stack (kernels/cpu/decode_stack.cpp) takes for this layer."""
+        stack (kernels/cpu/fused/decode_stack.cpp) takes for this layer."""
         pack = self._packs.get(layer)
         if pack is None:
             mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731 - the projections in kernel form
@@ -119,7 +119,7 @@ class CpuKernels(Backend):
         return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
 
     def _kda_stepwise(self, layer, u, conv_w, z, b, gate, batch, cache) -> torch.Tensor:
-        """Decode and verify rows of a mixed step in one compiled call (kernels/cpu/kda_decode.cpp)."""
+        """Decode and verify rows of a mixed step in one compiled call (kernels/cpu/ops/kda_decode.cpp)."""
         step, i = batch.step, layer.layer_idx
         rec, conv = cache.recurrent[i], cache.conv[i]
         bufs = self.kda_records(layer, batch, rec, conv)
@@ -252,7 +252,7 @@ class CpuKernels(Backend):
 
     def _mla_block(self, layer, x, batch, cache) -> torch.Tensor:
         """Projections, latent norm and cache write, absorbed attention, gate and o_proj in one
-        compiled call (kernels/cpu/blocks.cpp mla_block)."""
+        compiled call (kernels/cpu/fused/blocks.cpp mla_block)."""
         m, step = layer.cfg, batch.step
         y = self.kernels.mla_block(
             x if step.identity else x[step.rows],
@@ -378,7 +378,7 @@ class CpuKernels(Backend):
 
     def moe_weights(self, layer) -> MoePack:
         """moe_block's weights (kernels/packs.py, None where absent), built once; with
-        layer.block_scalars, what the decode stack (kernels/cpu/decode_stack.cpp) takes for it."""
+        layer.block_scalars, what the decode stack (kernels/cpu/fused/decode_stack.cpp) takes for it."""
         pack = self._packs.get(layer)
         if pack is None:
             m = layer.cfg
@@ -409,7 +409,7 @@ class CpuKernels(Backend):
 
     def _moe_block(self, layer, x):
         """Router, routed experts, latent norm / up projection and shared experts in one compiled
-        call (kernels/cpu/blocks.cpp moe_block), for any number of rows."""
+        call (kernels/cpu/fused/blocks.cpp moe_block), for any number of rows."""
         ints, floats = layer.block_scalars()
         return self.kernels.moe_block(
             x, *self.moe_weights(layer).args, ints[0], bool(ints[1]), bool(ints[2]), floats[0], *ints[3:], *floats[1:]
@@ -442,7 +442,7 @@ class CpuKernels(Backend):
         return self.kernels.linear(hidden, head).float()  # torch's bf16 GEMM cost ~90 us for a decode row here
 
     def decode_stack(self, model, batch, h):
-        """The compiled decode stack (kernels/cpu/decode_stack.cpp) when this step is one it
+        """The compiled decode stack (kernels/cpu/fused/decode_stack.cpp) when this step is one it
         runs as the layers would: decode and verify rows only (no media), in step order, every
         block on its block kernel; else None. Built once per model."""
         step = batch.step

@@ -1,4 +1,4 @@
-"""Shared-memory collectives for the tensor-parallel ranks of one host (kernels/cpu/shm_comm.cpp).
+"""Shared-memory collectives for the tensor-parallel ranks of one host (kernels/cpu/comm/shm_comm.cpp).
 
 Gloo over loopback TCP takes ~1.6 ms per small all-reduce on the 2-core dev VM, and a decode
 step makes 13-24 of them; ranks on one machine meet in a shared segment instead (vLLM's CPU

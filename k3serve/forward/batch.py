@@ -17,7 +17,7 @@ import torch
 # A prefill chunk of at most this many tokens runs one position at a time too (a verify pass
 # without records): on CPU the row-wise kernels beat the prefill path's per-layer torch calls at
 # this size (demo model, a 10-token chunk after a prefix hit: ~0.4 ms vs ~3.8 ms). It matches
-# kernels/cpu/common.h kSmallM, the most rows the GEMV-shaped kernels take.
+# kernels/cpu/core/common.h kSmallM, the most rows the GEMV-shaped kernels take.
 SHORT_PREFILL = 16
 
 

@@ -1,6 +1,6 @@
 """CPU kernels where torch is slow (issue 15), built once with torch.utils.cpp_extension.
 
-`get()` compiles `cpu/*.cpp` on first use (about a minute on 2 cores, said in the log) and
+`get()` compiles `cpu/**/*.cpp` on first use (about a minute on 2 cores, said in the log) and
 returns the module, or None with one warning when it cannot be built: every caller then takes
 its plain torch path, which stays beside each kernel as its reference. `--kernels torch`
 (EngineConfig.kernels) asks for the torch path outright; so does K3SERVE_KERNELS=torch for
@@ -29,8 +29,13 @@ from pathlib import Path
 
 log = logging.getLogger("k3serve.kernels")
 MODES = ("auto", "cpp", "torch")
-_SOURCES = sorted(str(p) for p in (Path(__file__).parent / "cpu").glob("*.cpp"))
-_HEADERS = sorted(str(p) for p in (Path(__file__).parent / "cpu").glob("*.h"))
+# cpu/: module.cpp + registry.cpp (the bindings and the op schemas), ops.h + packs.h (the ops'
+# entry points and weight packs), core/ (shared headers: checks, SIMD, panel forms), ops/ (one
+# computation each), fused/ (whole blocks, the decode stack, the drafter), comm/ (shared-memory
+# collectives). Sources include headers by their path under cpu/.
+_CPU = Path(__file__).parent / "cpu"
+_SOURCES = sorted(str(p) for p in _CPU.rglob("*.cpp"))
+_HEADERS = sorted(str(p) for p in _CPU.rglob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -99,7 +104,7 @@ def build_dir(arch: str, install: Path | None = None) -> Path:
     install = (install or Path(__file__).parent).resolve()
     h = hashlib.sha256(str(install).encode())
     for src in _SOURCES + _HEADERS:
-        h.update(Path(src).name.encode() + Path(src).read_bytes())
+        h.update(str(Path(src).relative_to(_CPU)).encode() + Path(src).read_bytes())
     h.update(f"{arch} {torch.__version__} {sys.version_info[:2]}".encode())
     root = os.environ.get("K3SERVE_KERNEL_CACHE") or os.environ.get("TORCH_EXTENSIONS_DIR")
     root = Path(root) if root else Path.home() / ".cache" / "k3serve" / "kernels"
@@ -161,6 +166,7 @@ def _build():
                 sources=_SOURCES,
                 verbose=False,
                 build_directory=str(directory),
+                extra_include_paths=[str(_CPU)],
                 extra_cflags=[
                     f"-DK3K_NS={name}",  # the ops' namespace (cpu/registry.cpp): one per ISA build
                     "-O3",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-PANEL = 16  # kernels/cpu/common.h kPanel
+PANEL = 16  # kernels/cpu/core/common.h kPanel
 
 
 def _out_features(w: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ def linear(out_features: int, in_features: int) -> nn.Linear:
 
 def kernel_matrix(w: torch.Tensor | None, kernels) -> torch.Tensor | None:
     """A projection weight [N, K] in the form the compiled blocks read fastest: panels of 16
-    rows where the build takes them (kernels/cpu/panels.h; fp32: 2.5-6x a row-major GEMV at a
+    rows where the build takes them (kernels/cpu/core/panels.h; fp32: 2.5-6x a row-major GEMV at a
     decode's few rows, bf16 with AVX512-BF16: 1.3-1.7x), else w itself. A copy: the modules
     build it once, in their cached block arguments (reset by use_kernels, after the last load
     or move)."""
@@ -31,7 +31,7 @@ EXPERT_PANEL_BYTES = 1 << 20  # an expert matrix's fp32 form up to this stays in
 def kernel_experts(w, kernels, fp32_model: bool) -> list:
     """One routed-expert matrix (layers/expert_weights.py) as moe_experts takes it: [packed codes,
     E8M0 scales] or [dense, None]; an fp32 model's experts whose fp32 form is at most 1 MB a
-    matrix as fp32 panels [E, O/16, I, 16] and None (kernels/cpu/panels.h expert_panel_form, the
+    matrix as fp32 panels [E, O/16, I, 16] and None (kernels/cpu/core/panels.h expert_panel_form, the
     MXFP4 values exactly: a 4-bit value times a power of two). Cache-resident experts are
     compute bound, and there decoding a 4-bit row for each token it meets cost more than the
     dot (the bundled demo's 5-row verify: ~70 of ~345 us); larger ones stream from memory, where

@@ -6,7 +6,7 @@ product in FP32 with both operands widened per call: 96% of a 400 M model's 512-
 was that matmul. Both forms sum the exact bf16 products in FP32 and round the output to bf16
 once, so they differ only in summation order. `dense` takes the FP32 form for bf16 inputs of
 more than `SMALL_M` rows on such CPUs (smaller ones are GEMV-shaped: the decode kernels' or
-torch's own); the kernels' C++ side (kernels/cpu/common.h `k3k::gemm`) applies the same rule.
+torch's own); the kernels' C++ side (kernels/cpu/core/common.h `k3k::gemm`) applies the same rule.
 
 K3SERVE_BF16_GEMM=native|fp32 forces one form (tests run both on any machine); default auto.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# kernels/cpu/common.h kSmallM: up to it, rows run in GEMV loops (one constant with the short
+# kernels/cpu/core/common.h kSmallM: up to it, rows run in GEMV loops (one constant with the short
 # prefill chunks that run position by position, forward/batch.py)
 from k3serve.forward.batch import SHORT_PREFILL as SMALL_M
 

@@ -112,7 +112,7 @@ class DSparkModel(nn.Module):
         return self.lm_head(self.norm(x))[:, 1:]
 
     def block_logits(self, taps: torch.Tensor, last_token: torch.Tensor, kernels=None) -> torch.Tensor:
-        """forward(), through the compiled kernel (kernels/cpu/dspark.cpp) where `kernels` is
+        """forward(), through the compiled kernel (kernels/cpu/fused/dspark.cpp) where `kernels` is
         given and the draft is fp32 on the CPU: one call instead of ~40 small torch ops."""
         if not self.compiled(taps, kernels):
             return self(taps, last_token)

@@ -29,7 +29,7 @@ def rollback_states(
     """For the j-th speculating sequence: live slot slots[j] <- recorded state at accepted[j];
     accepted[j] = -1 leaves the slot as the pass left it (every draft accepted: its live state is
     the last position's already). With the compiled kernels and CPU
-    states, every layer's copies in one call (kernels/cpu/kda_decode.cpp kda_rollback: ~3 vs
+    states, every layer's copies in one call (kernels/cpu/ops/kda_decode.cpp kda_rollback: ~3 vs
     ~25 us for a single user's 4 KDA layers); the torch copies below are its reference."""
     keep = [j for j, a in enumerate(accepted) if a >= 0]
     layers = list(records)

@@ -1,4 +1,4 @@
-"""The shared-memory collectives (kernels/cpu/shm_comm.cpp via distributed/shm.py), two ranks as
+"""The shared-memory collectives (kernels/cpu/comm/shm_comm.cpp via distributed/shm.py), two ranks as
 threads: sums in rank order with an fp32 accumulator (the same bits on every rank), gathers in
 rank order, many rounds through both buffers, and a clear error for a peer that is gone."""
 

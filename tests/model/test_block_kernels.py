@@ -140,7 +140,7 @@ def test_kernels_match_the_torch_path(model):
 
 
 def test_the_decode_stack_equals_the_layers_bit_for_bit(model):
-    """Decode and verify steps through the compiled decode stack (kernels/cpu/decode_stack.cpp:
+    """Decode and verify steps through the compiled decode stack (kernels/cpu/fused/decode_stack.cpp:
     the whole decoder stack in one call) and through the layers one call each (the stack
     switched off) give identical logits, cache states, verify records and tap-layer outputs:
     the same kernels in the same order. K3 covers Block AttnRes and MXFP4 experts, Kimi-Linear

@@ -454,7 +454,7 @@ def test_linear_equals_a_float64_matmul_on_ragged_shapes(dtype):
 
 
 def test_fp32_panels_equal_a_float64_matmul_on_ragged_shapes():
-    """The fp32 panel form (kernels/cpu/panels.h) through the linear: panel counts leaving 4-,
+    """The fp32 panel form (kernels/cpu/core/panels.h) through the linear: panel counts leaving 4-,
     2- and 1-panel tails after the 8- and 4-panel tiles, every M up to the GEMV limit (6-token
     tiles and each remainder), K off any step, against float64 within 1e-5 relative (one FMA
     chain per output). A row's result does not depend on the other rows (bitwise); past the
@@ -528,7 +528,7 @@ def test_rms_norm_and_attnres_mix_equal_their_torch_forms(dtype):
 
 @pytest.mark.parametrize("act", ["silu", "situ", "situ_plain_up"])
 def test_vector_glu_matches_torch_across_the_whole_range(act):
-    """The GLU kernel's vector exp / tanh / sigmoid (kernels/cpu/simd.h) against torch's, fp32,
+    """The GLU kernel's vector exp / tanh / sigmoid (kernels/cpu/core/simd.h) against torch's, fp32,
     on values from 1e-30 to 1e4 of both signs (the small-|x| tanh series, its switch to e^x - 1,
     the +-1 clamp past 9, exp's clamps), a NaN, and a length that leaves a masked tail."""
     g = torch.Generator().manual_seed(3)

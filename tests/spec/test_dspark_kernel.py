@@ -1,4 +1,4 @@
-"""The DSpark drafter's compiled forward (kernels/cpu/dspark.cpp) against its torch module, and
+"""The DSpark drafter's compiled forward (kernels/cpu/fused/dspark.cpp) against its torch module, and
 the proposer's greedy shortcut against its general path."""
 
 from __future__ import annotations

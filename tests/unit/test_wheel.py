@@ -57,7 +57,9 @@ def test_the_wheel_carries_every_file_the_kernels_include(installed):
     wheel, site = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {n for n in names if n.startswith(KERNELS)}
-    wanted = {KERNELS + p.name for p in (ROOT / KERNELS).iterdir() if p.suffix in (".cpp", ".h")}
+    wanted = {
+        KERNELS + str(p.relative_to(ROOT / KERNELS)) for p in (ROOT / KERNELS).rglob("*") if p.suffix in (".cpp", ".h")
+    }
     assert wanted <= shipped, sorted(wanted - shipped)
     for name in shipped:  # each quoted include resolves inside the wheel
         text = zipfile.ZipFile(wheel).read(name).decode()

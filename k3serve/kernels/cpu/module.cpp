@@ -5,8 +5,8 @@
 #include <torch/extension.h>
 
 #include "ops.h"
-#include "panels.h"
-#include "simd.h"
+#include "core/panels.h"
+#include "core/simd.h"
 
 void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
 

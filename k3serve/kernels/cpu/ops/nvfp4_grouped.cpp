@@ -11,7 +11,7 @@
 // and dotted with each of the expert's tokens in a fixed order (batch invariance). The plain
 // reference is `dequantize_nvfp4` + matmul (k3serve/weights/nvfp4.py), compared in
 // tests/unit/test_nvfp4.py.
-#include "common.h"
+#include "core/common.h"
 
 #include <cstdint>
 #include <vector>

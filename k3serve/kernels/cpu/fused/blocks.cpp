@@ -6,11 +6,11 @@
 // bf16 tensor (every linear's output, norms, the GLU), the KDA/MLA cores in fp32.
 // References: KimiDeltaAttention / GatedMLA / SparseMoE / GluMLP forward (k3serve/layers),
 // compared in tests/model/test_block_kernels.py.
-#include "common.h"
+#include "core/common.h"
 #include "ops.h"
 #include "packs.h"
-#include "panels.h"
-#include "simd.h"
+#include "core/panels.h"
+#include "core/simd.h"
 
 #include <c10/util/Float8_e4m3fn.h>
 

@@ -10,9 +10,9 @@
 // order, independent of which other tokens share the step (batch invariance).
 // References: k3serve/layers/router.py `route`, k3serve/layers/experts.py `experts_forward`
 // (and `experts_reference`), compared in tests/model/test_kernels.py.
-#include "common.h"
-#include "panels.h"
-#include "simd.h"
+#include "core/common.h"
+#include "core/panels.h"
+#include "core/simd.h"
 
 #include <algorithm>
 #include <cstring>

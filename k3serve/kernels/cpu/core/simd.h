@@ -8,7 +8,7 @@
 // result never depends on how many other tokens share the step.
 #pragma once
 
-#include "common.h"
+#include "core/common.h"
 
 #include <algorithm>
 #include <vector>

@@ -9,7 +9,7 @@
 // tests/model/test_block_kernels.py.
 #include <torch/extension.h>
 
-#include "common.h"
+#include "core/common.h"
 #include "ops.h"
 
 #include <vector>

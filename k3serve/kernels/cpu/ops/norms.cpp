@@ -1,7 +1,7 @@
 // RMSNorm and the Attention-Residual depth mix as single calls (issue 15); each replaces the
 // six to ten small torch ops of its reference (k3serve/layers/norm.py `rms_norm`,
 // k3serve/layers/attnres.py `attnres_mix`), which dominate a tiny model's decode step.
-#include "common.h"
+#include "core/common.h"
 
 #include <vector>
 

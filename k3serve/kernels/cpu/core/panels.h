@@ -13,8 +13,8 @@
 // Reference: x @ W^T (torch), compared in tests/model/test_block_kernels.py.
 #pragma once
 
-#include "common.h"
-#include "simd.h"
+#include "core/common.h"
+#include "core/simd.h"
 
 #include <cmath>
 #include <cstring>

@@ -9,9 +9,9 @@
 // state after every row is kept for speculative rollback.
 // References (plain torch, compared in tests/model/test_kernels.py): short_conv_step, kda_step
 // and KimiDeltaAttention._output (k3serve/layers), k3-model-spec.md §3.
-#include "common.h"
+#include "core/common.h"
 #include "ops.h"
-#include "simd.h"
+#include "core/simd.h"
 
 #include <vector>
 

@@ -8,8 +8,8 @@
 // The new rows must already be written (the caller writes them with `to_cache` first), so a
 // verify pass of 1 + k rows sees its own drafts causally. The cache may be fp32, bf16 or fp8
 // e4m3 (read as float). Reference: attend_absorbed / attend_absorbed_batched (k3serve/layers/mla.py).
-#include "common.h"
-#include "simd.h"
+#include "core/common.h"
+#include "core/simd.h"
 
 #include <c10/util/Float8_e4m3fn.h>
 

@@ -11,8 +11,8 @@
 // dot runs in a fixed order, so a token's result does not depend on which other tokens share
 // the step (batch invariance). The plain reference is `dequantize_mxfp4` + matmul
 // (k3serve/weights/mxfp4.py), compared in tests/model/test_kernels.py.
-#include "common.h"
-#include "simd.h"
+#include "core/common.h"
+#include "core/simd.h"
 
 #include <cmath>
 #include <cstdint>

@@ -7,9 +7,9 @@
 //              x += down(SiLU(g) u), [g | u] = gate_up(RMSNorm(x))
 //   logits = lm_head(RMSNorm(x))[:, 1:]  -> [B, k, V]
 // Reference: DSparkModel.forward (k3serve/spec/dspark.py), compared in tests/spec/test_dspark_kernel.py.
-#include "common.h"
-#include "panels.h"
-#include "simd.h"
+#include "core/common.h"
+#include "core/panels.h"
+#include "core/simd.h"
 
 #include <vector>
 
