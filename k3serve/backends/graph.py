@@ -85,17 +85,12 @@ class GraphBackend(Backend):
 
     def kda_core(self, layer, u, z, b, gate, batch, cache):
         """Conv, gates, the delta rule on the slots' states and the gated norm -> [N, P] fp32; a
-        verify pass's per-position states go to the step's records."""
+        verify pass writes the state after each position to its slot row (batch.slots [B, T])."""
         i = layer.layer_idx
         conv_w, _, dt_bias, o_norm = self.kda_w[i]
         state = (conv_w, self.kda_gate(i), dt_bias, o_norm, cache.recurrent[i], cache.conv[i], batch.slots)
-        if batch.T == 1:
-            return self.core_ops.kda_decode(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
-        o, rec, conv = self.core_ops.kda_verify(
-            u, z, b, gate, *state, batch.last, layer.head_dim, layer.lower_bound, layer.eps
-        )
-        batch.kda_records[i] = (rec, conv)
-        return o
+        op = self.core_ops.kda_decode if batch.T == 1 else self.core_ops.kda_verify
+        return op(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
 
     def mla(self, layer, x, batch, cache):
         if not batch.static:

@@ -102,33 +102,28 @@ def kda_verify(
     rec: Tensor,
     conv: Tensor,
     slots: Tensor,
-    last: Tensor,
     head_dim: int,
     lower_bound: Optional[float],
     eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> Tensor:
     """A verify pass: B sequences of T positions each (rows b * T + t, N = B * T; the inputs as
-    `kda_decode`'s), run as T consecutive decode steps from the states at `slots` [B]. Returns
-    o [N, P] and the state after every position, rec [B, T, H, D, D] and conv [B, T, K-1, 3P]
-    (spec_decode/rollback.py picks the accepted one); each slot keeps the state after its sequence's
-    `last` [B] position, which is the right one when every draft is accepted."""
-    B, H, D = slots.shape[0], b.shape[1], head_dim
-    T = u.shape[0] // B
+    `kda_decode`'s), run as T consecutive decode steps from the states at slots[:, 0], the state
+    after position t written to slots[:, t] [B, T] (cache/draft_slots.py: rollback then picks the
+    accepted position's slot, copying nothing; column 0 is read before it is overwritten).
+    Positions past a sequence's drafts write its spare slots, never read. -> o [N, P] fp32."""
+    B, T = slots.shape
+    H, D = b.shape[1], head_dim
     g, beta, gated = _kda_gates(z, b, gate, decay, dt_bias, o_norm, H, D, lower_bound, eps)
     u, g, beta = u.view(B, T, -1), g.view(B, T, H, D), beta.view(B, T, H)
-    conv_state, state = conv.index_select(0, slots), rec.index_select(0, slots)
-    outs, states, convs = [], [], []
+    conv_state, state = conv.index_select(0, slots[:, 0]), rec.index_select(0, slots[:, 0])
+    outs = []
     for t in range(T):
         o, conv_state, state = _kda_position(u[:, t], g[:, t], beta[:, t], conv_w, conv_state, state, H, D)
         state = state.to(rec.dtype)  # as a decode would store it (bf16 pools round every position)
         outs.append(o)
-        states.append(state)
-        convs.append(conv_state)
-    rec_rec, conv_rec = torch.stack(states, 1).to(rec.dtype), torch.stack(convs, 1)
-    every = torch.arange(B, device=slots.device)
-    rec.index_copy_(0, slots, rec_rec[every, last].to(rec.dtype))
-    conv.index_copy_(0, slots, conv_rec[every, last])
-    return gated(torch.stack(outs, 1).view(B * T, H, D)), rec_rec, conv_rec
+        rec.index_copy_(0, slots[:, t], state)
+        conv.index_copy_(0, slots[:, t], conv_state)
+    return gated(torch.stack(outs, 1).view(B * T, H, D))
 
 
 def mla_decode(
@@ -285,11 +280,7 @@ BODIES = SimpleNamespace(
 FAKES = SimpleNamespace(
     rms_norm=lambda x, weight, eps: torch.empty_like(x),
     kda_decode=lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32),
-    kda_verify=lambda u, z, b, gate, conv_w, decay, dt_bias, o_norm, rec, conv, slots, *rest: (
-        z.new_empty(z.shape, dtype=torch.float32),
-        rec.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *rec.shape[1:]),
-        conv.new_empty(slots.shape[0], u.shape[0] // slots.shape[0], *conv.shape[1:]),
-    ),
+    kda_verify=lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32),
     mla_decode=lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest: q.new_empty(
         q.shape[0], q.shape[1], v_dim, dtype=torch.float32
     ),

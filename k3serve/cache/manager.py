@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from typing import Callable
 
+from k3serve.cache.draft_slots import DraftSlots
 from k3serve.cache.block_pool import BlockPool, CacheAccountingError
 from k3serve.cache.prefix_cache import CheckpointStore, block_hashes
 from k3serve.cache.state_pool import StatePool
@@ -84,6 +85,13 @@ class HybridCacheManager:
         self._prefetch: Callable[[list[Key]], None] | None = None
         self._fresh_blocks: list[tuple[bytes, int]] = []  # published since the last drain_fresh
         self._fresh_states: list[tuple[bytes, int]] = []
+        self.drafts: DraftSlots | None = None  # slot-per-draft rows (cache/draft_slots.py), or None
+
+    def use_draft_slots(self, drafts: DraftSlots) -> None:
+        """Give every state slot a row of 1 + k physical slots (the graph backend's verify steps)."""
+        if self._slot_of:
+            raise CacheAccountingError("draft slots must be set before any request holds a slot")
+        self.drafts = drafts
 
     def attach_tiers(self, index: TierIndex, prefetch: Callable[[list[Key]], None]) -> None:
         """Host/disk tiers (k3serve/offload): lookups run on into them, and what the pools
@@ -117,7 +125,18 @@ class HybridCacheManager:
         return list(self._tables[req_id])
 
     def state_slot(self, req_id: str) -> int:
-        return self._slot_of[req_id]
+        """The physical state slot holding the request's KDA state now."""
+        g = self._slot_of[req_id]
+        return g if self.drafts is None else self.drafts.live(g)
+
+    def draft_row(self, req_id: str) -> list[int] | None:
+        """The 1 + k slots a verify pass of the request writes positions 0..k to, or None."""
+        return None if self.drafts is None else self.drafts.row(self._slot_of[req_id])
+
+    def accept_draft(self, req_id: str, position: int) -> None:
+        """A static verify pass accepted `position`: its slot becomes the live one (no copy)."""
+        if self.drafts is not None and req_id in self._slot_of:
+            self.drafts.accept(self._slot_of[req_id], position)
 
     @property
     def num_free_blocks(self) -> int:
@@ -298,7 +317,8 @@ class HybridCacheManager:
         loads = tuple(zip(hit.loads, blocks[len(shared) :])) if hit is not None else ()
         if self.tiers is not None and (loads or hit.load_state is not None):
             self.tiers.stats["cpu"].hit_tokens += hit.num_tokens
-        return CacheAllocation(slot, list(blocks), restore, loads, hit.load_state if hit is not None else None)
+        live = self.state_slot(req_id)
+        return CacheAllocation(live, list(blocks), restore, loads, hit.load_state if hit is not None else None)
 
     def append(self, req_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to cover `num_tokens` rows; the new blocks, or None if they

@@ -175,7 +175,8 @@ def serve(conn, model, spec: WorkerSpec) -> None:
                 device = torch.device(spec.device)
                 if mode is not None:
                     model.use_kernels(mode)
-                cache = allocate_cache(model, plan, getattr(torch, kv_dtype), device, graph is not None, calibrate)
+                k = graph.num_speculative_tokens if graph is not None else 0
+                cache = allocate_cache(model, plan, getattr(torch, kv_dtype), device, graph is not None, calibrate, k)
                 graphs = None
                 if graph is not None:
                     from k3serve.runner.graph_step import GraphSteps

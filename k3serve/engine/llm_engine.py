@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from k3serve.backends import STATIC
+from k3serve.cache.draft_slots import DraftSlots, first_spare
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.cache.sizing import parse_bytes
@@ -168,11 +169,16 @@ class LLMEngine(HandoffMixin):
                 self.spec.cfg.draft_sample_method,
                 self.spec.cfg.rejection_sample_method,
             )
+        graph = self._graph_settings(config, mode, self.spec)
+        if graph is not None and graph.num_speculative_tokens:  # verify steps write each position's own slot
+            k = graph.num_speculative_tokens
+            self.cache.use_draft_slots(
+                DraftSlots(self.plan.num_slots, k, first_spare(self.plan.num_slots, self.plan.num_checkpoints))
+            )
         kv_name = self.kv_dtype_name = str(where.kv_dtype).removeprefix("torch.")
         if self.remote is not None:  # the worker allocates the cache tensors of the same plan
             self.remote.allocate(self.plan, kv_name, config.calculate_kv_scales)
         elif self.executor is not None:  # every rank allocates its share of the same plan, runs the same backend
-            graph = self._graph_settings(config, mode, self.spec)
             self.executor.send("allocate", self.plan, kv_name, mode, graph, config.calculate_kv_scales)
         self.runner = ModelRunner(
             self.model,
@@ -184,7 +190,7 @@ class LLMEngine(HandoffMixin):
             masked_ids=self.unmapped_ids,
             workers=None if self.remote else self.executor,
             rank=self.remote,
-            graph=self._graph_settings(config, mode, self.spec),
+            graph=graph,
             calculate_kv_scales=config.calculate_kv_scales,
         )
         self.tiers = make_tiers(config, self)  # prefix-cache tiers in host memory and on disk, or None

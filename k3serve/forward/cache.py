@@ -39,6 +39,9 @@ class CacheTensors:
     # plan's, never handed to a request); None when allocated without them
     scratch_slot: int | None = None
     scratch_block: int | None = None
+    # slot-per-draft rollback's spare state slots (cache/draft_slots.py), after the scratch slot
+    first_spare: int | None = None
+    num_spare: int = 0
     latent_scale: dict[int, torch.Tensor] | None = None  # MLA layer -> 0-d fp32 s (fp8 with scales)
     calibrating: set[int] = field(default_factory=set)  # layers whose s the first written rows set
 
@@ -81,11 +84,14 @@ class CacheTensors:
         tp_size: int = 1,
         scratch: bool = False,
         state_dtype: torch.dtype = torch.float32,
+        spare: int = 0,
     ) -> "CacheTensors":
         """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole.
-        `scratch`: one more slot and block for the static step's padding rows."""
+        `scratch`: one more slot and block for the static step's padding rows. `spare`: state
+        slots after those for slot-per-draft rollback (cache/draft_slots.py)."""
         k, m = cfg.kda, cfg.mla
-        num_slots, num_blocks = num_slots + scratch, num_blocks + scratch
+        live, num_blocks = num_slots + scratch, num_blocks + scratch
+        num_slots = live + spare
         heads = k.num_heads // tp_size
         rec, conv, lat = [], [], []
         for kind in cfg.layer_kinds:
@@ -97,6 +103,7 @@ class CacheTensors:
                 rec.append(None)
                 conv.append(None)
                 lat.append(torch.zeros(num_blocks * block_size, m.cache_dim, dtype=kv_dtype, device=device))
+        spares = dict(first_spare=live, num_spare=spare) if spare else {}
         if scratch:
-            return cls(rec, conv, lat, block_size, num_slots - 1, num_blocks - 1)
-        return cls(rec, conv, lat, block_size)
+            return cls(rec, conv, lat, block_size, live - 1, num_blocks - 1, **spares)
+        return cls(rec, conv, lat, block_size, **spares)

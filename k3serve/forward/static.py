@@ -11,8 +11,9 @@ the scratch block. A fixed-shape step so never touches another request's state.
   input_ids  [N]     the token each row feeds
   positions  [N]     its absolute position (tokens already cached + t)
   cache_rows [N]     latent row its [c_n | k_pe] is written to (padding: the scratch block's)
-  slots      [B]     KDA state slot (padding: the scratch slot)
-  last       [B]     each sequence's last real position t (its live state is the one after it)
+  slots      [B]     KDA state slot (padding: the scratch slot); a verify step's [B, T]: the
+                     physical slot the state after each position goes to, column 0 the live one
+                     it starts from (cache/draft_slots.py: rollback picks a column, copies nothing)
   table      [B, W]  block table, padded with the scratch block
   gather     [N]     for each row of the flat batch (sequences concatenated, as ForwardBatch
                      orders them), its static row; the padding rows after them point at row 0
@@ -41,7 +42,6 @@ class StaticStep:
     positions: torch.Tensor
     cache_rows: torch.Tensor
     slots: torch.Tensor
-    last: torch.Tensor
     table: torch.Tensor
     gather: torch.Tensor
     sampling: torch.Tensor
@@ -52,8 +52,7 @@ class StaticStep:
     static = True
     fresh = None  # a decode or verify step has no new sequence to zero
     media_rows = None
-    # a verify step's per-position KDA states, layer -> (rec [B, T, H, D, D], conv [B, T, K-1, 3P]),
-    # filled by the KDA layers (the graph's outputs; spec_decode/rollback.py picks the accepted position)
+    # a static verify step writes each position's KDA state into its slot row: no records
     kda_records: dict = field(default_factory=dict)
 
     def expand(self) -> "StaticStep":
@@ -67,7 +66,6 @@ class StaticStep:
             self.positions,
             self.cache_rows,
             self.slots,
-            self.last,
             self.table,
             self.gather,
             self.sampling,
@@ -96,31 +94,38 @@ class StaticBuffers:
         self.B, self.W, self.T, self.block_size = B, W, T, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
         N = B * T
-        self.sizes = [N, N, N, B, B, B * W, N, 6 * B]
+        self.sizes = [N, N, N, N, B * W, N, 6 * B]
         self.device_flat = torch.zeros(sum(self.sizes), dtype=torch.long, device=device)
         self.host = torch.zeros(sum(self.sizes), dtype=torch.long, pin_memory=device.type == "cuda")
-        ids, pos, rows, slots, last, table, gather, sampling = self.device_flat.split(self.sizes)
-        self.step = StaticStep(
-            ids, pos, rows, slots, last, table.view(B, W), gather, sampling.view(6, B), block_size, T
-        )
+        ids, pos, rows, slots, table, gather, sampling = self.device_flat.split(self.sizes)
+        slots = slots if T == 1 else slots.view(B, T)
+        self.step = StaticStep(ids, pos, rows, slots, table.view(B, W), gather, sampling.view(6, B), block_size, T)
         self.fill_padding()
 
     def fill_padding(self) -> None:
         """Every row a padding row (the state before warm-up and capture: they touch scratch only)."""
         self.fill([], [], [], [], [])
 
+    def _slot_rows(self, slots: list) -> list[int]:
+        if self.T == 1:
+            return list(slots)
+        if any(isinstance(r, int) or len(r) != self.T for r in slots):
+            raise ValueError(f"a verify bucket of {self.T} positions takes a row of {self.T} state slots a sequence")
+        return [s for r in slots for s in r]
+
     def fill(
         self,
         input_ids: list[int],
         seq_lens: list[int],
-        slots: list[int],
+        slots: list,
         context_lens: list[int],
         block_tables: list[list[int]],
         sampling: list[dict] | None = None,
     ) -> None:
         """Live sequences first (their tokens concatenated, seq_lens[j] <= T each), padding after;
-        `sampling`: the rows' device sampling values (sampling/device.py row_values), or None
-        when the step returns logits. One copy."""
+        `slots`: each sequence's state slot, or in a verify bucket its row of T slots
+        (cache/draft_slots.py row); `sampling`: the rows' device sampling values
+        (sampling/device.py row_values), or None when the step returns logits. One copy."""
         B, W, T, bs = self.B, self.W, self.T, self.block_size
         pad = B - len(seq_lens)
         scratch_row = self.scratch_block * bs
@@ -142,10 +147,8 @@ class StaticBuffers:
             + [0] * (pad * T)
             + rows
             + [scratch_row] * (pad * T)
-            + list(slots)
-            + [self.scratch_slot] * pad
-            + [n - 1 for n in seq_lens]
-            + [0] * pad
+            + self._slot_rows(slots)
+            + [self.scratch_slot] * (pad * T)
             + table
             + [self.scratch_block] * (pad * W)
             + gather

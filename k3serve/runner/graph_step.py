@@ -28,20 +28,21 @@ def static_forward(model, step, cache, taps):
     """The whole static step: layers (the graph backend's fixed-shape paths) and the logits.
     Returns fp32 logits [N, V] and the tap layers' hidden states {layer: [N, d]} in the flat
     batch's row order (a verify step's static rows gathered back; padding rows after), and a
-    verify step's KDA records {layer: (rec [B, T, ...], conv [B, T, ...])}."""
+    batch's row order (a verify step's static rows gathered back; padding rows after). A verify
+    step writes each position's KDA state to its slot row (cache/draft_slots.py): no records."""
     step = step.expand()
     out = model(step, cache, taps)
     if step.T == 1:
-        return model.compute_logits(out.hidden), out.taps, out.kda_records
+        return model.compute_logits(out.hidden), out.taps
     taps_out = {i: t[step.gather] for i, t in out.taps.items()}
-    return model.compute_logits(out.hidden[step.gather]), taps_out, out.kda_records
+    return model.compute_logits(out.hidden[step.gather]), taps_out
 
 
 def static_sample(model, step, cache, taps, bias):
     """The static step with sampling on the device (sampling/device.py): the sampled ids [B],
     the rows whose logits were the model's fault [B] (NaN, +inf, nothing finite) and the taps.
     `bias` [1, V]: -inf at the vocabulary ids the tokenizer cannot decode, or None."""
-    logits, taps_out, _ = static_forward(model, step, cache, taps)
+    logits, taps_out = static_forward(model, step, cache, taps)
     if bias is not None:
         logits = logits + bias
     return sample(logits, step.sampling_params()), model_faults(logits), taps_out
@@ -56,7 +57,6 @@ class GraphOut:
     ids: list[int] | None
     faults: list[bool] | None
     taps: dict[int, torch.Tensor]
-    records: dict[int, tuple[torch.Tensor, torch.Tensor]]  # a verify step's, for spec_decode/rollback.py
 
 
 @dataclass
@@ -118,7 +118,15 @@ class GraphSteps:
             return False
         if not inp.verify:
             return all(s == 1 for s in inp.seq_lens)
-        return inp.verify == list(range(n)) and max(inp.seq_lens) <= self.verify_positions
+        # a verify pass writes each position's state to the sequence's slot row: it needs the rows,
+        # and a checkpoint save (the state after every draft) stays on the eager path's records
+        return (
+            inp.verify == list(range(n))
+            and max(inp.seq_lens) <= self.verify_positions
+            and inp.draft_rows is not None
+            and all(r is not None and len(r) == self.verify_positions for r in inp.draft_rows)
+            and not inp.save
+        )
 
     def bucket(self, n: int, tables: list[list[int]]) -> tuple[int, int]:
         B = next(s for s in self.sizes if s >= n)
@@ -135,15 +143,13 @@ class GraphSteps:
         if entry is None:
             entry = self.entries[key] = self._build(*key)
         self.steps += 1
-        entry.buffers.fill(
-            inp.input_ids, inp.seq_lens, inp.state_slots, inp.context_lens, inp.block_tables, inp.sampling
-        )
+        slots = inp.draft_rows if inp.verify else inp.state_slots
+        entry.buffers.fill(inp.input_ids, inp.seq_lens, slots, inp.context_lens, inp.block_tables, inp.sampling)
         out = entry.run()
         if inp.sampling is not None:
             ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
-            return GraphOut(None, ids, [bool(f) for f in faults], {i: t[:n] for i, t in out[2].items()}, {})
-        records = {i: (rec[:n], conv[:n]) for i, (rec, conv) in out[2].items()}
-        return GraphOut(out[0][:rows].cpu(), None, None, {i: t[:rows] for i, t in out[1].items()}, records)
+            return GraphOut(None, ids, [bool(f) for f in faults], {i: t[:n] for i, t in out[2].items()})
+        return GraphOut(out[0][:rows].cpu(), None, None, {i: t[:rows] for i, t in out[1].items()})
 
     def _build(self, B: int, W: int, T: int, taps: tuple[int, ...], sampled: bool) -> _Entry:
         self.compiles += 1

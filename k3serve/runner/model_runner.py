@@ -48,7 +48,15 @@ class ModelRunner:
         self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
         self.cache = (
-            allocate_cache(model, plan, kv_dtype, self.device, graph is not None, calculate_kv_scales)
+            allocate_cache(
+                model,
+                plan,
+                kv_dtype,
+                self.device,
+                graph is not None,
+                calculate_kv_scales,
+                graph.num_speculative_tokens if graph is not None else 0,
+            )
             if rank is None
             else None
         )
@@ -120,12 +128,13 @@ class ModelRunner:
             media_rows=media_rows,
             media_embeds=media_embeds,
             sampling=self._fused_sampling(seqs, asks),
+            draft_rows=_draft_rows(seqs),
         )
         taps = self.spec.tap_layers if self.spec is not None else ()
         if self.workers is not None:  # every rank runs the same forward (its collectives pair with ours)
             self.workers.send("forward", inputs)
         res = self.rank.forward(inputs, taps)
-        tapped = res.taps
+        tapped, rows_written = res.taps, res.rows_written
         prompt_lps = self._prompt_logprobs(seqs, asks, res.prompt_logits)
         if not spans:
             return StepOutput(prompt_logprobs=prompt_lps)
@@ -172,6 +181,11 @@ class ModelRunner:
                     out.failed[s.request_id] = f"speculative verification failed for this request ({type(e).__name__})"
                     continue
                 out.sampled[s.request_id] = emitted
+                if rows_written:  # the state after position tau sits in its own slot: no copy
+                    out.accepted[s.request_id] = tau
+                    row = bounds[i][0] + tau
+                    committed[s.request_id] = row
+                    continue
                 slots.append(s.state_slot)
                 # every draft accepted: the live state already is the last position's (-1: no copy)
                 taus.append(tau if tau < len(s.drafts) else -1)
@@ -326,6 +340,12 @@ class ModelRunner:
         return gen
 
 
+def _draft_rows(seqs) -> list[list[int]] | None:
+    """A verify step's slot rows (cache/draft_slots.py), when every verifying sequence has one."""
+    rows = [s.draft_row for s in seqs if s.drafts]
+    return [s.draft_row for s in seqs] if rows and len(rows) == len(seqs) and None not in rows else None
+
+
 def allocate_cache(
     model: KimiForCausalLM,
     plan: CachePlan,
@@ -333,11 +353,13 @@ def allocate_cache(
     device: torch.device,
     scratch: bool = False,
     calculate_kv_scales: bool = False,
+    draft_positions: int = 0,
 ) -> CacheTensors:
     """This rank's cache for `plan`: checkpoint slots (prefix caching) follow the live slots in
     the same state tensors; under tensor parallelism KDA state holds this rank's heads.
-    `scratch`: a slot and a block for the graph backend's padding rows. An fp8 latent cache takes
-    the checkpoint's per-layer scales, or calibrates them (`calculate_kv_scales`)."""
+    `scratch`: a slot and a block for the graph backend's padding rows; `draft_positions` k: the
+    spare slots of slot-per-draft rows after them (cache/draft_slots.py). An fp8 latent cache
+    takes the checkpoint's per-layer scales, or calibrates them (`calculate_kv_scales`)."""
     cache = CacheTensors.allocate(
         model.cfg,
         plan.num_slots + plan.num_checkpoints,
@@ -348,6 +370,7 @@ def allocate_cache(
         tp_size=model.tp.size,
         scratch=scratch,
         state_dtype=getattr(torch, plan.state_dtype),
+        spare=plan.num_slots * draft_positions if scratch else 0,
     )
     scales = getattr(model, "kv_scales", {})
     if kv_dtype == torch.float8_e4m3fn and (scales or calculate_kv_scales):

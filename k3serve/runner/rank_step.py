@@ -36,6 +36,8 @@ class StepInputs:
     media_embeds: torch.Tensor | None = None  # [M, d]
     # a pure decode sampled on the device (graph backend): each row's sampling/device.py values
     sampling: list[dict] | None = None
+    # a verify step's slot rows (cache/draft_slots.py), one per sequence, when the cache has them
+    draft_rows: list[list[int]] | None = None
 
 
 @dataclass
@@ -45,6 +47,8 @@ class StepResult:
     taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, d], the taps asked for
     sampled: list[int] | None = None  # the ids the step sampled on the device (then logits is None)
     faulty: list[bool] | None = None  # ... and the rows whose logits were the model's fault
+    # a static verify step: each position's state went to its slot row, nothing to roll back
+    rows_written: bool = False
 
 
 class RankRunner:
@@ -62,9 +66,9 @@ class RankRunner:
         if self.graphs is not None and self.graphs.takes(inp):
             self.copy_states(inp.restore)
             out = self.graphs.run(inp, taps)
-            self.records = out.records
+            self.records = {}
             self.copy_states(inp.save)
-            return StepResult(out.logits, [], out.taps, out.ids, out.faults)
+            return StepResult(out.logits, [], out.taps, out.ids, out.faults, rows_written=bool(inp.verify))
         fb = ForwardBatch(
             input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
             seq_lens=inp.seq_lens,

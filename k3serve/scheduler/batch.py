@@ -24,6 +24,8 @@ class ScheduledSeq:
     block_table: list[int]
     sample: bool  # the chunk reaches the newest token: sample the next one
     drafts: list[int] = field(default_factory=list)  # speculative tokens verified after the newest one
+    # with drafts and slot-per-draft rows (cache/draft_slots.py): the 1 + k slots its positions go to
+    draft_row: list[int] | None = None
 
     @property
     def request_id(self) -> str:
@@ -71,6 +73,9 @@ class StepOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone this step
     # request id -> {prompt index i: its PromptLogprob} for the prompt tokens i >= 1 this step computed
     prompt_logprobs: dict[str, dict[int, PromptLogprob]] = field(default_factory=dict)
+    # request id -> the verify position whose state slot becomes its live one (a static verify
+    # step wrote each position's state to its own slot: cache/draft_slots.py)
+    accepted: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

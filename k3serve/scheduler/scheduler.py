@@ -154,6 +154,8 @@ class Scheduler:
                 self.finish(req, "error")
                 finished.append(req)
                 continue
+            if req.request_id in out.accepted:  # its accepted position's slot is its state now
+                self.cache.accept_draft(req.request_id, out.accepted[req.request_id])
             toks = out.sampled.get(req.request_id, []) if seq.sample else []
             # with drafts only the committed inputs count: the newest token + accepted drafts
             req.num_computed_tokens = seq.start + (len(toks) if seq.drafts else seq.num_tokens)
@@ -234,8 +236,9 @@ class Scheduler:
             if ckpt is not None:
                 batch.save_states.append((slot, ckpt))
         drafts = req.spec_token_ids[: n - 1] if req.num_uncomputed == 1 else []
+        row = self.cache.draft_row(rid) if drafts else None
         return ScheduledSeq(
-            req, req.num_computed_tokens, n, slot, self.cache.block_table(rid), end >= req.num_tokens, drafts
+            req, req.num_computed_tokens, n, slot, self.cache.block_table(rid), end >= req.num_tokens, drafts, row
         )
 
     def _reserve(self, req: Request, n: int, scheduled: set[str], batch: ScheduledBatch) -> bool:

@@ -1,5 +1,7 @@
 """KDA state rollback after verification: per-position state buffers (serving-notes.md §3.1,
-design 1 as in vLLM's native GDN path and SGLang's intermediate caches).
+design 1 as in vLLM's native GDN path and SGLang's intermediate caches). The eager paths' form;
+the graph backend's static verify step writes each position's state to a slot of its own
+instead, and rolls back by choosing a slot (cache/draft_slots.py, no copy).
 
 During a verify pass each KDA layer runs the 1 + k positions of a speculating request as
 consecutive recurrent steps and records the recurrent state [H, D, D] and conv window

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from k3serve import LLM, SamplingParams
+from k3serve.cache.sizing import spec_records_bytes
 
 GRAPH = dict(kernels="graph", compilation_config={"backend": "eager", "cudagraph_capture_sizes": [1, 4]})
 LOOPY = dict(logit_bias={11: 6.0, 22: 6.0, 33: 6.0, 44: 6.0})  # greedy text loops: n-gram drafts accepted
@@ -72,6 +73,14 @@ def test_speculative_greedy_equals_torch(tiny_k3_dir, random_dspark, method):
     assert llm.engine.spec.stats.drafts > 0
     if method == "dspark":  # every sequence drafts every step: the verify passes run in the static step
         assert any(T > 1 for _, _, T, *_ in graphs(llm).entries) and graphs(llm).steps >= 8
+    else:  # a static verify pass accepted a draft: its slot became the live one, nothing was copied
+        drafts = llm.engine.cache.drafts
+        assert any(T > 1 for _, _, T, *_ in graphs(llm).entries)
+        assert any(drafts.live(g) != g for g in range(llm.engine.plan.num_slots))
+        # the spare slots take no more than the verify records the budget reserves for them
+        cache, cfg = llm.engine.runner.cache, llm.engine.model.cfg
+        spare = sum(t[cache.first_spare :].nbytes for t in cache.recurrent + cache.conv if t is not None)
+        assert 0 < spare <= spec_records_bytes(cfg, 3, llm.engine.config.max_num_seqs)
 
 
 def test_device_sampling_is_fused_reproducible_and_equal_to_the_host_draws(tiny_kl_dir):

@@ -87,8 +87,7 @@ def test_kda_verify_opcheck():
         torch.rand(D, generator=G) + 0.5,
         randn(S, H, D, D),
         randn(S, K - 1, 3 * P),
-        torch.tensor([4, 1]),
-        torch.tensor([2, 0]),
+        torch.tensor([[4, 1, 0], [2, 5, 3]]),  # each sequence's slot row (cache/draft_slots.py)
         D,
         None,
         1e-6,

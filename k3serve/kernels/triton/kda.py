@@ -6,8 +6,9 @@ the gated RMSNorm of the output (torch). Reference: backends/graph_ops.py `kda_d
 Shapes: N = B * T rows, sequence-major; H heads of D; P = H * D; S state slots.
   decode: the recurrent state is read and written in place through `slots` [B] (fla's
           continuous-batching form with 1-D state indices).
-  verify: the state after every position goes to a records buffer [B, T, H, D, D] (fla's
-          kernel with a per-token final state), the slot keeps the one after `last` [B].
+  verify: `slots` [B, T] (fla's 2-D state indices, vLLM's spec-decode layout): each sequence
+          starts from the state at slots[b, 0] and the state after position t goes to
+          slots[b, t] (cache/draft_slots.py: rollback picks the accepted slot, copying nothing).
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
 from k3serve.kernels.triton.short_conv import short_conv_update
 
 
-def _recurrent(q, k, v, z, b, a_log, dt_bias, pool, slots, lower_bound, T, records):
+def _recurrent(q, k, v, z, b, a_log, dt_bias, pool, slots, lower_bound, T):
     """q, k, v, z [N, H, D] fp32 (z: decay logits before dt_bias), b [N, H] beta logits ->
-    o [N, H, D] fp32; `records` [N, H, D, D] or None (then pool[slots] is updated in place)."""
+    o [N, H, D] fp32; pool updated in place: the state after token t of sequence n goes to
+    slots[n] (T = 1) or slots[n, t] ([B, T]), each sequence starting from its first slot's."""
     N, H, D = q.shape
     B = slots.shape[0]
+    slots = slots.contiguous()
     o = torch.empty_like(v)
     cu = torch.arange(0, N + 1, T, dtype=torch.int32, device=q.device)  # [B + 1], every sequence T rows
-    ht = pool if records is None else records
     BV = min(32, triton.next_power_of_2(D))
     fused_recurrent_kda_fwd_kernel[(triton.cdiv(D, BV) * B * H,)](
         q=q,
@@ -41,10 +43,10 @@ def _recurrent(q, k, v, z, b, a_log, dt_bias, pool, slots, lower_bound, T, recor
         dt_bias=dt_bias,
         o=o,
         h0=pool,
-        ht=ht,
+        ht=pool,
         cu_seqlens=cu,
         ssm_state_indices=slots,
-        num_accepted_tokens=None,
+        num_accepted_tokens=None,  # the starting state is always column 0 (rollback swapped it there)
         lower_bound=lower_bound,
         scale=D**-0.5,
         N=B,
@@ -56,12 +58,12 @@ def _recurrent(q, k, v, z, b, a_log, dt_bias, pool, slots, lower_bound, T, recor
         BK=triton.next_power_of_2(D),
         BV=BV,
         stride_init_state_token=pool.stride(0),
-        stride_final_state_token=ht.stride(0),
+        stride_final_state_token=pool.stride(0),
         stride_indices_seq=slots.stride(0),
         stride_indices_tok=1,
         IS_BETA_HEADWISE=False,
         USE_QK_L2NORM_IN_KERNEL=True,
-        INPLACE_FINAL_STATE=records is None,
+        INPLACE_FINAL_STATE=True,
         USE_GATE_IN_KERNEL=True,
         APPLY_BETA_SIGMOID=True,
         ALLOW_NEG_EIGVAL=False,
@@ -99,11 +101,9 @@ def kda_decode(
     a_log [H] fp32 (the gate's A_log); dt_bias [P]; o_norm [D]; rec [S, H, D, D] fp32 and conv
     [S, K-1, 3P] updated in place at slots [N] (int). -> [N, P] fp32."""
     N, H, D = u.shape[0], b.shape[1], head_dim
-    qkv, _ = short_conv_update(u, conv_w, conv, slots)
+    qkv = short_conv_update(u, conv_w, conv, slots)
     q, k, v = (x.view(N, H, D) for x in qkv)
-    o = _recurrent(
-        q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots, lower_bound, 1, None
-    )
+    o = _recurrent(q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots, lower_bound, 1)
     return _gated(o, gate, o_norm, eps)
 
 
@@ -119,23 +119,15 @@ def kda_verify(
     rec: Tensor,
     conv: Tensor,
     slots: Tensor,
-    last: Tensor,
     head_dim: int,
     lower_bound: Optional[float],
     eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """B sequences of T rows (the inputs as `kda_decode`'s, slots/last [B]) -> (o [N, P], the
-    state after every position rec [B, T, H, D, D] and conv [B, T, K-1, 3P]); each slot keeps
-    the state after its `last` position."""
+) -> Tensor:
+    """B sequences of T rows (the inputs as `kda_decode`'s), slots [B, T]: each starts from the
+    states at slots[:, 0], the state after position t goes to slots[:, t] -> o [N, P] fp32."""
     N, H, D = u.shape[0], b.shape[1], head_dim
-    B = slots.shape[0]
-    T = N // B
-    qkv, conv_rec = short_conv_update(u, conv_w, conv, slots, last, record=True)
+    T = slots.shape[1]
+    qkv = short_conv_update(u, conv_w, conv, slots)
     q, k, v = (x.view(N, H, D) for x in qkv)
-    records = torch.empty(N, H, D, D, dtype=rec.dtype, device=rec.device)
-    o = _recurrent(
-        q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots, lower_bound, T, records
-    )
-    records = records.view(B, T, H, D, D)
-    rec.index_copy_(0, slots, records[torch.arange(B, device=slots.device), last])
-    return _gated(o, gate, o_norm, eps), records, conv_rec.to(conv.dtype)
+    o = _recurrent(q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots, lower_bound, T)
+    return _gated(o, gate, o_norm, eps)

@@ -1,7 +1,9 @@
 """Short-convolution update with state indices, in Triton: KDA's causal depthwise conv (kernel
-KW, SiLU after) for B sequences of T new positions each, reading and writing each sequence's
-window [KW-1, C] in the state pool through `slots`. Reference: layers/short_conv.py
-`short_conv_step` applied T times.
+KW, SiLU after) for B sequences of T new positions each, reading each sequence's window [KW-1, C]
+from the state pool at its first slot and writing the window after every position t to its slot
+t (`slots` [B, T]: a decode's T = 1 updates the slot in place; a verify pass's row of slots is
+cache/draft_slots.py's, so rollback picks a slot and copies nothing). Reference:
+layers/short_conv.py `short_conv_step` applied T times.
 
 The positions of sequence b form X = window rows (KW-1) ++ its T inputs, so output t is
 silu(sum_j w[:, j] * X[t + j]) and the window after t is X[t+1 : t+KW]: each row is read from
@@ -32,22 +34,18 @@ def _short_conv_kernel(
     w_ptr,
     pool_ptr,
     slots_ptr,
-    last_ptr,
     out_ptr,
-    rec_ptr,
     N,
     T,
     C,
     P,
     KW: tl.constexpr,
     BC: tl.constexpr,
-    HAS_LAST: tl.constexpr,
-    RECORD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m = c < C
-    state = pool_ptr + tl.load(slots_ptr + b).to(tl.int64) * (KW - 1) * C
+    state = pool_ptr + tl.load(slots_ptr + b * T).to(tl.int64) * (KW - 1) * C  # the window it starts from
     u = u_ptr + b * T * C
     plane, p = c // P, c % P  # out is [3, N, P]: q | k | v planes
     for t in range(T):
@@ -57,53 +55,30 @@ def _short_conv_kernel(
             acc += w * _x_row(state, u, t + j, c, m, KW, C)
         y = acc / (1.0 + tl.exp(-acc))  # SiLU
         tl.store(out_ptr + plane * N * P + (b * T + t) * P + p, y, mask=m)
-        if RECORD:  # the window after position t: rec [B, T, KW-1, C]
+        if t > 0:  # the window after position t, into slot t (never the starting slot, still read)
+            dst = pool_ptr + tl.load(slots_ptr + b * T + t).to(tl.int64) * (KW - 1) * C
             for j in tl.static_range(KW - 1):
-                tl.store(
-                    rec_ptr + ((b * T + t) * (KW - 1) + j) * C + c, _x_row(state, u, t + 1 + j, c, m, KW, C), mask=m
-                )
-    last = 0
-    if HAS_LAST:
-        last = tl.load(last_ptr + b).to(tl.int64)
-    # the window after the last live position, in place; ascending rows: row j reads X[last+1+j],
-    # an index above j, so nothing read here was overwritten yet
+                row = _x_row(state, u, t + 1 + j, c, m, KW, C)
+                tl.store(dst + j * C + c, row.to(dst.dtype.element_ty), mask=m)
+    # the window after position 0, over the starting slot last; ascending rows: row j reads
+    # X[1+j], an index above j, so nothing read here was overwritten yet
     for j in tl.static_range(KW - 1):
-        row = _x_row(state, u, last + 1 + j, c, m, KW, C)
+        row = _x_row(state, u, 1 + j, c, m, KW, C)
         tl.store(state + j * C + c, row.to(state.dtype.element_ty), mask=m)
 
 
-def short_conv_update(
-    u: torch.Tensor,
-    weight: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    last: torch.Tensor | None = None,
-    record: bool = False,
-):
-    """u [B*T, C] (sequence-major), weight [C, KW], pool [S, KW-1, C] updated in place at `slots`
-    [B] with the window after each sequence's `last` [B] position (default 0, a decode).
-    -> (out [3, B*T, C/3] fp32 after SiLU, rec [B, T, KW-1, C] fp32 when `record`, else None)."""
+def short_conv_update(u: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """u [B*T, C] (sequence-major), weight [C, KW], pool [S, KW-1, C]; slots [B] (a decode, T = 1)
+    or [B, T]: each sequence starts from the window at its first slot, the window after position t
+    goes to its slot t. -> out [3, B*T, C/3] fp32 after SiLU."""
     N, C = u.shape
     B, KW = slots.shape[0], weight.shape[1]
     T = N // B
+    if slots.numel() != N:
+        raise ValueError(f"short_conv_update: {N} rows take {N} slots (B x T), got {tuple(slots.shape)}")
     out = torch.empty(3, N, C // 3, dtype=torch.float32, device=u.device)
-    rec = torch.empty(B, T, KW - 1, C, dtype=torch.float32, device=u.device) if record else out
     BC = min(triton.next_power_of_2(C), 256)
     _short_conv_kernel[(B, triton.cdiv(C, BC))](
-        u.contiguous(),
-        weight.contiguous(),
-        pool,
-        slots,
-        last if last is not None else slots,
-        out,
-        rec,
-        N,
-        T,
-        C,
-        C // 3,
-        KW=KW,
-        BC=BC,
-        HAS_LAST=last is not None,
-        RECORD=record,
+        u.contiguous(), weight.contiguous(), pool, slots.contiguous(), out, N, T, C, C // 3, KW=KW, BC=BC
     )
-    return out, (rec if record else None)
+    return out
