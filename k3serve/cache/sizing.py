@@ -146,6 +146,25 @@ def spec_records_bytes(
     return (1 + spec_tokens) * slot * max_num_seqs
 
 
+DRAFT_BLOCK = 16  # the draft model's own cache blocks (spec_decode/draft_model.py)
+
+
+def draft_cache_shape(max_num_seqs: int, max_model_len: int) -> tuple[int, int]:
+    """The `draft_model` drafter's own cache: (state slots, latent blocks), a slot and
+    max_model_len + 16 rows of blocks per running sequence (spec_decode/draft_model.py allocates
+    exactly this)."""
+    per_request = -(-(max_model_len + 16) // DRAFT_BLOCK)
+    return max_num_seqs, per_request * max_num_seqs
+
+
+def draft_cache_bytes(draft: ModelConfig, max_num_seqs: int, max_model_len: int, dtype: str = "float32") -> int:
+    """Bytes of that cache: its state slots (float32) and latent blocks in the draft's dtype (the
+    engine loads drafts in float32). The engine takes them out of a budget it derives, and the
+    planner out of the same arithmetic (--draft-model), as spec_records_bytes."""
+    slots, blocks = draft_cache_shape(max_num_seqs, max_model_len)
+    return slots * kda_state_bytes_per_request(draft) + blocks * latent_block_bytes(draft, DRAFT_BLOCK, dtype)
+
+
 def full_request_bytes(
     cfg: ModelConfig, max_model_len: int, block_size: int = 16, kv_dtype: str = "bfloat16", state_dtype: str = "float32"
 ) -> int:

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 
-from k3serve.cache.sizing import CachePlan, full_request_bytes, parse_bytes, plan_cache, spec_records_bytes
+from k3serve.cache.sizing import (
+    CachePlan,
+    draft_cache_bytes,
+    full_request_bytes,
+    parse_bytes,
+    plan_cache,
+    spec_records_bytes,
+)
 from k3serve.config.engine_config import EngineConfig
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.runner.model_runner import weight_bytes
@@ -127,13 +134,26 @@ def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausa
 
 
 def spec_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
-    """Speculative decoding's verify records beside the cache (cache/sizing.py spec_records_bytes)."""
+    """Speculative decoding beside the cache: the verify records (cache/sizing.py
+    spec_records_bytes) and a `draft_model` drafter's float32 weights and own cache
+    (draft_cache_bytes), each by the formula the planner uses."""
     if not config.speculative_config:
         return 0
     from k3serve.spec_decode.config import SpeculativeConfig
 
-    k = SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
-    return spec_records_bytes(model.cfg, k, config.max_num_seqs, config.ssm_dtype, config.tensor_parallel_size)
+    spec = SpeculativeConfig.from_dict(config.speculative_config)
+    records = spec_records_bytes(
+        model.cfg, spec.num_speculative_tokens, config.max_num_seqs, config.ssm_dtype, config.tensor_parallel_size
+    )
+    path = spec.resolve_model(config.model or "").model
+    if spec.method != "draft_model" or not path or not Path(path).is_dir():
+        return records  # (a draft that is not there fails by name when the drafter loads)
+    from k3serve.config.bundled import load_model_config
+    from k3serve.planner.weights import loaded_weight_bytes
+
+    draft = load_model_config(path)
+    max_model_len = resolve_max_model_len(config, model)
+    return records + loaded_weight_bytes(draft) + draft_cache_bytes(draft, config.max_num_seqs, max_model_len)
 
 
 def check_quantization(config: EngineConfig, model: KimiForCausalLM) -> None:

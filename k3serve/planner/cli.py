@@ -62,6 +62,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="speculative tokens k: each running request's 1 + k verify-record KDA states, reserved as the engine does",
     )
     p.add_argument("--draft-params", type=float, default=0.0, help="draft model parameters (BF16, per rank)")
+    p.add_argument(
+        "--draft-model",
+        help="a draft_model drafter's checkpoint dir or config: its float32 weights and its own cache "
+        "(a slot and max-model-len rows per sequence), reserved as the engine reserves them",
+    )
     p.add_argument("--cache-memory", help="cache bytes per rank; skips the GPU arithmetic (engine check)")
     p.add_argument("--mm-encoder-cache", default="256MiB", help="vision encoder cache per rank (models with a tower)")
     p.add_argument(
@@ -128,6 +133,23 @@ def experts_as(cfg, fmt: str):
     return dataclasses.replace(cfg, quant=k3.quant)
 
 
+def _draft(args: argparse.Namespace) -> dict:
+    """The draft's weights and own cache per rank: --draft-model by the engine's formulas
+    (planner/weights.py loaded_weight_bytes, cache/sizing.py draft_cache_bytes), else the BF16
+    weights of --draft-params."""
+    if not args.draft_model:
+        return dict(draft_bytes=int(args.draft_params * 2))
+    from k3serve.cache.sizing import draft_cache_bytes
+    from k3serve.config.bundled import load_model_config
+    from k3serve.planner.weights import loaded_weight_bytes
+
+    draft = load_model_config(args.draft_model)
+    return dict(
+        draft_bytes=loaded_weight_bytes(draft),
+        draft_cache_bytes=draft_cache_bytes(draft, args.max_num_seqs, args.context),
+    )
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from k3serve.config.bundled import load_model_config
     from k3serve.planner.html import to_html
@@ -154,7 +176,7 @@ def run_plan(args: argparse.Namespace) -> int:
         overhead_bytes=int(args.overhead_gib * GiB),
         prefix_cache_fraction=0.0 if args.no_prefix_caching else 0.1,
         spec_tokens=args.spec_tokens,
-        draft_bytes=int(args.draft_params * 2),
+        **_draft(args),
         encoder_cache_bytes=parse_bytes(args.mm_encoder_cache),
         state_dtype="float32" if args.mamba_ssm_cache_dtype == "auto" else args.mamba_ssm_cache_dtype,
     )

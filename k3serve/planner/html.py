@@ -11,6 +11,7 @@ from k3serve.planner.search import LayoutResult, PlanReport
 PARTS = [
     ("weights", "#4c72b0"),
     ("draft_weights", "#8172b2"),
+    ("draft_cache", "#b39ddb"),
     ("activations", "#dd8452"),
     ("overhead", "#937860"),
     ("encoder_cache", "#da8bc3"),
@@ -30,6 +31,7 @@ def _bar(r: LayoutResult, width: int = 120) -> str:
     vals = {
         "weights": rank.weights,
         "draft_weights": rank.draft_weights,
+        "draft_cache": rank.draft_cache,
         "activations": rank.activations,
         "overhead": rank.overhead,
         "encoder_cache": rank.encoder_cache,

@@ -45,6 +45,7 @@ class Workload:
     prefix_cache_fraction: float = 0.1  # of the cache budget for KDA checkpoints (0 = caching off)
     spec_tokens: int = 0  # speculative tokens k: per-position KDA states k per request
     draft_bytes: int = 0  # speculative draft weights (replicated per rank)
+    draft_cache_bytes: int = 0  # a draft_model drafter's own cache (cache/sizing.py draft_cache_bytes)
     encoder_cache_bytes: int = 256 * 2**20  # vision-tower rows by image digest (models with a tower)
     state_dtype: str = "float32"  # the KDA recurrent state's (--mamba-ssm-cache-dtype)
 
@@ -61,6 +62,7 @@ class RankMemory:
     cache_budget: int  # what is left for the two cache pools (<= 0: does not fit)
     plan: CachePlan | None  # None when not even one request of `context` fits
     why_not: str | None = None
+    draft_cache: int = 0  # a draft_model drafter's own cache
 
     @property
     def fits(self) -> bool:
@@ -94,7 +96,7 @@ def rank_memory(
     budget = (
         cache_bytes
         if cache_bytes is not None
-        else usable - wbytes - w.draft_bytes - act - w.overhead_bytes - encoder - records
+        else usable - wbytes - w.draft_bytes - w.draft_cache_bytes - act - w.overhead_bytes - encoder - records
     )
     plan, why = None, None
     try:
@@ -115,7 +117,19 @@ def rank_memory(
         )
     except ValueError as e:
         why = str(e)
-    return RankMemory(gpu.hbm_bytes, usable, wbytes, w.draft_bytes, act, w.overhead_bytes, encoder, budget, plan, why)
+    return RankMemory(
+        gpu.hbm_bytes,
+        usable,
+        wbytes,
+        w.draft_bytes,
+        act,
+        w.overhead_bytes,
+        encoder,
+        budget,
+        plan,
+        why,
+        w.draft_cache_bytes,
+    )
 
 
 def max_context_one_request(

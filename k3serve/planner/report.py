@@ -34,6 +34,7 @@ def result_dict(r: LayoutResult) -> dict:
             "usable": rank.usable,
             "weights": rank.weights,
             "draft_weights": rank.draft_weights,
+            "draft_cache": rank.draft_cache,
             "activations": rank.activations,
             "overhead": rank.overhead,
             "encoder_cache": rank.encoder_cache,

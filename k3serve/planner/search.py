@@ -127,7 +127,9 @@ def evaluate(
     perf = None
     if not problems and rank.fits:
         perf = estimate(cfg, gpu, layout, weights, min(w.concurrency, capacity), w.context, w.kv_dtype, w.state_dtype)
-    static = min(0.99, (rank.weights + rank.draft_weights + max(rank.cache_budget, 0)) / gpu.hbm_bytes)
+    static = min(
+        0.99, (rank.weights + rank.draft_weights + rank.draft_cache + max(rank.cache_budget, 0)) / gpu.hbm_bytes
+    )
     cmds = launch_commands(
         model,
         layout,

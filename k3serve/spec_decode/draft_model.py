@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 
 from k3serve.cache.manager import HybridCacheManager
+from k3serve.cache.sizing import DRAFT_BLOCK as BLOCK, draft_cache_shape
 from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.scheduler.request import Request
 from k3serve.spec_decode.drafting import draft_token, request_generator, stack_q
 from k3serve.spec_decode.proposer import Draft
-
-BLOCK = 16
 
 
 class DraftModelProposer:
@@ -35,11 +34,9 @@ class DraftModelProposer:
             raise ValueError(f"draft vocab {model.cfg.vocab_size} != target vocab {target_cfg.vocab_size}")
         self.device = torch.device(device or "cpu")
         self.model, self.method = model.to(self.device), draft_sample_method
-        per_req = -(-(max_model_len + 16) // BLOCK)
-        self.manager = HybridCacheManager(per_req * max_num_seqs, max_num_seqs, BLOCK)
-        self.cache = CacheTensors.allocate(
-            model.cfg, max_num_seqs, per_req * max_num_seqs, BLOCK, kv_dtype=model.dtype, device=self.device
-        )
+        slots, blocks = draft_cache_shape(max_num_seqs, max_model_len)  # what the engine reserved for it
+        self.manager = HybridCacheManager(blocks, slots, BLOCK)
+        self.cache = CacheTensors.allocate(model.cfg, slots, blocks, BLOCK, kv_dtype=model.dtype, device=self.device)
         self._done: dict[str, int] = {}  # tokens the draft has computed, per request
         self._last: dict[str, torch.Tensor] = {}  # draft logits after the newest computed token
         self._gens: dict[str, torch.Generator] = {}

@@ -586,3 +586,52 @@ def test_speculative_records_are_one_formula_in_the_engine_and_the_planner(tiny_
         for k in (0, 3)
     ]
     assert budgets[0] - budgets[1] == records
+
+
+def test_a_draft_models_weights_and_cache_are_one_formula_in_the_engine_and_the_planner(tiny_k3_dir, tiny_kl_dir):
+    """A `draft_model` drafter's float32 weights and its own cache (a slot and max_model_len + 16
+    rows per sequence) come out of a derived cache budget by the formulas the planner uses
+    (planner/weights.py loaded_weight_bytes, cache/sizing.py draft_cache_bytes), and the drafter
+    the engine then loads holds exactly those bytes."""
+    import argparse
+
+    import torch
+
+    from k3serve import LLM
+    from k3serve.cache.sizing import draft_cache_bytes, spec_records_bytes
+    from k3serve.config.bundled import load_model_config
+    from k3serve.config.engine_config import EngineConfig
+    from k3serve.engine.setup import cache_budget
+    from k3serve.planner.cli import _draft
+    from k3serve.planner.memory import rank_memory
+    from k3serve.planner.weights import loaded_weight_bytes
+    from k3serve.runner.model_runner import weight_bytes
+
+    spec = {"method": "draft_model", "model": str(tiny_kl_dir), "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256, max_num_seqs=16, speculative_config=spec)
+    model, drafter = llm.engine.model, llm.engine.spec.proposer
+    draft = load_model_config(tiny_kl_dir)
+    weights, own = loaded_weight_bytes(draft), draft_cache_bytes(draft, 16, 256)
+    held = drafter.cache.recurrent + drafter.cache.conv + drafter.cache.latent
+    assert weight_bytes(drafter.model) == weights and sum(t.nbytes for t in held if t is not None) == own
+    cpu, kw = torch.device("cpu"), dict(gpu_memory_utilization=0.05, max_num_seqs=16, max_model_len=256)
+    plain = EngineConfig.from_kwargs(str(tiny_k3_dir), **kw)
+    specd = EngineConfig.from_kwargs(str(tiny_k3_dir), speculative_config=spec, **kw)
+    records = spec_records_bytes(model.cfg, 3, 16)
+    assert cache_budget(plain, cpu, model) - cache_budget(specd, cpu, model) == records + weights + own
+    args = argparse.Namespace(draft_model=str(tiny_kl_dir), draft_params=0.0, max_num_seqs=16, context=256)
+    assert _draft(args) == dict(draft_bytes=weights, draft_cache_bytes=own)
+    cfg = model.cfg
+    layout = next(
+        r.layout
+        for r in plan(
+            cfg, str(tiny_k3_dir), "schema", [get_gpu("H100")], weight_split(cfg, tiny_k3_dir),
+            Workload(context=256, max_num_seqs=16), num_gpus=1, tp=1,
+        ).results
+    )  # fmt: skip
+    ranks = [
+        rank_memory(cfg, get_gpu("H100"), layout, weight_split(cfg, tiny_k3_dir), Workload(context=256, max_num_seqs=16, **extra))
+        for extra in ({}, dict(spec_tokens=3, **_draft(args)))
+    ]  # fmt: skip
+    assert ranks[0].cache_budget - ranks[1].cache_budget == records + weights + own
+    assert ranks[1].draft_cache == own
