@@ -28,6 +28,9 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # block hash -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.num_evicted = 0
+        # (hash, block) of the cached blocks allocate() reclaimed since the last drain, while the
+        # prefix-cache tiers write back on eviction (None: not tracked)
+        self.evicted: list[tuple[bytes, int]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -55,8 +58,11 @@ class BlockPool:
                 b = self._free.popleft()
             else:
                 b, _ = self._evictable.popitem(last=False)
-                del self.cached[self._hash_of.pop(b)]
+                h = self._hash_of.pop(b)
+                del self.cached[h]
                 self.num_evicted += 1
+                if self.evicted is not None:
+                    self.evicted.append((h, b))
             self._ref[b] = 1
             out.append(b)
         return out

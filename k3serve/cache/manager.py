@@ -86,6 +86,7 @@ class HybridCacheManager:
         self._fresh_blocks: list[tuple[bytes, int]] = []  # published since the last drain_fresh
         self._fresh_states: list[tuple[bytes, int]] = []
         self.drafts: DraftSlots | None = None  # slot-per-draft rows (cache/draft_slots.py), or None
+        self.write_back = False  # the tiers take what the pools evict (attach_tiers)
 
     def use_draft_slots(self, drafts: DraftSlots) -> None:
         """Give every state slot a row of 1 + k physical slots (the graph backend's verify steps)."""
@@ -93,10 +94,27 @@ class HybridCacheManager:
             raise CacheAccountingError("draft slots must be set before any request holds a slot")
         self.drafts = drafts
 
-    def attach_tiers(self, index: TierIndex, prefetch: Callable[[list[Key]], None]) -> None:
+    def attach_tiers(self, index: TierIndex, prefetch: Callable[[list[Key]], None], write_back: bool = False) -> None:
         """Host/disk tiers (k3serve/offload): lookups run on into them, and what the pools
-        publish is collected for them (drain_fresh); `prefetch` asks for disk entries."""
+        publish is collected for them (drain_fresh); `prefetch` asks for disk entries.
+        `write_back`: collect what the pools evict instead (drain_evicted), not what they publish."""
         self.tiers, self._prefetch = index, prefetch
+        self.write_back = write_back
+        if write_back:
+            self.blocks.evicted, self.checkpoints.evicted = [], []
+
+    def resident(self) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
+        """Every published block (hash, block) and valid checkpoint (key, slot) the pools hold."""
+        return list(self.blocks.cached.items()), self.checkpoints.valid()
+
+    def drain_evicted(self) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
+        """Blocks (hash, block) and checkpoints (key, slot) the pools reclaimed since the last
+        call (write-back): their rows still hold the entries until the step that reuses them."""
+        if not self.write_back:
+            return [], []
+        out = self.blocks.evicted, self.checkpoints.evicted
+        self.blocks.evicted, self.checkpoints.evicted = [], []
+        return out
 
     def drain_fresh(self) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
         """Blocks (hash, block) and checkpoints (key, slot) published since the last call."""
@@ -262,7 +280,7 @@ class HybridCacheManager:
     def end_step(self, pinned: list[bytes]) -> None:
         """After a step ran: checkpoints written in it become valid; restores from it unpin."""
         committed = self.checkpoints.commit()
-        if self.tiers is not None:
+        if self.tiers is not None and not self.write_back:
             self._fresh_states += committed
         for key in pinned:
             self.checkpoints.unpin(key)
@@ -287,7 +305,7 @@ class HybridCacheManager:
         table = self._tables[req_id]
         for i in range(done, full):
             self.blocks.register(table[i], hashes[i])
-            if self.tiers is not None:
+            if self.tiers is not None and not self.write_back:
                 self._fresh_blocks.append((hashes[i], table[i]))
         self._registered[req_id] = full
 

@@ -57,10 +57,15 @@ class CheckpointStore:
         self._pending: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
+        self.evicted: list[tuple[bytes, int]] | None = None  # (key, slot) evicted, when tracked
 
     @property
     def num_stored(self) -> int:
         return len(self._valid) + len(self._pending)
+
+    def valid(self) -> list[tuple[bytes, int]]:
+        """The usable checkpoints (key, slot), oldest first."""
+        return list(self._valid.items())
 
     def get(self, key: bytes) -> int | None:
         return self._valid.get(key)
@@ -89,8 +94,11 @@ class CheckpointStore:
             victim = next((k for k in self._valid if k not in self._pins), None)
             if victim is None:
                 return None
-            self._free.append(self._valid.pop(victim))
+            slot = self._valid.pop(victim)
+            self._free.append(slot)
             self.stats.checkpoints_evicted += 1
+            if self.evicted is not None:
+                self.evicted.append((victim, slot))
         slot = self._free.pop()
         self._pending[key] = slot
         return slot

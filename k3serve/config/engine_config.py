@@ -56,6 +56,7 @@ class EngineConfig:
     kv_offloading_backend: str = "native"
     kv_offloading_dir: str | None = None
     kv_offloading_dir_size: float = 16.0
+    kv_offloading_write_policy: str = "write_through"  # or "write_back": entries go down as the pools evict them
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
     load_format: str = "auto"
@@ -124,6 +125,11 @@ class EngineConfig:
             raise ValueError(
                 f"kv_offloading_backend {self.kv_offloading_backend!r} is not available: k3serve's "
                 "tiers are 'native' (host memory and --kv-offloading-dir)"
+            )
+        if self.kv_offloading_write_policy not in ("write_through", "write_back"):
+            raise ValueError(
+                "kv_offloading_write_policy must be write_through or write_back, got "
+                f"{self.kv_offloading_write_policy!r}"
             )
         if (self.kv_offloading_size is not None and self.kv_offloading_size <= 0) or self.kv_offloading_dir_size <= 0:
             raise ValueError("kv_offloading_size and kv_offloading_dir_size are GiB and must be > 0")

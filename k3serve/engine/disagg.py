@@ -96,6 +96,7 @@ class HandoffMixin:
             prompt_logprobs=h.prompt_logprobs,
         )
         alloc = self.scheduler.adopt(req, held)
+        self.write_back()  # blocks the adoption evicted, before the hand-off's rows land on them
         self._install(h, alloc.blocks, alloc.state_slot)
         if h.rng_state is not None:  # the prefill's random stream goes on where its first draw left it
             self.runner.restore_rng(req, h.rng_state)

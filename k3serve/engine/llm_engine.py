@@ -312,7 +312,11 @@ class LLMEngine(HandoffMixin):
         self.counters["prompt_tokens"] += len(ids)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (a no-op for one process); the engine cannot step after."""
+        """Stop the tensor-parallel workers (a no-op for one process); the engine cannot step after.
+        Write-back tiers first take what the pools still hold, so a restart finds it."""
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None and self.cache.write_back:
+            tiers.store(self.runner.cache, *self.cache.resident())
         if self.executor is not None:
             self.executor.shutdown()
         if getattr(self, "tiers", None) is not None:
@@ -371,6 +375,13 @@ class LLMEngine(HandoffMixin):
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def write_back(self) -> None:
+        """Write-back tiers: copy the blocks and checkpoints the pools just evicted down to host
+        memory while their rows still hold them (stream order on a GPU: before the step that
+        reuses them; the host never waits)."""
+        if self.tiers is not None and self.cache.write_back:
+            self.tiers.store(self.runner.cache, *self.cache.drain_evicted())
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step. A request whose sampling, detokenizing or model step fails ends alone
@@ -379,6 +390,7 @@ class LLMEngine(HandoffMixin):
         if self.tiers is not None:
             self.tiers.poll()  # disk reads done, files written: before the schedule looks them up
         batch = self.scheduler.schedule()
+        self.write_back()  # what scheduling evicted, before any step reuses its rows
         if batch.is_empty:
             if self.ep is not None:  # the other replicas' MoE layers wait for this one's
                 self.runner.idle_step()

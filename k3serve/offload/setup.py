@@ -47,10 +47,12 @@ def make_tiers(config, engine):
         fp,
         workers,
     )
-    engine.cache.attach_tiers(tiers.index, tiers.prefetch)
+    write_back = config.kv_offloading_write_policy == "write_back"
+    engine.cache.attach_tiers(tiers.index, tiers.prefetch, write_back)
     line = f"prefix cache tiers: {gib:g} GiB host memory" + (
         f", {config.kv_offloading_dir_size:g} GiB in {tiers.dir}" if tiers.dir else ""
     )
+    line += ", written back as the pools evict" if write_back else ", written through as the pools publish"
     engine.startup_log.append(line)
     log.info(line)
     return tiers

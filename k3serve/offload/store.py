@@ -1,8 +1,11 @@
 """PrefixTiers: the prefix cache's host-memory and disk tiers for one engine (one rank).
 
-Write-through, as vLLM's CPU offloading and LMCache store: after each step the blocks the
-pools published and the KDA checkpoints they committed are copied to host memory (pinned, with
-non-blocking copies, on a GPU) before the next step can reuse their rows; a writer thread
+Write-through by default, as vLLM's CPU offloading and LMCache store: after each step the
+blocks the pools published and the KDA checkpoints they committed are copied to host memory
+(pinned, with non-blocking copies, on a GPU) before the next step can reuse their rows. Write-back
+(--kv-offloading-write-policy write_back, SGLang HiCache's name) copies instead what scheduling
+just evicted, before the step that reuses those rows (LLMEngine.write_back), and at shutdown
+what the pools still hold; a shared directory sees an entry only once it is evicted. A writer thread
 persists them to the directory as packs: one file for the blocks a step published (a prefill
 chunk's 32 blocks, say), one for each state (offload/entry.py). A pack is read, verified and
 evicted whole; the index still holds each block and state under its own key. Host memory and the directory each keep an LRU

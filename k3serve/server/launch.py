@@ -347,6 +347,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="directory tier below host memory: kept across restarts, shareable by engines of one model",
     )
     p.add_argument("--kv-offloading-dir-size", type=float, default=16.0, help="GiB the directory tier may hold")
+    p.add_argument(
+        "--kv-offloading-write-policy",
+        default="write_through",
+        choices=("write_through", "write_back"),
+        help="when entries go to the tiers (SGLang's HiCache names): as the pools publish them "
+        "(default; what a shared directory and a restart see), or only as the pools evict them",
+    )
     p.add_argument("--speculative-config", help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", choices=("kimi_k3", "kimi_k2"))
@@ -513,6 +520,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offloading_backend=args.kv_offloading_backend,
         kv_offloading_dir=args.kv_offloading_dir,
         kv_offloading_dir_size=args.kv_offloading_dir_size,
+        kv_offloading_write_policy=args.kv_offloading_write_policy,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
         quantization=args.quantization,

@@ -76,28 +76,37 @@ def snapshot_loads(llm):
 
 
 @pytest.mark.parametrize(
-    "kind, tier, spec, length",
+    "kind, tier, spec, length, policy",
     [
-        ("k3", "cpu", None, 64),
-        ("k3", "disk", None, 70),
-        ("k3", "cpu", NGRAM, 70),
-        ("k3", "disk", NGRAM, 64),
-        ("kl", "cpu", None, 70),
-        ("kl", "disk", None, 64),
+        ("k3", "cpu", None, 64, "write_through"),
+        ("k3", "disk", None, 70, "write_through"),
+        ("k3", "cpu", NGRAM, 70, "write_through"),
+        ("k3", "disk", NGRAM, 64, "write_through"),
+        ("kl", "cpu", None, 70, "write_through"),
+        ("kl", "disk", None, 64, "write_through"),
+        ("k3", "cpu", NGRAM, 64, "write_back"),
+        ("kl", "disk", None, 70, "write_back"),
     ],
 )
-def test_a_tier_hit_equals_a_cold_recompute_bitwise(kind, tier, spec, length, tiny_k3_dir, tiny_kl_dir, tmp_path):
+def test_a_tier_hit_equals_a_cold_recompute_bitwise(
+    kind, tier, spec, length, policy, tiny_k3_dir, tiny_kl_dir, tmp_path
+):
+    """Write-back tiers (--kv-offloading-write-policy write_back) take nothing as the pools
+    publish, and the prefix's entries as the fillers evict them: the same exact hit."""
     path = str(tiny_k3_dir if kind == "k3" else tiny_kl_dir)
     extra = {"speculative_config": spec} if spec else {}
     prefix, suffix = toks(length, 1), toks(9, 2)
     cold, _ = run(LLM(path, **BIG, enable_prefix_caching=False, **extra), [prefix + suffix])
     disk = str(tmp_path / "tiers") if tier == "disk" else None
-    llm = LLM(path, **SMALL, kv_offloading_size=0.05, kv_offloading_dir=disk, **extra)
+    tiers = dict(kv_offloading_size=0.05, kv_offloading_dir=disk, kv_offloading_write_policy=policy)
+    llm = LLM(path, **SMALL, **tiers, **extra)
     run(llm, [prefix])
+    if policy == "write_back":  # published, not evicted: nothing went down yet
+        assert llm.engine.tiers.index.stats["cpu"].bytes_written == 0
     evict(llm, prefix + suffix)
     if tier == "disk":  # a new engine on the directory: its host memory starts empty
         llm.engine.shutdown()
-        llm = LLM(path, **SMALL, kv_offloading_size=0.05, kv_offloading_dir=disk, **extra)
+        llm = LLM(path, **SMALL, **tiers, **extra)
     seen = snapshot_loads(llm)
     got, cached = run(llm, [prefix + suffix])
     boundary = length // BS * BS
@@ -280,3 +289,27 @@ def test_engines_sharing_a_directory_read_each_others_entries(tiny_k3_dir, tmp_p
     got, cached = run(b, [prefix + suffix])
     assert got == cold and cached == [80]
     assert b.engine.tiers.index.stats["disk"].hits >= 6  # five blocks and the state, from a's files
+
+
+def test_write_back_writes_less_and_a_shutdown_leaves_what_the_pools_held(tiny_k3_dir, tmp_path):
+    """The same traffic writes fewer bytes down under write-back than under write-through, and an
+    engine shut down with its prefix still on the device leaves it in the directory: the next
+    engine serves it from disk, equal to a cold recompute."""
+    prefix, suffix = toks(70, 11), toks(9, 12)
+    cold, _ = run(LLM(str(tiny_k3_dir), **BIG, enable_prefix_caching=False), [prefix + suffix])
+    written = {}
+    for policy in ("write_through", "write_back"):
+        llm = LLM(str(tiny_k3_dir), **SMALL, kv_offloading_size=0.05, kv_offloading_write_policy=policy)
+        for i in range(6):
+            run(llm, [toks(150, 700 + i)])
+        written[policy] = llm.engine.tiers.index.stats["cpu"].bytes_written
+    assert 0 < written["write_back"] < written["write_through"]
+    disk = dict(kv_offloading_dir=str(tmp_path / "tiers"), kv_offloading_write_policy="write_back")
+    llm = LLM(str(tiny_k3_dir), **SMALL, **disk)
+    run(llm, [prefix])
+    assert llm.engine.cache.lookup(prefix + suffix).blocks  # still on the device: never evicted
+    llm.engine.shutdown()
+    again = LLM(str(tiny_k3_dir), **SMALL, **disk)
+    got, cached = run(again, [prefix + suffix])
+    assert got == cold and cached == [64]
+    assert again.engine.tiers.index.stats["disk"].hits >= 5
