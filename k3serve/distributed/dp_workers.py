@@ -166,6 +166,12 @@ class DPAttentionWorkers(MultiprocExecutor):
         except (EOFError, OSError):  # it closed its connection: it is exiting or gone
             self._died(rank)
 
+    def send_ranks(self, ranks: list[int], method: str, per_rank: list[tuple]) -> None:
+        """`method(*per_rank[i])` on worker ranks[i], unanswered."""
+        for rank, args in zip(ranks, per_rank):
+            with self._locks[rank]:
+                self._send(rank, method, args)
+
     def send_replica(self, replica: int, method: str, *args) -> None:
         """A command every TP rank of DP rank `replica` runs, unanswered."""
         for rank in self.ranks_of(replica):

@@ -14,9 +14,15 @@ def make_tiers(config, engine):
         return None
     if not config.enable_prefix_caching:
         raise ValueError("kv offloading tiers hold prefix-cache entries: enable prefix caching")
-    if engine.remote is not None:
-        raise ValueError("kv offloading tiers run with one replica's ranks for now (no DP-attention)")
-    workers = engine.executor
+    remote = engine.remote  # a DP-attention replica: its cache lives in its worker processes
+    if remote is not None and config.calculate_kv_scales:
+        raise ValueError(
+            "kv offloading tiers with DP-attention worker processes keep the checkpoint's fp8 "
+            "latent scales; --calculate-kv-scales calibrates them inside the workers: drop one"
+        )
+    if remote is not None and config.nnodes > 1:
+        raise ValueError("kv offloading tiers with DP-attention ranks on several nodes are not built yet: one node")
+    workers = engine.executor if remote is None else None
     if workers is not None and not workers.local:
         raise ValueError(
             "kv offloading tiers under tensor parallelism read and write the other ranks' state over "
@@ -25,7 +31,7 @@ def make_tiers(config, engine):
     from k3serve.offload.entry import model_fingerprint
     from k3serve.offload.store import PrefixTiers
 
-    cache = engine.runner.cache
+    cache = engine.runner.cache if remote is None else meta_cache(engine)
     gib = config.kv_offloading_size if config.kv_offloading_size is not None else HOST_DEFAULT_GIB
     fp = model_fingerprint(
         engine.model_path,
@@ -46,6 +52,7 @@ def make_tiers(config, engine):
         int(config.kv_offloading_dir_size * 2**30),
         fp,
         workers,
+        remote,
     )
     write_back = config.kv_offloading_write_policy == "write_back"
     engine.cache.attach_tiers(tiers.index, tiers.prefetch, write_back)
@@ -56,3 +63,23 @@ def make_tiers(config, engine):
     engine.startup_log.append(line)
     log.info(line)
     return tiers
+
+
+def meta_cache(engine):
+    """The shapes and dtypes of a remote replica's cache tensors (one slot, one block, on the
+    meta device): what a tier entry holds per rank, without the tensors."""
+    import torch
+
+    from k3serve.forward import CacheTensors
+
+    plan = engine.plan
+    return CacheTensors.allocate(
+        engine.model.cfg,
+        1,
+        1,
+        plan.block_size,
+        kv_dtype=getattr(torch, engine.kv_dtype_name),
+        device="meta",
+        tp_size=engine.config.tensor_parallel_size,
+        state_dtype=getattr(torch, plan.state_dtype),
+    )

@@ -38,6 +38,7 @@ import torch
 
 from k3serve.cache.tiers import Key, TierIndex, TierLRU
 from k3serve.offload.entry import EntryError, pack_keys, read_pack, write_pack
+from k3serve.offload.ports import LocalPort, RemotePort
 
 log = logging.getLogger("k3serve.offload")
 READERS = 8  # threads reading disk entries
@@ -55,15 +56,24 @@ class PrefixTiers:
         disk_bytes: int,
         fingerprint: str,
         workers=None,
+        remote=None,
     ):
         """`workers`: the tensor-parallel executor (distributed/executor.py), or None. Under TP
         the latent is whole on every rank (a block entry is rank 0's rows, written to every rank
         on load) and each rank holds its heads of the KDA state: a state entry holds every
-        rank's shard, `recurrent.{l}` rank 0's and `recurrent.{l}.r{r}` rank r's."""
+        rank's shard, `recurrent.{l}` rank 0's and `recurrent.{l}.r{r}` rank r's. `remote`: a
+        DP-attention replica's RemoteRank, whose cache lives in its worker processes (then
+        `cache` is a meta-device twin giving the shapes; offload/ports.py)."""
         self.bs, self.fingerprint, self.workers = block_size, fingerprint, workers
         self.mla = [l for l, t in enumerate(cache.latent) if t is not None]
         self.kda = [l for l, t in enumerate(cache.recurrent) if t is not None]
-        ranks = [""] + [f".r{r}" for r in range(1, workers.size)] if workers is not None else [""]
+        if remote is not None:
+            self.port = RemotePort(remote, block_size, self.mla, self.kda)
+            n = len(self.port.ranks)
+        else:
+            self.port = LocalPort(cache, workers, block_size, self.mla, self.kda)
+            n = workers.size if workers is not None else 1
+        ranks = [""] + [f".r{r}" for r in range(1, n)]
         self.expect = {
             "block": {f"latent.{l}": ((block_size, cache.latent[l].shape[1]), cache.latent[l].dtype) for l in self.mla},
             "state": {
@@ -82,7 +92,7 @@ class PrefixTiers:
         self.entry_bytes = {
             kind: sum(torch.Size(s).numel() * d.itemsize for s, d in e.values()) for kind, e in self.expect.items()
         }
-        self.pin = cache_device(cache).type == "cuda"
+        self.pin = remote is None and cache_device(cache).type == "cuda"
         self.dir = Path(disk_dir) / fingerprint if disk_dir else None
         self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.dir else None)
         self.host: dict[Key, dict[str, torch.Tensor]] = {}
@@ -316,8 +326,9 @@ class PrefixTiers:
         self.host.clear()
 
     def store(self, cache, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
-        """Copy what the pools published this step into host memory (and queue it for the disk)."""
-        new, held = [], set()  # entries this call adds: not in a tier yet, each key once
+        """Copy what the pools published (or, writing back, evicted) into host memory, and queue
+        it for the disk: each entry once, and only one no tier holds yet."""
+        held = set()
 
         def fresh(key: Key) -> bool:
             if key in held or self.index.where(key) is not None:
@@ -325,22 +336,9 @@ class PrefixTiers:
             held.add(key)
             return True
 
-        for h, block in blocks:
-            if fresh(("block", h)):
-                rows = slice(block * self.bs, (block + 1) * self.bs)
-                new.append((("block", h), {f"latent.{l}": cache.latent[l][rows] for l in self.mla}))
-        for h, slot in states:
-            if not fresh(("state", h)):
-                continue
-            entry = {
-                **{f"recurrent.{l}": cache.recurrent[l][slot] for l in self.kda},
-                **{f"conv.{l}": cache.conv[l][slot] for l in self.kda},
-            }
-            if self.workers is not None:  # the other ranks' heads
-                for r, (rec, conv) in enumerate(self.workers.call("read_state", slot), start=1):
-                    entry.update({f"recurrent.{l}.r{r}": rec[l] for l in self.kda})
-                    entry.update({f"conv.{l}.r{r}": conv[l] for l in self.kda})
-            new.append((("state", h), entry))
+        blocks = [(h, b) for h, b in blocks if fresh(("block", h))]
+        new = [(("block", h), e) for (h, _), e in zip(blocks, self.port.read_blocks([b for _, b in blocks]))]
+        new += [(("state", h), self.port.read_state(slot)) for h, slot in states if fresh(("state", h))]
         packs: dict = {}  # this call's blocks in one pack, each state in its own
         for key, views in new:
             if self.pin:
@@ -368,31 +366,11 @@ class PrefixTiers:
         """Fill fresh blocks and live slots from host memory, before the step that reads them."""
         t0 = time.perf_counter()
         st = self.index.stats["cpu"]
-        for h, block in blocks:
-            entry = self.host[("block", h)]
-            rows = slice(block * self.bs, (block + 1) * self.bs)
-            for l in self.mla:
-                cache.latent[l][rows].copy_(entry[f"latent.{l}"], non_blocking=self.pin)
+        self.port.write_blocks([b for _, b in blocks], [self.host[("block", h)] for h, _ in blocks], self.pin)
+        for h, _ in blocks:
             self.index.cpu.touch(("block", h))
-        if self.workers is not None and blocks:  # the latent is whole on every rank
-            rows = torch.cat([torch.arange(b * self.bs, (b + 1) * self.bs) for _, b in blocks])
-            latent = {l: torch.cat([self.host[("block", h)][f"latent.{l}"] for h, _ in blocks]) for l in self.mla}
-            self.workers.send("write_state", -1, {}, {}, rows, latent)
         for h, slot in states:
-            entry = self.host[("state", h)]
-            for l in self.kda:
-                cache.recurrent[l][slot].copy_(entry[f"recurrent.{l}"], non_blocking=self.pin)
-                cache.conv[l][slot].copy_(entry[f"conv.{l}"], non_blocking=self.pin)
-            if self.workers is not None:  # each rank its own heads
-                shards = [
-                    (
-                        slot,
-                        {l: entry[f"recurrent.{l}.r{r}"] for l in self.kda},
-                        {l: entry[f"conv.{l}.r{r}"] for l in self.kda},
-                    )
-                    for r in range(1, self.workers.size)
-                ]
-                self.workers.send_each("write_state", shards)
+            self.port.write_state(slot, self.host[("state", h)], self.pin)
             self.index.cpu.touch(("state", h))
         n = len(blocks) + len(states)
         if n:

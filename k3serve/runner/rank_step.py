@@ -154,6 +154,11 @@ class RankRunner:
             {i: t[slot].clone() for i, t in enumerate(self.cache.conv) if t is not None},
         )
 
+    def read_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        """This rank's latent rows [R, c + r] per MLA layer (whole on every rank), on the CPU."""
+        rows = rows.to(self.cache.device)
+        return {i: t[rows].cpu() for i, t in enumerate(self.cache.latent) if t is not None}
+
     def write_state(
         self, slot: int, recurrent: dict, conv: dict, rows: torch.Tensor | None = None, latent: dict | None = None
     ) -> None:

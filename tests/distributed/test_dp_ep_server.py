@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from safetensors import safe_open
 
 from tests.live import serving
 from tests.server.conftest import make_app
@@ -242,3 +243,41 @@ def test_a_dp_attention_worker_that_cannot_load_names_itself_and_the_tensor(tmp_
     with pytest.raises(RuntimeError, match=rf"DP-attention worker failed to start: .*{name.replace('.', '[.]')}"):
         make_app(d, "--data-parallel-size", "2", "--enable-expert-parallel")
     assert not [p for p in set(multiprocessing.active_children()) - before if p.name.startswith("k3serve-")]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dp_attention_replicas_share_prefix_tiers_across_a_restart(tp, tiny_k3_dir, tmp_path):
+    """`-dp 2 --enable-expert-parallel --kv-offloading-dir D` (and `-tp 2` inside each replica):
+    each replica's tiers read and write the cache in its worker processes over the pipes
+    (offload/ports.py RemotePort: blocks from the replica's rank 0, each rank its KDA heads); a
+    restarted server serves the long prompt's prefix from the directory (cached_tokens counts
+    it) with the single-process server's text."""
+    disk = str(tmp_path / "tiers")
+    ref_app, _ = make_app(tiny_k3_dir)
+    flags = ("--data-parallel-size", "2", "--enable-expert-parallel", "--kv-offloading-dir", disk)
+    flags += ("--tensor-parallel-size", str(tp))
+    with serving(ref_app) as ref:
+        want = _complete(ref, LONG, 12)
+    app, state = make_app(tiny_k3_dir, *flags)
+    with serving(app, start_timeout=60) as base:
+        assert _complete(base, LONG, 12) == want
+    asyncio.run(state.engine.shutdown())  # queued writes reach the directory
+    states = list((tmp_path / "tiers").glob("*/state/*/*.safetensors"))
+    assert states
+    with safe_open(str(states[0]), "pt") as f:
+        names = {n.split(".", 1)[1] for n in f.keys()}  # "{key hex}.{name}"
+    assert any(n.startswith("recurrent.") for n in names)
+    assert any(n.endswith(".r1") for n in names) == (tp == 2)  # rank 1's heads beside rank 0's
+    app, state = make_app(tiny_k3_dir, *flags)
+    with serving(app, start_timeout=60) as base:
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": LONG, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        hits = sum(rep.engine.tiers.index.stats["disk"].hits for rep in state.engine.replicas)
+        assert hits > 0
+    asyncio.run(state.engine.shutdown())
