@@ -11,6 +11,8 @@ one run, on tiny K3 (the CPU kernels), one request at a time:
   off        prefix caching on the device only (what k3serve did before the tiers);
   cpu        plus --kv-offloading-size (host memory holding the working set);
   cpu+disk   plus --kv-offloading-dir;
+  cpu-wb     host memory written back (--kv-offloading-write-policy write_back: entries go
+             down as the device pools evict them, not as they publish them);
   restart    a new engine on that directory replaying every conversation's last turn.
 For each: TTFT p50 / p99 over turns >= 2 (restart: its replayed turns), prefill tokens a
 second, cached tokens. Target on this machine (issue 49): TTFT p50 at turns >= 2 at least 3x
@@ -116,6 +118,7 @@ def main() -> None:
         "off": {},
         "cpu": dict(kv_offloading_size=host_gib),
         "cpu+disk": dict(kv_offloading_size=host_gib, kv_offloading_dir=str(disk)),
+        "cpu-wb": dict(kv_offloading_size=host_gib, kv_offloading_write_policy="write_back"),
     }
     out = {
         "args": vars(args),
@@ -135,6 +138,8 @@ def main() -> None:
         t0 = time.perf_counter()
         rows, last = serve(llm, docs, turns, args.answer)
         out["results"][name] = summary(rows, time.perf_counter() - t0)
+        if llm.engine.tiers is not None:  # what went down to host memory (write-through vs write-back)
+            out["results"][name]["host_bytes_written"] = llm.engine.tiers.index.stats["cpu"].bytes_written
         llm.engine.shutdown()
         del llm
         print(f"{name:9s} {out['results'][name]}", flush=True)
