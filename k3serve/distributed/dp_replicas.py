@@ -12,7 +12,7 @@ import torch
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.dp_workers import DPAttentionWorkers
-from k3serve.distributed.group import TPGroup
+from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import NodeLayout
 
 
@@ -159,6 +159,6 @@ def replica_kwargs(config, dp: int, dp_attention: bool) -> list[dict]:
             "--data-parallel-backend threads runs each DP-attention rank's whole model in this "
             "process: TP inside the DP ranks and several nodes need --data-parallel-backend mp (the default)"
         )
-    from k3serve.distributed.expert_group import expert_groups
+    from k3serve.parallel.expert_group import expert_groups
 
     return [{"ep": g} for g in expert_groups(dp, config.distributed_timeout, config.all2all_backend)]

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from k3serve.distributed.executor import MultiprocExecutor, WorkerDied, spawn_workers, worker_base
-from k3serve.distributed.group import TPGroup
+from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import CommandListener, NodeLayout
-from k3serve.distributed.shm import create_segment
+from k3serve.parallel.shm import create_segment
 
 
 class DPAttentionWorkers(MultiprocExecutor):

@@ -24,9 +24,9 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from k3serve.distributed.group import TPGroup
+from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import ControlChannel, NodeLayout, control_group
-from k3serve.distributed.shm import create_segment
+from k3serve.parallel.shm import create_segment
 from k3serve.distributed.worker import WorkerSpec, make_group, worker_main
 
 log = logging.getLogger("k3serve.distributed")
@@ -40,7 +40,7 @@ def check_layout(model_path: str, tp: TPGroup) -> None:
     """Refuse a layout the model cannot split before any worker starts: build rank 0's model on
     the meta device (no memory) and check the MXFP4 expert split, naming the dimension."""
     from k3serve.config.bundled import load_model_config
-    from k3serve.distributed.shard import check_expert_split
+    from k3serve.parallel.shard import check_expert_split
     from k3serve.models.registry import build_model
 
     cfg = load_model_config(model_path)

@@ -5,7 +5,7 @@ executor.py so that neither executor module imports the other): worker processes
 from __future__ import annotations
 
 from k3serve.distributed.executor import MultiprocExecutor, check_layout
-from k3serve.distributed.group import TPGroup
+from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import NodeLayout
 
 

@@ -41,7 +41,7 @@ class WorkerSpec:
     kernels: str
     device: str
     threads: int
-    shm_path: str | None = None  # the driver's shared segment (distributed/shm.py), or gloo only
+    shm_path: str | None = None  # the driver's shared segment (parallel/shm.py), or gloo only
     master_addr: str = "127.0.0.1"  # where the TCPStore is (node 0, or torchrun's agent)
     control: bool = False  # commands over the control group (multi-node), not a pipe
     dp_attention: bool = False  # a DP-attention rank: a replica's model, experts by id over `world`
@@ -54,7 +54,7 @@ def make_group(spec: WorkerSpec, store, rank: int):
     """This rank's TPGroup over a ProcessGroupGloo on the shared store (a rendezvous), with the
     shared-memory transport when every rank could map the segment (agreed over gloo). For a
     DP-attention rank: the expert group of all `world` ranks."""
-    from k3serve.distributed.group import TPGroup
+    from k3serve.parallel.group import TPGroup
 
     pg, shm = _gloo_group(spec, store, spec.prefix, rank, spec.world, spec.shm_path)
     dp = dict(size_flag="--data-parallel-size", all2all=spec.all2all) if spec.dp_attention else {}
@@ -63,7 +63,7 @@ def make_group(spec: WorkerSpec, store, rank: int):
 
 def make_dp_tp_group(spec: WorkerSpec, store):
     """A DP-attention rank's TP group: the tp_size ranks of its DP rank (NO_TP for TP 1)."""
-    from k3serve.distributed.group import NO_TP, TPGroup
+    from k3serve.parallel.group import NO_TP, TPGroup
 
     if spec.tp_size == 1:
         return NO_TP
@@ -95,7 +95,7 @@ def _attach_shm(path: str | None, rank: int, world: int, timeout_s: float):
     if path is None:
         return None
     from k3serve import kernels
-    from k3serve.distributed.shm import ShmComm
+    from k3serve.parallel.shm import ShmComm
 
     module = kernels.get("auto")  # a transport, not a model kernel: used even under --kernels torch
     if module is None:
@@ -156,7 +156,7 @@ def serve(conn, model, spec: WorkerSpec) -> None:
     """`conn`: anything with recv() -> (method, args): the pipe, or the ControlChannel."""
     import torch
 
-    from k3serve.distributed.group import CollectiveError
+    from k3serve.parallel.group import CollectiveError
     from k3serve.runner.model_runner import allocate_cache
     from k3serve.runner.rank_step import RankRunner
 

@@ -32,7 +32,7 @@ from k3serve.offload.setup import make_tiers
 from k3serve.weights.hub import resolve_model
 from k3serve.distributed.executor import WorkerDied
 from k3serve.distributed.start import start_executor
-from k3serve.distributed.group import NO_TP, CollectiveError
+from k3serve.parallel.group import NO_TP, CollectiveError
 from k3serve.engine.setup import (
     check_quantization,
     kernel_mode,

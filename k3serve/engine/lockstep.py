@@ -1,7 +1,7 @@
 """DP-attention + expert parallelism: M engine replicas that step together (issue 16).
 
 Each replica has its own scheduler, cache and whole attention, and its model holds 1/M of the
-routed experts (an expert group, distributed/expert_group.py); every MoE layer gathers all the
+routed experts (an expert group, parallel/expert_group.py); every MoE layer gathers all the
 replicas' tokens (layers/moe.py `_dp_ep_forward`). So every replica must run a forward each
 step, in the same order: one loop here steps all of them at once, each on its own engine thread,
 and a replica with nothing scheduled runs an idle forward (its MoE layers' collectives, no

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3serve.config.model_config import ModelConfig
-from k3serve.distributed.group import NO_TP, TPGroup
+from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.backends import TORCH
 from k3serve.layers.common import RMSNorm, linear
 from k3serve.forward import CacheTensors, ForwardBatch

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from k3serve.config.model_config import ModelConfig
-from k3serve.distributed.group import NO_TP, TPGroup
+from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
 from k3serve.backends import TORCH
 from k3serve.layers.common import RMSNorm, WeightOnly, linear

@@ -14,7 +14,7 @@ from torch import nn
 from k3serve import backends
 from k3serve.backends import TORCH
 from k3serve.config.model_config import LayerKind, ModelConfig
-from k3serve.distributed.group import NO_TP, TPGroup, vocab_shard
+from k3serve.parallel.group import NO_TP, TPGroup, vocab_shard
 from k3serve.layers.attnres import attnres_vector
 from k3serve.layers.common import RMSNorm, WeightOnly
 from k3serve.layers.kda import KimiDeltaAttention

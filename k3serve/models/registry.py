@@ -9,7 +9,7 @@ import torch
 from k3serve.config.bundled import load_model_config
 from k3serve.config.model_config import ModelConfig
 from k3serve.config.parse import ConfigError
-from k3serve.distributed.group import NO_TP, TPGroup
+from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.models.kimi import KimiForCausalLM
 
 MODEL_REGISTRY = {
@@ -39,7 +39,7 @@ def load_model(
     tp: TPGroup = NO_TP,
     ep: TPGroup | None = None,
 ) -> KimiForCausalLM:
-    from k3serve.distributed.shard import shard_weights
+    from k3serve.parallel.shard import shard_weights
     from k3serve.weights.loader import load_weights
 
     cfg = load_model_config(path)

@@ -1,6 +1,6 @@
 """Weight bytes per rank for a parallel layout, tensor by tensor (planner-data.md §5.2-5.3).
 
-Sharding rules (the ones distributed/shard.py applies):
+Sharding rules (the ones parallel/shard.py applies):
   routed experts            -> split over the EP ranks (EP = all GPUs; 896 % EP == 0)
   head-/column-parallel     -> / attention TP: q/k/v/g/o projections, KDA conv/decay params,
                                MLA q_b/kv_b, shared experts, dense MLP, the latent MoE up

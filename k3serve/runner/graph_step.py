@@ -92,7 +92,7 @@ class GraphSteps:
         if cache.scratch_slot is None:
             raise ValueError("the graph backend needs a cache allocated with a scratch slot and block")
         self.model, self.cache, self.device, self.config, self.eager = model, cache, device, config, eager
-        model.tp.enable_functional()  # its collectives become graph nodes (distributed/group.py)
+        model.tp.enable_functional()  # its collectives become graph nodes (parallel/group.py)
         self.sizes = config.capture_sizes(max_num_seqs)
         self.verify_positions = 1 + num_speculative_tokens if num_speculative_tokens else 0
         self.bias = None

@@ -1,5 +1,5 @@
 """Run one function on N tensor-parallel ranks inside this process (one thread per rank, each
-with its own ProcessGroupGloo on a shared TCPStore, distributed/expert_group.py): the model-level TP tests compare rank 0's
+with its own ProcessGroupGloo on a shared TCPStore, parallel/expert_group.py): the model-level TP tests compare rank 0's
 logits with the single-process model's without paying for N process start-ups. The engine's
 own executor (distributed/executor.py) uses processes; this harness is for tests only.
 """
@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from k3serve.distributed.expert_group import in_threads, thread_process_groups
-from k3serve.distributed.group import TPGroup
+from k3serve.parallel.expert_group import in_threads, thread_process_groups
+from k3serve.parallel.group import TPGroup
 
 
 def run_ranks(

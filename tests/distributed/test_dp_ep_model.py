@@ -104,7 +104,7 @@ def test_dp2_attention_with_tp2_inside_matches_single_process_per_rank(
 
 
 def test_tp_rows_split_a_dp_ranks_rows_once():
-    from k3serve.distributed.group import TPGroup
+    from k3serve.parallel.group import TPGroup
     from k3serve.layers.moe import tp_rows
 
     for n in (0, 1, 2, 5, 8):
@@ -114,7 +114,7 @@ def test_tp_rows_split_a_dp_ranks_rows_once():
 
 
 def test_dp_attention_needs_experts_by_id(tiny_kl_dir):
-    from k3serve.distributed.group import TPGroup
+    from k3serve.parallel.group import TPGroup
 
     with pytest.raises(ValueError, match="DP-attention splits the routed experts by id.*--enable-expert-parallel"):
         load_model(tiny_kl_dir, progress=False, ep=TPGroup(0, 2, expert_parallel=False))

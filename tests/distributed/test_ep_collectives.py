@@ -1,4 +1,4 @@
-"""The expert group's reduce-scatter and all-to-all (distributed/group.py), three ranks as threads:
+"""The expert group's reduce-scatter and all-to-all (parallel/group.py), three ranks as threads:
 over gloo, over the shared segment, and over a segment too small for the rows (which must take
 gloo on every rank, by the same choice): the same rows everywhere, and the payload counted is
 only what leaves each rank."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from k3serve import kernels
-from k3serve.distributed.expert_group import in_threads, thread_process_groups
-from k3serve.distributed.group import TPGroup
-from k3serve.distributed.shm import ShmComm, create_segment
+from k3serve.parallel.expert_group import in_threads, thread_process_groups
+from k3serve.parallel.group import TPGroup
+from k3serve.parallel.shm import ShmComm, create_segment
 
 K = kernels.get("auto")
 SEND = [[2, 1, 0], [0, 0, 0], [3, 1, 2]]  # rows rank r sends rank d: ragged, with idle pairs

@@ -1,4 +1,4 @@
-"""The shared-memory collectives (kernels/cpu/comm/shm_comm.cpp via distributed/shm.py), two ranks as
+"""The shared-memory collectives (kernels/cpu/comm/shm_comm.cpp via parallel/shm.py), two ranks as
 threads: sums in rank order with an fp32 accumulator (the same bits on every rank), gathers in
 rank order, many rounds through both buffers, and a clear error for a peer that is gone."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3serve import kernels
-from k3serve.distributed.shm import ShmComm, create_segment
+from k3serve.parallel.shm import ShmComm, create_segment
 
 K = kernels.get("auto")
 pytestmark = pytest.mark.skipif(K is None, reason="the CPU kernels did not build")

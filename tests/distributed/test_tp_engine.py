@@ -12,7 +12,7 @@ import pytest
 
 from k3serve import LLM, SamplingParams
 from k3serve.distributed.executor import WorkerDied
-from k3serve.distributed.group import CollectiveError
+from k3serve.parallel.group import CollectiveError
 
 KW = dict(cache_memory="32MiB", max_model_len=512, max_num_batched_tokens=96, seed=0)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

@@ -1,7 +1,8 @@
 """The package layout is the architecture: what computes the model (layers/, models/) and the
 step's data (forward/) never reach up into the runner, the engine or the server, at module
 level or inside a function; server/ and distributed/ have no import circles (issue 51: the
-kv_transfer/handler circle and the executor/ray_executor one were split). Read from the
+kv_transfer/handler circle and the executor/ray_executor one were split; the collectives the
+layers use are parallel/, the process orchestration distributed/). Read from the
 source (ast), so a lazy import counts too."""
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def _violations(package: str, banned: tuple[str, ...]) -> list[str]:
 
 def test_layers_models_and_forward_never_import_runner_engine_or_server():
     bad = [v for pkg in ("layers", "models", "forward") for v in _violations(pkg, UPWARD)]
+    assert not bad, bad
+
+
+def test_the_collectives_the_layers_use_import_no_process_orchestration():
+    """parallel/ (groups, collectives, sharding) sits below the model; distributed/ (the rank
+    processes, executors, workers) above it: the layers reach only the former."""
+    bad = _violations("parallel", UPWARD + ("k3serve.distributed", "k3serve.models", "k3serve.layers"))
+    bad += [v for pkg in ("layers", "models", "forward") for v in _violations(pkg, ("k3serve.distributed",))]
     assert not bad, bad
 
 

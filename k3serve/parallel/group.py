@@ -80,7 +80,7 @@ class TPGroup:
     size: int = 1
     expert_parallel: bool = False  # routed experts split by expert id instead of by channel
     pg: Any = None  # the torch.distributed process group object (None for size 1)
-    shm: Any = None  # distributed/shm.py ShmComm: ranks on one host meet in shared memory (else gloo)
+    shm: Any = None  # parallel/shm.py ShmComm: ranks on one host meet in shared memory (else gloo)
     stats: CommStats = field(default_factory=CommStats, compare=False)
     size_flag: str = "--tensor-parallel-size"  # what sets `size` (DP-attention's expert group: the DP size)
     all2all: str = "auto"  # DP-attention's token exchange for the experts (layers/moe_dispatch.py)

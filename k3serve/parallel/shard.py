@@ -23,7 +23,7 @@ import re
 import torch
 
 from k3serve.config.model_config import ModelConfig
-from k3serve.distributed.group import TPGroup, vocab_shard
+from k3serve.parallel.group import TPGroup, vocab_shard
 from k3serve.weights.mxfp4 import GROUP, PackedMXFP4
 from k3serve.weights.nvfp4 import PackedNVFP4
 

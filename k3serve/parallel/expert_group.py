@@ -2,7 +2,7 @@
 
 M data-parallel replicas, each a thread with its own engine, form one group of M ranks: a
 ProcessGroupGloo per replica on a shared TCPStore (their constructors rendezvous, so they are
-made concurrently), with the shared-memory transport (distributed/shm.py) on top, as the TP
+made concurrently), with the shared-memory transport (parallel/shm.py) on top, as the TP
 ranks of one host use. k3serve/testing/tp_harness.py runs the model tests' ranks on the same groups.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from k3serve.distributed.group import TPGroup
+from k3serve.parallel.group import TPGroup
 
 
 def in_threads(world: int, target, timeout_s: float) -> bool:
@@ -54,7 +54,7 @@ def expert_groups(world: int, timeout_s: float = 120.0, all2all: str = "auto") -
     """One TPGroup (expert-parallel, size `world`) per replica, rank r for replica r; `all2all`:
     how their MoE layers exchange tokens (layers/moe_dispatch.py)."""
     from k3serve import kernels
-    from k3serve.distributed.shm import ShmComm, create_segment
+    from k3serve.parallel.shm import ShmComm, create_segment
 
     pgs = thread_process_groups(world, timeout_s)
     module = kernels.get("auto")  # a transport, not a model kernel: used even under --kernels torch
