@@ -1,11 +1,14 @@
 """The `triton` backend: the graph backend's static step with the GPU kernels inside it.
 
 Everything the `graph` backend does (backends/graph.py: the fixed-shape decode and verify steps
-that runner/graph_step.py compiles and captures per batch bucket, the eager reference for
-prefill), with three cores replaced by Triton kernels (k3serve/kernels/triton, registered as
-`k3serve::triton_*` custom ops): KDA decode and verify through fla-core's fused recurrent
-kernel and our short-conv update, paged MLA decode through the block table, and the MoE
-experts as grouped GEMMs reading MXFP4 packed (every row count, prefill included). On CUDA
+that runner/graph_step.py compiles and captures per batch bucket), with three cores replaced by
+Triton kernels (k3serve/kernels/triton, registered as `k3serve::triton_*` custom ops): KDA
+decode and verify through fla-core's fused recurrent kernel and our short-conv update (a verify
+pass writing each position's state to its own slot), paged MLA decode through the block table,
+and the MoE experts as grouped GEMMs reading MXFP4 packed (every row count, prefill included).
+Eager prefill steps run KDA through fla-core's varlen `chunk_kda` (every sequence from its
+slot's state, in one call; the short conv per sequence in torch); MLA prefill stays the
+reference's fused attention. On CUDA
 this is what `auto` picks; on a CPU it runs only under Triton's interpreter, for the tests.
 """
 
@@ -45,6 +48,32 @@ class TritonBackend(GraphBackend):
 
     def kda_gate(self, i: int) -> torch.Tensor:
         return self.a_log[i]
+
+    def kda(self, layer, x, batch, cache):
+        """Static steps: the graph backend's (the fused recurrent kernel). An eager step without
+        a verify pass (prefill chunks, with any decode rows beside them): every sequence in one
+        varlen `chunk_kda` call from its slot's state; a verify pass keeps the reference (its
+        per-position records)."""
+        if batch.static or batch.verify:
+            return super().kda(layer, x, batch, cache)
+        from k3serve.kernels.triton.kda import kda_prefill
+        from k3serve.layers.short_conv import short_conv
+
+        i, N = layer.layer_idx, x.shape[0]
+        u, z, b, gate = layer.projections(x)
+        conv_w, rec, conv = self.kda_w[i][0], cache.recurrent[i], cache.conv[i]
+        bounds = batch.seq_bounds()
+        seqs = [j for j, (s, e) in enumerate(bounds) if e > s]
+        c = torch.empty_like(u)
+        for j in seqs:  # the short conv from each slot's window (a new sequence's was zeroed)
+            s, e = bounds[j]
+            slot = batch.state_slots[j]
+            c[s:e], conv[slot] = short_conv(u[s:e], conv_w, conv[slot])
+        q, k, v = layer._qkv(c)
+        g = layer._decay(z).view(N, layer.heads, layer.head_dim)
+        slots = batch.index(("prefill slots", tuple(seqs)), [batch.state_slots[j] for j in seqs])
+        o = kda_prefill(q, k, v, g, torch.sigmoid(b), rec, slots, [bounds[j][1] - bounds[j][0] for j in seqs])
+        return layer.o_proj(layer._gated_norm(o, gate).to(x.dtype))
 
     def mla_core(self, layer, q, ckv, batch, cache):
         m = layer.cfg

@@ -1,6 +1,7 @@
 """kernels="triton" inside the engine (issue 52): the graph backend's static step with the
 Triton KDA, paged MLA and MoE kernels in it gives the torch backend's greedy tokens, on tiny K3
-(packed MXFP4 experts) and tiny Kimi-Linear (dense experts), with a DSpark verify pass on K3.
+(packed MXFP4 experts) and tiny Kimi-Linear (dense experts), prefill through fla's varlen
+chunk_kda, with a DSpark verify pass on K3.
 On a CPU the kernels run under Triton's interpreter (tests/conftest.py), the step uncompiled
 (dynamo's `eager` backend still demands one graph); each engine takes ~10-25 s here, and the
 DSpark verify test is slow-marked (`make test-slow`)."""
@@ -14,6 +15,14 @@ from k3serve import LLM, SamplingParams
 
 pytest.importorskip("triton", reason="kernels='triton' needs triton")
 pytest.importorskip("fla", reason="kernels='triton' needs fla-core")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fla_under_the_interpreter():
+    from tests.fla_interpreter import apply
+
+    apply()  # prefill chunks run fla's chunk_kda (tests/fla_interpreter.py)
+
 
 TRITON = dict(kernels="triton", compilation_config={"backend": "eager", "cudagraph_capture_sizes": [1, 4]})
 
@@ -45,7 +54,7 @@ def count_kernel_calls(llm) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["k3", "kl"])
-def test_triton_backend_greedy_equals_torch(kind, tiny_k3_dir, tiny_kl_dir):
+def test_triton_backend_greedy_equals_torch(kind, tiny_k3_dir, tiny_kl_dir, monkeypatch):
     path = str(tiny_k3_dir if kind == "k3" else tiny_kl_dir)
     kw = dict(cache_memory="16MiB", max_model_len=128, max_num_seqs=4)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -56,9 +65,16 @@ def test_triton_backend_greedy_equals_torch(kind, tiny_k3_dir, tiny_kl_dir):
     if kind == "k3":
         assert llm.engine.model.moe_layers()[0].w1.is_packed  # the MoE kernel reads MXFP4 bytes
     calls = count_kernel_calls(llm)
+    from k3serve.kernels.triton import kda
+
+    prefill = kda.kda_prefill
+    monkeypatch.setattr(
+        kda, "kda_prefill", lambda *a: calls.update(kda_prefill=calls.get("kda_prefill", 0) + 1) or prefill(*a)
+    )
     assert tokens(llm, ps, sp) == want
     assert llm.engine.runner.rank.graphs.steps >= 7  # the decode steps ran in the static step
     assert calls["kda_decode"] and calls["mla_decode"] and calls["moe_experts"], calls
+    assert calls["kda_prefill"] == len(llm.engine.model.cfg.kda_layers)  # the prompts' one prefill step: chunk_kda
 
 
 @pytest.mark.slow  # ~50 s here: a verify pass's KDA, MLA and MoE kernels in the engine (tests/kernels has each alone)

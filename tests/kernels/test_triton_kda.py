@@ -91,3 +91,50 @@ def test_the_short_conv_update_writes_each_window_to_its_slot():
     want = torch.stack(outs, 1).reshape(B * T, 3, C // 3).transpose(0, 1)
     assert torch.allclose(out, want, atol=1e-6, rtol=0)
     assert torch.equal(pool[[3, 4]], untouched)
+
+
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_the_triton_backends_prefill_equals_the_reference(kind, tiny_k3_dir, tiny_kl_dir, monkeypatch):
+    """An eager step of two prefill chunks (one a new sequence, one resuming from its slot) and a
+    decode row through the triton backend's varlen chunk_kda == the layer's reference: outputs
+    and every state within fp32 summation-order noise, other slots untouched."""
+    from k3serve.forward import CacheTensors, ForwardBatch
+    from k3serve.layers.kda import KimiDeltaAttention
+    from k3serve.models.registry import load_model
+
+    prefill = kda.kda_prefill
+    model = load_model(tiny_k3_dir if kind == "k3" else tiny_kl_dir, progress=False)
+    layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    g = torch.Generator().manual_seed(5)
+    cache = CacheTensors.allocate(model.cfg, 6, 16, 16, scratch=True)
+    i = layer.layer_idx
+    cache.recurrent[i].copy_(torch.randn(cache.recurrent[i].shape, generator=g) * 0.1)
+    cache.conv[i].copy_(torch.randn(cache.conv[i].shape, generator=g))
+    cache.recurrent[i][2], cache.conv[i][2] = 0.0, 0.0  # the new sequence's slot, as the model zeroes it
+    lens, ctx, slots = [21, 1, 9], [0, 7, 30], [2, 4, 0]
+    x = torch.randn(sum(lens), model.cfg.hidden_size, generator=g)
+    tables = [[0, 1], [2], [3, 4, 5]]
+
+    def run(mode):
+        model.use_kernels(mode)
+        c = CacheTensors(
+            [t.clone() if t is not None else None for t in cache.recurrent],
+            [t.clone() if t is not None else None for t in cache.conv],
+            cache.latent,
+            16,
+            cache.scratch_slot,
+            cache.scratch_block,
+        )
+        with torch.inference_mode():
+            return layer(x, ForwardBatch(torch.zeros(sum(lens), dtype=torch.long), lens, ctx, slots, tables, 16), c), c
+
+    calls = []
+    monkeypatch.setattr(kda, "kda_prefill", lambda *a: calls.append(a[-1]) or prefill(*a))
+    want, ref = run("torch")
+    got, mine = run("triton")
+    assert calls == [lens]  # one varlen chunk_kda call took every sequence
+    assert (got - want).abs().max() <= 2e-5 * want.abs().max()
+    for name in ("recurrent", "conv"):
+        a, b, before = getattr(mine, name)[i], getattr(ref, name)[i], getattr(cache, name)[i]
+        assert (a - b).abs().max() <= 2e-5 * max(b.abs().max(), 1.0)
+        assert torch.equal(a[[1, 3, 5]], before[[1, 3, 5]])  # slots the step does not name

@@ -131,3 +131,28 @@ def kda_verify(
     q, k, v = (x.view(N, H, D) for x in qkv)
     o = _recurrent(q, k, v, z.contiguous().view(N, H, D), b.contiguous(), a_log, dt_bias, rec, slots, lower_bound, T)
     return _gated(o, gate, o_norm, eps)
+
+
+def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, rec: Tensor, slots: Tensor, lens: list[int]):
+    """Prefill chunks (and any single rows beside them) of S sequences in one varlen call of
+    fla-core's `chunk_kda`: q, k (l2-normed, q * D^-1/2), v, g (log decay) [N, H, D] fp32 and
+    beta [N, H], rows sequence-major with lens [S] rows each; each sequence starts from the
+    state at slots [S] of rec [S', H, D, D] and its state after its last row is written back
+    there. -> o [N, H, D] fp32. Reference: layers/kda_ops.py `kda_chunked` per sequence."""
+    from fla.ops.kda import chunk_kda
+
+    cu_cpu = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
+    o, final = chunk_kda(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        scale=1.0,
+        initial_state=rec.index_select(0, slots).float(),
+        output_final_state=True,
+        cu_seqlens=cu_cpu.to(q.device),
+        cu_seqlens_cpu=cu_cpu,  # the host copy fla would otherwise make (a sync)
+    )
+    rec.index_copy_(0, slots, final.to(rec.dtype))
+    return o[0]
