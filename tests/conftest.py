@@ -16,6 +16,28 @@ if not torch.cuda.is_available():
 from k3serve.testing.builder import build_tiny_checkpoint
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fla_under_the_interpreter():
+    """The triton backend's prefill runs fla's chunk_kda, which needs two patches under Triton's
+    interpreter (tests/fla_interpreter.py): applied when a test first builds that backend."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from k3serve.backends import triton as backend
+
+    init = backend.TritonBackend.__init__
+
+    def patched(self, *args, **kwargs):
+        from tests.fla_interpreter import apply
+
+        apply()
+        init(self, *args, **kwargs)
+
+    backend.TritonBackend.__init__ = patched
+    yield
+    backend.TritonBackend.__init__ = init
+
+
 @pytest.fixture(autouse=True)
 def _no_hub_downloads(monkeypatch):
     """Nothing in the suite reaches the Hugging Face Hub: a repo id resolves from a cache or fails

@@ -17,13 +17,6 @@ pytest.importorskip("triton", reason="kernels='triton' needs triton")
 pytest.importorskip("fla", reason="kernels='triton' needs fla-core")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fla_under_the_interpreter():
-    from tests.fla_interpreter import apply
-
-    apply()  # prefill chunks run fla's chunk_kda (tests/fla_interpreter.py)
-
-
 TRITON = dict(kernels="triton", compilation_config={"backend": "eager", "cudagraph_capture_sizes": [1, 4]})
 
 

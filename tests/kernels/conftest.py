@@ -6,10 +6,3 @@ import pytest
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (pip install triton==3.8.0)")
 pytest.importorskip("fla", reason="the KDA kernels need fla-core")
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _fla_under_the_interpreter():
-    from tests.fla_interpreter import apply
-
-    apply()
