@@ -6,8 +6,8 @@ Triton kernels (k3serve/kernels/triton, registered as `k3serve::triton_*` custom
 decode and verify through fla-core's fused recurrent kernel and our short-conv update (a verify
 pass writing each position's state to its own slot), paged MLA decode through the block table,
 and the MoE experts as grouped GEMMs reading MXFP4 packed (every row count, prefill included).
-Eager prefill steps run KDA through fla-core's varlen `chunk_kda` (every sequence from its
-slot's state, in one call; the short conv per sequence in torch); MLA prefill stays the
+Eager prefill steps run KDA through our varlen short-conv kernel and fla-core's varlen
+`chunk_kda` (every sequence from its slot's window and state, one call each); MLA prefill stays the
 reference's fused attention. On CUDA
 this is what `auto` picks; on a CPU it runs only under Triton's interpreter, for the tests.
 """
@@ -57,22 +57,19 @@ class TritonBackend(GraphBackend):
         if batch.static or batch.verify:
             return super().kda(layer, x, batch, cache)
         from k3serve.kernels.triton.kda import kda_prefill
-        from k3serve.layers.short_conv import short_conv
+        from k3serve.kernels.triton.short_conv import short_conv_varlen
 
         i, N = layer.layer_idx, x.shape[0]
         u, z, b, gate = layer.projections(x)
         conv_w, rec, conv = self.kda_w[i][0], cache.recurrent[i], cache.conv[i]
         bounds = batch.seq_bounds()
         seqs = [j for j, (s, e) in enumerate(bounds) if e > s]
-        c = torch.empty_like(u)
-        for j in seqs:  # the short conv from each slot's window (a new sequence's was zeroed)
-            s, e = bounds[j]
-            slot = batch.state_slots[j]
-            c[s:e], conv[slot] = short_conv(u[s:e], conv_w, conv[slot])
-        q, k, v = layer._qkv(c)
-        g = layer._decay(z).view(N, layer.heads, layer.head_dim)
+        lens = [bounds[j][1] - bounds[j][0] for j in seqs]
         slots = batch.index(("prefill slots", tuple(seqs)), [batch.state_slots[j] for j in seqs])
-        o = kda_prefill(q, k, v, g, torch.sigmoid(b), rec, slots, [bounds[j][1] - bounds[j][0] for j in seqs])
+        # each sequence from its slot's conv window and recurrent state (a new sequence's were zeroed)
+        q, k, v = layer._qkv(short_conv_varlen(u, conv_w, conv, slots, lens))
+        g = layer._decay(z).view(N, layer.heads, layer.head_dim)
+        o = kda_prefill(q, k, v, g, torch.sigmoid(b), rec, slots, lens)
         return layer.o_proj(layer._gated_norm(o, gate).to(x.dtype))
 
     def mla_core(self, layer, q, ckv, batch, cache):

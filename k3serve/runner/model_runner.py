@@ -183,12 +183,10 @@ class ModelRunner:
                 out.sampled[s.request_id] = emitted
                 if rows_written:  # the state after position tau sits in its own slot: no copy
                     out.accepted[s.request_id] = tau
-                    row = bounds[i][0] + tau
-                    committed[s.request_id] = row
-                    continue
-                slots.append(s.state_slot)
-                # every draft accepted: the live state already is the last position's (-1: no copy)
-                taus.append(tau if tau < len(s.drafts) else -1)
+                else:
+                    slots.append(s.state_slot)
+                    # every draft accepted: the live state already is the last position's (-1: no copy)
+                    taus.append(tau if tau < len(s.drafts) else -1)
                 row = bounds[i][0] + tau  # the last committed input
             committed[s.request_id] = row
         self._advance(out)

@@ -138,3 +138,24 @@ def test_the_triton_backends_prefill_equals_the_reference(kind, tiny_k3_dir, tin
         a, b, before = getattr(mine, name)[i], getattr(ref, name)[i], getattr(cache, name)[i]
         assert (a - b).abs().max() <= 2e-5 * max(b.abs().max(), 1.0)
         assert torch.equal(a[[1, 3, 5]], before[[1, 3, 5]])  # slots the step does not name
+
+
+def test_the_varlen_short_conv_equals_the_reference_per_sequence():
+    """Prefill chunks of 7, 1 and 12 rows, each from its slot's window: the outputs and the window
+    each slot keeps == layers/short_conv.py short_conv per sequence; other slots untouched."""
+    from k3serve.kernels.triton.short_conv import short_conv_varlen
+    from k3serve.layers.short_conv import short_conv
+
+    g = torch.Generator().manual_seed(8)
+    C, lens, slots = 3 * P, [7, 1, 12], torch.tensor([4, 0, 2])
+    u, w = torch.randn(sum(lens), C, generator=g), torch.randn(C, K, generator=g)
+    pool = torch.randn(6, K - 1, C, generator=g)
+    before = pool.clone()
+    out = short_conv_varlen(u, w, pool, slots, lens)
+    start = 0
+    for n, s in zip(lens, slots.tolist()):
+        want, window = short_conv(u[start : start + n], w, before[s])
+        assert torch.allclose(out[start : start + n], want, atol=1e-6, rtol=0)
+        assert torch.allclose(pool[s], window, atol=1e-6, rtol=0)
+        start += n
+    assert torch.equal(pool[[1, 3, 5]], before[[1, 3, 5]])

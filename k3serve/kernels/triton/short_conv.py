@@ -82,3 +82,43 @@ def short_conv_update(u: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
         u.contiguous(), weight.contiguous(), pool, slots.contiguous(), out, N, T, C, C // 3, KW=KW, BC=BC
     )
     return out
+
+
+@triton.jit
+def _short_conv_varlen_kernel(
+    u_ptr, w_ptr, pool_ptr, slots_ptr, cu_ptr, out_ptr, C, KW: tl.constexpr, BC: tl.constexpr
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = c < C
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    T = tl.load(cu_ptr + b + 1).to(tl.int64) - start
+    state = pool_ptr + tl.load(slots_ptr + b).to(tl.int64) * (KW - 1) * C
+    u = u_ptr + start * C
+    for t in range(T):
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(KW):
+            w = tl.load(w_ptr + c * KW + j, mask=m, other=0.0).to(tl.float32)
+            acc += w * _x_row(state, u, t + j, c, m, KW, C)
+        tl.store(out_ptr + (start + t) * C + c, acc / (1.0 + tl.exp(-acc)), mask=m)
+    # the window after the last position, in place; ascending rows: row j reads X[T+j], an
+    # index above j, so nothing read here was overwritten yet
+    for j in tl.static_range(KW - 1):
+        row = _x_row(state, u, T + j, c, m, KW, C)
+        tl.store(state + j * C + c, row.to(state.dtype.element_ty), mask=m)
+
+
+def short_conv_varlen(u: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, lens: list[int]):
+    """Prefill chunks of S sequences: u [N, C] (rows sequence-major, lens [S] each), weight
+    [C, KW]; each sequence starts from the window at slots [S] of pool [S', KW-1, C] and leaves
+    there the window after its last row. -> SiLU(conv) [N, C] fp32. Reference: layers/short_conv.py
+    `short_conv` per sequence."""
+    N, C = u.shape
+    KW = weight.shape[1]
+    cu = torch.tensor([0, *lens], dtype=torch.long).cumsum(0).to(u.device)
+    out = torch.empty(N, C, dtype=torch.float32, device=u.device)
+    BC = min(triton.next_power_of_2(C), 256)
+    _short_conv_varlen_kernel[(len(lens), triton.cdiv(C, BC))](
+        u.contiguous(), weight.contiguous(), pool, slots.contiguous(), cu, out, C, KW=KW, BC=BC
+    )
+    return out
