@@ -484,12 +484,12 @@ class CpuKernels(Backend):
         for layer in model.layers:
             attn = layer.self_attn
             mla = not isinstance(attn, KimiDeltaAttention)
-            attn_w = (self.mla_weights(attn) if mla else self.kda_weights(attn)).stack_args(empty_for_none=True)
+            attn_w = list((self.mla_weights(attn) if mla else self.kda_weights(attn)).args)
             attn_i, attn_f = self.mla_scalars(attn) if mla else self.kda_scalars(attn)
             moe = getattr(layer, "block_sparse_moe", None)
             if moe is not None and (moe.ep is not None or moe.tp.size > 1 or not _block_experts(moe)):
                 return None
-            ffn = (self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)).stack_args(False)
+            ffn = list((self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)).args)
             ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
             stack.add_layer(
                 int(mla),

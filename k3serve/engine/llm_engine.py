@@ -319,8 +319,8 @@ class LLMEngine(HandoffMixin):
             tiers.store(self.runner.cache, *self.cache.resident())
         if self.executor is not None:
             self.executor.shutdown()
-        if getattr(self, "tiers", None) is not None:
-            self.tiers.close()  # queued writes reach the directory: a restart finds them
+        if tiers is not None:
+            tiers.close()  # queued writes reach the directory: a restart finds them
 
     def _constraint(self, so):
         """A fresh grammar state for one sequence; a spec that does not compile is the request's

@@ -40,33 +40,11 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-# the torch.library ops cpu/registry.cpp defines (the rest of the module is plain bindings)
-OPS = (
-    "rms_norm",
-    "linear",
-    "glu",
-    "attnres_mix",
-    "mxfp4_grouped_matmul",
-    "nvfp4_grouped_matmul",
-    "kda_decode",
-    "kda_rollback",
-    "mla_decode",
-    "moe_route",
-    "moe_experts",
-    "kda_block",
-    "mla_block",
-    "moe_block",
-    "dspark_forward",
-    "dspark_greedy",
-    "dspark_draft",
-)
-
-
 class KernelLib:
     """The built CPU kernels. Each op of cpu/registry.cpp is an attribute holding its
     torch.library overload (`torch.ops.<namespace>.<op>.default`: schema, fake, one node to
     torch.compile); DecodeStack, the panel forms, `simd` and the shared-memory collectives come
-    from the module's bindings (cpu/module.cpp)."""
+    from the module's bindings (cpu/module.cpp). `ops`: the op names, as registry.cpp defines them."""
 
     def __init__(self, module, namespace: str):
         import torch
@@ -74,10 +52,14 @@ class KernelLib:
         from k3serve.kernels import fakes
 
         self.module, self.namespace = module, namespace
-        ops = getattr(torch.ops, namespace)
+        ns = getattr(torch.ops, namespace)
+        prefix = namespace + "::"
+        self.ops = tuple(
+            sorted(n[len(prefix) :] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+        )
         fakes.register(namespace)
-        for name in OPS:
-            setattr(self, name, getattr(ops, name).default)
+        for name in self.ops:
+            setattr(self, name, getattr(ns, name).default)
         for name in dir(module):
             if not name.startswith("_"):
                 setattr(self, name, getattr(module, name))

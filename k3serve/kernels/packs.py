@@ -1,26 +1,22 @@
 """The block kernels' weights by name (kernels/cpu/packs.h): one frozen dataclass per block,
 its fields the op schema's weight arguments in their order (kernels/cpu/registry.cpp;
 tests/model/test_kernel_ops.py checks the two agree). Built once per layer by the `cpp` backend
-(backends/cpu.py); `args` is what the op takes after its input rows, `stack_args` what the decode
-stack's add_layer takes (absent weights as empty tensors there, for its plain tensor lists)."""
+(backends/cpu.py); `args` is what the op takes after its input rows and, as a list, what the
+decode stack's add_layer takes for the layer (absent weights None in both)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 
-_EMPTY = torch.empty(0)
-
 
 class _Pack:
-    @property
+    @cached_property
     def args(self) -> tuple:
-        """The weights in schema order (None where absent)."""
+        """The weights in schema order (None where absent), built once: a block call spreads them."""
         return tuple(getattr(self, f.name) for f in fields(self))
-
-    def stack_args(self, empty_for_none: bool) -> list:
-        return [_EMPTY if (w is None and empty_for_none) else w for w in self.args]
 
 
 @dataclass(frozen=True)

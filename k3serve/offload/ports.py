@@ -22,6 +22,24 @@ def _rows(blocks: list[int], bs: int) -> torch.Tensor:
     return torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in blocks])
 
 
+def _tag(rank: int) -> str:
+    return f".r{rank}" if rank else ""
+
+
+def _state_entry(kda: list[int], shards) -> dict[str, torch.Tensor]:
+    """One state entry from each rank's (recurrent {l: [H/n, D, D]}, conv {l: ...}), rank order."""
+    entry = {}
+    for r, (rec, conv) in enumerate(shards):
+        entry.update({f"recurrent.{l}{_tag(r)}": rec[l] for l in kda})
+        entry.update({f"conv.{l}{_tag(r)}": conv[l] for l in kda})
+    return entry
+
+
+def _state_shard(kda: list[int], entry: dict, rank: int) -> tuple[dict, dict]:
+    """Rank `rank`'s (recurrent, conv) of a state entry."""
+    return {l: entry[f"recurrent.{l}{_tag(rank)}"] for l in kda}, {l: entry[f"conv.{l}{_tag(rank)}"] for l in kda}
+
+
 class LocalPort:
     def __init__(self, cache, workers, block_size: int, mla: list[int], kda: list[int]):
         self.cache, self.workers, self.bs, self.mla, self.kda = cache, workers, block_size, mla, kda
@@ -32,15 +50,9 @@ class LocalPort:
 
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
         c = self.cache
-        entry = {
-            **{f"recurrent.{l}": c.recurrent[l][slot] for l in self.kda},
-            **{f"conv.{l}": c.conv[l][slot] for l in self.kda},
-        }
-        if self.workers is not None:  # the other ranks' heads
-            for r, (rec, conv) in enumerate(self.workers.call("read_state", slot), start=1):
-                entry.update({f"recurrent.{l}.r{r}": rec[l] for l in self.kda})
-                entry.update({f"conv.{l}.r{r}": conv[l] for l in self.kda})
-        return entry
+        mine = ({l: c.recurrent[l][slot] for l in self.kda}, {l: c.conv[l][slot] for l in self.kda})
+        others = self.workers.call("read_state", slot) if self.workers is not None else []  # their heads
+        return _state_entry(self.kda, [mine, *others])
 
     def write_blocks(self, blocks: list[int], entries: list[dict], non_blocking: bool) -> None:
         c, bs = self.cache, self.bs
@@ -53,15 +65,14 @@ class LocalPort:
 
     def write_state(self, slot: int, entry: dict, non_blocking: bool) -> None:
         c = self.cache
+        rec, conv = _state_shard(self.kda, entry, 0)
         for l in self.kda:
-            c.recurrent[l][slot].copy_(entry[f"recurrent.{l}"], non_blocking=non_blocking)
-            c.conv[l][slot].copy_(entry[f"conv.{l}"], non_blocking=non_blocking)
+            c.recurrent[l][slot].copy_(rec[l], non_blocking=non_blocking)
+            c.conv[l][slot].copy_(conv[l], non_blocking=non_blocking)
         if self.workers is not None:  # each rank its own heads
-            shards = [
-                (slot, {l: entry[f"recurrent.{l}.r{r}"] for l in self.kda}, {l: entry[f"conv.{l}.r{r}"] for l in self.kda})
-                for r in range(1, self.workers.size)
-            ]  # fmt: skip
-            self.workers.send_each("write_state", shards)
+            self.workers.send_each(
+                "write_state", [(slot, *_state_shard(self.kda, entry, r)) for r in range(1, self.workers.size)]
+            )
 
 
 class RemotePort:
@@ -80,12 +91,7 @@ class RemotePort:
         return [{f"latent.{l}": latent[l][i * bs : (i + 1) * bs] for l in self.mla} for i in range(len(blocks))]
 
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
-        entry = {}
-        for r, (rec, conv) in enumerate(self.workers.call_ranks(self.ranks, "read_state", [(slot,)] * len(self.ranks))):
-            tag = f".r{r}" if r else ""
-            entry.update({f"recurrent.{l}{tag}": rec[l] for l in self.kda})
-            entry.update({f"conv.{l}{tag}": conv[l] for l in self.kda})
-        return entry
+        return _state_entry(self.kda, self.workers.call_ranks(self.ranks, "read_state", [(slot,)] * len(self.ranks)))
 
     def write_blocks(self, blocks: list[int], entries: list[dict], non_blocking: bool) -> None:
         if not blocks:
@@ -96,14 +102,5 @@ class RemotePort:
         )
 
     def write_state(self, slot: int, entry: dict, non_blocking: bool) -> None:
-        per_rank = []
-        for r in range(len(self.ranks)):
-            tag = f".r{r}" if r else ""
-            per_rank.append(
-                (
-                    slot,
-                    {l: entry[f"recurrent.{l}{tag}"] for l in self.kda},
-                    {l: entry[f"conv.{l}{tag}"] for l in self.kda},
-                )
-            )
+        per_rank = [(slot, *_state_shard(self.kda, entry, r)) for r in range(len(self.ranks))]
         self.workers.send_ranks(self.ranks, "write_state", per_rank)

@@ -1,7 +1,7 @@
 // The block kernels' weights by name (review 12b item 7: named packs, not positional lists).
 // The op schemas (registry.cpp) name each field as an argument; the decode stack, which keeps
-// every layer's pack, takes them as lists in that same order (`from_list`, the one place the
-// order is written in C++). k3serve/kernels/packs.py builds them in Python, and a test checks
+// every layer's pack, takes them as lists in that same order, absent weights None (`from_list`,
+// the one place the order is written in C++). k3serve/kernels/packs.py builds them in Python, and a test checks
 // its field names against the schemas.
 #pragma once
 
@@ -20,9 +20,13 @@ struct KdaWeights {
   at::Tensor q_proj, k_proj, v_proj, f_a_proj, f_b_proj, b_proj, g_proj, g_b_proj, o_proj;
   at::Tensor q_conv, k_conv, v_conv, dt_bias, a_log, o_norm;
   static constexpr size_t kCount = 15;
-  static KdaWeights from_list(const std::vector<at::Tensor>& w) {
+  static KdaWeights from_list(const std::vector<c10::optional<at::Tensor>>& w) {
     TORCH_CHECK(w.size() == kCount, "a KDA pack has ", kCount, " weights, got ", w.size());
-    return {w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11], w[12], w[13], w[14]};
+    KdaWeights k;
+    at::Tensor* f[kCount] = {&k.q_proj, &k.k_proj, &k.v_proj, &k.f_a_proj, &k.f_b_proj, &k.b_proj, &k.g_proj, &k.g_b_proj,
+                             &k.o_proj, &k.q_conv, &k.k_conv, &k.v_conv, &k.dt_bias, &k.a_log, &k.o_norm};
+    for (size_t i = 0; i < kCount; ++i) *f[i] = opt_or_empty(w[i]);
+    return k;
   }
   int64_t nbytes() const {
     int64_t n = 0;
@@ -39,9 +43,10 @@ struct KdaWeights {
 struct MlaWeights {
   at::Tensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj, g_proj, o_proj;
   static constexpr size_t kCount = 8;
-  static MlaWeights from_list(const std::vector<at::Tensor>& w) {
+  static MlaWeights from_list(const std::vector<c10::optional<at::Tensor>>& w) {
     TORCH_CHECK(w.size() == kCount, "an MLA pack has ", kCount, " weights, got ", w.size());
-    return {w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
+    return {opt_or_empty(w[0]), opt_or_empty(w[1]), opt_or_empty(w[2]), opt_or_empty(w[3]),
+            opt_or_empty(w[4]), opt_or_empty(w[5]), opt_or_empty(w[6]), opt_or_empty(w[7])};
   }
   int64_t nbytes() const {
     int64_t n = 0;

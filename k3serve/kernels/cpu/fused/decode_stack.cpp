@@ -41,7 +41,7 @@ class DecodeStack {
       : eps_(norm_eps), block_(attnres_block), vectors_(std::move(attnres_vectors)), final_norm_(std::move(final_norm)) {}
 
   // attn / ffn: the layer's packs as lists in their schemas' order (packs.h from_list)
-  void add_layer(int64_t attn_kind, at::Tensor in_norm, std::vector<at::Tensor> attn, std::vector<int64_t> attn_i,
+  void add_layer(int64_t attn_kind, at::Tensor in_norm, std::vector<c10::optional<at::Tensor>> attn, std::vector<int64_t> attn_i,
                  std::vector<double> attn_f, int64_t ffn_kind, at::Tensor post_norm,
                  std::vector<c10::optional<at::Tensor>> ffn, std::vector<int64_t> ffn_i, std::vector<double> ffn_f) {
     TORCH_CHECK(attn_kind == 0 ? attn_f.size() == 2 : attn_i.size() == 3 && attn_f.size() == 2,
