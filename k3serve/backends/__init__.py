@@ -46,9 +46,10 @@ class Backend:
         return layer.reference(x)
 
     # ---- the MoE block: its route (parallel layout) is the layer's, its pieces the backend's
-    def moe(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, layer, x: torch.Tensor, batch=None) -> torch.Tensor:
+        """`batch`: the step (DP-attention's static step fixes the token exchange's rows)."""
         if layer.ep is not None:
-            return layer.dp_ep_forward(x, self)
+            return layer.dp_ep_forward(x, self, batch)
         if layer.tp.size > 1:
             return layer.partial_forward(x, self)
         return layer.reference(x)

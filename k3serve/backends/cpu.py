@@ -297,13 +297,13 @@ class CpuKernels(Backend):
         return pack
 
     # ---- the MoE block ---------------------------------------------------------------------
-    def moe(self, layer, x):
+    def moe(self, layer, x, batch=None):
         if not self.takes(x) or x.dtype not in _DTYPES:
-            return super().moe(layer, x)
+            return super().moe(layer, x, batch)
         if not _block_experts(layer):  # the grouped kernels, the layer's torch around them
             if layer.ep is None and layer.tp.size == 1:
                 return layer.single_rank(x, partial(self._grouped_experts, layer), lambda x: self.moe_route(layer, x))
-            return super().moe(layer, x)  # TP / EP: the layer's route, this backend's pieces
+            return super().moe(layer, x, batch)  # TP / EP: the layer's route, this backend's pieces
         if layer.ep is None and (
             layer.tp.size == 1 or (layer.cfg.latent_size is None and not layer.tp.expert_parallel)
         ):
@@ -311,7 +311,7 @@ class CpuKernels(Backend):
             if layer.tp.size > 1 or self.moe_takes_block(layer, x):
                 return self._moe_block(layer, x)
             return layer.single_rank(x, partial(self._grouped_experts, layer))  # big dense experts, many rows
-        return super().moe(layer, x)
+        return super().moe(layer, x, batch)
 
     def moe_takes_block(self, layer, x: torch.Tensor) -> bool:
         """Whether the block kernel runs this layer at x's rows (one rank, and experts the

@@ -137,9 +137,11 @@ class GraphBackend(Backend):
             linear_beta,
         )
 
-    def moe(self, layer, x):
-        if layer.ep is not None:
-            raise NotImplementedError("DP-attention's token exchange is not fixed-shape: it uses 'torch' or 'cpp'")
+    def moe(self, layer, x, batch=None):
+        if layer.ep is not None:  # DP-attention: every rank's rows fixed in a static step, else the reference
+            if getattr(batch, "ep_rows", 0):
+                return layer.dp_ep_forward(x, self, batch)
+            return Backend.moe(TORCH, layer, x)
         if x.shape[0] > self.static_rows:  # an eager prefill chunk: the reference's sorted experts
             return Backend.moe(TORCH, layer, x)
         if layer.tp.size > 1:  # this rank's channels of every expert; the all-reduces trace (group.py)

@@ -46,8 +46,14 @@ class RemoteRank:
         self.workers, self.rank, self.model = workers, rank, model
         self._stats: dict = {}  # the workers' parallel_stats as of their last forward
 
-    def allocate(self, plan, kv_dtype: str, calculate_kv_scales: bool = False) -> None:
-        self.workers.send_replica(self.rank, "allocate", plan, kv_dtype, None, None, calculate_kv_scales)
+    def allocate(
+        self, plan, kv_dtype: str, calculate_kv_scales: bool = False, mode=None, graph=None, masked_ids=()
+    ) -> None:
+        """The worker's cache for `plan`, its backend `mode` and, for the graph backend, its
+        static steps (`graph`: GraphSettings; `masked_ids`: never sampled: it samples on the device)."""
+        self.workers.send_replica(
+            self.rank, "allocate", plan, kv_dtype, mode, graph, calculate_kv_scales, list(masked_ids)
+        )
 
     def forward(self, inputs, taps: tuple[int, ...] = ()):
         ranks = list(self.workers.ranks_of(self.rank))

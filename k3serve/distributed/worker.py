@@ -170,8 +170,8 @@ def serve(conn, model, spec: WorkerSpec) -> None:
         if method == "shutdown":
             return
         try:
-            if method == "allocate":  # (plan, kv dtype[, the driver's backend mode, graph settings, calibration])
-                plan, kv_dtype, mode, graph, calibrate = (*args, None, None, False)[:5]
+            if method == "allocate":  # (plan, kv dtype[, backend mode, graph settings, calibration, masked ids])
+                plan, kv_dtype, mode, graph, calibrate, masked = (*args, None, None, False, ())[:6]
                 device = torch.device(spec.device)
                 if mode is not None:
                     model.use_kernels(mode)
@@ -188,7 +188,7 @@ def serve(conn, model, spec: WorkerSpec) -> None:
                         graph.config,
                         graph.max_num_seqs,
                         graph.eager,
-                        (),
+                        masked,  # a DP-attention rank samples its own rows on the device
                         graph.num_speculative_tokens,
                     )
                 runner = RankRunner(model, cache, device, graphs)

@@ -104,11 +104,11 @@ class LLMEngine(HandoffMixin):
                 self.executor.wait_ready()
         check_quantization(config, self.model)
         mode = kernel_mode(config.kernels, where.device, config.enforce_eager)
-        if mode in STATIC and (self.ep is not None or self.remote is not None):
+        if mode in STATIC and (self.ep is not None or self.remote is not None) and where.device.type != "cpu":
             if config.kernels in STATIC:
                 raise ValueError(
-                    f"kernels={config.kernels!r} runs one rank or tensor(+expert)-parallel ranks; "
-                    "DP-attention engines use 'torch' or 'cpp' (their token exchange is not fixed-shape)"
+                    f"kernels={config.kernels!r} with DP-attention replicas on {where.device}: their "
+                    "expert group is gloo (CPU) here; the NCCL one is not built"
                 )
             mode = "torch"  # auto on a GPU with DP-attention replicas: their dispatch is eager
         if config.ssm_dtype != "float32" and mode in ("auto", "cpp"):
@@ -177,7 +177,7 @@ class LLMEngine(HandoffMixin):
             )
         kv_name = self.kv_dtype_name = str(where.kv_dtype).removeprefix("torch.")
         if self.remote is not None:  # the worker allocates the cache tensors of the same plan
-            self.remote.allocate(self.plan, kv_name, config.calculate_kv_scales)
+            self.remote.allocate(self.plan, kv_name, config.calculate_kv_scales, mode, graph, self.unmapped_ids)
         elif self.executor is not None:  # every rank allocates its share of the same plan, runs the same backend
             self.executor.send("allocate", self.plan, kv_name, mode, graph, config.calculate_kv_scales)
         self.runner = ModelRunner(
@@ -194,14 +194,15 @@ class LLMEngine(HandoffMixin):
             calculate_kv_scales=config.calculate_kv_scales,
         )
         self.tiers = make_tiers(config, self)  # prefix-cache tiers in host memory and on disk, or None
-        graphs = getattr(self.runner.rank, "graphs", None)
-        if graphs is not None:
-            cc = config.compilation_config
+        if graph is not None:
+            cc, eager = config.compilation_config, graph.eager
+            sizes = cc.capture_sizes(graph.max_num_seqs)
             line = (
-                f"graph backend: decode steps of {graphs.sizes[0]}..{graphs.sizes[-1]} rows run compiled "
-                f"({'eager, --enforce-eager' if graphs.eager else cc.backend}"
-                f"{', captured as CUDA graphs' if where.device.type == 'cuda' and not graphs.eager else ''}); "
+                f"graph backend: decode steps of {sizes[0]}..{sizes[-1]} rows run compiled "
+                f"({'eager, --enforce-eager' if eager else cc.backend}"
+                f"{', captured as CUDA graphs' if where.device.type == 'cuda' and not eager else ''}); "
                 f"each new batch bucket compiles on its first step"
+                + ("; DP-attention ranks agree on each step's bucket" if self.ep is not None else "")
             )
             if cc.extra:
                 line += f"; compilation-config keys without effect here: {', '.join(sorted(cc.extra))}"

@@ -47,6 +47,10 @@ class StaticStep:
     sampling: torch.Tensor
     block_size: int
     T: int  # positions per sequence: 1 decode, 1 + k verify
+    # DP-attention: the rows every DP rank brings to each MoE layer's fixed-shape token exchange
+    # (the largest N of this step's ranks, agreed before it: runner/graph_step.py); 0 without
+    ep_rows: int = 0
+    scratch_row: int = -1  # the latent row padding rows write (the scratch block's first)
     context_rows: torch.Tensor | None = None  # [N, W * bs] latent rows of every position < W * bs
     lens: torch.Tensor | None = None  # [N] valid context rows (position + 1: causal within the new rows)
     static = True
@@ -71,9 +75,16 @@ class StaticStep:
             self.sampling,
             bs,
             self.T,
+            self.ep_rows,
+            self.scratch_row,
             rows,
             self.positions + 1,
         )
+
+    def live(self) -> torch.Tensor:
+        """[N] bool: the rows of live tokens (padding rows and padded draft positions write the
+        scratch row), for counting expert load."""
+        return self.cache_rows != self.scratch_row
 
     def sampling_params(self):
         """The rows' DeviceSamplingParams (sampling/device.py), read from the buffer."""
@@ -89,7 +100,15 @@ class StaticBuffers:
     (pinned when the device is a GPU, so the copy is asynchronous and the step's only input copy)."""
 
     def __init__(
-        self, B: int, W: int, block_size: int, device: torch.device, scratch_slot: int, scratch_block: int, T: int = 1
+        self,
+        B: int,
+        W: int,
+        block_size: int,
+        device: torch.device,
+        scratch_slot: int,
+        scratch_block: int,
+        T: int = 1,
+        ep_rows: int = 0,
     ):
         self.B, self.W, self.T, self.block_size = B, W, T, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
@@ -99,7 +118,19 @@ class StaticBuffers:
         self.host = torch.zeros(sum(self.sizes), dtype=torch.long, pin_memory=device.type == "cuda")
         ids, pos, rows, slots, table, gather, sampling = self.device_flat.split(self.sizes)
         slots = slots if T == 1 else slots.view(B, T)
-        self.step = StaticStep(ids, pos, rows, slots, table.view(B, W), gather, sampling.view(6, B), block_size, T)
+        self.step = StaticStep(
+            ids,
+            pos,
+            rows,
+            slots,
+            table.view(B, W),
+            gather,
+            sampling.view(6, B),
+            block_size,
+            T,
+            ep_rows,
+            scratch_block * block_size,
+        )
         self.fill_padding()
 
     def fill_padding(self) -> None:

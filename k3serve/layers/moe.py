@@ -18,7 +18,7 @@ from k3serve.layers.activation import silu_and_mul, situ_and_mul
 from k3serve.backends import TORCH
 from k3serve.layers.common import RMSNorm, WeightOnly, linear
 from k3serve.layers.expert_weights import ExpertWeights
-from k3serve.layers.moe_dispatch import all_to_all_routed, gather_form, gather_routed
+from k3serve.layers.moe_dispatch import all_to_all_routed, fixed_gather_routed, gather_form, gather_routed
 from k3serve.layers.router import route
 
 
@@ -131,8 +131,9 @@ class SparseMoE(nn.Module):
         self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.moe(self, x)
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        """`batch`: the step (a DP-attention static step fixes its token exchange's rows)."""
+        return self.backend.moe(self, x, batch)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The block on one rank in torch (every backend's reference)."""
@@ -174,17 +175,24 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def dp_ep_forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def dp_ep_forward(self, x: torch.Tensor, ops, batch=None) -> torch.Tensor:
         """DP-attention + EP: x [n, d] is this data-parallel rank's own batch. The routed sums of
         its rows come back from the ranks owning their experts (layers/moe_dispatch.py: an
         all-to-all, or an all-gather / reduce-scatter); the latent norm, up projection and
         shared experts run here on its own rows: [n, d]. With TP inside the DP rank (x whole on
         each of its TP ranks) each TP rank sends only its share of the rows (`tp_rows`), and the
-        result is a partial sum the decoder layer's TP all-reduce completes, as under plain TP."""
+        result is a partial sum the decoder layer's TP all-reduce completes, as under plain TP.
+        A static step (`batch.ep_rows`, agreed by every rank) exchanges fixed-shape rows
+        (`fixed_gather_routed`): no row counts, no data-dependent shape."""
         m, ep, tp, n = self.cfg, self.ep, self.tp, x.shape[0]
-        gather = gather_form(ep.all2all, m.top_k, ep.size)
         mine = tp_rows(n, tp)
-        routed = (gather_routed if gather else all_to_all_routed)(self, x[mine], ops)  # fp32 [rows, L]
+        if getattr(batch, "ep_rows", 0):  # each TP rank sends ceil(rows / N) of them
+            live = batch.live()[mine]
+            routed = fixed_gather_routed(self, x[mine], -(-batch.ep_rows // tp.size), live, ops)
+        elif gather_form(ep.all2all, m.top_k, ep.size):
+            routed = gather_routed(self, x[mine], ops)  # fp32 [rows, L]
+        else:
+            routed = all_to_all_routed(self, x[mine], ops)
         if routed is None or n == 0:  # all idle, or this replica idle: its collectives are done
             return x
         if tp.size == 1:
@@ -232,13 +240,15 @@ class SparseMoE(nn.Module):
             )
         return out
 
-    def count_load(self, ids: torch.Tensor) -> None:
+    def count_load(self, ids: torch.Tensor, live: torch.Tensor | None = None) -> None:
         """Add routed assignments ids [n, k] to `expert_load` on their device (an index_add: no
-        copy to the host, no data-dependent shape; /metrics reads the totals between steps)."""
+        copy to the host, no data-dependent shape; /metrics reads the totals between steps).
+        `live` [n] bool: count only those rows (a static step's padding rows are not tokens)."""
         flat = ids.reshape(-1)
         if self.expert_load.device != flat.device:
             self.expert_load = self.expert_load.to(flat.device)
-        self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        ones = torch.ones_like(flat) if live is None else live[:, None].expand(ids.shape).reshape(-1).long()
+        self.expert_load.index_add_(0, flat, ones)
 
     def block_scalars(self) -> tuple[list[int], list[float]]:
         """ints {top_k, sigmoid, renormalize, groups, topk_group, situ}, floats {scaling, beta, linear_beta, eps}"""

@@ -64,6 +64,26 @@ def gather_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     return ep.reduce_scatter(per_rank.view(ep.size * most, -1))[:n]  # [n, L]: this rank's rows
 
 
+def fixed_gather_routed(moe, x: torch.Tensor, rows: int, live: torch.Tensor, ops) -> torch.Tensor:
+    """The gather form at a fixed shape, for a static step (runner/graph_step.py): every rank
+    brings exactly `rows` rows (its x [n, d], n <= rows, then zero rows), agreed before the step,
+    so there is no row-count exchange, no host value and no data-dependent shape: all-gather
+    [M * rows, d], route and run this rank's experts on all of them (another rank's assignment
+    weighs 0: `moe_local_experts`), reduce-scatter back to [rows, L] and keep the first n.
+    `live` [n] bool: the rows whose expert load this rank counts (not padding). The zero rows
+    cost M * rows - sum(n) rows of expert work; an all-to-all at fixed capacity (DeepEP's
+    low-latency mode) would move fewer rows on a GPU and is not built."""
+    ep, n = moe.ep, x.shape[0]
+    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, rows - n))  # [rows, d] fp32, as gather_routed sends
+    every = ep.all_gather(padded.reshape(-1)).view(ep.size * rows, -1).to(x.dtype)  # [M * rows, d], rank-major
+    ids, weights = ops.moe_route(moe, every)
+    z = ops.moe_down(moe, every)
+    mine = slice(ep.rank * rows, ep.rank * rows + n)
+    moe.count_load(ids[mine], live)
+    routed = ops.moe_local_experts(moe, z, ids, weights, slice(0, 0))  # [M * rows, L] fp32
+    return ep.reduce_scatter(routed)[:n]  # [n, L]: this rank's rows, summed over the ranks
+
+
 def all_to_all_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     """fp32 routed sums [n, L] of this rank's rows; None when every rank is idle."""
     ep, n, k = moe.ep, x.shape[0], moe.cfg.top_k

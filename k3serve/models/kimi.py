@@ -46,9 +46,10 @@ class DecoderLayer(nn.Module):
     def attn(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         return self.tp.all_reduce(self.self_attn(self.input_layernorm(x), batch, cache))
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return self.tp.all_reduce(mlp(self.post_attention_layernorm(x)))
+    def ffn(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        x = self.post_attention_layernorm(x)
+        y = self.block_sparse_moe(x, batch) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+        return self.tp.all_reduce(y)
 
 
 class KimiModel(nn.Module):
@@ -83,7 +84,7 @@ class KimiModel(nn.Module):
         if not self.cfg.use_attnres:
             for i, layer in enumerate(self.layers):
                 h = h + layer.attn(h, batch, cache)
-                h = h + layer.ffn(h)
+                h = h + layer.ffn(h, batch)
                 if capture is not None and i in capture:
                     capture[i] = h
             return self.norm(h)
@@ -115,7 +116,7 @@ class KimiModel(nn.Module):
             else:
                 partial = h + layer.attn(a_in, batch, cache)
             m_in = mix(bank + [partial], w_mlp, eps)
-            h = partial + layer.ffn(m_in)
+            h = partial + layer.ffn(m_in, batch)
             if capture is not None and i in capture:
                 capture[i] = h
         return mix(bank + [h], vectors[-1], eps)

@@ -128,6 +128,8 @@ class TPGroup:
         """x [N * n, ...] summed over the ranks; this rank's chunk [n, ...] (rank r: rows r*n..)."""
         if self.size == 1:
             return x
+        if torch.compiler.is_compiling():  # a graph node in the compiled step
+            return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, self.functional)
         x = x.contiguous()
         if self.shm is not None and self.shm.fits(x):
             return _collective(self.stats, "reduce_scatter", x, lambda: self.shm.reduce_scatter(x))

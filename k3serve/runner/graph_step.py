@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -69,6 +70,17 @@ class GraphSettings:
     num_speculative_tokens: int = 0  # k: verify steps run as 1 + k positions a sequence
 
 
+class Bucket(NamedTuple):
+    """What one compiled (and captured) static step is built for."""
+
+    B: int  # sequences
+    W: int  # block-table width
+    T: int  # positions a sequence: 1 decode, 1 + k verify
+    taps: tuple[int, ...]  # the layers whose hidden states come back (a DSpark drafter's)
+    sampled: bool  # sampling inside the step (ids back), else logits back
+    ep_rows: int  # DP-attention: the rows its MoE layers exchange (`decide`), else 0
+
+
 @dataclass
 class _Entry:
     buffers: StaticBuffers
@@ -93,16 +105,20 @@ class GraphSteps:
             raise ValueError("the graph backend needs a cache allocated with a scratch slot and block")
         self.model, self.cache, self.device, self.config, self.eager = model, cache, device, config, eager
         model.tp.enable_functional()  # its collectives become graph nodes (parallel/group.py)
+        self.ep = model.ep  # DP-attention's expert group: its ranks agree on each step (`decide`)
+        if self.ep is not None:
+            self.ep.enable_functional()
         self.sizes = config.capture_sizes(max_num_seqs)
         self.verify_positions = 1 + num_speculative_tokens if num_speculative_tokens else 0
         self.bias = None
         if masked_ids:
             self.bias = torch.zeros(1, model.cfg.vocab_size, device=device)
             self.bias[0, torch.tensor(list(masked_ids), device=device)] = float("-inf")
-        self.entries: dict[tuple, _Entry] = {}
+        self.entries: dict[Bucket, _Entry] = {}
         self.pool = None  # CUDA graphs of every bucket share one memory pool
         self.compiles = 0  # entries built (each a compile and, on CUDA, a capture)
         self.steps = 0  # decode and verify steps run here
+        self.padding_steps = 0  # DP-attention: static steps of padding rows only, for an idle rank
 
     def takes(self, inp) -> bool:
         """Whether a step is one the static step runs: a pure decode (one token a sequence), or a
@@ -133,12 +149,34 @@ class GraphSteps:
         need = max(len(t) for t in tables)
         return B, 1 << max(0, (need - 1).bit_length())
 
-    def run(self, inp, taps: tuple[int, ...]) -> GraphOut:
-        """A step `takes` accepted: its logits, or with `inp.sampling` its sampled ids."""
+    def decide(self, inp) -> int | None:
+        """Whether this step runs static: None for the eager path, else its `ep_rows` (0 without
+        DP-attention). `inp` None: a DP-attention rank with nothing scheduled. DP-attention
+        ranks meet in every MoE layer, so all of them run static or none does: each offers the
+        rows B * T of its bucket (-1: it cannot, 0: idle) in one small all-gather before the
+        forward, and a static step exchanges the largest offer's rows with every rank (an idle
+        rank runs a padding step of them: `run_padding`). vLLM's `coordinate_batch_across_dp`
+        and SGLang's DP-attention CUDA-graph check agree the same way."""
+        takes = inp is not None and self.takes(inp)
+        if self.ep is None:
+            return 0 if takes else None
+        offer = (
+            (self.bucket(len(inp.seq_lens), inp.block_tables)[0] * self._positions(inp))
+            if takes
+            else -(inp is not None)
+        )
+        offers = [int(v) for v in self.ep.all_gather(torch.tensor([float(offer)]))]  # [M] on the CPU: a host value
+        return max(offers) if min(offers) >= 0 and max(offers) > 0 else None
+
+    def _positions(self, inp) -> int:
+        return self.verify_positions if inp.verify else 1
+
+    def run(self, inp, taps: tuple[int, ...], ep_rows: int = 0) -> GraphOut:
+        """A step `takes` accepted: its logits, or with `inp.sampling` its sampled ids.
+        `ep_rows`: DP-attention's agreed exchange rows (`decide`)."""
         n, rows = len(inp.seq_lens), sum(inp.seq_lens)
         B, W = self.bucket(n, inp.block_tables)
-        T = self.verify_positions if inp.verify else 1
-        key = (B, W, T, taps, inp.sampling is not None)
+        key = Bucket(B, W, self._positions(inp), taps, inp.sampling is not None, ep_rows)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._build(*key)
@@ -151,13 +189,26 @@ class GraphSteps:
             return GraphOut(None, ids, [bool(f) for f in faults], {i: t[:n] for i, t in out[2].items()})
         return GraphOut(out[0][:rows].cpu(), None, None, {i: t[:rows] for i, t in out[1].items()})
 
-    def _build(self, B: int, W: int, T: int, taps: tuple[int, ...], sampled: bool) -> _Entry:
+    def run_padding(self, ep_rows: int) -> None:
+        """A DP-attention rank with nothing scheduled, when its peers run static: the smallest
+        bucket's step on padding rows only (scratch slot and block), whose MoE layers exchange
+        `ep_rows` rows like theirs. Its logits are dropped."""
+        key = Bucket(self.sizes[0], 1, 1, (), False, ep_rows)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._build(*key)
+        entry.buffers.fill_padding()  # a live step of the same bucket may have filled them last
+        entry.run()
+        self.padding_steps += 1
+
+    def _build(self, B: int, W: int, T: int, taps: tuple[int, ...], sampled: bool, ep_rows: int) -> _Entry:
         self.compiles += 1
         buffers = StaticBuffers(
-            B, W, self.cache.block_size, self.device, self.cache.scratch_slot, self.cache.scratch_block, T
+            B, W, self.cache.block_size, self.device, self.cache.scratch_slot, self.cache.scratch_block, T, ep_rows
         )
         body = static_sample if sampled else static_forward
-        fn = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_b{B}_w{W}_t{T}")
+        name = f"{body.__name__}_b{B}_w{W}_t{T}" + (f"_ep{ep_rows}" if ep_rows else "")
+        fn = types.FunctionType(body.__code__.replace(), body.__globals__, name)
         if not self.eager:
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.config.backend)
         args = (self.model, buffers.step, self.cache, taps) + ((self.bias,) if sampled else ())

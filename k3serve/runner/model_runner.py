@@ -76,7 +76,7 @@ class ModelRunner:
         # a graph engine samples on the device (sampling/device.py): fused into the static step when
         # every row can, else the same counter-based draws on the host logits; speculation keeps
         # the host sampler (its verification draws from the requests' generators)
-        self.device_sampling = graphs is not None and spec is None
+        self.device_sampling = graph is not None and spec is None  # here, or in a DP-attention worker
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: the engine registers a Constraint per constrained request
@@ -89,6 +89,7 @@ class ModelRunner:
         # run at once and an idle OpenMP thread spinning on a core a peer needs stalls every
         # collective (2 cores, tiny K3 DP2+EP2, 8 streams: 361 tok/s at 2 threads each, 590 at 1)
         self.threads: int | None = None
+        self.static_steps = 0  # steps that ran as the graph backend's static step, here or in a worker
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request]) -> None:
@@ -135,6 +136,7 @@ class ModelRunner:
             self.workers.send("forward", inputs)
         res = self.rank.forward(inputs, taps)
         tapped, rows_written = res.taps, res.rows_written
+        self.static_steps += res.static
         prompt_lps = self._prompt_logprobs(seqs, asks, res.prompt_logits)
         if not spans:
             return StepOutput(prompt_logprobs=prompt_lps)

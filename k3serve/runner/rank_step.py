@@ -49,6 +49,7 @@ class StepResult:
     faulty: list[bool] | None = None  # ... and the rows whose logits were the model's fault
     # a static verify step: each position's state went to its slot row, nothing to roll back
     rows_written: bool = False
+    static: bool = False  # the step ran as the graph backend's static step (runner/graph_step.py)
 
 
 class RankRunner:
@@ -63,12 +64,13 @@ class RankRunner:
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> StepResult:
-        if self.graphs is not None and self.graphs.takes(inp):
+        ep_rows = self.graphs.decide(inp) if self.graphs is not None else None
+        if ep_rows is not None:
             self.copy_states(inp.restore)
-            out = self.graphs.run(inp, taps)
+            out = self.graphs.run(inp, taps, ep_rows)
             self.records = {}
             self.copy_states(inp.save)
-            return StepResult(out.logits, [], out.taps, out.ids, out.faults, rows_written=bool(inp.verify))
+            return StepResult(out.logits, [], out.taps, out.ids, out.faults, bool(inp.verify), static=True)
         fb = ForwardBatch(
             input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
             seq_lens=inp.seq_lens,
@@ -109,7 +111,12 @@ class RankRunner:
 
     @torch.inference_mode()
     def idle(self) -> None:
-        """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
+        """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives
+        (a padding static step when the other ranks run static, runner/graph_step.py)."""
+        ep_rows = self.graphs.decide(None) if self.graphs is not None else None
+        if ep_rows is not None:
+            self.graphs.run_padding(ep_rows)
+            return
         self.model.idle_moe()
 
     def dp_forward(

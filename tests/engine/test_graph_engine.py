@@ -72,10 +72,10 @@ def test_speculative_greedy_equals_torch(tiny_k3_dir, random_dspark, method):
     assert tokens(llm, ps, sp) == want
     assert llm.engine.spec.stats.drafts > 0
     if method == "dspark":  # every sequence drafts every step: the verify passes run in the static step
-        assert any(T > 1 for _, _, T, *_ in graphs(llm).entries) and graphs(llm).steps >= 8
+        assert any(b.T > 1 for b in graphs(llm).entries) and graphs(llm).steps >= 8
     else:  # a static verify pass accepted a draft: its slot became the live one, nothing was copied
         drafts = llm.engine.cache.drafts
-        assert any(T > 1 for _, _, T, *_ in graphs(llm).entries)
+        assert any(b.T > 1 for b in graphs(llm).entries)
         assert any(drafts.live(g) != g for g in range(llm.engine.plan.num_slots))
         # the spare slots take no more than the verify records the budget reserves for them
         cache, cfg = llm.engine.runner.cache, llm.engine.model.cfg
@@ -91,7 +91,7 @@ def test_device_sampling_is_fused_reproducible_and_equal_to_the_host_draws(tiny_
     sp = dict(temperature=0.9, top_p=0.95, top_k=40, seed=7, max_tokens=24, ignore_eos=True)
     ps = prompts(3, seed=4)
     fused = tokens(llm, ps, SamplingParams(**sp))
-    assert any(sampled for *_, sampled in graphs(llm).entries)
+    assert any(b.sampled for b in graphs(llm).entries)
     host = tokens(llm, ps, SamplingParams(**sp, logprobs=0))
     assert fused == host
     assert tokens(llm, ps[1:2], SamplingParams(**sp)) == fused[1:2]

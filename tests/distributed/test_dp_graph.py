@@ -1,0 +1,103 @@
+"""The graph backend under DP-attention + EP (issue 46 item 6): each DP rank compiles its static
+step with the MoE token exchange at a fixed shape (all-gather of the agreed rows, every rank's
+experts weighted 0 for another rank's assignments, reduce-scatter), the ranks agree on static
+or eager and on those rows before each step, and a rank with nothing scheduled runs a padding
+step. Reference: the single-process torch engine's greedy tokens, and the eager exchange's
+routed sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3serve import LLM, SamplingParams
+
+KW = dict(cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, seed=0)
+# different lengths and counts per replica, so one replica is idle or prefilling while the other decodes
+PROMPTS = ["hello world, this is", "the quick brown fox jumps over the lazy dog", "a", "Once upon a time", "Zebra"]
+COMPILE = {"backend": "aot_eager", "cudagraph_capture_sizes": [1, 2, 4]}
+
+
+SPEC_PROMPTS = ["the quick brown fox, the quick brown fox, the quick brown"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def dp_graph_tokens(path, prompts, params, **kw) -> tuple[list, list]:
+    """Greedy tokens of a DP2-attention + EP2 graph engine, and its replicas' runners."""
+    dp = LLM(path, data_parallel_size=2, enable_expert_parallel=True, kernels="graph", compilation_config=COMPILE, **kw)
+    try:
+        return [o.outputs[0].token_ids for o in dp.generate(prompts, params)], [r.runner for r in dp.engine.replicas]
+    finally:
+        dp.engine.shutdown()
+
+
+@pytest.mark.parametrize("backend,spec", [("threads", None), ("mp", None), ("threads", NGRAM)])
+def test_dp2_ep2_graph_engine_equals_the_single_process_engine(backend, spec, tiny_k3_dir):
+    """In-process replicas (threads) and worker processes (mp, the default); with ngram
+    speculation a replica's verify step (4 positions a sequence) and the other's decode step
+    exchange the same agreed rows. Every bucket compiles once (no recompiles, in this process)."""
+    path = str(tiny_k3_dir)
+    prompts = PROMPTS if spec is None else [SPEC_PROMPTS[0], "a b c a b c a b c a b", *PROMPTS[-2:]]
+    greedy = [SamplingParams(temperature=0, max_tokens=32 - 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(prompts, greedy)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, runners = dp_graph_tokens(
+            path, prompts, greedy, data_parallel_backend=backend, speculative_config=spec, **KW
+        )
+    assert got == want
+    assert all(r.static_steps >= 15 for r in runners)  # in the workers too (mp)
+    if backend == "threads":
+        graphs = [r.rank.graphs for r in runners]
+        assert sum(g.padding_steps for g in graphs) > 0  # one replica finished first and padded
+        if spec is not None:  # a verify bucket ran against a decode bucket of the same exchange rows
+            buckets = [b for g in graphs for b in g.entries]
+            assert any(b.T == 4 for b in buckets) and any(b.T == 1 and b.ep_rows >= 4 for b in buckets)
+
+
+@pytest.mark.slow
+def test_dp2_with_tp2_inside_graph_engine_equals_the_single_process_engine(tiny_k3_dir):
+    """DP2 x TP2 worker processes (four ranks): each TP rank sends its share of the agreed rows
+    and gathers its DP rank's routed rows back, inside the compiled step."""
+    path = str(tiny_k3_dir)
+    greedy = [SamplingParams(temperature=0, max_tokens=16 - 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS, greedy)]
+    got, runners = dp_graph_tokens(path, PROMPTS, greedy, tensor_parallel_size=2, **KW)
+    assert got == want
+    assert all(r.static_steps >= 10 for r in runners)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_the_fixed_shape_exchange_equals_the_eager_gather(kind, compiled, tiny_k3_dir, tiny_kl_dir):
+    """Two DP ranks bring 3 and 1 rows (4 agreed): each rank's routed sums from the fixed-shape
+    exchange (graph backend's ops; compiled whole with its functional collectives) equal the
+    eager gather form's with the reference's row selection, and the expert load counts the
+    live rows only (the padding row, and the rows past each rank's own, are not tokens)."""
+    from k3serve.backends import TORCH
+    from k3serve.layers.moe_dispatch import fixed_gather_routed, gather_routed
+    from k3serve.models.registry import load_model
+    from k3serve.testing.tp_harness import run_ranks
+
+    def rank(ep):
+        path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
+        model = load_model(str(path), progress=False, ep=ep, dtype=torch.float32)
+        model.use_kernels("graph")
+        moe, ops = model.moe_layers()[0], model.model.backend
+        n = (3, 1)[ep.rank]
+        x = torch.randn(n, model.cfg.hidden_size, generator=torch.Generator().manual_seed(ep.rank))
+        want = gather_routed(moe, x, TORCH)
+        counted = moe.expert_load.clone()
+        live = torch.tensor([True] * (n - 1) + [False])  # the last row a padding row
+        fixed = fixed_gather_routed
+        if compiled:
+            ep.enable_functional()
+            fixed = torch.compile(fixed_gather_routed, fullgraph=True, dynamic=False, backend="aot_eager")
+        got = fixed(moe, x, 4, live, ops)
+        ids, _ = TORCH.moe_route(moe, x[: n - 1])
+        expect = torch.bincount(ids.reshape(-1), minlength=moe.cfg.num_experts)  # the live rows' assignments
+        return want, got, moe.expert_load - counted, expect
+
+    for want, got, load, expect in run_ranks(2, rank, True, all2all="naive"):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(load, expect)
