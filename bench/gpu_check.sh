@@ -28,7 +28,8 @@
 #    Triton kernel against the bytes it must read (the fraction of the device's bandwidth) at
 #    the tiny, 400 M and Kimi-Linear-48B / K3 layer shapes; test_triton_engine.py's engines
 #    compile the kernels for real on cuda (greedy equal to torch), and tests/kernels checks the
-#    kernels' arithmetic under the interpreter there as here.
+#    kernels' arithmetic under the interpreter there as here. test_nccl_group.py: a captured
+#    NCCL group of one (the functional collectives of a compiled step replayed in a CUDA graph).
 # 4. with TRAIN_DEMO=DIR (issue 22): the retrieval-first demo recipe on cuda into DIR, resumable
 #    (checkpointed every 500 steps; rerun the same line to continue), stopped after
 #    TRAIN_SECONDS (default 420, so it fits one device call), then the DSpark draft once done.
@@ -66,7 +67,7 @@ stage graph-decode graph_decode.txt "$PY" bench/graph_decode.py --kernels graph,
 stage triton-kernels triton_kernels.txt "$PY" bench/triton_kernels.py
 stage graph-tests graph_tests.log "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
     tests/model/test_graph.py tests/model/test_graph_ops.py tests/engine/test_graph_engine.py \
-    tests/engine/test_triton_engine.py
+    tests/engine/test_triton_engine.py tests/distributed/test_nccl_group.py
 stage triton-interpreter triton_interpreter.log env TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider \
     tests/kernels
 stage engine-tests pytest.log env K3SERVE_TEST_KERNELS=torch "$PY" -m pytest -q -p no:cacheprovider --durations=15 \

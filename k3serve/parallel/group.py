@@ -28,15 +28,16 @@ _names = itertools.count()
 _registered: list = []  # the wrapping ProcessGroups stay alive as long as the process
 
 
-def register_functional(backend, rank: int, size: int) -> str:
-    """Register a gloo (or NCCL) backend under a process-unique name, wrapped in the
-    ProcessGroup that torch's functional collectives resolve by name: inside a compiled step
-    the collectives are graph nodes (`_c10d_functional.all_reduce` + `wait_tensor`), no host
-    wait or timing in the forward. Eager code keeps calling the backend itself."""
+def register_functional(backend, rank: int, size: int, device_type: str = "cpu") -> str:
+    """Register a gloo (CPU) or NCCL (`device_type` "cuda") backend under a process-unique name,
+    wrapped in the ProcessGroup that torch's functional collectives resolve by name: inside a
+    compiled step the collectives are graph nodes (`_c10d_functional.all_reduce` + `wait_tensor`),
+    no host wait or timing in the forward; on CUDA they are captured into the step's graph.
+    Eager code keeps calling the backend itself."""
     pg = dist.ProcessGroup(dist.HashStore(), rank, size)
-    kind = dist.ProcessGroup.BackendType.GLOO
+    kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
     pg._set_default_backend(kind)
-    pg._register_backend(torch.device("cpu"), kind, backend)
+    pg._register_backend(torch.device(device_type), kind, backend)
     name = f"k3serve-tp-{next(_names)}"
     pg._set_group_name(name)
     torch._C._distributed_c10d._register_process_group(name, pg)
@@ -85,13 +86,15 @@ class TPGroup:
     size_flag: str = "--tensor-parallel-size"  # what sets `size` (DP-attention's expert group: the DP size)
     all2all: str = "auto"  # DP-attention's token exchange for the experts (layers/moe_dispatch.py)
     functional: str | None = field(default=None, compare=False)  # the group's name for compiled steps
+    device_type: str = "cpu"  # where its tensors live: "cpu" (gloo) or "cuda" (NCCL, `nccl_group`)
 
     def enable_functional(self) -> None:
         """Register the group for compiled steps (the graph backend, before it compiles); other
         engines never wrap or keep their backend. The name is set on this shared object, which
         every layer of the model holds."""
         if self.size > 1 and self.pg is not None and self.functional is None:
-            object.__setattr__(self, "functional", register_functional(self.pg, self.rank, self.size))
+            name = register_functional(self.pg, self.rank, self.size, self.device_type)
+            object.__setattr__(self, "functional", name)
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of a dimension of size n; an error naming it when N does not divide it."""
@@ -172,6 +175,19 @@ class TPGroup:
 
 
 NO_TP = TPGroup()
+
+
+def nccl_group(store, rank: int, size: int, expert_parallel: bool = False, timeout_s: float = 120.0) -> TPGroup:
+    """A TPGroup over ProcessGroupNCCL on `store` (a rendezvous; each rank on its current CUDA
+    device), for tensors on the GPU: its eager collectives call NCCL, its compiled ones are
+    functional collectives captured with the step. Only the GPU check runs it (bench/gpu_check.sh,
+    tests/distributed/test_nccl_group.py); the engine's TP executor builds gloo groups."""
+    import datetime
+
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    return TPGroup(rank, size, expert_parallel, pg, device_type="cuda")
 
 
 def vocab_shard(vocab: int, tp: TPGroup) -> tuple[int, int]:
