@@ -19,6 +19,12 @@ the scratch block. A fixed-shape step so never touches another request's state.
                      orders them), its static row; the padding rows after them point at row 0
   sampling   [6, B]  top_k, seed, output position (int64), temperature, top_p, min_p (float64
                      bit patterns in the same buffer, so still one copy); decode steps only
+  token_mask [B, M]  a bucket with grammar masks: each row's allowed tokens, xgrammar's int32
+                     bitmask words paired into int64 (bit k of word w: token 64 w + k; padding
+                     rows and unconstrained ones all ones), M = ceil(V / 64)
+  penalties  [3, B]  a bucket with penalties: presence, frequency, repetition (float64 bits)
+  prompt_ids [B, Pp] and output_ids [B, Po]: each row's prompt and output so far (the
+                     penalties' counts), padded with V (a column the counts drop)
 Derived inside the compiled step, once (`expand`): context_rows [N, W * bs] and lens [N].
 
 A layer tells a static step from a ForwardBatch by `static` (forward/batch.py has it False);
@@ -33,6 +39,7 @@ import torch
 
 SAMPLING_INTS = ("top_k", "seed", "position")
 SAMPLING_FLOATS = ("temperature", "top_p", "min_p")
+PENALTY_DEFAULTS = (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0))  # off
 PADDING_ROW = dict(top_k=0, seed=0, position=0, temperature=0.0, top_p=1.0, min_p=0.0)  # greedy
 
 
@@ -51,6 +58,10 @@ class StaticStep:
     # (the largest N of this step's ranks, agreed before it: runner/graph_step.py); 0 without
     ep_rows: int = 0
     scratch_row: int = -1  # the latent row padding rows write (the scratch block's first)
+    token_mask: torch.Tensor | None = None  # [B, ceil(V / 64)] int64 grammar bits, or None
+    penalties: torch.Tensor | None = None  # [3, B] float64 bits, or None
+    prompt_ids: torch.Tensor | None = None  # [B, Pp]
+    output_ids: torch.Tensor | None = None  # [B, Po]
     context_rows: torch.Tensor | None = None  # [N, W * bs] latent rows of every position < W * bs
     lens: torch.Tensor | None = None  # [N] valid context rows (position + 1: causal within the new rows)
     static = True
@@ -77,6 +88,10 @@ class StaticStep:
             self.T,
             self.ep_rows,
             self.scratch_row,
+            self.token_mask,
+            self.penalties,
+            self.prompt_ids,
+            self.output_ids,
             rows,
             self.positions + 1,
         )
@@ -92,7 +107,22 @@ class StaticStep:
 
         top_k, seed, position = self.sampling[:3].unbind(0)
         temperature, top_p, min_p = self.sampling[3:].contiguous().view(torch.float64).float().unbind(0)
-        return DeviceSamplingParams(temperature, top_k, top_p, min_p, seed, position)
+        penal = (None, None, None)
+        if self.penalties is not None:
+            penal = self.penalties.contiguous().view(torch.float64).float().unbind(0)
+        return DeviceSamplingParams(temperature, top_k, top_p, min_p, seed, position, *penal)
+
+    def penalty_counts(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Output token counts [B, V] fp32 and the prompt's tokens [B, V] bool, from the rows'
+        histories (the padding id V lands in a column dropped here); (None, None) without."""
+        if self.output_ids is None:
+            return None, None
+        B = self.output_ids.shape[0]
+        ones = torch.ones(self.output_ids.shape, dtype=torch.float32, device=self.output_ids.device)
+        counts = torch.zeros(B, vocab + 1, device=ones.device).scatter_add_(1, self.output_ids, ones)
+        seen = torch.zeros(B, vocab + 1, dtype=torch.bool, device=ones.device)
+        seen = seen.scatter(1, self.prompt_ids, torch.ones_like(self.prompt_ids, dtype=torch.bool))
+        return counts[:, :vocab], seen[:, :vocab]
 
 
 class StaticBuffers:
@@ -109,14 +139,21 @@ class StaticBuffers:
         scratch_block: int,
         T: int = 1,
         ep_rows: int = 0,
+        mask_words: int = 0,
+        history: tuple[int, int] = (0, 0),
+        vocab: int = 0,
     ):
+        """`mask_words`: ceil(V / 64) for a bucket whose steps carry grammar masks, else 0;
+        `history`: (Pp, Po) for a bucket whose steps apply penalties, else (0, 0); `vocab` V:
+        the histories' padding id."""
         self.B, self.W, self.T, self.block_size = B, W, T, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
-        N = B * T
-        self.sizes = [N, N, N, N, B * W, N, 6 * B]
+        N, self.mask_words, self.history, self.vocab = B * T, mask_words, history, vocab
+        Pp, Po = history
+        self.sizes = [N, N, N, N, B * W, N, 6 * B, B * mask_words, 3 * B if Po else 0, B * Pp, B * Po]
         self.device_flat = torch.zeros(sum(self.sizes), dtype=torch.long, device=device)
         self.host = torch.zeros(sum(self.sizes), dtype=torch.long, pin_memory=device.type == "cuda")
-        ids, pos, rows, slots, table, gather, sampling = self.device_flat.split(self.sizes)
+        ids, pos, rows, slots, table, gather, sampling, mask, penal, prompt, output = self.device_flat.split(self.sizes)
         slots = slots if T == 1 else slots.view(B, T)
         self.step = StaticStep(
             ids,
@@ -130,6 +167,10 @@ class StaticBuffers:
             T,
             ep_rows,
             scratch_block * block_size,
+            mask.view(B, mask_words) if mask_words else None,
+            penal.view(3, B) if Po else None,
+            prompt.view(B, Pp) if Po else None,
+            output.view(B, Po) if Po else None,
         )
         self.fill_padding()
 
@@ -152,11 +193,16 @@ class StaticBuffers:
         context_lens: list[int],
         block_tables: list[list[int]],
         sampling: list[dict] | None = None,
+        token_mask: torch.Tensor | None = None,
+        histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> None:
         """Live sequences first (their tokens concatenated, seq_lens[j] <= T each), padding after;
         `slots`: each sequence's state slot, or in a verify bucket its row of T slots
         (cache/draft_slots.py row); `sampling`: the rows' device sampling values
-        (sampling/device.py row_values), or None when the step returns logits. One copy."""
+        (sampling/device.py row_values), or None when the step returns logits; `token_mask`: the
+        live rows' grammar bitmask, int32 [n, ceil(V / 32)] as xgrammar fills it, or None (a bucket
+        with mask words then allows every token); `histories`: each live row's (prompt, output)
+        token ids for the penalties (a row without penalties may give empty lists). One copy."""
         B, W, T, bs = self.B, self.W, self.T, self.block_size
         pad = B - len(seq_lens)
         scratch_row = self.scratch_block * bs
@@ -188,7 +234,31 @@ class StaticBuffers:
         rows_s = list(sampling or []) + [PADDING_ROW] * (B - len(sampling or []))
         ints += [r[k] for k in SAMPLING_INTS for r in rows_s]
         floats = torch.tensor([r[k] for k in SAMPLING_FLOATS for r in rows_s], dtype=torch.float64)
-        split = len(self.host) - 3 * B  # the float64 bits of SAMPLING_FLOATS close the buffer
-        self.host[:split].copy_(torch.tensor(ints, dtype=torch.long))
-        self.host[split:].copy_(floats.view(torch.long))
+        parts = [torch.tensor(ints, dtype=torch.long), floats.view(torch.long)]  # then the float64 bits
+        if self.mask_words:  # the grammar bits
+            parts.append(mask_words(token_mask, B, self.mask_words))
+        if self.history[1]:  # the penalties and the histories they count
+            penal = torch.tensor([r.get(k, d) for k, d in PENALTY_DEFAULTS for r in rows_s], dtype=torch.float64)
+            parts.append(penal.view(torch.long))
+            for i, width in enumerate(self.history):
+                parts.append(history_ids([h[i] for h in histories or []], B, width, self.vocab))
+        self.host.copy_(torch.cat(parts))
         self.device_flat.copy_(self.host, non_blocking=True)
+
+
+def mask_words(token_mask: torch.Tensor | None, B: int, words: int) -> torch.Tensor:
+    """xgrammar's int32 bitmask [n, ceil(V / 32)] (bit k of word w: token 32 w + k) as [B * words]
+    int64, word pairs joined little-endian (bit k of word w: token 64 w + k); rows past n and
+    the tail all ones (every token allowed)."""
+    out = torch.full((B, 2 * words), -1, dtype=torch.int32)
+    if token_mask is not None:
+        out[: token_mask.shape[0], : token_mask.shape[1]] = token_mask
+    return out.view(torch.int64).reshape(-1)
+
+
+def history_ids(rows: list[list[int]], B: int, width: int, pad: int) -> torch.Tensor:
+    """Token ids per row, [B * width] int64, each row padded with `pad` (rows past len(rows) too)."""
+    out = torch.full((B, width), pad, dtype=torch.long)
+    for j, ids in enumerate(rows):
+        out[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.reshape(-1)

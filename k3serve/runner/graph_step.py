@@ -22,7 +22,7 @@ import torch
 
 from k3serve.config.compilation import CompilationConfig
 from k3serve.forward import CacheTensors, StaticBuffers
-from k3serve.sampling.device import model_faults, sample
+from k3serve.sampling.device import NEG_INF, allowed_tokens, model_faults, sample
 
 
 def static_forward(model, step, cache, taps):
@@ -42,11 +42,16 @@ def static_forward(model, step, cache, taps):
 def static_sample(model, step, cache, taps, bias):
     """The static step with sampling on the device (sampling/device.py): the sampled ids [B],
     the rows whose logits were the model's fault [B] (NaN, +inf, nothing finite) and the taps.
-    `bias` [1, V]: -inf at the vocabulary ids the tokenizer cannot decode, or None."""
+    `bias` [1, V]: -inf at the vocabulary ids the tokenizer cannot decode, or None. A bucket with
+    grammar masks (`step.token_mask`) samples each row among its allowed tokens."""
     logits, taps_out = static_forward(model, step, cache, taps)
     if bias is not None:
         logits = logits + bias
-    return sample(logits, step.sampling_params()), model_faults(logits), taps_out
+    faults = model_faults(logits)  # the model's own fault, before any grammar's -inf
+    if step.token_mask is not None:
+        logits = logits.masked_fill(~allowed_tokens(step.token_mask, logits.shape[1]), NEG_INF)
+    counts, seen = step.penalty_counts(logits.shape[1])  # None without penalties
+    return sample(logits, step.sampling_params(), counts=counts, prompt_mask=seen), faults, taps_out
 
 
 @dataclass
@@ -78,6 +83,8 @@ class Bucket(NamedTuple):
     T: int  # positions a sequence: 1 decode, 1 + k verify
     taps: tuple[int, ...]  # the layers whose hidden states come back (a DSpark drafter's)
     sampled: bool  # sampling inside the step (ids back), else logits back
+    masked: bool  # its steps carry grammar masks (StaticStep.token_mask)
+    history: tuple[int, int]  # penalties: the prompt and output widths (powers of two), else (0, 0)
     ep_rows: int  # DP-attention: the rows its MoE layers exchange (`decide`), else 0
 
 
@@ -147,7 +154,7 @@ class GraphSteps:
     def bucket(self, n: int, tables: list[list[int]]) -> tuple[int, int]:
         B = next(s for s in self.sizes if s >= n)
         need = max(len(t) for t in tables)
-        return B, 1 << max(0, (need - 1).bit_length())
+        return B, _pow2(need)
 
     def decide(self, inp) -> int | None:
         """Whether this step runs static: None for the eager path, else its `ep_rows` (0 without
@@ -176,13 +183,26 @@ class GraphSteps:
         `ep_rows`: DP-attention's agreed exchange rows (`decide`)."""
         n, rows = len(inp.seq_lens), sum(inp.seq_lens)
         B, W = self.bucket(n, inp.block_tables)
-        key = Bucket(B, W, self._positions(inp), taps, inp.sampling is not None, ep_rows)
+        sampled, masked = inp.sampling is not None, inp.token_mask is not None
+        history = (0, 0)
+        if inp.histories is not None:  # widths as powers of two: a bucket per doubling, not per token
+            history = tuple(_pow2(max(len(h[i]) for h in inp.histories)) for i in (0, 1))
+        key = Bucket(B, W, self._positions(inp), taps, sampled, masked, history, ep_rows)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._build(*key)
         self.steps += 1
         slots = inp.draft_rows if inp.verify else inp.state_slots
-        entry.buffers.fill(inp.input_ids, inp.seq_lens, slots, inp.context_lens, inp.block_tables, inp.sampling)
+        entry.buffers.fill(
+            inp.input_ids,
+            inp.seq_lens,
+            slots,
+            inp.context_lens,
+            inp.block_tables,
+            inp.sampling,
+            inp.token_mask,
+            inp.histories,
+        )
         out = entry.run()
         if inp.sampling is not None:
             ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
@@ -193,7 +213,7 @@ class GraphSteps:
         """A DP-attention rank with nothing scheduled, when its peers run static: the smallest
         bucket's step on padding rows only (scratch slot and block), whose MoE layers exchange
         `ep_rows` rows like theirs. Its logits are dropped."""
-        key = Bucket(self.sizes[0], 1, 1, (), False, ep_rows)
+        key = Bucket(self.sizes[0], 1, 1, (), False, False, (0, 0), ep_rows)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._build(*key)
@@ -201,13 +221,17 @@ class GraphSteps:
         entry.run()
         self.padding_steps += 1
 
-    def _build(self, B: int, W: int, T: int, taps: tuple[int, ...], sampled: bool, ep_rows: int) -> _Entry:
+    def _build(self, B, W, T, taps, sampled, masked, history, ep_rows) -> _Entry:
         self.compiles += 1
+        V = self.model.cfg.vocab_size
+        cache = self.cache
         buffers = StaticBuffers(
-            B, W, self.cache.block_size, self.device, self.cache.scratch_slot, self.cache.scratch_block, T, ep_rows
-        )
+            B, W, cache.block_size, self.device, cache.scratch_slot, cache.scratch_block, T, ep_rows,
+            -(-V // 64) if masked else 0, history, V,
+        )  # fmt: skip
         body = static_sample if sampled else static_forward
-        name = f"{body.__name__}_b{B}_w{W}_t{T}" + (f"_ep{ep_rows}" if ep_rows else "")
+        name = f"{body.__name__}_b{B}_w{W}_t{T}" + ("_masked" if masked else "") + (f"_ep{ep_rows}" if ep_rows else "")
+        name += f"_h{history[0]}x{history[1]}" if history[1] else ""
         fn = types.FunctionType(body.__code__.replace(), body.__globals__, name)
         if not self.eager:
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.config.backend)
@@ -239,3 +263,7 @@ class GraphSteps:
             return out
 
         return replay
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -18,7 +18,8 @@ from k3serve.runner.rank_step import RankRunner, StepInputs
 from k3serve.sampling.device import DeviceSamplingParams, device_samplable, model_faults, row_values, sample
 from k3serve.sampling.sampler import MODEL_FAULT, Sampler, SampleResult, model_fault_rows, sampled_token
 from k3serve.engine.media import PromptMedia
-from k3serve.sampling.grammar import Constraint
+from k3serve.sampling.grammar import Constraint, refuse
+from k3serve.sampling.logits_process import apply_bias_and_penalties, suppressed_ends
 from k3serve.sampling.structured import ConstraintStats
 from k3serve.scheduler.batch import PromptLogprob, SampledToken, ScheduledBatch, StepOutput
 from k3serve.scheduler.request import Request
@@ -114,6 +115,7 @@ class ModelRunner:
                 rows += list(range(b, e)) if s.drafts else [e - 1]
         asks = self._prompt_logprob_spans(seqs, bounds)
         media_rows, media_embeds = self._media_rows(seqs)
+        sampling = self._fused_sampling(seqs, asks)
         inputs = StepInputs(
             input_ids=[t for s in seqs for t in s.token_ids],
             seq_lens=[s.num_tokens for s in seqs],
@@ -128,8 +130,10 @@ class ModelRunner:
             prompt_rows=[(b, n) for _, _, b, n in asks],
             media_rows=media_rows,
             media_embeds=media_embeds,
-            sampling=self._fused_sampling(seqs, asks),
+            sampling=sampling,
             draft_rows=_draft_rows(seqs),
+            token_mask=self._token_mask(seqs) if sampling is not None else None,
+            histories=_histories(seqs) if sampling is not None else None,
         )
         taps = self.spec.tap_layers if self.spec is not None else ()
         if self.workers is not None:  # every rank runs the same forward (its collectives pair with ours)
@@ -147,6 +151,7 @@ class ModelRunner:
                     out.failed[s.request_id] = MODEL_FAULT
                 else:
                     out.sampled[s.request_id] = [SampledToken(token)]
+            self._advance(out)  # each constrained request's grammar takes its token
             return out
         logits = res.logits
         if self.masked_ids is not None:
@@ -212,6 +217,22 @@ class ModelRunner:
             return None
         return [row_values(r, self._seed(r)) for r in reqs]
 
+    def _token_mask(self, seqs) -> torch.Tensor | None:
+        """The token bits of a step sampled on the device, xgrammar's layout (int32 [n, ceil(V /
+        32)]): each constrained row's grammar mask, each row short of min_tokens without its
+        ends, the rest all ones; None when no row is masked."""
+        live = [(j, c) for j, s in enumerate(seqs) if (c := self.constraints.get(s.request_id)) and c.active]
+        ends = [(j, e) for j, s in enumerate(seqs) if (e := suppressed_ends(s.request))]
+        if not live and not ends:
+            return None
+        bitmask = torch.full((len(seqs), -(-self.model.cfg.vocab_size // 32)), -1, dtype=torch.int32)
+        for j, c in live:
+            c.fill(bitmask, j)
+        for j, e in ends:
+            refuse(bitmask, j, e)
+        self.constraint_stats.masked_rows += len(live)
+        return bitmask
+
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         """One token per row [B, V]: the host Sampler, and in a device-sampling engine the device
         sampler's draws for the requests it takes (the same draws the static step makes)."""
@@ -228,8 +249,9 @@ class ModelRunner:
             result.failed.update({host[k]: why for k, why in sub.failed.items()})
         x = logits[torch.tensor(dev)].float()
         faults = model_faults(x).tolist()
-        ids = sample(x, DeviceSamplingParams.build([row_values(reqs[j], self._seed(reqs[j])) for j in dev])).tolist()
         raw = torch.log_softmax(x, -1) if any(reqs[j].params.logprobs is not None for j in dev) else None
+        x = apply_bias_and_penalties(x, [reqs[j] for j in dev])  # min_tokens' ends, as the host Sampler
+        ids = sample(x, DeviceSamplingParams.build([row_values(reqs[j], self._seed(reqs[j])) for j in dev])).tolist()
         for k, j in enumerate(dev):
             if faults[k]:
                 result.failed[j] = MODEL_FAULT
@@ -381,3 +403,14 @@ def allocate_cache(
 def weight_bytes(model: KimiForCausalLM) -> int:
     """Bytes of every parameter and buffer (routed experts are buffers, MXFP4 counted packed)."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def _histories(seqs) -> list[tuple[list[int], list[int]]] | None:
+    """Each row's (prompt, output) ids for the penalties of a step sampled on the device, or
+    None when no row uses penalties (rows that do not: empty lists)."""
+    if not any(s.request.params.uses_penalties for s in seqs):
+        return None
+    return [
+        (s.request.prompt_token_ids, s.request.output_token_ids) if s.request.params.uses_penalties else ([], [])
+        for s in seqs
+    ]

@@ -38,6 +38,10 @@ class StepInputs:
     sampling: list[dict] | None = None
     # a verify step's slot rows (cache/draft_slots.py), one per sequence, when the cache has them
     draft_rows: list[list[int]] | None = None
+    # with `sampling`: the rows' grammar bitmask (xgrammar's int32 [n, ceil(V / 32)]), when any is constrained
+    token_mask: torch.Tensor | None = None
+    # with `sampling`: each row's (prompt, output) token ids when any row uses penalties
+    histories: list[tuple[list[int], list[int]]] | None = None
 
 
 @dataclass

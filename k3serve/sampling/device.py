@@ -77,10 +77,19 @@ class DeviceSamplingParams:
 
 def device_samplable(req) -> bool:
     """Whether a request's rows go to this sampler in an engine that samples on the device: no
-    grammar, logit_bias, min_tokens or penalties (those stay with the host Sampler for the
-    request's whole life, so each request draws from one sampler only)."""
-    p = req.params
-    return p.structured is None and not p.logit_bias and not p.min_tokens and not p.uses_penalties
+    logit_bias (it stays with the host Sampler for the request's whole life, so each request
+    draws from one sampler only). A grammar's masks, min_tokens' suppressed ends and the
+    penalties' histories come with a static step (token bits, `penalize`), or are applied to
+    host logits before these draws."""
+    return not req.params.logit_bias
+
+
+def allowed_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Grammar bits [B, ceil(V / 64)] int64 (bit k of word w: token 64 w + k; forward/static.py
+    mask_words) -> bool [B, V]: the tokens each row may sample."""
+    shifts = torch.arange(64, device=words.device)
+    bits = (words.unsqueeze(2) >> shifts) & 1  # [B, M, 64]; >> is arithmetic, & 1 keeps bit k alone
+    return bits.reshape(words.shape[0], -1)[:, :vocab] != 0
 
 
 def row_values(req, seed: int) -> dict:
@@ -94,6 +103,9 @@ def row_values(req, seed: int) -> dict:
         min_p=p.min_p,
         seed=p.seed if p.seed is not None else seed,
         position=len(req.output_token_ids),
+        presence=p.presence_penalty,
+        frequency=p.frequency_penalty,
+        repetition=p.repetition_penalty,
     )
 
 

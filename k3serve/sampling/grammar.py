@@ -200,7 +200,7 @@ class Constraint:
             if self._forced_close():  # the budget is spent: the channel closes now
                 _only(bitmask, row, self.so.free_close[0])
             else:
-                _refuse(bitmask, row, self.so.free_refused)
+                refuse(bitmask, row, self.so.free_refused)
         # FREE (waiting for start_after) / DONE: the row stays all-allowed
 
     def accept(self, token_id: int) -> bool:
@@ -271,6 +271,7 @@ class Constraint:
         self.rollback(len(drafts))
 
 
-def _refuse(bitmask: torch.Tensor, row: int, token_ids: tuple[int, ...]) -> None:
+def refuse(bitmask: torch.Tensor, row: int, token_ids) -> None:
+    """Clear the bits of `token_ids` in one row of an int32 bitmask (bit 31 is the sign bit)."""
     for t in token_ids:
         bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 2**31 - 1

@@ -43,11 +43,20 @@ def _process_row(logits: torch.Tensor, i: int, req: Request, suppress: bool) -> 
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
     if suppress:  # suppress ends until min_tokens
-        ends = list(p.stop_token_ids) + ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id])
+        ends = suppressed_ends(req)
         if ends:
             logits[i, torch.tensor(ends, dtype=torch.long)] = NEG_INF
     if p.uses_penalties:
         _penalize_row(logits[i], req)
+
+
+def suppressed_ends(req: Request) -> list[int]:
+    """The ids that end the request (its stop ids, EOS unless ignore_eos), which min_tokens
+    suppresses until that many tokens are out; [] once they are."""
+    p = req.params
+    if len(req.output_token_ids) >= p.min_tokens:
+        return []
+    return list(p.stop_token_ids) + ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id])
 
 
 def _penalize_row(row: torch.Tensor, req: Request) -> None:

@@ -99,3 +99,90 @@ def test_device_sampling_is_fused_reproducible_and_equal_to_the_host_draws(tiny_
     assert tokens(llm, ps, greedy) == tokens(
         LLM(str(tiny_kl_dir), kernels="torch", cache_memory="16MiB", max_model_len=256), ps, greedy
     )
+
+
+def test_grammar_masks_and_min_tokens_ride_in_the_static_step(tiny_k3_dir):
+    """A constrained request samples inside the static step: its bucket carries the rows' grammar
+    bits in the one input copy and only ids come back. Its tokens equal the host path's (a step
+    asking logprobs returns logits, xgrammar masks them there, the same counter-based draws),
+    match the grammar, and leave the unconstrained request beside it alone; greedy equals the
+    torch engine's. min_tokens' suppressed ends ride in the same bits."""
+    import re
+
+    from k3serve.sampling.structured import StructuredOutputs
+
+    kw = dict(cache_memory="16MiB", max_model_len=256, max_num_seqs=4)
+    llm = LLM(str(tiny_k3_dir), **GRAPH, **kw)
+    so = StructuredOutputs("regex", r"[0-9]{3}-[a-z]{2}", stop_ids=(llm.engine.model.cfg.eos_token_id,))
+    ps = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8, 9]}, {"prompt_token_ids": [9, 4]}]
+
+    def run(engine, logprobs=None, temperature=1.0):
+        params = [
+            SamplingParams(
+                temperature=temperature, seed=s, max_tokens=16, structured=so if s < 2 else None, logprobs=logprobs
+            )
+            for s in range(3)
+        ]
+        return [o.outputs[0] for o in engine.generate(ps, params)]
+
+    fused = run(llm)
+    masked_steps = [b for b in graphs(llm).entries if b.masked and b.sampled]
+    assert masked_steps and graphs(llm).steps >= 5
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", o.text) for o in fused[:2])
+    assert [o.token_ids for o in run(llm, logprobs=0)] == [o.token_ids for o in fused]
+    plain = [
+        o.outputs[0].token_ids for o in llm.generate(ps[2:], SamplingParams(temperature=1.0, seed=2, max_tokens=16))
+    ]
+    assert fused[2].token_ids == plain[0]  # the grammar bits of the other rows did not touch it
+    torch_llm = LLM(str(tiny_k3_dir), kernels="torch", **kw)
+    greedy = [o.token_ids for o in run(llm, temperature=0)]
+    assert greedy == [o.token_ids for o in run(torch_llm, temperature=0)]
+    # min_tokens: the greedy second token (the first a decode step samples) made a stop id,
+    # suppressed for 4 tokens
+    first, stop = tokens(torch_llm, ps[:1], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert first != stop
+    masked_before = llm.engine.runner.constraint_stats.masked_rows
+    for temperature in (0.0, 1.0):
+        sp = dict(temperature=temperature, seed=5, max_tokens=12, min_tokens=4, stop_token_ids=[stop])
+        got = tokens(llm, ps[:1], SamplingParams(**sp))[0]
+        assert len(got) >= 4 and stop not in got[:4]
+        if temperature == 0:  # the torch engine's host Sampler suppresses the ends itself
+            assert got == tokens(torch_llm, ps[:1], SamplingParams(**sp))[0]
+        else:  # the host path: the same draws from logits processed on the host
+            assert got == tokens(llm, ps[:1], SamplingParams(**sp, logprobs=0))[0]
+    assert llm.engine.runner.constraint_stats.masked_rows == masked_before  # no grammar rows: only the ends'
+    assert any(b.masked for b in graphs(llm).entries)
+
+
+def test_penalties_ride_in_the_static_step(tiny_k3_dir):
+    """Requests with repetition / frequency / presence penalties sample inside the static step,
+    their counts built on the device from the rows' prompt and output ids in the input copy
+    (widths by doubling: a bucket per doubling, not per token): the same tokens as the host path
+    (logprobs asked: the host's penalties, the same draws) at temperature 1 beside a request
+    without penalties, and greedy equal to the torch engine's host Sampler."""
+    kw = dict(cache_memory="16MiB", max_model_len=256, max_num_seqs=4)
+    llm = LLM(str(tiny_k3_dir), **GRAPH, **kw)
+    ps = prompts(3, seed=2)
+    # below 1 and negative: seen tokens win, so the penalties change even a tiny model's greedy tokens
+    penal = dict(repetition_penalty=0.3, frequency_penalty=-1.0, presence_penalty=-1.0)
+
+    def params(temperature, logprobs=None, with_penalties=True):
+        return [
+            SamplingParams(
+                temperature=temperature,
+                seed=s,
+                max_tokens=16,
+                ignore_eos=True,
+                logprobs=logprobs,
+                **(penal if with_penalties and s < 2 else {}),
+            )  # fmt: skip
+            for s in range(3)
+        ]
+
+    fused = tokens(llm, ps, params(1.0))
+    buckets = [b for b in graphs(llm).entries if b.history[1]]
+    assert buckets and {b.history[1] for b in buckets} <= {1, 2, 4, 8, 16}
+    assert tokens(llm, ps, params(1.0, logprobs=0)) == fused
+    greedy = tokens(llm, ps, params(0.0))
+    assert greedy == tokens(LLM(str(tiny_k3_dir), kernels="torch", **kw), ps, params(0.0))
+    assert greedy[:2] != tokens(llm, ps, params(0.0, with_penalties=False))[:2]  # the penalties bit

@@ -188,8 +188,20 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
         model.use_kernels(backend_name)
         assert isinstance(model.model.backend, GraphBackend)
         cache = CacheTensors.allocate(cfg, 8, 32, BS, device=gpu, scratch=True, spare=6)  # spares 9..14
-        buf = StaticBuffers(bucket, 8, BS, torch.device(gpu), cache.scratch_slot, cache.scratch_block, T)
-        rows = [dict(temperature=0.7 * j, top_k=5 * j, top_p=0.9, min_p=0.0, seed=j, position=4) for j in range(live)]
+        # the padded decode bucket samples with grammar bits and penalties too (their counts from
+        # the rows' histories), still one input copy and no sync
+        extras = T == 1 and live == 3
+        V = cfg.vocab_size
+        buf = StaticBuffers(
+            bucket, 8, BS, torch.device(gpu), cache.scratch_slot, cache.scratch_block, T, 0,
+            -(-V // 64) if extras else 0, (8, 4) if extras else (0, 0), V,
+        )  # fmt: skip
+        penal = dict(presence=0.5, frequency=0.2, repetition=1.1) if extras else {}
+        rows = [
+            dict(temperature=0.7 * j, top_k=5 * j, top_p=0.9, min_p=0.0, seed=j, position=4, **penal)
+            for j in range(live)
+        ]
+        bits = torch.randint(-(2**31), 2**31, (live, -(-V // 32)), dtype=torch.int64).to(torch.int32)
         with SyncAudit() as fill_audit:
             lens = [1] * live if T == 1 else [3, 1, 2][:live]  # a verify step: 1 + drafts tokens a sequence
             buf.fill(
@@ -199,7 +211,10 @@ def test_static_step_makes_no_host_sync_on_a_fake_gpu(kind, model_dir, live, buc
                 [3, 9, 17][:live],
                 tables(live, 6),
                 rows if T == 1 else None,
+                bits if extras else None,
+                [([1, 2, 3], [4, 4]), ([5], []), ([6, 7, 8, 9, 10], [11, 12, 13])] if extras else None,
             )
+        assert (buf.step.token_mask is not None) == extras and (buf.step.output_ids is not None) == extras
         bias = torch.zeros(1, cfg.vocab_size, device=gpu)
         backend = model.model.backend
         audits = []

@@ -152,3 +152,24 @@ def test_device_sampling_compiles_whole_without_recompiles():
                 [dict(temperature=0.0 if b == step else 1.0, top_k=b * 3, seed=b, position=step) for b in range(4)]
             )
             assert torch.equal(fn(logits, p), sample(logits, p))
+
+
+def test_grammar_bits_unpack_as_xgrammar_applies_them():
+    """forward/static.py mask_words + allowed_tokens (the static step's grammar masks) allow
+    exactly the tokens xgrammar's own apply_token_bitmask_inplace leaves finite: random words
+    (sign bits included), a vocabulary not a multiple of 64, padding rows all allowed."""
+    xgr = pytest.importorskip("xgrammar")
+    from k3serve.forward.static import mask_words
+    from k3serve.sampling.device import allowed_tokens
+
+    V, n, B = 1000, 3, 4
+    bitmask = torch.randint(
+        -(2**31), 2**31, (n, -(-V // 32)), dtype=torch.int64, generator=torch.Generator().manual_seed(0)
+    )
+    bitmask = bitmask.to(torch.int32)
+    logits = torch.zeros(n, V)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=V)
+    words = mask_words(bitmask, B, -(-V // 64)).view(B, -1)
+    got = allowed_tokens(words, V)
+    assert torch.equal(got[:n], torch.isfinite(logits))
+    assert got[n:].all() and 0.3 < got[:n].float().mean() < 0.7
