@@ -145,7 +145,7 @@ class GraphBackend(Backend):
         if x.shape[0] > self.static_rows:  # an eager prefill chunk: the reference's sorted experts
             return Backend.moe(TORCH, layer, x)
         if layer.tp.size > 1:  # this rank's channels of every expert; the all-reduces trace (group.py)
-            return layer.partial_forward(x, self)
+            return layer.partial_forward(x, self, batch.live() if getattr(batch, "static", False) else None)
         return layer.single_rank(
             x, lambda z, ids, w: self.moe_experts(layer, z, ids, w), lambda x: self.moe_route(layer, x)
         )
@@ -168,8 +168,12 @@ class GraphBackend(Backend):
         """Expert parallelism with every row on every rank (TP + EP): this rank's experts' share of
         the routed sum, FP32 [N, L], without choosing rows: an assignment to another rank's expert
         keeps its shape with weight 0 (on local expert 0), and the decoder layer's all-reduce adds
-        the ranks' shares. No nonzero, no data-dependent shape."""
-        layer.count_load(ids[counted])
+        the ranks' shares. No nonzero, no data-dependent shape (`counted` a mask: a static step's
+        live rows, counted by weight)."""
+        if isinstance(counted, torch.Tensor):
+            layer.count_load(ids, counted)
+        else:
+            layer.count_load(ids[counted])
         local = ids - layer.first_expert
         mine = (local >= 0) & (local < layer.w1.shape[0])
         return self.moe_experts(layer, z, local.clamp(0, layer.w1.shape[0] - 1), weights * mine)

@@ -157,13 +157,15 @@ class SparseMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
-    def partial_forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def partial_forward(self, x: torch.Tensor, ops, live: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's share of the block [N, d]; the decoder layer all-reduces it. `ops`: the
-        backend's router and experts."""
+        backend's router and experts; `live` [N] bool: a static step's token rows (padding rows
+        add no expert load), None: every row."""
         m = self.cfg
         ids, weights = ops.moe_route(self, x)  # [N, k], on every rank
         z = self.routed_expert_down_proj(x) if m.latent_size is not None else x
-        routed = self.local_experts(z, ids, weights, ops)  # [N, L] fp32, this rank's experts / channels
+        counted = slice(None) if live is None else live
+        routed = self.local_experts(z, ids, weights, ops, counted)  # [N, L] fp32, this rank's experts / channels
         if m.latent_size is None:
             y = routed.to(x.dtype)
         else:  # the latent norm needs the whole routed sum: reduce [N, L] first
@@ -221,7 +223,7 @@ class SparseMoE(nn.Module):
         """Routed sum over the experts this rank holds (`ops.moe_experts`), FP32 [N, L]. Expert
         parallelism keeps the (token, slot) pairs routed here, one row each, and adds them back
         per token. `counted`: the rows whose assignments this rank adds to `expert_load`
-        (DP-attention: its own)."""
+        (DP-attention: its own), a slice or a [N] bool mask (a static step's live rows)."""
         if not self.xg.expert_parallel:
             return ops.moe_experts(self, z, ids, weights)
         return ops.moe_local_experts(self, z, ids, weights, counted)

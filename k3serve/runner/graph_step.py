@@ -167,11 +167,12 @@ class GraphSteps:
         takes = inp is not None and self.takes(inp)
         if self.ep is None:
             return 0 if takes else None
-        offer = (
-            (self.bucket(len(inp.seq_lens), inp.block_tables)[0] * self._positions(inp))
-            if takes
-            else -(inp is not None)
-        )
+        if inp is None:
+            offer = 0
+        elif takes:
+            offer = self.bucket(len(inp.seq_lens), inp.block_tables)[0] * self._positions(inp)
+        else:
+            offer = -1
         offers = [int(v) for v in self.ep.all_gather(torch.tensor([float(offer)]))]  # [M] on the CPU: a host value
         return max(offers) if min(offers) >= 0 and max(offers) > 0 else None
 

@@ -22,16 +22,32 @@ SPEC_PROMPTS = ["the quick brown fox, the quick brown fox, the quick brown"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def dp_graph_tokens(path, prompts, params, **kw) -> tuple[list, list]:
-    """Greedy tokens of a DP2-attention + EP2 graph engine, and its replicas' runners."""
+def dp_graph_outputs(path, prompts, params, **kw) -> tuple[list, list]:
+    """The outputs of a DP2-attention + EP2 graph engine, and its replicas' runners."""
     dp = LLM(path, data_parallel_size=2, enable_expert_parallel=True, kernels="graph", compilation_config=COMPILE, **kw)
     try:
-        return [o.outputs[0].token_ids for o in dp.generate(prompts, params)], [r.runner for r in dp.engine.replicas]
+        return dp.generate(prompts, params), [r.runner for r in dp.engine.replicas]
     finally:
         dp.engine.shutdown()
 
 
-@pytest.mark.parametrize("backend,spec", [("threads", None), ("mp", None), ("threads", NGRAM)])
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_live_load(outs, runners, cfg) -> None:
+    """The replicas' expert load: every forwarded token's top-k once per MoE layer (each rank
+    counts its own live rows: not the padding rows, nor an idle rank's padding step)."""
+    forwarded = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    loads = [r.rank.parallel_stats()["expert_tokens_per_rank"] for r in runners]
+    assert sum(map(sum, loads)) == forwarded * cfg.moe.top_k * layers
+
+
+# in-process replicas without speculation: `make test-slow` (mp and threads + ngram cover the suite)
+@pytest.mark.parametrize(
+    "backend,spec", [pytest.param("threads", None, marks=pytest.mark.slow), ("mp", None), ("threads", NGRAM)]
+)
 def test_dp2_ep2_graph_engine_equals_the_single_process_engine(backend, spec, tiny_k3_dir):
     """In-process replicas (threads) and worker processes (mp, the default); with ngram
     speculation a replica's verify step (4 positions a sequence) and the other's decode step
@@ -40,12 +56,15 @@ def test_dp2_ep2_graph_engine_equals_the_single_process_engine(backend, spec, ti
     prompts = PROMPTS if spec is None else [SPEC_PROMPTS[0], "a b c a b c a b c a b", *PROMPTS[-2:]]
     greedy = [SamplingParams(temperature=0, max_tokens=32 - 4 * i, ignore_eos=True) for i in range(len(prompts))]
     want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(prompts, greedy)]
+    kw = {**KW, "enable_prefix_caching": False}  # every prompt token forwarded: the load below is exact
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got, runners = dp_graph_tokens(
-            path, prompts, greedy, data_parallel_backend=backend, speculative_config=spec, **KW
+        outs, runners = dp_graph_outputs(
+            path, prompts, greedy, data_parallel_backend=backend, speculative_config=spec, **kw
         )
-    assert got == want
+    assert tokens(outs) == want
     assert all(r.static_steps >= 15 for r in runners)  # in the workers too (mp)
+    if spec is None:  # (a verify pass forwards rejected drafts too)
+        assert_live_load(outs, runners, runners[0].model.cfg)
     if backend == "threads":
         graphs = [r.rank.graphs for r in runners]
         assert sum(g.padding_steps for g in graphs) > 0  # one replica finished first and padded
@@ -61,8 +80,8 @@ def test_dp2_with_tp2_inside_graph_engine_equals_the_single_process_engine(tiny_
     path = str(tiny_k3_dir)
     greedy = [SamplingParams(temperature=0, max_tokens=16 - 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS, greedy)]
-    got, runners = dp_graph_tokens(path, PROMPTS, greedy, tensor_parallel_size=2, **KW)
-    assert got == want
+    outs, runners = dp_graph_outputs(path, PROMPTS, greedy, tensor_parallel_size=2, **KW)
+    assert tokens(outs) == want
     assert all(r.static_steps >= 10 for r in runners)
 
 

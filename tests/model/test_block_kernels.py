@@ -102,11 +102,11 @@ def blockwise(model) -> list[tuple[str, int, float, float]]:
                     diff(name, i, getattr(copy, name)[i], getattr(cache, name)[i])
             return r
 
-        def teach_ffn(x, ffn=ffn, layer=layer, i=i):
+        def teach_ffn(x, batch=None, ffn=ffn, layer=layer, i=i):
             _set_kernels(layer, module)
-            f = ffn(x)
+            f = ffn(x, batch)
             _set_kernels(layer, None)
-            r = ffn(x)
+            r = ffn(x, batch)
             diff("ffn", i, f, r)
             return r
 
