@@ -177,6 +177,7 @@ def test_two_node_static_launch_equals_single_process(tiny_kl_dir):
             node1.kill()
 
 
+@pytest.mark.slow  # 77 s: two torchrun launchers (test_two_node_static_launch covers the layout in 3 s)
 def test_two_torchrun_node_ranks_serve_the_single_process_output(tiny_kl_dir):
     """`torchrun --nnodes 2 --node-rank {0,1} --nproc-per-node 1 -m k3serve serve ... -tp 2`: rank 0
     serves HTTP, rank 1 is a headless worker; both read torchrun's environment and agent store."""
@@ -247,6 +248,7 @@ def test_two_torchrun_node_ranks_serve_the_single_process_output(tiny_kl_dir):
                 raise
 
 
+@pytest.mark.slow  # 66 s (ngram and DSpark under DP-attention workers stay in the suite)
 def test_dspark_speculation_under_tp2_equals_single_process():
     """The bundled demo (MXFP4 experts, 64 channels: TP2 splits them by whole groups) with its DSpark
     drafter, as `make serve` runs it: the drafter reads tap-layer states, which the all-reduces leave

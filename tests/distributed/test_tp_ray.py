@@ -40,6 +40,7 @@ def two_node_cluster(tmp_path, monkeypatch):
         subprocess.run([exe, "stop", "--force"], **{**quiet, "check": False})
 
 
+@pytest.mark.slow  # 69 s: a two-node Ray cluster starts and stops
 def test_ray_backend_on_two_nodes_equals_single_process(two_node_cluster, tiny_kl_dir):
     llm = LLM(str(tiny_kl_dir), tensor_parallel_size=2, distributed_executor_backend="ray", **KW)
     try:
