@@ -14,7 +14,9 @@ inputs, the compiled call or a replay, one device-to-host copy of the [n, V] log
 
 from __future__ import annotations
 
+import datetime
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +25,10 @@ import torch
 from k3serve.config.compilation import CompilationConfig
 from k3serve.forward import CacheTensors, StaticBuffers
 from k3serve.sampling.device import NEG_INF, allowed_tokens, model_faults, sample
+
+# DP-attention: how long a step's collectives wait while a peer compiles a new bucket (its first
+# call compiles the whole step: minutes for a large model on a few cores)
+COMPILE_TIMEOUT_S = 1800.0
 
 
 def static_forward(model, step, cache, taps):
@@ -189,22 +195,23 @@ class GraphSteps:
         if inp.histories is not None:  # widths as powers of two: a bucket per doubling, not per token
             history = tuple(_pow2(max(len(h[i]) for h in inp.histories)) for i in (0, 1))
         key = Bucket(B, W, self._positions(inp), taps, sampled, masked, history, ep_rows)
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = self._build(*key)
-        self.steps += 1
-        slots = inp.draft_rows if inp.verify else inp.state_slots
-        entry.buffers.fill(
-            inp.input_ids,
-            inp.seq_lens,
-            slots,
-            inp.context_lens,
-            inp.block_tables,
-            inp.sampling,
-            inp.token_mask,
-            inp.histories,
-        )
-        out = entry.run()
+        with self._patient(key not in self.entries):
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = self._build(*key)
+            self.steps += 1
+            slots = inp.draft_rows if inp.verify else inp.state_slots
+            entry.buffers.fill(
+                inp.input_ids,
+                inp.seq_lens,
+                slots,
+                inp.context_lens,
+                inp.block_tables,
+                inp.sampling,
+                inp.token_mask,
+                inp.histories,
+            )
+            out = entry.run()
         if inp.sampling is not None:
             ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
             return GraphOut(None, ids, [bool(f) for f in faults], {i: t[:n] for i, t in out[2].items()})
@@ -215,12 +222,35 @@ class GraphSteps:
         bucket's step on padding rows only (scratch slot and block), whose MoE layers exchange
         `ep_rows` rows like theirs. Its logits are dropped."""
         key = Bucket(self.sizes[0], 1, 1, (), False, False, (0, 0), ep_rows)
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = self._build(*key)
-        entry.buffers.fill_padding()  # a live step of the same bucket may have filled them last
-        entry.run()
+        with self._patient(key not in self.entries):
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = self._build(*key)
+            entry.buffers.fill_padding()  # a live step of the same bucket may have filled them last
+            entry.run()
         self.padding_steps += 1
+
+    @contextmanager
+    def _patient(self, new: bool):
+        """DP-attention: a rank's first call of a new bucket compiles it, and its peers wait for
+        that inside the step's collectives. The ranks say whether any of them builds a new bucket
+        (one more small all-gather, before anyone builds), and if one does, every rank's gloo
+        groups wait up to COMPILE_TIMEOUT_S in this step instead of --distributed-timeout."""
+        if self.ep is None:
+            yield
+            return
+        if not max(int(v) for v in self.ep.all_gather(torch.tensor([float(new)]))):
+            yield
+            return
+        pgs = [g.pg for g in (self.ep, self.model.tp) if g.size > 1 and g.pg is not None]
+        before = [pg.options._timeout for pg in pgs]
+        for pg, t in zip(pgs, before):
+            pg._set_default_timeout(max(t, datetime.timedelta(seconds=COMPILE_TIMEOUT_S)))
+        try:
+            yield
+        finally:
+            for pg, t in zip(pgs, before):
+                pg._set_default_timeout(t)
 
     def _build(self, B, W, T, taps, sampled, masked, history, ep_rows) -> _Entry:
         self.compiles += 1

@@ -120,3 +120,29 @@ def test_the_fixed_shape_exchange_equals_the_eager_gather(kind, compiled, tiny_k
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(load, expect)
+
+
+def test_peers_wait_out_a_ranks_compile_past_the_collective_timeout(tiny_k3_dir, monkeypatch):
+    """A rank whose first call of a new bucket compiles longer than --distributed-timeout (here
+    a 3 s timeout and a build slowed by 5 s on rank 1): the ranks agreed that one of them builds,
+    so their gloo groups wait for it in that step, and the answers still equal one engine's."""
+    import time
+
+    from k3serve.runner.graph_step import GraphSteps
+
+    build = GraphSteps._build
+
+    def slow_build(self, *key):
+        if self.ep.rank == 1 and self.compiles == 0:
+            time.sleep(5)
+        return build(self, *key)
+
+    monkeypatch.setattr(GraphSteps, "_build", slow_build)
+    path = str(tiny_k3_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS[:2], greedy)]
+    outs, runners = dp_graph_outputs(
+        path, PROMPTS[:2], greedy, data_parallel_backend="threads", distributed_timeout=3, **KW
+    )
+    assert tokens(outs) == want
+    assert all(r.static_steps >= 4 for r in runners)
