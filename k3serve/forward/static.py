@@ -242,7 +242,10 @@ class StaticBuffers:
             parts.append(penal.view(torch.long))
             for i, width in enumerate(self.history):
                 parts.append(history_ids([h[i] for h in histories or []], B, width, self.vocab))
-        self.host.copy_(torch.cat(parts))
+        at = 0
+        for part in parts:  # into the staging buffer in place (no concatenated copy a step)
+            self.host[at : at + len(part)].copy_(part)
+            at += len(part)
         self.device_flat.copy_(self.host, non_blocking=True)
 
 

@@ -32,20 +32,19 @@ def apply_bias_and_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch
             continue
         if out is logits:
             out = logits.clone()
-        _process_row(out, i, req, len(req.output_token_ids) < req.params.min_tokens)
+        _process_row(out, i, req)
     return out
 
 
-def _process_row(logits: torch.Tensor, i: int, req: Request, suppress: bool) -> None:
+def _process_row(logits: torch.Tensor, i: int, req: Request) -> None:
     """Row i of `logits` in place: logit_bias, min_tokens' suppressed ends, penalties."""
     p = req.params
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-    if suppress:  # suppress ends until min_tokens
-        ends = suppressed_ends(req)
-        if ends:
-            logits[i, torch.tensor(ends, dtype=torch.long)] = NEG_INF
+    ends = suppressed_ends(req)  # until min_tokens
+    if ends:
+        logits[i, torch.tensor(ends, dtype=torch.long)] = NEG_INF
     if p.uses_penalties:
         _penalize_row(logits[i], req)
 
