@@ -32,7 +32,7 @@ def comm(llm: LLM) -> dict[str, tuple[int, int]]:
     as of the last forward, for worker-process replicas)."""
     out: dict[str, tuple[int, int]] = {}
     for r in llm.engine.replicas:
-        for k, calls, nbytes, _ in r.runner.rank.parallel_stats().get("tp_collectives", ()):
+        for k, calls, nbytes, _ in r.executor.parallel_stats().get("tp_collectives", ()):
             c, b = out.get(k, (0, 0))
             out[k] = (c + calls, b + nbytes)
     return out

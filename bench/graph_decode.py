@@ -119,7 +119,7 @@ def main() -> None:
                 "replay_equals_eager": same,
                 "tok_s": {n: tok_s(graph, n) for n in streams},
                 "waits_per_step": waits_per_step(graph),
-                "compiles": graph.engine.runner.rank.graphs.compiles,
+                "compiles": graph.engine.executor.rank.graphs.compiles,
             }
             del graph
             f["speedup_vs_torch"] = {n: f["tok_s"][n] / fig["torch_tok_s"][n] for n in streams}

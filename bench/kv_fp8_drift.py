@@ -35,7 +35,7 @@ def generate(path, n, prompt, kv, calibrate):
         enable_prefix_caching=False,
     )
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    scales = llm.engine.runner.cache.latent_scale
+    scales = llm.engine.executor.cache.latent_scale
     return out[0].outputs[0].token_ids, None if scales is None else [s.item() for s in scales.values()]
 
 

@@ -1,65 +1,45 @@
 """The driver's side of DP-attention replicas whose models run in worker processes (issue 16):
-what each replica engine holds in place of a model and a RankRunner (`RemoteModel`,
-`RemoteRank`, over distributed/dp_workers.py's workers), how the workers start for an
-EngineConfig, and which extra arguments each replica's LLMEngine takes.
+each replica engine's executor (`DPWorkerExecutor`, over distributed/dp_workers.py's workers),
+how the workers start for an EngineConfig, and which executor each replica's engine takes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
 import torch
 
-from k3serve.config.model_config import ModelConfig
 from k3serve.distributed.dp_workers import DPAttentionWorkers
-from k3serve.parallel.group import TPGroup
+from k3serve.executor.base import Allocation, Executor, ModelInfo
 from k3serve.distributed.multinode import NodeLayout
+from k3serve.parallel.group import TPGroup
 
 
-@dataclass
-class RemoteModel:
-    """What a replica's engine in the driver knows of the model its worker holds: the config,
-    the dtype and the worker's weight bytes (one meta tensor of that many bytes, so the sizing
-    code that sums parameters and buffers counts them)."""
+class DPWorkerExecutor(Executor):
+    """Replica r's ranks: its TP ranks' worker processes of the shared DP-attention group (one, or
+    `tp_size`), reached over their pipes. The workers' liveness, faults and shutdown are the whole
+    group's: any replica's executor reports and stops all of them."""
 
-    cfg: ModelConfig
-    dtype: torch.dtype
-    nbytes: int
-    ep: TPGroup  # the DP rank and size (no process group here; the workers' expert group spans DP x TP)
-
-    def parameters(self):
-        return iter(())
-
-    def buffers(self):
-        return iter((torch.empty(self.nbytes, dtype=torch.uint8, device="meta"),))
-
-    def use_kernels(self, kernels: str):
-        return None  # the worker chose its kernels when it loaded
-
-
-class RemoteRank:
-    """Replica r's RankRunner in the driver (runner/rank_step.py's interface), over the pipes of
-    its workers (one, or its TP ranks); also the replica engine's `executor` (liveness, faults,
-    shutdown of the whole group)."""
-
-    def __init__(self, workers: DPAttentionWorkers, rank: int, model: RemoteModel):
-        self.workers, self.rank, self.model = workers, rank, model
+    def __init__(self, workers: DPAttentionWorkers, model_path: str, rank: int, info: ModelInfo, ep: TPGroup):
+        """`ep`: the replica's rank and size in the expert group (no process group here: the
+        workers' group spans DP x TP ranks)."""
+        self.workers, self.model_path, self.rank, self._info, self.ep = workers, model_path, rank, info, ep
+        self.ranks = list(workers.ranks_of(rank))  # the first is the replica's TP rank 0
+        self.size = len(self.ranks)
         self._stats: dict = {}  # the workers' parallel_stats as of their last forward
 
-    def allocate(
-        self, plan, kv_dtype: str, calculate_kv_scales: bool = False, mode=None, graph=None, masked_ids=()
-    ) -> None:
-        """The worker's cache for `plan`, its backend `mode` and, for the graph backend, its
-        static steps (`graph`: GraphSettings; `masked_ids`: never sampled: it samples on the device)."""
-        self.workers.send_replica(
-            self.rank, "allocate", plan, kv_dtype, mode, graph, calculate_kv_scales, list(masked_ids)
-        )
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
 
-    def forward(self, inputs, taps: tuple[int, ...] = ()):
-        ranks = list(self.workers.ranks_of(self.rank))
-        answers = self.workers.call_ranks(
-            ranks, "dp_forward", [(inputs, taps)] + [(inputs, (), False)] * (len(ranks) - 1)
-        )
+    def allocate(self, alloc: Allocation) -> None:
+        """The workers' caches for the plan, their backend and, for the graph backend, their
+        static steps (they sample on the device, masking `alloc.masked_ids`)."""
+        self.workers.send_replica(self.rank, "allocate", alloc)
+
+    def execute(self, inputs, taps: tuple[int, ...] = ()):
+        n = len(self.ranks)
+        answers = self.workers.call_ranks(self.ranks, "dp_forward", [(inputs, taps)] + [(inputs, (), False)] * (n - 1))
         (result, self._stats), others = answers[0], answers[1:]
         if others:  # each TP rank counted the expert load of the rows it dispatched
             self._stats = merge_tp_stats(self._stats, [o[1] for o in others])
@@ -70,6 +50,20 @@ class RemoteRank:
 
     def idle(self) -> None:
         self.workers.send_replica(self.rank, "idle")
+
+    def read_state(self, slot: int) -> list[tuple[dict, dict]]:
+        return self.workers.call_ranks(self.ranks, "read_state", [(slot,)] * self.size)
+
+    def write_state(self, slot: int, shares: list[tuple[dict, dict]], non_blocking: bool = False) -> None:
+        self.workers.send_ranks(self.ranks, "write_state", [(slot, *share) for share in shares])
+
+    def read_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        (latent,) = self.workers.call_ranks(self.ranks[:1], "read_rows", [(rows,)])
+        return latent
+
+    def write_rows(self, rows: torch.Tensor, latent: dict[int, torch.Tensor], non_blocking: bool = False) -> None:
+        latent = {i: t.cpu() for i, t in latent.items()}
+        self.workers.send_ranks(self.ranks, "write_state", [(-1, {}, {}, rows, latent)] * self.size)
 
     def parallel_stats(self) -> dict:
         return self._stats
@@ -82,9 +76,9 @@ class RemoteRank:
     def error(self) -> str | None:
         return self.workers.error
 
-    @property
-    def local(self) -> bool:
-        return False
+    @error.setter
+    def error(self, why: str | None) -> None:
+        self.workers.error = why
 
     def fail(self, why: str) -> None:
         self.workers.fail(why)
@@ -102,14 +96,11 @@ def merge_tp_stats(leader: dict, others: list[dict]) -> dict:
     return {**leader, "expert_tokens_per_rank": tuple(sum(col) for col in zip(*loads))}
 
 
-def start_dp_workers(config, m: int) -> list[RemoteRank]:
+def start_dp_workers(config, m: int, model_path: str, where) -> list[DPWorkerExecutor]:
     """M DP-attention worker processes for `config` (an EngineConfig), loaded and ready; one
-    RemoteRank per replica."""
+    executor per replica."""
     from k3serve.config.bundled import load_model_config
-    from k3serve.demo import default_model
-    from k3serve.engine.setup import placement
 
-    where, model_path = placement(config), str(config.model or default_model())
     if where.device.type != "cpu":
         raise ValueError(
             f"DP-attention worker processes on {where.device}: the NCCL group is not built yet; the gloo (CPU) one is"
@@ -134,37 +125,45 @@ def start_dp_workers(config, m: int) -> list[RemoteRank]:
         raise
     cfg = load_model_config(model_path)
     return [
-        RemoteRank(
+        DPWorkerExecutor(
             workers,
+            model_path,
             r,
-            RemoteModel(
-                cfg,
-                where.dtype,
-                workers.weight_bytes(r * n),
-                TPGroup(r, m, True, size_flag="--data-parallel-size", all2all=config.all2all_backend),
-            ),
+            ModelInfo(cfg, where.dtype, workers.weight_bytes(r * n)),
+            TPGroup(r, m, True, size_flag="--data-parallel-size", all2all=config.all2all_backend),
         )
         for r in range(m)
     ]
 
 
-def replica_kwargs(config, dp: int, dp_attention: bool) -> list[dict]:
-    """LLMEngine's extra arguments for each of `dp` replicas: nothing for plain replicas; under
-    DP-attention + EP, a RemoteRank each (mp) or an in-process expert group each (threads)."""
+def replica_executors(config, dp: int, dp_attention: bool, where) -> list[Executor | None]:
+    """The executor of each of `dp` replicas: None (each engine starts its own) for plain
+    replicas; under DP-attention + EP, a DPWorkerExecutor each (mp) or an in-process model with
+    its expert group each (threads: the replicas step at once, each on its share of the cores)."""
     if not dp_attention:
         if dp > 1 and config.nnodes > 1:
             raise ValueError(
                 "--data-parallel-size across --nnodes is built for DP-attention ranks "
                 "(--enable-expert-parallel); plain replicas run on one node"
             )
-        return [{}] * dp
+        return [None] * dp
+    from k3serve.distributed.start import model_source
+
+    model_path = model_source(config)
     if config.data_parallel_backend == "mp":
-        return [{"remote": r} for r in start_dp_workers(config, dp)]
+        return list(start_dp_workers(config, dp, model_path, where))
     if config.tensor_parallel_size > 1 or config.nnodes > 1:
         raise ValueError(
             "--data-parallel-backend threads runs each DP-attention rank's whole model in this "
             "process: TP inside the DP ranks and several nodes need --data-parallel-backend mp (the default)"
         )
+    from k3serve.executor import UniProcExecutor
     from k3serve.parallel.expert_group import expert_groups
 
-    return [{"ep": g} for g in expert_groups(dp, config.distributed_timeout, config.all2all_backend)]
+    threads = max(1, (os.cpu_count() or 1) // dp)
+    return [
+        UniProcExecutor.load(
+            model_path, where, load_format=config.load_format, progress=config.load_progress, ep=g, threads=threads
+        )
+        for g in expert_groups(dp, config.distributed_timeout, config.all2all_backend)
+    ]

@@ -27,13 +27,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from k3serve.distributed.executor import MultiprocExecutor, WorkerDied, spawn_workers, worker_base
+from k3serve.distributed.executor import WorkerGroup, spawn_workers, worker_base
+from k3serve.executor.base import WorkerDied
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import CommandListener, NodeLayout
 from k3serve.parallel.shm import create_segment
 
 
-class DPAttentionWorkers(MultiprocExecutor):
+class DPAttentionWorkers(WorkerGroup):
     """M x N worker processes: DP rank m's model is TP-split over ranks m * N .. m * N + N - 1
     (N = tp_size, 1 by default: rank m serves replica m), whose command connections are
     `_conns[rank]`: pipes on one node; across nodes (`nodes`), sockets every worker dials

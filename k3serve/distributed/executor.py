@@ -2,8 +2,9 @@
 
 The scheduler, sampler and detokenizer stay single, pure Python, on the driver. Each step's
 prepared batch (StepInputs) reaches every worker once, over its pipe; all ranks then run the
-same forward, whose all-reduces / all-gathers go over one ProcessGroupGloo (CPU; the same
-calls take NCCL on CUDA). Only the driver's logits are sampled.
+same forward (rank 0 in this process, a UniProcExecutor), whose all-reduces / all-gathers go
+over one ProcessGroupGloo (CPU; the same calls take NCCL on CUDA). Only the driver's logits are
+sampled.
 
 Faults: every collective has `timeout_s`; a worker that dies closes its pipe and its gloo
 sockets, so the driver's next send or collective raises instead of hanging; `alive` is what
@@ -24,16 +25,14 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from k3serve.executor.base import Allocation, Executor, ModelInfo, WorkerDied
+from k3serve.executor.uniproc import UniProcExecutor
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import ControlChannel, NodeLayout, control_group
 from k3serve.parallel.shm import create_segment
 from k3serve.distributed.worker import WorkerSpec, make_group, worker_main
 
 log = logging.getLogger("k3serve.distributed")
-
-
-class WorkerDied(RuntimeError):
-    """A tensor-parallel worker is gone: the engine cannot run another step."""
 
 
 def check_layout(model_path: str, tp: TPGroup) -> None:
@@ -117,7 +116,11 @@ def run_headless(model_path: str, tp_size: int, nodes: NodeLayout, **kw) -> int:
     return max((p.exitcode or 0 for p in procs), default=0)
 
 
-class MultiprocExecutor:
+class WorkerGroup:
+    """Worker processes for ranks 1..N-1 (or, subclassed, a DP-attention group's ranks): start,
+    rendezvous, readiness, the commands of each step over their pipes (or the control group across
+    nodes), liveness and shutdown."""
+
     kind = "tensor-parallel"  # how errors name a worker
 
     def __init__(
@@ -344,3 +347,80 @@ class MultiprocExecutor:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+
+
+class MultiprocExecutor(WorkerGroup, Executor):
+    """Tensor-parallel ranks: rank 0 a UniProcExecutor in this process, ranks 1..N-1 workers that
+    run every command rank 0 runs, in the same order (their collectives pair with its)."""
+
+    def __init__(self, model_path: str, tp_size: int, *, where, progress: bool = True, **kw):
+        super().__init__(model_path, tp_size, dtype=where.dtype, device=where.device, **kw)
+        self.model_path = model_path
+        try:
+            tp = self.join_group()
+            self.rank0 = UniProcExecutor.load(
+                model_path, where, load_format=kw["load_format"], progress=progress, tp=tp
+            )
+            self.wait_ready()
+        except BaseException:  # no worker outlives an executor that failed to start
+            self.shutdown()
+            raise
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.rank0.info
+
+    @property
+    def model(self):
+        return self.rank0.model
+
+    @property
+    def cache(self):
+        return self.rank0.cache
+
+    @property
+    def graphs(self):
+        return self.rank0.graphs
+
+    def use_kernels(self, mode: str):
+        self.kernels = self.rank0.use_kernels(mode)
+        return self.kernels
+
+    def allocate(self, alloc: Allocation) -> None:
+        """Every rank allocates its share of the same plan and runs the same backend."""
+        self.send("allocate", alloc)
+        self.rank0.allocate(alloc)
+
+    def execute(self, inputs, taps: tuple[int, ...] = ()):
+        self.send("forward", inputs)
+        return self.rank0.execute(inputs, taps)
+
+    def rollback(self, slots: list[int], accepted: list[int]) -> None:
+        self.send("rollback", slots, accepted)
+        self.rank0.rollback(slots, accepted)
+
+    def idle(self) -> None:
+        self.send("idle")
+        self.rank0.idle()
+
+    def read_state(self, slot: int) -> list[tuple[dict, dict]]:
+        """Rank 0's heads, then each worker's (over the pipes)."""
+        return self.rank0.read_state(slot) + self.call("read_state", slot)
+
+    def write_state(self, slot: int, shares: list[tuple[dict, dict]], non_blocking: bool = False) -> None:
+        self.send_each("write_state", [(slot, *share) for share in shares[1:]])
+        self.rank0.write_state(slot, shares[:1], non_blocking)
+
+    def read_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        return self.rank0.read_rows(rows)
+
+    def write_rows(self, rows: torch.Tensor, latent: dict[int, torch.Tensor], non_blocking: bool = False) -> None:
+        self.send("write_state", -1, {}, {}, rows, {i: t.cpu() for i, t in latent.items()})
+        self.rank0.write_rows(rows, latent, non_blocking)
+
+    def parallel_stats(self) -> dict:
+        return self.rank0.parallel_stats()
+
+    @property
+    def transfers(self) -> bool:
+        return self.local

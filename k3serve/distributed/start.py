@@ -1,48 +1,42 @@
-"""Which executor starts an engine's tensor-parallel workers (the driver's choice, kept apart from
-executor.py so that neither executor module imports the other): worker processes started here
-(`MultiprocExecutor`, one node or torchrun/static multi-node), or Ray actors (`RayExecutor`)."""
+"""Which executor holds an engine's model (the driver's choice, kept apart from executor.py so
+that neither executor module imports the other): this process alone (`UniProcExecutor`), worker
+processes started here (`MultiprocExecutor`, one node or torchrun/static multi-node), or Ray
+actors (`RayExecutor`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from k3serve.distributed.executor import MultiprocExecutor, check_layout
+from k3serve.executor import Executor, UniProcExecutor
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import NodeLayout
 
 
-def start_executor(config, model_path: str, where) -> "MultiprocExecutor | None":
-    """The workers of `config.tensor_parallel_size` > 1 (started now, loading beside the driver)."""
+def start_executor(config, where) -> Executor:
+    """The ranks of `config.tensor_parallel_size`, loaded and ready (the checkpoint fetched first
+    when `config.model` is a hub id)."""
+    model_path = model_source(config)
     if config.tensor_parallel_size == 1:
-        return None
+        return UniProcExecutor.load(model_path, where, load_format=config.load_format, progress=config.load_progress)
     if where.device.type != "cpu":
         raise ValueError(
             f"tensor_parallel_size > 1 on {where.device}: the NCCL group is not built yet; the gloo (CPU) executor is"
         )
     check_layout(model_path, TPGroup(0, config.tensor_parallel_size, config.enable_expert_parallel))
+    kw = dict(
+        expert_parallel=config.enable_expert_parallel,
+        load_format=config.load_format,
+        kernels=config.kernels,
+        timeout_s=config.distributed_timeout,
+        where=where,
+        progress=config.load_progress,
+    )
     if config.distributed_executor_backend == "ray":
         from k3serve.distributed.ray_executor import RayExecutor, ray_layout
 
-        return RayExecutor(
-            model_path,
-            config.tensor_parallel_size,
-            expert_parallel=config.enable_expert_parallel,
-            dtype=where.dtype,
-            load_format=config.load_format,
-            kernels=config.kernels,
-            device=where.device,
-            timeout_s=config.distributed_timeout,
-            nodes=ray_layout(),
-        )
-    return MultiprocExecutor(
-        model_path,
-        config.tensor_parallel_size,
-        expert_parallel=config.enable_expert_parallel,
-        dtype=where.dtype,
-        load_format=config.load_format,
-        kernels=config.kernels,
-        device=where.device,
-        timeout_s=config.distributed_timeout,
-        nodes=node_layout(config),
-    )
+        return RayExecutor(model_path, config.tensor_parallel_size, nodes=ray_layout(), **kw)
+    return MultiprocExecutor(model_path, config.tensor_parallel_size, nodes=node_layout(config), **kw)
 
 
 def node_layout(config) -> NodeLayout:
@@ -58,3 +52,19 @@ def node_layout(config) -> NodeLayout:
             )
         return torchrun_layout()
     return NodeLayout(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+
+
+def model_source(config) -> str:
+    """The checkpoint folder of an EngineConfig: `config.model` (the bundled demo when unset), a hub repo id
+    downloaded into the hub cache first (weights/hub.py)."""
+    from k3serve.demo import default_model
+    from k3serve.weights.hub import resolve_model
+
+    spec_model = (config.speculative_config or {}).get("model")
+    return resolve_model(
+        str(config.model or default_model()),
+        config.revision,
+        config.download_dir,
+        config.hf_token,
+        draft=bool(spec_model) and not Path(spec_model).exists(),  # a draft folder inside the repo
+    )

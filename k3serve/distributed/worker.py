@@ -118,9 +118,9 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         import torch.distributed as dist
 
         from k3serve.distributed.multinode import ControlChannel, control_group, dial_driver
-        from k3serve.engine.setup import kernel_mode
+        from k3serve.executor.placement import kernel_mode
         from k3serve.models.registry import load_model
-        from k3serve.runner.model_runner import weight_bytes
+        from k3serve.runner.rank_step import weight_bytes
 
         torch.set_num_threads(spec.threads)
         store = dist.TCPStore(
@@ -157,7 +157,6 @@ def serve(conn, model, spec: WorkerSpec) -> None:
     import torch
 
     from k3serve.parallel.group import CollectiveError
-    from k3serve.runner.model_runner import allocate_cache
     from k3serve.runner.rank_step import RankRunner
 
     runner = None
@@ -170,28 +169,10 @@ def serve(conn, model, spec: WorkerSpec) -> None:
         if method == "shutdown":
             return
         try:
-            if method == "allocate":  # (plan, kv dtype[, backend mode, graph settings, calibration, masked ids])
-                plan, kv_dtype, mode, graph, calibrate, masked = (*args, None, None, False, ())[:6]
-                device = torch.device(spec.device)
-                if mode is not None:
-                    model.use_kernels(mode)
-                k = graph.num_speculative_tokens if graph is not None else 0
-                cache = allocate_cache(model, plan, getattr(torch, kv_dtype), device, graph is not None, calibrate, k)
-                graphs = None
-                if graph is not None:
-                    from k3serve.runner.graph_step import GraphSteps
-
-                    graphs = GraphSteps(
-                        model,
-                        cache,
-                        device,
-                        graph.config,
-                        graph.max_num_seqs,
-                        graph.eager,
-                        masked,  # a DP-attention rank samples its own rows on the device
-                        graph.num_speculative_tokens,
-                    )
-                runner = RankRunner(model, cache, device, graphs)
+            if method == "allocate":  # an executor/base.py Allocation: the driver's plan and backend
+                (alloc,) = args
+                model.use_kernels(alloc.mode)
+                runner = RankRunner.allocate(model, alloc, torch.device(spec.device))
             else:
                 result = getattr(runner, method)(*args)
                 if method in answers:

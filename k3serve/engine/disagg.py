@@ -8,11 +8,10 @@ LLMEngine: `self` is the engine.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from k3serve.engine.groups import Group, PromptInput, Sample
-from k3serve.engine.handoff import KVHandoff, capture, install, merge_heads, rows_of, split_heads
+from k3serve.engine.handoff import KVHandoff, capture, install
 from k3serve.engine.outputs import RequestOutput
 from k3serve.sampling.params import ParamError, SamplingParams
 from k3serve.scheduler.batch import SampledToken
@@ -40,13 +39,13 @@ class HandoffMixin:
         return self.media.cache_ids(ids, list(mm.get("image", [])), list(mm.get("video", [])), self.tokenizer)
 
     def _check_handoff(self) -> None:
-        if self.executor is not None and not self.executor.local:
+        if not self.executor.transfers:
             raise ValueError(
                 "prefill/decode hand-offs under tensor parallelism need every rank on this node "
                 "(their KDA heads are read and written over the workers' pipes): not with torchrun, "
                 "Ray or --nnodes"
             )
-        if self.ep is not None:
+        if self.executor.lockstep:
             raise ValueError("prefill/decode hand-offs with DP-attention replicas are not built")
 
     def pull_handoff(self, request_id: str, held_tokens: int = 0) -> KVHandoff:
@@ -61,7 +60,7 @@ class HandoffMixin:
         here; its final output when the first token already ends it (no step will report it)."""
         params = params or SamplingParams()
         self._check_handoff()
-        if h.request_id in self._groups:
+        if h.request_id in self.outputs.groups:
             raise ValueError(f"request id {h.request_id!r} is already in use")
         held = self.cache.held_prefix(h.cache_ids or h.prompt_token_ids)[: h.start // h.block_size]
         if len(held) * h.block_size != h.start:
@@ -81,7 +80,7 @@ class HandoffMixin:
             h.request_id,
             list(h.prompt_token_ids),
             params,
-            self.model.cfg.eos_token_id,
+            self.model_info.cfg.eos_token_id,
             self.max_model_len,
             arrival=next(self._arrivals),
         )
@@ -97,28 +96,16 @@ class HandoffMixin:
         )
         alloc = self.scheduler.adopt(req, held)
         self.write_back()  # blocks the adoption evicted, before the hand-off's rows land on them
-        self._install(h, alloc.blocks, alloc.state_slot)
+        install(self.executor, h, self.plan.block_size, alloc.blocks, alloc.state_slot)
         if h.rng_state is not None:  # the prefill's random stream goes on where its first draw left it
             self.runner.restore_rng(req, h.rng_state)
         if constraint is not None:
             self.runner.constraints[h.request_id] = constraint
-        self._groups[h.request_id], self._owner[h.request_id] = group, group
-        self.counters["prompt_tokens"] += len(h.prompt_token_ids)
+        self.outputs.add(group)
         if ended:
             self.scheduler.finish(req, req.finish_reason)
-        self._on_token(group, req, first)
-        return self._output(group) if req.finished else None
-
-    def _install(self, h: KVHandoff, table: list[int], slot: int) -> None:
-        """Write a hand-off into this engine's cache; under TP each rank takes its heads and the
-        latent rows (whole on every rank)."""
-        if self.executor is None:
-            install(self.runner.cache, h, table, slot)
-            return
-        shares = split_heads(h.recurrent, h.conv, self.executor.size)
-        rows = rows_of(table, h.start, len(h.prompt_token_ids), h.block_size)
-        self.executor.send_each("write_state", [(slot, *share, rows, h.latent) for share in shares[1:]])
-        install(self.runner.cache, dataclasses.replace(h, recurrent=shares[0][0], conv=shares[0][1]), table, slot)
+        self.outputs.on_token(group, req, first)
+        return self.outputs.output(group) if req.finished else None
 
     @staticmethod
     def _first_token(h: KVHandoff, params: SamplingParams) -> SampledToken:
@@ -141,10 +128,11 @@ class HandoffMixin:
     def _capture(self, req: Request) -> KVHandoff:
         """A finished prefill's cache rows and state, and what continues it exactly elsewhere:
         its sampler's random stream, the first token's logprobs, prompt logprobs, media keys."""
-        rid, group = req.request_id, self._owner[req.request_id]
+        rid, group = req.request_id, self.outputs.owner[req.request_id]
         sample, slot = group.samples[0], self.cache.state_slot(rid)
-        h = capture(
-            self.runner.cache,
+        return capture(
+            self.executor,
+            self.plan.block_size,
             rid,
             req.prompt_token_ids,
             req.output_token_ids[0],
@@ -155,6 +143,3 @@ class HandoffMixin:
             first_logprobs=dict(sample.logprobs[0]) if sample.logprobs else None,
             prompt_logprobs=dict(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
         )
-        if self.executor is not None:  # every head: this rank's, then each worker's (engine/handoff.py)
-            h.recurrent, h.conv = merge_heads([(h.recurrent, h.conv), *self.executor.call("read_state", slot)])
-        return h

@@ -21,20 +21,9 @@ class DataParallelEngine:
     def __init__(self, model: str | None, data_parallel_size: int, **kwargs):
         dp = data_parallel_size
         self.lockstep = dp > 1 and bool(kwargs.get("enable_expert_parallel"))
-        from k3serve.distributed.dp_replicas import replica_kwargs
+        from k3serve.engine.build import build_replicas
 
-        config = EngineConfig.from_kwargs(model, **kwargs)
-        self.replicas: list[LLMEngine] = []
-        links = replica_kwargs(config, dp, self.lockstep)
-        try:
-            for kw in links:
-                self.replicas.append(LLMEngine(config, **kw))
-        except BaseException:
-            self.shutdown()
-            for kw in links:  # DP-attention workers no replica took yet
-                if "remote" in kw:
-                    kw["remote"].shutdown()
-            raise
+        self.replicas: list[LLMEngine] = build_replicas(EngineConfig.from_kwargs(model, **kwargs), dp, self.lockstep)
         self._pool = ThreadPoolExecutor(dp, thread_name_prefix="k3serve-dp")
         self._owner: dict[str, LLMEngine] = {}
         self.routed = [0] * dp

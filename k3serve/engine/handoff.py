@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3serve.forward import CacheTensors
 from k3serve.layers.mla import from_cache, to_cache
 from k3serve.scheduler.batch import PromptLogprob
 
@@ -72,38 +71,40 @@ def rows_of(
 
 
 def capture(
-    cache: CacheTensors, request_id: str, prompt: list[int], first_token: int, table: list[int], slot: int, **carried
+    executor,
+    block_size: int,
+    request_id: str,
+    prompt: list[int],
+    first_token: int,
+    table: list[int],
+    slot: int,
+    **carried,
 ) -> KVHandoff:
-    """Copy a finished prefill's rows (every prompt position) and state out of the cache;
-    `carried`: the KVHandoff fields beside the cache (cache_ids, rng_state, logprobs)."""
-    rows = rows_of(table, 0, len(prompt), cache.block_size, cache.device)
-    latent = {i: t[rows].clone() for i, t in enumerate(cache.latent) if t is not None}
-    rec = {i: t[slot].clone() for i, t in enumerate(cache.recurrent) if t is not None}
-    conv = {i: t[slot].clone() for i, t in enumerate(cache.conv) if t is not None}
-    if cache.latent_scale is not None:
+    """Copy a finished prefill's rows (every prompt position) and state, every rank's heads, out
+    of the executor's cache; `carried`: the KVHandoff fields beside the cache (cache_ids,
+    rng_state, logprobs)."""
+    latent = executor.read_rows(rows_of(table, 0, len(prompt), block_size))  # gathered: copies
+    rec, conv = merge_heads(executor.read_state(slot))
+    cache = executor.cache
+    if cache is not None and cache.latent_scale is not None:
         carried["latent_scale"] = {i: float(s) for i, s in cache.latent_scale.items()}
-    return KVHandoff(request_id, list(prompt), first_token, cache.block_size, 0, latent, rec, conv, **carried)
+    return KVHandoff(request_id, list(prompt), first_token, block_size, 0, latent, rec, conv, **carried)
 
 
-def install(cache: CacheTensors, h: KVHandoff, table: list[int], slot: int) -> None:
-    """Write a hand-off into an allocation: rows [start, len(prompt)) and the state slot."""
-    if h.block_size != cache.block_size:
-        raise ValueError(f"hand-off block size {h.block_size} != this engine's {cache.block_size}")
-    rows = rows_of(table, h.start, len(h.prompt_token_ids), cache.block_size, cache.device)
-    for i, t in enumerate(cache.latent):
-        if t is None:
-            continue
-        if h.latent_scale is None and cache.latent_scale is None:  # a hand-off read from bytes is on the CPU
-            t[rows] = h.latent[i].to(t.device, t.dtype)
-            continue
+def install(executor, h: KVHandoff, block_size: int, table: list[int], slot: int) -> None:
+    """Write a hand-off into an allocation: rows [start, len(prompt)) on every rank, each rank
+    its heads of the state slot."""
+    if h.block_size != block_size:
+        raise ValueError(f"hand-off block size {h.block_size} != this engine's {block_size}")
+    cache, latent = executor.cache, dict(h.latent)
+    if cache is not None and (h.latent_scale is not None or cache.latent_scale is not None):
         # scaled fp8 on either side: the values, rescaled to this cache's scale (a calibrating
         # layer takes its scale from them, as from a prefill's rows)
-        values = from_cache(h.latent[i].to(t.device), None if h.latent_scale is None else h.latent_scale[i])
-        t[rows] = to_cache(values, t.dtype, cache.observe(i, values))
-    for i, t in enumerate(cache.recurrent):
-        if t is not None:
-            t[slot] = h.recurrent[i]
-            cache.conv[i][slot] = h.conv[i]
+        for i, rows in h.latent.items():
+            values = from_cache(rows.to(cache.device), None if h.latent_scale is None else h.latent_scale[i])
+            latent[i] = to_cache(values, cache.latent[i].dtype, cache.observe(i, values))
+    executor.write_rows(rows_of(table, h.start, len(h.prompt_token_ids), block_size), latent)
+    executor.write_state(slot, split_heads(h.recurrent, h.conv, executor.size))
 
 
 # ---- tensor parallelism: each rank holds H/N heads of the KDA state --------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,53 +18,11 @@ from k3serve.cache.sizing import (
     spec_records_bytes,
 )
 from k3serve.config.engine_config import EngineConfig
-from k3serve.models.kimi import KimiForCausalLM
-from k3serve.runner.model_runner import weight_bytes
+from k3serve.executor.base import ModelInfo
+from k3serve.executor.placement import Placement
 
 log = logging.getLogger("k3serve.engine")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 KV_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "fp8"}
-
-
-@dataclass(frozen=True)
-class Placement:
-    device: torch.device
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-
-
-def placement(config: EngineConfig) -> Placement:
-    dev = config.device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(dev)
-    if device.type == "cuda" and device.index is None:  # "cuda" != "cuda:0" when tensors are compared
-        device = torch.device("cuda", torch.cuda.current_device())
-    name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    kv = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else name
-    return Placement(device, TORCH_DTYPES[name], TORCH_DTYPES[kv])
-
-
-def kernel_mode(mode: str, device: torch.device, enforce_eager: bool = False) -> str:
-    """EngineConfig.kernels for an engine on `device`: the compiled kernels read CPU tensors only,
-    so an engine elsewhere builds none and "cpp" there is refused by name; "auto" on a GPU is the
-    triton backend (compiled, captured decode steps with the Triton kernels; "graph" where Triton
-    or fla-core is not installed), or the torch reference under --enforce-eager. "triton" where
-    its kernels cannot run (not installed; a CPU without TRITON_INTERPRET=1) is refused by name."""
-    from k3serve.kernels.triton import unavailable
-
-    if mode == "triton" and (why := unavailable(device.type)):
-        raise ValueError(why)
-    if device.type == "cpu" or mode in ("torch", "graph", "triton"):
-        return mode
-    if mode == "cpp":
-        raise ValueError(
-            f"kernels='cpp': the compiled kernels are CPU-only and this engine runs on {device}; "
-            "use 'auto', 'triton', 'graph' or 'torch'"
-        )
-    if enforce_eager:
-        return "torch"
-    return "graph" if unavailable(device.type) else "triton"
 
 
 def _memory(device: torch.device, which: int, meminfo_key: str) -> int:
@@ -86,14 +43,14 @@ def total_memory(device: torch.device) -> int:
     return _memory(device, 1, "MemTotal")
 
 
-def activation_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
+def activation_reserve(config: EngineConfig, model: ModelInfo) -> int:
     """A prefill chunk's live activations (~16 [tokens, hidden] fp32 buffers) + the fp32 logits
     of every sampled row: what `--gpu-memory-utilization` keeps outside the cache."""
     cfg = model.cfg
     return config.max_num_batched_tokens * cfg.hidden_size * 4 * 16 + config.max_num_seqs * cfg.vocab_size * 4
 
 
-def vision_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
+def vision_reserve(config: EngineConfig, model: ModelInfo) -> int:
     """The vision tower (loaded on first use, beside the text model) and its encoder cache: what a
     model with a tower keeps outside the cache, as the planner counts it per rank."""
     if model.cfg.vision is None:
@@ -104,14 +61,14 @@ def vision_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
     return tower + parse_bytes(config.mm_encoder_cache)
 
 
-def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausalLM | None = None) -> int:
+def cache_budget(config: EngineConfig, device: torch.device, model: ModelInfo | None = None) -> int:
     if config.cache_memory is not None:
         return parse_bytes(config.cache_memory)
     if config.gpu_memory_utilization is not None and model is not None:
         # vLLM's meaning: utilization x TOTAL memory holds weights + activations + cache (+ the
         # vision tower and its encoder cache, for a model with one)
         f = config.gpu_memory_utilization
-        total, weights, act = total_memory(device), weight_bytes(model), activation_reserve(config, model)
+        total, weights, act = total_memory(device), model.weight_bytes, activation_reserve(config, model)
         vision, records = vision_reserve(config, model), spec_reserve(config, model)
         budget = int(total * f) - weights - act - vision - records
         if budget <= 0:
@@ -133,7 +90,7 @@ def cache_budget(config: EngineConfig, device: torch.device, model: KimiForCausa
     return max(int(free_memory(device) * frac) - records, 0)
 
 
-def spec_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
+def spec_reserve(config: EngineConfig, model: ModelInfo) -> int:
     """Speculative decoding beside the cache: the verify records (cache/sizing.py
     spec_records_bytes) and a `draft_model` drafter's float32 weights and own cache
     (draft_cache_bytes), each by the formula the planner uses."""
@@ -156,7 +113,7 @@ def spec_reserve(config: EngineConfig, model: KimiForCausalLM) -> int:
     return records + loaded_weight_bytes(draft) + draft_cache_bytes(draft, config.max_num_seqs, max_model_len)
 
 
-def check_quantization(config: EngineConfig, model: KimiForCausalLM) -> None:
+def check_quantization(config: EngineConfig, model: ModelInfo) -> None:
     """--quantization must name the checkpoint's own format (k3serve never requantizes)."""
     if config.quantization is None:
         return
@@ -174,7 +131,7 @@ def check_quantization(config: EngineConfig, model: KimiForCausalLM) -> None:
         )
 
 
-def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:
+def resolve_max_model_len(config: EngineConfig, model: ModelInfo) -> int:
     limit = model.cfg.max_position_embeddings
     if config.max_model_len is None:
         return min(limit, 8192)
@@ -183,7 +140,7 @@ def resolve_max_model_len(config: EngineConfig, model: KimiForCausalLM) -> int:
     return config.max_model_len
 
 
-def make_plan(config: EngineConfig, model: KimiForCausalLM, where: Placement, max_model_len: int) -> CachePlan:
+def make_plan(config: EngineConfig, model: ModelInfo, where: Placement, max_model_len: int) -> CachePlan:
     kv_name = KV_NAMES[where.kv_dtype]
     budget = cache_budget(config, where.device, model)
     frac = config.prefix_cache_state_fraction if config.enable_prefix_caching else 0.0
@@ -219,7 +176,7 @@ def seq_limit_note(plan: CachePlan, max_num_seqs: int) -> str | None:
 
 
 def startup_lines(
-    model_path: str, model: KimiForCausalLM, where: Placement, plan: CachePlan, max_num_seqs: int | None = None
+    model_path: str, model: ModelInfo, where: Placement, plan: CachePlan, max_num_seqs: int | None = None
 ) -> list[str]:
     L = plan.max_model_len
     by_tokens = plan.requests_by_tokens(L)
@@ -227,7 +184,7 @@ def startup_lines(
     return ([note] if note else []) + [
         f"model {model_path} ({model.cfg.architecture}), dtype {str(where.dtype).removeprefix('torch.')}, "
         f"device {where.device}",
-        f"weights: {weight_bytes(model):,} B",
+        f"weights: {model.weight_bytes:,} B",
         f"cache budget {plan.total_bytes:,} B: latent KV {plan.num_blocks:,} blocks x {plan.block_size} tokens "
         f"= {plan.kv_tokens:,} tokens ({plan.token_bytes:,} B/token), "
         f"KDA state {plan.num_slots} slots x {plan.slot_bytes:,} B"

@@ -128,4 +128,4 @@ def snapshot(engine) -> EngineStats:
 def _parallel(engine) -> dict:
     """Expert load per rank and rank 0's collective totals (DP-attention: this replica's rank
     of the expert group, asked of its worker process when the model lives there)."""
-    return engine.runner.rank.parallel_stats()
+    return engine.executor.parallel_stats()

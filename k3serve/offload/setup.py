@@ -14,16 +14,15 @@ def make_tiers(config, engine):
         return None
     if not config.enable_prefix_caching:
         raise ValueError("kv offloading tiers hold prefix-cache entries: enable prefix caching")
-    remote = engine.remote  # a DP-attention replica: its cache lives in its worker processes
-    if remote is not None and config.calculate_kv_scales:
+    executor = engine.executor
+    if executor.cache is None and config.calculate_kv_scales:  # a DP-attention replica's cache is in its workers
         raise ValueError(
             "kv offloading tiers with DP-attention worker processes keep the checkpoint's fp8 "
             "latent scales; --calculate-kv-scales calibrates them inside the workers: drop one"
         )
-    if remote is not None and config.nnodes > 1:
+    if executor.lockstep and config.nnodes > 1:
         raise ValueError("kv offloading tiers with DP-attention ranks on several nodes are not built yet: one node")
-    workers = engine.executor if remote is None else None
-    if workers is not None and not workers.local:
+    if not executor.transfers:
         raise ValueError(
             "kv offloading tiers under tensor parallelism read and write the other ranks' state over "
             "their pipes: one host, mp workers (not Ray or several nodes) for now"
@@ -31,11 +30,11 @@ def make_tiers(config, engine):
     from k3serve.offload.entry import model_fingerprint
     from k3serve.offload.store import PrefixTiers
 
-    cache = engine.runner.cache if remote is None else meta_cache(engine)
+    cache = executor.cache if executor.cache is not None else meta_cache(engine)
     gib = config.kv_offloading_size if config.kv_offloading_size is not None else HOST_DEFAULT_GIB
     fp = model_fingerprint(
         engine.model_path,
-        dtype=str(engine.model.dtype),
+        dtype=str(engine.model_info.dtype),
         kv=engine.kv_dtype_name,
         block_size=engine.plan.block_size,
         tp=config.tensor_parallel_size,
@@ -51,8 +50,7 @@ def make_tiers(config, engine):
         config.kv_offloading_dir,
         int(config.kv_offloading_dir_size * 2**30),
         fp,
-        workers,
-        remote,
+        executor,
     )
     write_back = config.kv_offloading_write_policy == "write_back"
     engine.cache.attach_tiers(tiers.index, tiers.prefetch, write_back)
@@ -74,7 +72,7 @@ def meta_cache(engine):
 
     plan = engine.plan
     return CacheTensors.allocate(
-        engine.model.cfg,
+        engine.model_info.cfg,
         1,
         1,
         plan.block_size,

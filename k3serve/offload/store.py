@@ -38,7 +38,7 @@ import torch
 
 from k3serve.cache.tiers import Key, TierIndex, TierLRU
 from k3serve.offload.entry import EntryError, pack_keys, read_pack, write_pack
-from k3serve.offload.ports import LocalPort, RemotePort
+from k3serve.offload.ports import ExecutorPort
 
 log = logging.getLogger("k3serve.offload")
 READERS = 8  # threads reading disk entries
@@ -55,24 +55,18 @@ class PrefixTiers:
         disk_dir: str | None,
         disk_bytes: int,
         fingerprint: str,
-        workers=None,
-        remote=None,
+        executor,
     ):
-        """`workers`: the tensor-parallel executor (distributed/executor.py), or None. Under TP
-        the latent is whole on every rank (a block entry is rank 0's rows, written to every rank
-        on load) and each rank holds its heads of the KDA state: a state entry holds every
-        rank's shard, `recurrent.{l}` rank 0's and `recurrent.{l}.r{r}` rank r's. `remote`: a
-        DP-attention replica's RemoteRank, whose cache lives in its worker processes (then
-        `cache` is a meta-device twin giving the shapes; offload/ports.py)."""
-        self.bs, self.fingerprint, self.workers = block_size, fingerprint, workers
+        """`executor`: the replica's ranks (executor/base.py). Under TP the latent is whole on
+        every rank (a block entry is rank 0's rows, written to every rank on load) and each rank
+        holds its heads of the KDA state: a state entry holds every rank's shard, `recurrent.{l}`
+        rank 0's and `recurrent.{l}.r{r}` rank r's. `cache`: rank 0's cache tensors, or a
+        meta-device twin giving the shapes when they live in worker processes (offload/ports.py)."""
+        self.bs, self.fingerprint = block_size, fingerprint
         self.mla = [l for l, t in enumerate(cache.latent) if t is not None]
         self.kda = [l for l, t in enumerate(cache.recurrent) if t is not None]
-        if remote is not None:
-            self.port = RemotePort(remote, block_size, self.mla, self.kda)
-            n = len(self.port.ranks)
-        else:
-            self.port = LocalPort(cache, workers, block_size, self.mla, self.kda)
-            n = workers.size if workers is not None else 1
+        self.port = ExecutorPort(executor, block_size, self.mla, self.kda)
+        n = executor.size
         ranks = [""] + [f".r{r}" for r in range(1, n)]
         self.expect = {
             "block": {f"latent.{l}": ((block_size, cache.latent[l].shape[1]), cache.latent[l].dtype) for l in self.mla},
@@ -92,7 +86,7 @@ class PrefixTiers:
         self.entry_bytes = {
             kind: sum(torch.Size(s).numel() * d.itemsize for s, d in e.values()) for kind, e in self.expect.items()
         }
-        self.pin = remote is None and cache_device(cache).type == "cuda"
+        self.pin = cache_device(cache).type == "cuda"  # a meta twin's is "meta"
         self.dir = Path(disk_dir) / fingerprint if disk_dir else None
         self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.dir else None)
         self.host: dict[Key, dict[str, torch.Tensor]] = {}

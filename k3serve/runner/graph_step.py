@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from k3serve.backends import STATIC
 from k3serve.config.compilation import CompilationConfig
 from k3serve.forward import CacheTensors, StaticBuffers
 from k3serve.sampling.device import NEG_INF, allowed_tokens, model_faults, sample
@@ -79,6 +80,29 @@ class GraphSettings:
     max_num_seqs: int
     eager: bool = False  # --enforce-eager
     num_speculative_tokens: int = 0  # k: verify steps run as 1 + k positions a sequence
+
+    def startup_line(self, device: torch.device, lockstep: bool) -> str:
+        cc = self.config
+        sizes = cc.capture_sizes(self.max_num_seqs)
+        line = (
+            f"graph backend: decode steps of {sizes[0]}..{sizes[-1]} rows run compiled "
+            f"({'eager, --enforce-eager' if self.eager else cc.backend}"
+            f"{', captured as CUDA graphs' if device.type == 'cuda' and not self.eager else ''}); "
+            f"each new batch bucket compiles on its first step"
+            + ("; DP-attention ranks agree on each step's bucket" if lockstep else "")
+        )
+        if cc.extra:
+            line += f"; compilation-config keys without effect here: {', '.join(sorted(cc.extra))}"
+        return line
+
+
+def graph_settings(config, mode: str, spec) -> GraphSettings | None:
+    """The static decode step of an engine whose backend `mode` is graph or triton, else None
+    (`config`: EngineConfig; `spec`: its SpecDecoder or None)."""
+    if mode not in STATIC:
+        return None
+    k = spec.cfg.num_speculative_tokens if spec is not None else 0
+    return GraphSettings(config.compilation_config, config.max_num_seqs, config.enforce_eager, k)
 
 
 class Bucket(NamedTuple):

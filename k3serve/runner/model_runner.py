@@ -1,20 +1,22 @@
-"""ModelRunner: ScheduledBatch -> ForwardBatch -> model -> sampler -> StepOutput.
+"""ModelRunner: the driver's half of a step, around the executor's forward.
 
-Owns the device side of the cache (`CacheTensors`: latent rows for MLA, state slots for KDA),
-whose sizes come from the pure-Python `CachePlan`, and one torch.Generator per request.
+`prepare`: ScheduledBatch -> StepInputs (the plain data every rank runs, runner/rank_step.py) and
+which logits rows belong to which sequence; `finish`: the executor's StepResult -> sampled
+tokens, verified drafts and the rollback the executor owes an eager verify pass -> StepOutput.
+It holds what sampling needs across steps: one torch.Generator per request, grammar states,
+prompt media; the model and its cache live behind the executor (executor/base.py).
 References: nano-vllm `engine/model_runner.py`, vLLM v1 `worker/gpu_model_runner.py`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from k3serve.sampling.seeds import request_seed
 from k3serve.cache.sizing import CachePlan
-from k3serve.models.kimi import KimiForCausalLM
-from k3serve.forward import CacheTensors
-from k3serve.runner.graph_step import GraphSettings, GraphSteps
-from k3serve.runner.rank_step import RankRunner, StepInputs
+from k3serve.runner.rank_step import StepInputs, StepResult
 from k3serve.sampling.device import DeviceSamplingParams, device_samplable, model_faults, row_values, sample
 from k3serve.sampling.sampler import MODEL_FAULT, Sampler, SampleResult, model_fault_rows, sampled_token
 from k3serve.engine.media import PromptMedia
@@ -25,59 +27,38 @@ from k3serve.scheduler.batch import PromptLogprob, SampledToken, ScheduledBatch,
 from k3serve.scheduler.request import Request
 
 
+@dataclass
+class PreparedStep:
+    """One step's plan, built once: what every rank runs and how its logits map back."""
+
+    batch: ScheduledBatch
+    inputs: StepInputs
+    bounds: list[tuple[int, int]]  # each sequence's flat rows [begin, end)
+    spans: list[tuple[int, int]]  # (sequence index, first logits row) of the sampling sequences
+    asks: list[tuple[int, int, int, int]]  # prompt-logprob spans (_prompt_logprob_spans)
+
+
 class ModelRunner:
     def __init__(
         self,
-        model: KimiForCausalLM,
+        vocab_size: int,
         plan: CachePlan,
-        kv_dtype: torch.dtype,
         seed: int = 0,
         device: str | torch.device = "cpu",
         spec=None,
         masked_ids: list[int] = (),
-        workers=None,
-        rank=None,
-        graph: "GraphSettings | None" = None,
-        calculate_kv_scales: bool = False,
+        device_sampling: bool = False,
     ):
-        """`rank`: a RankRunner stand-in whose model and cache live elsewhere (a DP-attention
-        worker process, distributed/dp_replicas.py RemoteRank); None: this process's own.
-        `graph`: the graph backend's static decode step (runner/graph_step.py), or None."""
-        self.model, self.plan, self.seed, self.device = model, plan, seed, torch.device(device)
-        self.workers = workers  # distributed/executor.py: the other tensor-parallel ranks, or None
+        """`device`: where the model runs (prompt media rows go there). `device_sampling`: the
+        graph backend without speculation samples on the device (sampling/device.py): fused
+        into the static step when every row can, else the same counter-based draws on the host
+        logits; speculation keeps the host sampler (its verification draws from the requests'
+        generators)."""
+        self.vocab_size, self.plan, self.seed, self.device = vocab_size, plan, seed, torch.device(device)
         # vocabulary ids the tokenizer cannot decode: never sampled (their logits become -inf)
         self.masked_ids = torch.tensor(list(masked_ids), dtype=torch.long) if masked_ids else None
         self.spec = spec  # SpecDecoder when speculative decoding is configured
-        self.cache = (
-            allocate_cache(
-                model,
-                plan,
-                kv_dtype,
-                self.device,
-                graph is not None,
-                calculate_kv_scales,
-                graph.num_speculative_tokens if graph is not None else 0,
-            )
-            if rank is None
-            else None
-        )
-        graphs = None
-        if graph is not None and rank is None:
-            graphs = GraphSteps(
-                model,
-                self.cache,
-                self.device,
-                graph.config,
-                graph.max_num_seqs,
-                graph.eager,
-                masked_ids,
-                graph.num_speculative_tokens,
-            )
-        self.rank = rank if rank is not None else RankRunner(model, self.cache, self.device, graphs)
-        # a graph engine samples on the device (sampling/device.py): fused into the static step when
-        # every row can, else the same counter-based draws on the host logits; speculation keeps
-        # the host sampler (its verification draws from the requests' generators)
-        self.device_sampling = graph is not None and spec is None  # here, or in a DP-attention worker
+        self.device_sampling = device_sampling  # here, or in a DP-attention worker
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: the engine registers a Constraint per constrained request
@@ -85,22 +66,19 @@ class ModelRunner:
         self.constraints: dict[str, Constraint] = {}
         self.media: dict[str, PromptMedia] = {}  # prompt media rows per request (engine/media.py)
         self.constraint_stats = ConstraintStats()
-        # torch threads of the thread that steps this runner (OpenMP's count is per thread), or
-        # None to leave it: DP-attention replicas take cpu_count / M each, since their forwards
-        # run at once and an idle OpenMP thread spinning on a core a peer needs stalls every
-        # collective (2 cores, tiny K3 DP2+EP2, 8 streams: 361 tok/s at 2 threads each, 590 at 1)
-        self.threads: int | None = None
         self.static_steps = 0  # steps that ran as the graph backend's static step, here or in a worker
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The layers whose hidden states a DSpark drafter reads after each step."""
+        return self.spec.tap_layers if self.spec is not None else ()
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request]) -> None:
         if self.spec is not None:
             self.spec.propose(reqs)
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        if self.threads:
-            torch.set_num_threads(self.threads)
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         seqs = batch.seqs
         bounds, pos = [], 0
         for s in seqs:
@@ -135,15 +113,17 @@ class ModelRunner:
             token_mask=self._token_mask(seqs) if sampling is not None else None,
             histories=_histories(seqs) if sampling is not None else None,
         )
-        taps = self.spec.tap_layers if self.spec is not None else ()
-        if self.workers is not None:  # every rank runs the same forward (its collectives pair with ours)
-            self.workers.send("forward", inputs)
-        res = self.rank.forward(inputs, taps)
-        tapped, rows_written = res.taps, res.rows_written
+        return PreparedStep(batch, inputs, bounds, spans, asks)
+
+    @torch.inference_mode()
+    def finish(self, step: PreparedStep, res: StepResult) -> tuple[StepOutput, tuple[list[int], list[int]] | None]:
+        """Sample and verify from the step's result: (StepOutput, the (live slots, accepted
+        positions) an eager verify pass leaves for the executor to roll back, or None)."""
+        seqs, spans, bounds = step.batch.seqs, step.spans, step.bounds
         self.static_steps += res.static
-        prompt_lps = self._prompt_logprobs(seqs, asks, res.prompt_logits)
+        prompt_lps = self._prompt_logprobs(seqs, step.asks, res.prompt_logits)
         if not spans:
-            return StepOutput(prompt_logprobs=prompt_lps)
+            return StepOutput(prompt_logprobs=prompt_lps), None
         if res.sampled is not None:  # sampled inside the static step: only the ids came back
             out = StepOutput(prompt_logprobs=prompt_lps)
             for s, token, fault in zip(seqs, res.sampled, res.faulty):
@@ -152,7 +132,7 @@ class ModelRunner:
                 else:
                     out.sampled[s.request_id] = [SampledToken(token)]
             self._advance(out)  # each constrained request's grammar takes its token
-            return out
+            return out, None
         logits = res.logits
         if self.masked_ids is not None:
             logits[:, self.masked_ids] = float("-inf")
@@ -163,9 +143,9 @@ class ModelRunner:
             at = [p for _, p in plain]
             rows = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at)]  # no copy when all
             self._mask(rows, [(j, self.constraints.get(r.request_id), []) for j, r in enumerate(reqs)])
-            res = self._sample(rows, reqs)
-            out.sampled.update({reqs[j].request_id: [t] for j, t in res.tokens.items()})
-            out.failed.update({reqs[j].request_id: why for j, why in res.failed.items()})
+            sampled = self._sample(rows, reqs)
+            out.sampled.update({reqs[j].request_id: [t] for j, t in sampled.tokens.items()})
+            out.failed.update({reqs[j].request_id: why for j, why in sampled.failed.items()})
         slots, taus, committed = [], [], {}
         for i, p in spans:
             s, row = seqs[i], bounds[i][1] - 1
@@ -188,7 +168,7 @@ class ModelRunner:
                     out.failed[s.request_id] = f"speculative verification failed for this request ({type(e).__name__})"
                     continue
                 out.sampled[s.request_id] = emitted
-                if rows_written:  # the state after position tau sits in its own slot: no copy
+                if res.rows_written:  # the state after position tau sits in its own slot: no copy
                     out.accepted[s.request_id] = tau
                 else:
                     slots.append(s.state_slot)
@@ -197,15 +177,11 @@ class ModelRunner:
                 row = bounds[i][0] + tau  # the last committed input
             committed[s.request_id] = row
         self._advance(out)
-        if slots:
-            if self.workers is not None:
-                self.workers.send("rollback", slots, taus)
-            self.rank.rollback(slots, taus)
-        if taps:  # the drafter reads tap-layer states at the last committed position
-            states = torch.stack([tapped[i] for i in taps], 1)  # [N, taps, d]
+        if self.taps:  # the drafter reads tap-layer states at the last committed position
+            states = torch.stack([res.taps[i] for i in self.taps], 1)  # [N, taps, d]
             for rid, row in committed.items():
                 self.spec.observe(rid, states[row])
-        return out
+        return out, ((slots, taus) if slots else None)
 
     def _fused_sampling(self, seqs, asks) -> list[dict] | None:
         """Each row's device sampling values when the whole step can sample inside the static
@@ -225,7 +201,7 @@ class ModelRunner:
         ends = [(j, e) for j, s in enumerate(seqs) if (e := suppressed_ends(s.request))]
         if not live and not ends:
             return None
-        bitmask = torch.full((len(seqs), -(-self.model.cfg.vocab_size // 32)), -1, dtype=torch.int32)
+        bitmask = torch.full((len(seqs), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
         for j, c in live:
             c.fill(bitmask, j)
         for j, e in ends:
@@ -258,13 +234,6 @@ class ModelRunner:
             else:
                 result.tokens[j] = sampled_token(ids[k], raw, k, reqs[j].params.logprobs)
         return result
-
-    @torch.inference_mode()
-    def idle_step(self) -> None:
-        """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives."""
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        self.rank.idle()
 
     @staticmethod
     def _prompt_logprob_spans(seqs, bounds) -> list[tuple[int, int, int, int]]:
@@ -366,43 +335,6 @@ def _draft_rows(seqs) -> list[list[int]] | None:
     """A verify step's slot rows (cache/draft_slots.py), when every verifying sequence has one."""
     rows = [s.draft_row for s in seqs if s.drafts]
     return [s.draft_row for s in seqs] if rows and len(rows) == len(seqs) and None not in rows else None
-
-
-def allocate_cache(
-    model: KimiForCausalLM,
-    plan: CachePlan,
-    kv_dtype: torch.dtype,
-    device: torch.device,
-    scratch: bool = False,
-    calculate_kv_scales: bool = False,
-    draft_positions: int = 0,
-) -> CacheTensors:
-    """This rank's cache for `plan`: checkpoint slots (prefix caching) follow the live slots in
-    the same state tensors; under tensor parallelism KDA state holds this rank's heads.
-    `scratch`: a slot and a block for the graph backend's padding rows; `draft_positions` k: the
-    spare slots of slot-per-draft rows after them (cache/draft_slots.py). An fp8 latent cache
-    takes the checkpoint's per-layer scales, or calibrates them (`calculate_kv_scales`)."""
-    cache = CacheTensors.allocate(
-        model.cfg,
-        plan.num_slots + plan.num_checkpoints,
-        plan.num_blocks,
-        plan.block_size,
-        kv_dtype=kv_dtype,
-        device=device,
-        tp_size=model.tp.size,
-        scratch=scratch,
-        state_dtype=getattr(torch, plan.state_dtype),
-        spare=plan.num_slots * draft_positions if scratch else 0,
-    )
-    scales = getattr(model, "kv_scales", {})
-    if kv_dtype == torch.float8_e4m3fn and (scales or calculate_kv_scales):
-        cache.use_scales(scales, calculate_kv_scales)
-    return cache
-
-
-def weight_bytes(model: KimiForCausalLM) -> int:
-    """Bytes of every parameter and buffer (routed experts are buffers, MXFP4 counted packed)."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def _histories(seqs) -> list[tuple[list[int], list[int]]] | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.spec_decode.rollback import rollback_states
@@ -58,6 +59,24 @@ class StepResult:
 
 class RankRunner:
     """The model and this rank's cache tensors (KDA state of this rank's heads, the whole latent)."""
+
+    @classmethod
+    def allocate(cls, model: KimiForCausalLM, alloc, device: torch.device) -> "RankRunner":
+        """This rank's cache and static steps for an executor's Allocation (executor/base.py):
+        the same on every rank, in the driver's process or a worker's."""
+        graph = alloc.graph
+        k = graph.num_speculative_tokens if graph is not None else 0
+        cache = allocate_cache(
+            model, alloc.plan, getattr(torch, alloc.kv_dtype), device, graph is not None, alloc.calculate_kv_scales, k
+        )
+        graphs = None
+        if graph is not None:
+            from k3serve.runner.graph_step import GraphSteps
+
+            graphs = GraphSteps(
+                model, cache, device, graph.config, graph.max_num_seqs, graph.eager, alloc.masked_ids, k
+            )
+        return cls(model, cache, device, graphs)
 
     def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device, graphs=None):
         """`graphs`: runner/graph_step.py GraphSteps, which run pure decode steps (graph backend)."""
@@ -171,14 +190,59 @@ class RankRunner:
         return {i: t[rows].cpu() for i, t in enumerate(self.cache.latent) if t is not None}
 
     def write_state(
-        self, slot: int, recurrent: dict, conv: dict, rows: torch.Tensor | None = None, latent: dict | None = None
+        self,
+        slot: int,
+        recurrent: dict,
+        conv: dict,
+        rows: torch.Tensor | None = None,
+        latent: dict | None = None,
+        non_blocking: bool = False,
     ) -> None:
-        """Install a hand-off on this rank: its heads' state, and the latent rows (whole on every rank)."""
+        """Install state on this rank: its heads' state of `slot`, and latent rows in the cache's
+        encoding (whole on every rank). `non_blocking`: host tensors in pinned memory copy in
+        stream order (the prefix tiers' loads)."""
         for i, t in recurrent.items():
-            self.cache.recurrent[i][slot] = t
-            self.cache.conv[i][slot] = conv[i]
-        if latent:  # rows and their values arrive on the CPU (pickled)
+            self.cache.recurrent[i][slot].copy_(t, non_blocking=non_blocking)
+            self.cache.conv[i][slot].copy_(conv[i], non_blocking=non_blocking)
+        if latent:  # rows and their values may arrive on the CPU (pickled)
             rows = rows.to(self.cache.device)
         for i, t in (latent or {}).items():
             dst = self.cache.latent[i]
-            dst[rows] = t.to(dst.device, dst.dtype)
+            dst[rows] = t.to(dst.device, dst.dtype, non_blocking=non_blocking)
+
+
+def allocate_cache(
+    model: KimiForCausalLM,
+    plan: CachePlan,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    scratch: bool = False,
+    calculate_kv_scales: bool = False,
+    draft_positions: int = 0,
+) -> CacheTensors:
+    """This rank's cache for `plan`: checkpoint slots (prefix caching) follow the live slots in
+    the same state tensors; under tensor parallelism KDA state holds this rank's heads.
+    `scratch`: a slot and a block for the graph backend's padding rows; `draft_positions` k: the
+    spare slots of slot-per-draft rows after them (cache/draft_slots.py). An fp8 latent cache
+    takes the checkpoint's per-layer scales, or calibrates them (`calculate_kv_scales`)."""
+    cache = CacheTensors.allocate(
+        model.cfg,
+        plan.num_slots + plan.num_checkpoints,
+        plan.num_blocks,
+        plan.block_size,
+        kv_dtype=kv_dtype,
+        device=device,
+        tp_size=model.tp.size,
+        scratch=scratch,
+        state_dtype=getattr(torch, plan.state_dtype),
+        spare=plan.num_slots * draft_positions if scratch else 0,
+    )
+    scales = getattr(model, "kv_scales", {})
+    if kv_dtype == torch.float8_e4m3fn and (scales or calculate_kv_scales):
+        cache.use_scales(scales, calculate_kv_scales)
+    return cache
+
+
+def weight_bytes(model: KimiForCausalLM) -> int:
+    """Bytes of every parameter and buffer (routed experts are buffers, MXFP4 counted packed)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

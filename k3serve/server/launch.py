@@ -544,27 +544,16 @@ def start_engines(args: argparse.Namespace):
     """One AsyncEngine, or a DPEngine over --data-parallel-size replicas of it."""
     from k3serve.engine.async_engine import AsyncEngine
     from k3serve.engine.dp_engine import DPEngine
-    from k3serve.engine.llm_engine import LLMEngine
 
     from k3serve.config.engine_config import EngineConfig
 
     kwargs = engine_kwargs(args)
     dp = args.data_parallel_size
     dp_attention = dp > 1 and args.enable_expert_parallel  # experts over the DP ranks (engine/lockstep.py)
-    from k3serve.distributed.dp_replicas import replica_kwargs
+    from k3serve.engine.build import build_replicas
 
     config = EngineConfig.from_kwargs(args.model, **kwargs)
-    links, replicas = replica_kwargs(config, dp, dp_attention), []
-    try:
-        for kw in links:
-            replicas.append(AsyncEngine(LLMEngine(config, **kw), max_waiting=args.max_waiting))
-    except BaseException:
-        for r in replicas:
-            r.engine.shutdown()
-        for kw in links:  # DP-attention workers no replica took yet
-            if "remote" in kw:
-                kw["remote"].shutdown()
-        raise
+    replicas = [AsyncEngine(e, max_waiting=args.max_waiting) for e in build_replicas(config, dp, dp_attention)]
     return replicas[0] if len(replicas) == 1 else DPEngine(replicas, lockstep=dp_attention)
 
 
@@ -687,7 +676,7 @@ def headless(args: argparse.Namespace) -> int | None:
     from k3serve.distributed.multinode import NodeLayout, torchrun_layout, torchrun_rank
     from k3serve.distributed.worker import WorkerSpec, worker_main
     from k3serve.demo import default_model
-    from k3serve.engine.setup import placement
+    from k3serve.executor.placement import placement
 
     ran = torchrun_rank()
     if (ran is None and args.node_rank == 0) or (ran is not None and ran[0] == 0):

@@ -60,7 +60,7 @@ def test_dp_ep_rank_weight_bytes_equal_the_planners(kind, tp, tiny_k3_dir, tiny_
     each DP rank), routed experts split over all 2 x TP ranks."""
     from k3serve.config.bundled import load_model_config
     from k3serve.planner.weights import weight_split
-    from k3serve.runner.model_runner import weight_bytes
+    from k3serve.runner.rank_step import weight_bytes
     from k3serve.testing.tp_harness import run_dp_tp_ranks
     from k3serve.weights.schema import model_tensor_specs
 
@@ -154,12 +154,12 @@ def test_dp_attention_with_tp_inside_worker_processes_equals_one_engine(tiny_k3_
     try:
         outs = dp.generate(prompts, greedy)
         assert [o.outputs[0].token_ids for o in outs] == want
-        workers = dp.engine.replicas[0].remote.workers
+        workers = dp.engine.replicas[0].executor.workers
         assert (workers.size, workers.tp_size) == (4, 2)
         cfg = load_model_config(tiny_k3_dir)
         forwarded = sum(len(o.prompt_token_ids) + 6 - 1 for o in outs)
         moe_layers = sum(1 for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-        loads = [r.runner.rank.parallel_stats()["expert_tokens_per_rank"] for r in dp.engine.replicas]
+        loads = [r.executor.parallel_stats()["expert_tokens_per_rank"] for r in dp.engine.replicas]
         assert sum(map(sum, loads)) == forwarded * cfg.moe.top_k * moe_layers
     finally:
         dp.engine.shutdown()
@@ -202,7 +202,7 @@ def test_speculation_with_dp_attention_worker_processes_equals_one_engine(method
     try:
         got = [o.outputs[0].token_ids for o in dp.generate(prompts, greedy)]
         assert got == want
-        assert all(r.remote is not None for r in dp.engine.replicas)  # the worker-process backend
+        assert all(hasattr(r.executor, "workers") for r in dp.engine.replicas)  # the worker-process backend
         assert sum(r.spec.stats.accepted_tokens for r in dp.engine.replicas) > 0
     finally:
         dp.engine.shutdown()

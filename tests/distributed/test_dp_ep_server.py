@@ -40,7 +40,7 @@ def _complete(base, prompt, max_tokens, out=None):
 
 def _half_experts_bytes(model) -> int:
     """A DP-attention rank's weight bytes: the whole model with half its routed experts."""
-    from k3serve.runner.model_runner import weight_bytes
+    from k3serve.runner.rank_step import weight_bytes
 
     routed = sum(
         t.numel() * t.element_size() for m in model.moe_layers() for w in (m.w1, m.w2, m.w3) for t in w.buffers()
@@ -74,7 +74,7 @@ def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, bac
     dp = state.engine
     assert [r.engine.ep.all2all for r in dp.replicas] == [all2all] * 2
     if backend == "mp":  # each replica's model is in its own worker process, holding half the experts
-        assert [r.engine.remote.workers.weight_bytes(i) for i, r in enumerate(dp.replicas)] == [
+        assert [r.engine.executor.workers.weight_bytes(i) for i, r in enumerate(dp.replicas)] == [
             _half_experts_bytes(ref_state.engine.engine.model)
         ] * 2
     else:
@@ -102,7 +102,7 @@ def test_dp2_attention_with_ep_equals_a_single_process_server(kind, all2all, bac
             for l in text.splitlines()
             if l.startswith("k3serve:expert_parallel_tokens_total{")
         ]
-        cfg = dp.replicas[0].engine.model.cfg
+        cfg = dp.replicas[0].engine.model_info.cfg
         assert len(load) == 2 and all(v > 0 for v in load)
         assert sum(load) % (cfg.moe.top_k * len(ref_state.engine.engine.model.moe_layers())) == 0
     for r in dp.replicas:
@@ -116,7 +116,7 @@ def test_dp2_attention_with_tp2_inside_equals_a_single_process_server(tiny_k3_di
     app, state = make_app(
         tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--tensor-parallel-size", "2"
     )
-    workers = state.engine.replicas[0].engine.remote.workers
+    workers = state.engine.replicas[0].engine.executor.workers
     assert (workers.size, workers.tp_size) == (4, 2)
     with serving(ref_app) as ref, serving(app, start_timeout=60) as base:
         want_short, want_other = _complete(ref, SHORT, 12), _complete(ref, OTHER, 12)
@@ -160,7 +160,7 @@ def test_the_planners_dp_attention_line_starts(gpus, tp, tiny_kl_dir):
     assert "--data-parallel-size" in cmd and "--enable-expert-parallel" in cmd
     _, state = make_app(*cmd[2:])
     assert state.engine.lockstep is not None and [r.engine.ep.rank for r in state.engine.replicas] == [0, 1]
-    assert state.engine.replicas[0].engine.remote.workers.size == gpus
+    assert state.engine.replicas[0].engine.executor.workers.size == gpus
     asyncio.run(state.engine.shutdown())  # its worker processes
 
 
@@ -172,7 +172,7 @@ def test_a_dead_dp_attention_worker_fails_the_stream_and_health(tiny_k3_dir):
     app, state = make_app(
         tiny_k3_dir, "--data-parallel-size", "2", "--enable-expert-parallel", "--distributed-timeout", "20"
     )
-    workers = state.engine.replicas[0].engine.remote.workers
+    workers = state.engine.replicas[0].engine.executor.workers
     with serving(app, start_timeout=60) as base:
         assert _complete(base, SHORT, 4)
         began, lines = None, []

@@ -22,10 +22,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 
 def dp_graph_outputs(path, prompts, params, **kw) -> tuple[list, list]:
-    """The outputs of a DP2-attention + EP2 graph engine, and its replicas' runners."""
+    """The outputs of a DP2-attention + EP2 graph engine, and its replica engines."""
     dp = LLM(path, data_parallel_size=2, enable_expert_parallel=True, kernels="graph", compilation_config=COMPILE, **kw)
     try:
-        return dp.generate(prompts, params), [r.runner for r in dp.engine.replicas]
+        return dp.generate(prompts, params), list(dp.engine.replicas)
     finally:
         dp.engine.shutdown()
 
@@ -34,12 +34,12 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def assert_live_load(outs, runners, cfg) -> None:
+def assert_live_load(outs, engines, cfg) -> None:
     """The replicas' expert load: every forwarded token's top-k once per MoE layer (each rank
     counts its own live rows: not the padding rows, nor an idle rank's padding step)."""
     forwarded = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    loads = [r.rank.parallel_stats()["expert_tokens_per_rank"] for r in runners]
+    loads = [r.executor.parallel_stats()["expert_tokens_per_rank"] for r in engines]
     assert sum(map(sum, loads)) == forwarded * cfg.moe.top_k * layers
 
 
@@ -61,15 +61,15 @@ def test_dp2_ep2_graph_engine_equals_the_single_process_engine(backend, spec, ti
     want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(prompts, greedy)]
     kw = {**KW, "enable_prefix_caching": False}  # every prompt token forwarded: the load below is exact
     with torch._dynamo.config.patch(error_on_recompile=True):
-        outs, runners = dp_graph_outputs(
+        outs, engines = dp_graph_outputs(
             path, prompts, greedy, data_parallel_backend=backend, speculative_config=spec, **kw
         )
     assert tokens(outs) == want
-    assert all(r.static_steps >= 15 for r in runners)  # in the workers too (mp)
+    assert all(r.runner.static_steps >= 15 for r in engines)  # in the workers too (mp)
     if spec is None:  # (a verify pass forwards rejected drafts too)
-        assert_live_load(outs, runners, runners[0].model.cfg)
+        assert_live_load(outs, engines, engines[0].model_info.cfg)
     if backend == "threads":
-        graphs = [r.rank.graphs for r in runners]
+        graphs = [r.executor.graphs for r in engines]
         assert sum(g.padding_steps for g in graphs) > 0  # one replica finished first and padded
         if spec is not None:  # a verify bucket ran against a decode bucket of the same exchange rows
             buckets = [b for g in graphs for b in g.entries]
@@ -83,9 +83,9 @@ def test_dp2_with_tp2_inside_graph_engine_equals_the_single_process_engine(tiny_
     path = str(tiny_k3_dir)
     greedy = [SamplingParams(temperature=0, max_tokens=16 - 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS, greedy)]
-    outs, runners = dp_graph_outputs(path, PROMPTS, greedy, tensor_parallel_size=2, **KW)
+    outs, engines = dp_graph_outputs(path, PROMPTS, greedy, tensor_parallel_size=2, **KW)
     assert tokens(outs) == want
-    assert all(r.static_steps >= 10 for r in runners)
+    assert all(r.runner.static_steps >= 10 for r in engines)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -144,8 +144,8 @@ def test_peers_wait_out_a_ranks_compile_past_the_collective_timeout(tiny_k3_dir,
     path = str(tiny_k3_dir)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(path, kernels="torch", **KW).generate(PROMPTS[:2], greedy)]
-    outs, runners = dp_graph_outputs(
+    outs, engines = dp_graph_outputs(
         path, PROMPTS[:2], greedy, data_parallel_backend="threads", distributed_timeout=3, **KW
     )
     assert tokens(outs) == want
-    assert all(r.static_steps >= 4 for r in runners)
+    assert all(r.runner.static_steps >= 4 for r in engines)

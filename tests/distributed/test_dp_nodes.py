@@ -67,7 +67,7 @@ def test_dp_attention_over_two_nodes_equals_one_engine(tp, tiny_k3_dir):
     try:
         llm = _node0(tiny_k3_dir, port, tp)
         try:
-            workers = llm.engine.replicas[0].remote.workers
+            workers = llm.engine.replicas[0].executor.workers
             assert sorted(workers._proc_of) == list(range(tp))  # node 0's ranks; the rest dialled in
             assert workers._shm_path is None  # the expert group spans nodes: gloo
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
@@ -100,7 +100,7 @@ def test_a_dead_node_fails_the_step_and_health(tiny_k3_dir):
             if outs is not None:
                 assert all(o.outputs[0].finish_reason == "error" for o in outs)
             assert time.monotonic() - began < 15
-            workers = llm.engine.replicas[0].remote.workers
+            workers = llm.engine.replicas[0].executor.workers
             assert not workers.alive and "DP-attention" in workers.error
         finally:
             began = time.monotonic()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from k3serve import LLM, SamplingParams
-from k3serve.distributed.executor import WorkerDied
+from k3serve.executor import WorkerDied
 from k3serve.parallel.group import CollectiveError
 
 KW = dict(cache_memory="32MiB", max_model_len=512, max_num_batched_tokens=96, seed=0)
@@ -100,7 +100,7 @@ def test_planner_launch_command_starts(tiny_k3_dir):
     assert cmd[:2] == ["k3serve", "serve"] and "--enable-expert-parallel" in cmd
     llm = LLM(str(tiny_k3_dir), **engine_kwargs(build_parser().parse_args(cmd[1:])))
     try:
-        assert llm.engine.executor.size == 2 and llm.engine.model.tp.expert_parallel
+        assert llm.engine.executor.size == 2 and llm.engine.executor.model.tp.expert_parallel
         assert llm.generate("The fox", GREEDY)[0].outputs[0].token_ids
     finally:
         llm.engine.shutdown()

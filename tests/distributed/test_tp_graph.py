@@ -28,7 +28,7 @@ def test_tp2_graph_engine_equals_the_single_process_engine(tiny_kl_dir):
     )
     try:
         got = [o.outputs[0].token_ids for o in tp.generate(PROMPTS, greedy)]
-        graphs = tp.engine.runner.rank.graphs
+        graphs = tp.engine.executor.graphs
         assert got == want
         assert graphs.steps >= 31 and graphs.compiles >= 1
     finally:
@@ -53,12 +53,12 @@ def test_tp2_ep2_graph_engine_equals_the_single_process_engine(tiny_k3_dir):
     try:
         outs = tp.generate(PROMPTS, greedy)
         assert [o.outputs[0].token_ids for o in outs] == want
-        assert tp.engine.runner.rank.graphs.steps >= 31
+        assert tp.engine.executor.graphs.steps >= 31
         # load counted on the device, of live rows only: every forwarded token's top-k once per MoE layer
         cfg = tp.engine.model.cfg
         forwarded = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-        loads = tp.engine.runner.rank.parallel_stats()["expert_tokens_per_rank"]
+        loads = tp.engine.executor.parallel_stats()["expert_tokens_per_rank"]
         assert sum(loads) == forwarded * cfg.moe.top_k * layers
     finally:
         tp.engine.shutdown()

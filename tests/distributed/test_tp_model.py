@@ -104,7 +104,7 @@ def test_per_rank_weight_bytes_equal_the_planners(case, tiny_kl_dir, tiny_k3_dir
     channel-split experts hold 1/N of every expert, the same bytes as 1/N of the experts)."""
     from k3serve.config.bundled import load_model_config
     from k3serve.planner.weights import weight_split
-    from k3serve.runner.model_runner import weight_bytes
+    from k3serve.runner.rank_step import weight_bytes
     from k3serve.weights.schema import model_tensor_specs
 
     path = _path(case, (tiny_kl_dir, tiny_k3_dir, None))

@@ -21,8 +21,8 @@ def prompts(n: int, seed: int = 0) -> list[dict]:
 def fresh_cache(llm: LLM, blocks: int) -> CacheTensors:
     """One state slot and `blocks` latent blocks of 16 on the engine's device, in its cache dtype."""
     eng = llm.engine
-    kv = next(t for t in eng.runner.cache.latent if t is not None).dtype
-    return CacheTensors.allocate(eng.model.cfg, 1, blocks, 16, kv_dtype=kv, device=eng.runner.device)
+    kv = next(t for t in eng.executor.cache.latent if t is not None).dtype
+    return CacheTensors.allocate(eng.model.cfg, 1, blocks, 16, kv_dtype=kv, device=eng.executor.device)
 
 
 def ids(outs) -> list[list[int]]:
@@ -194,7 +194,7 @@ def test_bad_prompts_are_refused_and_engine_keeps_serving(k3_llm, prompt, match)
 
 def test_cache_tensors_match_the_sizing_module(k3_llm):
     eng = k3_llm.engine
-    c, plan = eng.runner.cache, eng.plan
+    c, plan = eng.executor.cache, eng.plan
     slot = sum(t[0].numel() * t.element_size() for t in c.recurrent + c.conv if t is not None)
     row = sum(t[0].numel() * t.element_size() for t in c.latent if t is not None)
     assert slot == plan.slot_bytes and row == plan.token_bytes
@@ -216,7 +216,7 @@ def test_chunked_prefill_invariance(tiny_k3_dir):
     for budget in (32, 64, 1024):
         llm = LLM(str(tiny_k3_dir), cache_memory="8MiB", max_model_len=512, max_num_batched_tokens=budget)
         toks = ids(llm.generate([p], SamplingParams(temperature=0, max_tokens=1)))[0]
-        cache = llm.engine.runner.cache  # the request used slot 0; a finished slot keeps its last state
+        cache = llm.engine.executor.cache  # the request used slot 0; a finished slot keeps its last state
         states = [t[0].clone() for t in cache.recurrent + cache.conv if t is not None]
         runs.append((toks, states, llm.engine.scheduler))
     # fp32 GEMMs over 32 vs 300 rows block differently, so the projected inputs differ in the

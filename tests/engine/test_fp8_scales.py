@@ -58,7 +58,7 @@ def _rows(llm, prompt):
     """Every MLA layer's cached values of `prompt`'s positions after a 1-token request: fp32 [L, 576]."""
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1))
     eng = llm.engine
-    cache = eng.runner.cache
+    cache = eng.executor.cache
     bs = cache.block_size
     blocks = [eng.cache.blocks.cached[h] for h in block_hashes(prompt, bs)]  # whole blocks, still cached
     rows = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in blocks])
@@ -71,7 +71,7 @@ def test_calibrated_scales_keep_fp8_within_its_bound_where_unit_scale_saturates(
     calibrated = LLM(str(loud_k3), **KW, calculate_kv_scales=True)
     got = _rows(calibrated, prompt)
     unit = _rows(LLM(str(loud_k3), **KW), prompt)
-    scales = calibrated.engine.runner.cache.latent_scale
+    scales = calibrated.engine.executor.cache.latent_scale
     assert max(r.abs().max().item() for r in ref.values()) > 448  # the unit scale's range is exceeded
     first = min(ref)  # the first MLA layer: the layers before it are the same in both engines,
     r, s = ref[first], scales[first].item()  # so its rows differ by the fp8 encoding alone
@@ -95,7 +95,7 @@ def test_every_backend_gives_the_torch_backends_tokens_under_scales(tiny_k3_dir,
     want = run(LLM(str(tiny_k3_dir), **KW, calculate_kv_scales=True), prompts)
     extra = {"compilation_config": {"backend": "eager"}} if kernels in ("graph", "triton") else {}
     llm = LLM(str(tiny_k3_dir), **{**KW, "kernels": kernels}, calculate_kv_scales=True, **extra)
-    scales = llm.engine.runner.cache.latent_scale
+    scales = llm.engine.executor.cache.latent_scale
     assert run(llm, prompts) == want
     assert all(s.item() != 1.0 for s in scales.values())  # calibrated, not the unit scale
 
@@ -107,7 +107,7 @@ def test_calibrated_fp8_keeps_the_equality_suite(tiny_k3_dir):
     prompts = [prefix + toks(5 + i, 10 + i) for i in range(4)]
     llm = LLM(path, **kw)
     together = run(llm, prompts)
-    assert not llm.engine.runner.cache.calibrating  # every layer took its scale from the first step
+    assert not llm.engine.executor.cache.calibrating  # every layer took its scale from the first step
     assert together == [run(llm, [p])[0] for p in prompts]  # batched == alone (and hits == first run)
     assert llm.engine.cache.checkpoints.stats.hit_tokens >= 3 * 32
     cold = LLM(path, **kw, enable_prefix_caching=False)
@@ -135,10 +135,10 @@ def test_checkpoint_k_scale_is_read_and_checked(tiny_k3_dir, tmp_path):
 
     good = _rewrite(tiny_k3_dir, tmp_path / "good", with_scales(0.25))
     llm = LLM(str(good), **KW)
-    assert {round(s.item(), 6) for s in llm.engine.runner.cache.latent_scale.values()} == {0.25}
+    assert {round(s.item(), 6) for s in llm.engine.executor.cache.latent_scale.values()} == {0.25}
     assert run(llm, [toks(20, 5)])
     plain = LLM(str(good), **{**KW, "kv_cache_dtype": "auto"})  # not fp8: the scales are not used
-    assert plain.engine.runner.cache.latent_scale is None
+    assert plain.engine.executor.cache.latent_scale is None
     bad = _rewrite(tiny_k3_dir, tmp_path / "bad", with_scales(0.0))
     with pytest.raises(Exception, match=r"self_attn\.k_scale.*|scale must be finite") as e:
         LLM(str(bad), **KW)
@@ -156,7 +156,7 @@ def test_a_handoff_carries_its_scales_into_another_scale(loud_k3):
     a = LLM(str(loud_k3), **KW, calculate_kv_scales=True)
     b = LLM(str(loud_k3), **KW, calculate_kv_scales=True)
     run(a, [toks(48, 7)]), run(b, [toks(16, 8)])
-    ca, cb = a.engine.runner.cache, b.engine.runner.cache
+    ca, cb = a.engine.executor.cache, b.engine.executor.cache
     prompt = list(range(1, 33))
     table_a, table_b = [0, 1], [2, 3]
     torch.manual_seed(0)
@@ -164,9 +164,9 @@ def test_a_handoff_carries_its_scales_into_another_scale(loud_k3):
         if t is not None:
             values = torch.randn(32, t.shape[1]) * 300
             t[:32] = (values / ca.latent_scale[i]).clamp(-448, 448).to(t.dtype)
-    h = from_bytes(to_bytes(capture(ca, "r", prompt, 5, table_a, 0)))
+    h = from_bytes(to_bytes(capture(a.engine.executor, ca.block_size, "r", prompt, 5, table_a, 0)))
     assert h.latent_scale == {i: float(s) for i, s in ca.latent_scale.items()}
-    install(cb, h, table_b, 0)
+    install(b.engine.executor, h, cb.block_size, table_b, 0)
     for i, t in enumerate(cb.latent):
         if t is None:
             continue
@@ -182,12 +182,12 @@ def test_disk_tier_keeps_calibrated_scales_across_a_restart(tiny_k3_dir, tmp_pat
     first = LLM(str(tiny_k3_dir), **kw)
     run(first, [prefix])
     want = run(first, [longer])
-    scales = {i: s.item() for i, s in first.engine.runner.cache.latent_scale.items()}
+    scales = {i: s.item() for i, s in first.engine.executor.cache.latent_scale.items()}
     first.engine.shutdown()
     saved = list((tmp_path / "tier").glob("*/kv_scales.json"))
     assert len(saved) == 1 and {int(k): v for k, v in json.loads(saved[0].read_text()).items()} == scales
     again = LLM(str(tiny_k3_dir), **kw)
-    cache = again.engine.runner.cache
+    cache = again.engine.executor.cache
     assert not cache.calibrating and {i: s.item() for i, s in cache.latent_scale.items()} == scales
     assert run(again, [toks(5, 99)]) and {i: s.item() for i, s in cache.latent_scale.items()} == scales
     assert run(again, [longer]) == want  # its prefix served from the disk tier, read under the saved scales

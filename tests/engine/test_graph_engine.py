@@ -28,7 +28,7 @@ def tokens(llm, ps, sp):
 
 
 def graphs(llm):
-    return llm.engine.runner.rank.graphs
+    return llm.engine.executor.graphs
 
 
 @pytest.mark.parametrize("kind", ["k3", "kl"])
@@ -78,7 +78,7 @@ def test_speculative_greedy_equals_torch(tiny_k3_dir, random_dspark, method):
         assert any(b.T > 1 for b in graphs(llm).entries)
         assert any(drafts.live(g) != g for g in range(llm.engine.plan.num_slots))
         # the spare slots take no more than the verify records the budget reserves for them
-        cache, cfg = llm.engine.runner.cache, llm.engine.model.cfg
+        cache, cfg = llm.engine.executor.cache, llm.engine.model.cfg
         spare = sum(t[cache.first_spare :].nbytes for t in cache.recurrent + cache.conv if t is not None)
         assert 0 < spare <= spec_records_bytes(cfg, 3, llm.engine.config.max_num_seqs)
 

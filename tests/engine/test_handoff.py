@@ -47,7 +47,7 @@ def disaggregated(prefill, decode, rid, prompt):
 
 
 def per_token_latent_bytes(engine) -> int:
-    return sum(t.shape[1] * t.element_size() for t in engine.runner.cache.latent if t is not None)
+    return sum(t.shape[1] * t.element_size() for t in engine.executor.cache.latent if t is not None)
 
 
 @pytest.mark.parametrize("kind", ["k3", "kl"])
@@ -62,7 +62,7 @@ def test_handoff_decodes_as_a_colocated_engine_would(kind, tiny_k3_dir, tiny_kl_
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     cfg = prefill.model.cfg
     kv = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[
-        decode.runner.cache.latent[next(i for i, t in enumerate(decode.runner.cache.latent) if t is not None)].dtype
+        decode.executor.cache.latent[next(i for i, t in enumerate(decode.executor.cache.latent) if t is not None)].dtype
     ]
     for i, prompt in enumerate([short, long, shared]):
         want = colocated.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids

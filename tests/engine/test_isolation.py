@@ -119,7 +119,7 @@ def _free(eng) -> bool:
 
 def test_a_raising_model_step_fails_only_its_cause(k3_llm, monkeypatch):
     want = _alone(k3_llm)
-    model = k3_llm.engine.runner.model
+    model = k3_llm.engine.executor.model
     real = model.forward
 
     def forward(fb, cache, taps=()):

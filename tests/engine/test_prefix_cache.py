@@ -84,7 +84,7 @@ def test_restored_state_bitwise_equals_fresh_prefill(on, off, tiny_k3_dir):
     assert slot is not None
     fresh = LLM(str(tiny_k3_dir), enable_prefix_caching=False, **KW)
     run(fresh, [prompt[:64]], SamplingParams(temperature=0, max_tokens=1))  # leaves slot 0 at position 64
-    a, b = on.engine.runner.cache, fresh.engine.runner.cache
+    a, b = on.engine.executor.cache, fresh.engine.executor.cache
     for got, want in zip(a.recurrent + a.conv, b.recurrent + b.conv):
         if got is not None:
             assert torch.equal(got[slot], want[0])
@@ -104,7 +104,7 @@ def test_concurrent_sharers_do_not_mutate_the_checkpoint(on, off):
     prefix = toks(64, 21)
     run(on, [prefix + toks(3, 22)])
     slot = on.engine.cache.checkpoints.get(block_hashes(prefix, 16)[3])
-    c = on.engine.runner.cache
+    c = on.engine.executor.cache
     before = [t[slot].clone() for t in c.recurrent + c.conv if t is not None]
     prompts = [prefix + toks(9, 23), prefix + toks(4, 24), prefix + toks(17, 25)]
     assert run(on, prompts) == run(off, prompts)

@@ -117,7 +117,7 @@ def test_a_tier_hit_equals_a_cold_recompute_bitwise(
     ref = LLM(path, **BIG, **extra)
     run(ref, [prefix])
     hashes = block_hashes(prefix, BS)[: boundary // BS]
-    dev = ref.engine.runner.cache
+    dev = ref.engine.executor.cache
     for h in hashes:
         b = ref.engine.cache.blocks.cached[h]
         for l, rows in seen["blocks"][h].items():

@@ -29,7 +29,7 @@ def test_bf16_state_keeps_the_equality_suite(kind, tiny_k3_dir, tiny_kl_dir):
     path = str(tiny_k3_dir if kind == "k3" else tiny_kl_dir)
     llm = LLM(path, **KW)
     fp32 = LLM(path, **{**KW, "mamba_ssm_cache_dtype": "auto"})
-    cache, cfg = llm.engine.runner.cache, llm.engine.model.cfg
+    cache, cfg = llm.engine.executor.cache, llm.engine.model.cfg
     rec = [t for t in cache.recurrent if t is not None]
     assert rec and all(t.dtype == torch.bfloat16 for t in rec)
     assert all(t.dtype == torch.float32 for t in cache.conv if t is not None)  # conv state stays fp32
@@ -52,7 +52,7 @@ def test_bf16_state_on_the_graph_backend_and_the_cpp_refusal(tiny_k3_dir):
     prompts = [toks(20 + 3 * i, 30 + i) for i in range(3)]
     want = run(LLM(path, **KW), prompts)
     graph = LLM(path, **{**KW, "kernels": "graph"}, compilation_config={"backend": "eager"})
-    assert run(graph, prompts) == want and graph.engine.runner.rank.graphs.steps > 0
+    assert run(graph, prompts) == want and graph.engine.executor.graphs.steps > 0
     with pytest.raises(ValueError, match="float32"):
         LLM(path, **{**KW, "kernels": "cpp"})
     auto = LLM(path, **{**KW, "kernels": "auto"})  # the CPU kernels stand aside

@@ -65,7 +65,7 @@ def test_triton_backend_greedy_equals_torch(kind, tiny_k3_dir, tiny_kl_dir, monk
         kda, "kda_prefill", lambda *a: calls.update(kda_prefill=calls.get("kda_prefill", 0) + 1) or prefill(*a)
     )
     assert tokens(llm, ps, sp) == want
-    assert llm.engine.runner.rank.graphs.steps >= 7  # the decode steps ran in the static step
+    assert llm.engine.executor.graphs.steps >= 7  # the decode steps ran in the static step
     assert calls["kda_decode"] and calls["mla_decode"] and calls["moe_experts"], calls
     assert calls["kda_prefill"] == len(llm.engine.model.cfg.kda_layers)  # the prompts' one prefill step: chunk_kda
 
@@ -89,7 +89,7 @@ def test_triton_verify_pass_with_dspark_equals_torch(tiny_k3_dir, random_dspark)
 
 def test_triton_is_refused_by_name_where_it_cannot_run(monkeypatch, tiny_kl_dir):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from k3serve.engine.setup import kernel_mode
+    from k3serve.executor.placement import kernel_mode
 
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         kernel_mode("triton", torch.device("cpu"))

@@ -43,12 +43,12 @@ def test_to_device_moves_every_parameter_and_expert(tiny_k3_dir, tiny_kl_dir, ki
 
 def test_engine_state_is_on_its_device_and_dtype(tiny_kl_dir):
     eng = LLM(str(tiny_kl_dir), dtype="bfloat16", cache_memory="16MiB", max_model_len=256).engine
-    device = eng.runner.device
+    device = eng.executor.device
     for name, t in state(eng.model):
         assert t.device == device, name
         want = torch.float32 if name.endswith(FP32_KEPT) else torch.bfloat16
         assert t.dtype == want, (name, t.dtype)  # dense experts included: they are buffers
-    cache = eng.runner.cache
+    cache = eng.executor.cache
     for t in [*cache.recurrent, *cache.conv, *cache.latent]:
         if t is not None:
             assert t.device == device
@@ -78,7 +78,7 @@ def test_an_engine_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
     issues 46, 52) without compiling any CPU kernel and "cpp" is refused by name;
     K3SERVE_KERNELS=torch does the same for a whole process."""
     from k3serve import kernels
-    from k3serve.engine.setup import kernel_mode
+    from k3serve.executor.placement import kernel_mode
     from k3serve.kernels import triton as triton_kernels
 
     cuda = torch.device("cuda", 0)

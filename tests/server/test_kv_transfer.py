@@ -236,7 +236,7 @@ def _pulled(state) -> float:
 
 
 def per_token_bytes(state) -> int:
-    return sum(t.shape[1] * t.element_size() for t in state.engine.engine.runner.cache.latent if t is not None)
+    return sum(t.shape[1] * t.element_size() for t in state.engine.engine.executor.cache.latent if t is not None)
 
 
 def test_a_dead_decode_server_is_retried_elsewhere_then_503(prefill_server, disaggregated):

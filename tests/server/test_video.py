@@ -211,7 +211,7 @@ def test_gpu_memory_utilization_keeps_the_tower_and_its_encoder_cache_out_of_the
     from k3serve.config.engine_config import EngineConfig
     from k3serve.engine.setup import cache_budget, vision_reserve
 
-    model = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256).engine.model
+    model = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256).engine.model_info
     tower = 0
     for f in tiny_k3_dir.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:

@@ -72,8 +72,8 @@ def test_a_vllm_launch_line_starts_the_server(tiny_k3_dir, tmp_path):
     ]
     app, state = _serve(None, *line)
     assert (
-        state.engine.engine.runner.cache.latent[
-            next(i for i, t in enumerate(state.engine.engine.runner.cache.latent) if t is not None)
+        state.engine.engine.executor.cache.latent[
+            next(i for i, t in enumerate(state.engine.engine.executor.cache.latent) if t is not None)
         ].dtype
         == torch.float8_e4m3fn
     )

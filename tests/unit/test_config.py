@@ -127,7 +127,7 @@ def test_auto_kernels_on_a_gpu_is_the_triton_backend_unless_eager():
     fla-core is missing; the torch reference under --enforce-eager."""
     import torch
 
-    from k3serve.engine.setup import kernel_mode
+    from k3serve.executor.placement import kernel_mode
     from k3serve.kernels.triton import unavailable
 
     cuda = torch.device("cuda", 0)

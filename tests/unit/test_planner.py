@@ -121,7 +121,7 @@ def test_engine_and_planner_agree_on_the_tiny_model(tiny_k3_dir, state):
     )
     got, want = rep.results[0].rank.plan, llm.engine.plan
     assert (got.num_slots, got.kv_tokens, got.num_checkpoints) == (want.num_slots, want.kv_tokens, want.num_checkpoints)
-    cache = llm.engine.runner.cache  # the bytes one slot really takes in the engine's tensors
+    cache = llm.engine.executor.cache  # the bytes one slot really takes in the engine's tensors
     held = sum(t[0].nbytes for t in cache.recurrent + cache.conv if t is not None)
     assert got.slot_bytes == want.slot_bytes == held
     line = next(x for x in llm.engine.startup_log if "latent KV" in x)
@@ -549,7 +549,7 @@ def test_speculative_records_are_one_formula_in_the_engine_and_the_planner(tiny_
     from k3serve.engine.setup import cache_budget
     from k3serve.planner.memory import rank_memory
 
-    model = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256).engine.model
+    model = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256).engine.model_info
     cfg = model.cfg
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     records = spec_records_bytes(cfg, 3, 16)
@@ -605,11 +605,11 @@ def test_a_draft_models_weights_and_cache_are_one_formula_in_the_engine_and_the_
     from k3serve.planner.cli import _draft
     from k3serve.planner.memory import rank_memory
     from k3serve.planner.weights import loaded_weight_bytes
-    from k3serve.runner.model_runner import weight_bytes
+    from k3serve.runner.rank_step import weight_bytes
 
     spec = {"method": "draft_model", "model": str(tiny_kl_dir), "num_speculative_tokens": 3}
     llm = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256, max_num_seqs=16, speculative_config=spec)
-    model, drafter = llm.engine.model, llm.engine.spec.proposer
+    model, drafter = llm.engine.model_info, llm.engine.spec.proposer
     draft = load_model_config(tiny_kl_dir)
     weights, own = loaded_weight_bytes(draft), draft_cache_bytes(draft, 16, 256)
     held = drafter.cache.recurrent + drafter.cache.conv + drafter.cache.latent

@@ -1,0 +1,161 @@
+"""What an engine is built from before its first step (vLLM v1's engine-core start-up): the
+executor holding the model, the backend, tokenizer, cache plan and its managers, the runner,
+speculation and prefix-cache tiers; for data parallelism, every replica with its executor."""
+
+from __future__ import annotations
+
+import logging
+from k3serve.cache.draft_slots import DraftSlots, first_spare
+from k3serve.cache.manager import HybridCacheManager
+from k3serve.config.engine_config import EngineConfig
+from k3serve.engine.core import EngineCore
+from k3serve.engine.setup import check_quantization, make_plan, resolve_max_model_len, seq_limit_note, startup_lines
+from k3serve.executor import Allocation, Executor
+from k3serve.executor.placement import kernel_mode, placement
+from k3serve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("k3serve.engine")
+
+
+def build_core(config: EngineConfig, executor: Executor | None = None) -> EngineCore:
+    """One replica's core. `executor`: its ranks when the caller built them (a DP-attention
+    replica's, distributed/dp_replicas.py); None: started here for `config` (distributed/start.py:
+    this process, TP workers or Ray actors). No worker outlives a core that failed to start."""
+    from k3serve.distributed.start import start_executor
+
+    where = placement(config)
+    ex = executor if executor is not None else start_executor(config, where)
+    try:
+        return _build(config, ex.model_path, where, ex)
+    except BaseException:
+        ex.shutdown()
+        raise
+
+
+def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> EngineCore:
+    from k3serve.offload.setup import make_tiers
+    from k3serve.runner.graph_step import graph_settings
+    from k3serve.runner.model_runner import ModelRunner
+    from k3serve.tokenizer import Tokenizer
+
+    info = ex.info  # the model's config, dtype and weight bytes; the weights are the executor's
+    check_quantization(config, info)
+    mode = kernel_mode(config.kernels, where.device, config.enforce_eager, ex.lockstep, config.ssm_dtype)
+    kernels = ex.use_kernels(mode)
+    tokenizer = Tokenizer.from_dir(config.tokenizer or model_path)
+    max_model_len = resolve_max_model_len(config, info)
+    plan = make_plan(config, info, where, max_model_len)
+    startup_log = startup_lines(model_path, info, where, plan, config.max_num_seqs)
+    # ids the model can emit but the tokenizer cannot decode: masked out of sampling, stated once
+    unmapped = tokenizer.unmapped_ids(info.cfg.vocab_size)
+    if unmapped:
+        startup_log.append(
+            f"tokenizer decodes {info.cfg.vocab_size - len(unmapped):,} of the model's "
+            f"{info.cfg.vocab_size:,} vocabulary ids; the other {len(unmapped):,} (first "
+            f"{unmapped[0]}) are masked out of sampling and refused in prompts"
+        )
+    for line in startup_log:
+        log.info(line)
+    cache = HybridCacheManager(
+        plan.num_blocks,
+        plan.num_slots,
+        plan.block_size,
+        plan.slot_bytes,
+        plan.token_bytes,
+        config.enable_prefix_caching,
+        plan.num_checkpoints,
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            config.scheduling_policy,
+            checkpoint_interval=config.prefix_cache_state_interval,
+        ),
+        cache,
+    )
+    spec = _speculation(config, model_path, ex, max_model_len, where.device)
+    graph = graph_settings(config, mode, spec)
+    if graph is not None and graph.num_speculative_tokens:  # verify steps write each position's own slot
+        k = graph.num_speculative_tokens
+        cache.use_draft_slots(DraftSlots(plan.num_slots, k, first_spare(plan.num_slots, plan.num_checkpoints)))
+    kv_name = str(where.kv_dtype).removeprefix("torch.")
+    # every rank allocates its share of the same plan and runs the same backend
+    ex.allocate(Allocation(plan, kv_name, mode, graph, config.calculate_kv_scales, tuple(unmapped)))
+    runner = ModelRunner(
+        info.cfg.vocab_size,
+        plan,
+        config.seed,
+        where.device,
+        spec,
+        masked_ids=unmapped,
+        device_sampling=graph is not None and spec is None,
+    )
+    core = EngineCore(
+        config,
+        model_path,
+        ex,
+        info,
+        plan,
+        max_model_len,
+        cache,
+        scheduler,
+        runner,
+        tokenizer,
+        unmapped,
+        kv_name,
+        startup_log,
+        seq_limit_note(plan, config.max_num_seqs),
+        kernels,
+        spec,
+    )
+    core.tiers = make_tiers(config, core)  # prefix-cache tiers in host memory and on disk, or None
+    if graph is not None:
+        line = graph.startup_line(where.device, ex.lockstep)
+        startup_log.append(line)
+        log.info(line)
+    return core
+
+
+def _speculation(config: EngineConfig, model_path: str, ex: Executor, max_model_len: int, device):
+    """The SpecDecoder of `config.speculative_config`, or None. Its drafter reads the target's
+    config, and its kernels when the model lives in this process."""
+    if not config.speculative_config:
+        return None
+    from k3serve.spec_decode.config import SpeculativeConfig
+    from k3serve.spec_decode.decoder import SpecDecoder
+
+    spec_cfg = SpeculativeConfig.from_dict(config.speculative_config).resolve_model(model_path)
+    target = ex.model if ex.model is not None else ex.info  # a worker's model: its config alone
+    spec = SpecDecoder(spec_cfg, target, max_model_len, config.max_num_seqs, device)
+    log.info(
+        "speculative decoding: %s, %d tokens, %s drafting, %s verification",
+        spec.cfg.method,
+        spec.cfg.num_speculative_tokens,
+        spec.cfg.draft_sample_method,
+        spec.cfg.rejection_sample_method,
+    )
+    return spec
+
+
+def build_replicas(config: EngineConfig, dp: int, dp_attention: bool) -> list:
+    """`dp` LLMEngine replicas of `config`: plain ones each start their own executor; under
+    DP-attention + EP each takes its rank of one expert group (engine/lockstep.py). If one fails
+    to start, the ones already built and every executor started for them are shut down."""
+    from k3serve.distributed.dp_replicas import replica_executors
+    from k3serve.engine.llm_engine import LLMEngine
+
+    executors = replica_executors(config, dp, dp_attention, placement(config))
+    replicas: list[LLMEngine] = []
+    try:
+        for ex in executors:
+            replicas.append(LLMEngine(config, ex))
+    except BaseException:
+        for r in replicas:
+            r.shutdown()
+        for ex in executors[len(replicas) :]:  # executors no replica took yet
+            if ex is not None:
+                ex.shutdown()
+        raise
+    return replicas

@@ -1,0 +1,135 @@
+"""EngineCore: one replica's step, schedule -> execute -> finish -> update (vLLM v1 `EngineCore`).
+
+`schedule` asks the drafter for tokens, lets the prefix tiers land what they read, and picks
+the step's work; `execute` hands the prepared step to the executor (every rank runs it), has
+the runner sample and verify, rolls an eager verify pass back, and brings the scheduler up to
+date. The core knows nothing of requests as callers see them (engine/output.py) nor of how
+many processes run the model (executor/base.py). Built by engine/build.py `build_core`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from k3serve.cache.manager import HybridCacheManager
+from k3serve.config.engine_config import EngineConfig
+from k3serve.engine.stats import IterationTokens
+from k3serve.executor import RANK_FAULTS, Executor, ModelInfo
+from k3serve.runner.model_runner import ModelRunner
+from k3serve.scheduler.batch import ScheduledBatch, StepOutput
+from k3serve.scheduler.request import Request
+from k3serve.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("k3serve.engine")
+
+
+@dataclass
+class Executed:
+    """A step's result: its output, or the requests a failed step blames and why."""
+
+    out: StepOutput | None
+    culprits: list[Request] = field(default_factory=list)
+    why: str = ""
+
+
+@dataclass
+class EngineCore:
+    config: EngineConfig
+    model_path: str
+    executor: Executor
+    model_info: ModelInfo
+    plan: object  # cache/sizing.py CachePlan
+    max_model_len: int
+    cache: HybridCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    tokenizer: object  # tokenizer/tokenizer.py Tokenizer
+    unmapped_ids: list[int]  # vocabulary ids the tokenizer cannot decode: never sampled
+    kv_dtype_name: str  # the latent cache's dtype, e.g. "bfloat16"
+    startup_log: list[str]
+    seq_limit_note: str | None  # why fewer requests than --max-num-seqs can run at once
+    kernels: object = None  # the compiled CPU kernels module rank 0 runs, or None
+    spec: object = None  # spec_decode SpecDecoder, or None
+    tiers: object = None  # offload/store.py PrefixTiers, or None
+    iteration_tokens: IterationTokens = field(default_factory=IterationTokens)  # vllm:iteration_tokens_total
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The step's work, its prefix-tier loads issued; None when there is none (a
+        DP-attention replica still runs its idle forward: the others' MoE layers wait for it)."""
+        self._propose()
+        if self.tiers is not None:
+            self.tiers.poll()  # disk reads done, files written: before the schedule looks them up
+        batch = self.scheduler.schedule()
+        self.write_back()  # what scheduling evicted, before any step reuses its rows
+        if batch.is_empty:
+            if self.executor.lockstep:
+                self.executor.idle()
+            if self.tiers is not None and self.tiers.busy:  # a request waits on its prefix's disk read
+                self.tiers.wait(0.01)
+            return None
+        if self.tiers is not None:
+            self.tiers.load(self.executor.cache, batch.load_blocks, batch.load_states)
+        self.iteration_tokens.add(sum(s.num_tokens for s in batch.seqs))
+        return batch
+
+    def execute(self, batch: ScheduledBatch) -> Executed:
+        """Run the step on every rank and finish it. A step that raises is retried apart (the
+        scheduler requeues its requests to run alone, Scheduler.retry_apart); a broken rank group
+        raises: no request can run again."""
+        try:
+            step = self.runner.prepare(batch)
+            out, rollback = self.runner.finish(step, self.executor.execute(step.inputs, self.runner.taps))
+            if rollback is not None:
+                self.executor.rollback(*rollback)
+        except RANK_FAULTS as e:
+            self.executor.fail(str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart
+            log.warning(
+                "model step over %d requests raised %s: %s; retrying them apart",
+                len(batch.seqs),
+                type(e).__name__,
+                e,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            why = f"the model step failed for this request ({type(e).__name__})"
+            return Executed(None, self.scheduler.retry_apart(batch), why)
+        self.scheduler.update(batch, out)
+        if self.tiers is not None:  # before the next step may reuse the rows just published
+            self.tiers.store(self.executor.cache, *self.cache.drain_fresh())
+        return Executed(out)
+
+    def _propose(self) -> None:
+        """Drafts first: the scheduler budgets 1 + k tokens for them. Drafting is an optimisation:
+        if it raises, this step runs without drafts."""
+        if self.spec is None:
+            return
+        reqs = [r for r in self.scheduler.running if r.num_uncomputed == 1]
+        try:
+            self.runner.propose(reqs)
+        except Exception as e:  # noqa: BLE001
+            log.warning("drafting raised %s: %s; this step runs without drafts", type(e).__name__, e)
+            for r in reqs:
+                r.spec_token_ids = []
+
+    def write_back(self) -> None:
+        """Write-back tiers: copy the blocks and checkpoints the pools just evicted down to host
+        memory while their rows still hold them (stream order on a GPU: before the step that
+        reuses them; the host never waits)."""
+        if self.tiers is not None and self.cache.write_back:
+            self.tiers.store(self.executor.cache, *self.cache.drain_evicted())
+
+    def release(self, req: Request) -> None:
+        """What a finished or aborted request held in the runner (generator, grammar, media,
+        drafts); the scheduler freed its cache."""
+        self.runner.release(req.request_id)
+
+    def shutdown(self) -> None:
+        """Stop the ranks; the core cannot step after. Write-back tiers first take what the
+        pools still hold, so a restart finds it."""
+        if self.tiers is not None and self.cache.write_back:
+            self.tiers.store(self.executor.cache, *self.cache.resident())
+        self.executor.shutdown()
+        if self.tiers is not None:
+            self.tiers.close()  # queued writes reach the directory: a restart finds them
