@@ -6,8 +6,9 @@ The same checkpoints (built into vs_llamacpp's cache folder on first use) and th
 as vs_llamacpp.k3serve_numbers: prefill 512, decode 1 stream, 8 and 16 concurrent streams
 (aggregate tok/s, the prompts' prefill left out), bf16. The engine picks cuda by itself
 (EngineConfig.device "auto"); on cuda every layer runs its torch path (the C++ kernels are
-CPU-only) and MXFP4 experts are dequantized per step. Run by bench/gpu_check.sh; writes
-bench/results/gpu_decode.json. There is no llama.cpp side: the device has no CUDA llama.cpp.
+CPU-only) and MXFP4 experts are dequantized per step. Writes bench/results/gpu_decode.json (the
+GPU check's speed stage, bench/graph_decode.py --speed, measures the torch engine beside the
+compiled ones instead). There is no llama.cpp side: the device has no CUDA llama.cpp.
 """
 
 from __future__ import annotations

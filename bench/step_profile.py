@@ -1,7 +1,7 @@
 """Profile of single-stream decode steps: what one step dispatches, where its time goes, and
 how often it waits for the device (issues 15 and 46).
 
-    python bench/step_profile.py [--model DIR] [--kernels torch,auto,graph] [--dtype bfloat16] [--steps 8]
+    python bench/step_profile.py [--model DIR|kl-bf16] [--kernels torch,auto,graph] [--dtype bfloat16] [--steps 8]
 
 For each backend named (k3serve/backends): the aten (and k3serve::) ops one decode step
 dispatches, in all, a layer, and split by the module that issued them (KDA, MLA, MoE, ...); the
@@ -9,7 +9,8 @@ top ops by self time (device time on cuda); the host/device waits (cudaStreamSyn
 cudaMemcpy*, cudaDeviceSynchronize). The graph backend is counted with its static step run
 eagerly (--enforce-eager: what compilation starts from; issue 46's budget is 40 a layer) and
 timed compiled (--compile-backend, inductor by default), both side by side with the others.
-Writes bench/results/step_profile.json (one entry a backend) and a Chrome trace per backend.
+Writes --json (default bench/results/step_profile.json; one entry a backend) and a Chrome trace
+per backend beside it; prints last the host waits a step of each backend.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3serve import LLM, SamplingParams
-from k3serve.testing.builder import ensure_default_model
 
-OUT = Path(__file__).parent / "results"
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
 
 
@@ -77,9 +77,20 @@ def decode_steps(llm: LLM, steps: int) -> Iterator[None]:
         eng.step()
 
 
+def model(args) -> str:
+    """--model: a checkpoint directory, or one of vs_llamacpp's names (the tiny K3 by default)."""
+    if Path(args.model).is_dir():
+        return args.model
+    sys.path.insert(0, str(Path(__file__).parent))
+    import vs_llamacpp  # bench/ is not a package
+
+    return str(vs_llamacpp.checkpoints({args.model})[args.model])
+
+
 def profile_backend(args, kernels: str, **engine) -> dict:
     llm = LLM(
-        str(args.model or ensure_default_model()),
+        model(args),
+        device=args.device,
         dtype=args.dtype,
         kernels=kernels,
         cache_memory="64MiB",
@@ -104,8 +115,7 @@ def profile_backend(args, kernels: str, **engine) -> dict:
         t = time.perf_counter()
         next(run, None)
         wall = time.perf_counter() - t
-    OUT.mkdir(exist_ok=True)
-    prof.export_chrome_trace(str(OUT / f"step_profile_trace_{kernels}.json"))
+    prof.export_chrome_trace(str(args.json.parent / f"step_profile_trace_{kernels}.json"))
     events = prof.key_averages()
     on_device = device.type == "cuda"
     key = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
@@ -131,7 +141,8 @@ def profile_backend(args, kernels: str, **engine) -> dict:
 def time_compiled(args) -> float:
     """ms a decode step of the graph backend compiled (the first steps compile; not timed)."""
     llm = LLM(
-        str(args.model or ensure_default_model()),
+        model(args),
+        device=args.device,
         dtype=args.dtype,
         kernels="graph",
         cache_memory="64MiB",
@@ -147,16 +158,23 @@ def time_compiled(args) -> float:
     return (time.perf_counter() - t) / args.steps * 1e3
 
 
+def waits(r: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in r["waits_per_step"].items()) or "none"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny K3)")
+    ap.add_argument("--model", default="k3-mxfp4", help="checkpoint directory or vs_llamacpp name (kl-bf16, ...)")
+    ap.add_argument("--device", default="auto", help="auto: cuda when available")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="torch,auto,graph", help="backends, comma-separated (torch, auto, cpp, graph)")
     ap.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend the graph backend is timed with"
     )
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "step_profile.json")
     args = ap.parse_args()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     results = {}
     for kernels in args.kernels.split(","):
         r = results[kernels] = profile_backend(args, kernels, **({"enforce_eager": True} if kernels == "graph" else {}))
@@ -173,18 +191,16 @@ def main() -> None:
             )
         )
         print("  ops a step by module: " + ", ".join(f"{k} {v:.0f}" for k, v in r["ops_per_step_by_module"].items()))
-        print(
-            "  host/device waits a step: "
-            + (", ".join(f"{k} {v:.1f}" for k, v in r["waits_per_step"].items()) or "none")
-        )
+        print(f"  host/device waits a step: {waits(r)}")
         for row in r["top_ops"][:8]:
             print(f"    {row['op']:32s} {row['calls_per_step']:6.1f} calls  {row['us_per_step']:8.1f} us a step")
+        args.json.write_text(json.dumps(results, indent=2))  # after each backend: a run cut short keeps it
     if "torch" in results and "graph" in results:
         print(
             f"ops a layer: torch {results['torch']['ops_per_layer']:.0f}, graph {results['graph']['ops_per_layer']:.0f} "
             f"({results['torch']['ops_per_layer'] / results['graph']['ops_per_layer']:.1f}x fewer)"
         )
-    (OUT / "step_profile.json").write_text(json.dumps(results, indent=2))
+    print("host/device waits a step: " + "; ".join(f"{k} {waits(r)}" for k, r in results.items()))
 
 
 if __name__ == "__main__":

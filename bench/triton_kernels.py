@@ -1,7 +1,7 @@
 """Benchmark: each Triton kernel (issue 52) against the bytes it must read, as a fraction of
 the device's measured copy bandwidth.
 
-    python bench/triton_kernels.py [--shapes kl-48b,k3] [--batches 1,16,64] [--context 4096]
+    python bench/triton_kernels.py [--shapes kl-48b,k3] [--batches 1,16,64] [--context 4096] [--device cuda]
 
 Per layer shape (Kimi-Linear-48B: KDA 32x128 heads, MLA 32 heads, 256 bf16 experts top-8, 2304
 -> 1024; K3: KDA 96x128, MLA 96 heads, MXFP4 experts top-16 of 896, latent 3584 -> 3072, of
@@ -14,8 +14,9 @@ which only the experts a batch touches are allocated) and batch size, side by si
                0.53125 B/param or bf16.
 Time is the median of CUDA-event-timed calls after warm-up; the bandwidth is a device-to-device
 copy measured in the same run. Issue 52's target: the MoE kernel >= 60% of bandwidth at one
-stream. On a CPU, `--shapes tiny` runs under the interpreter as the script's own check (the
-figures mean nothing there). Writes bench/results/triton_kernels.json.
+stream. On a CPU (`--device cpu`), `--shapes tiny` runs under the interpreter as the script's
+own check, two timed calls each (the figures mean nothing there). Writes --json (default
+bench/results/triton_kernels.json); prints last each shape's MoE fraction at the smallest batch.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ SHAPES = {  # H, D: KDA heads x dim; mh: MLA heads; c, r, nope, v; d_in, inter, 
 }
 
 
-def timed(fn, device, reps=20):
+def timed(fn, device, reps=None):
+    reps = reps or (20 if device.type == "cuda" else 2)
     for _ in range(3):
         fn()
     times = []
@@ -115,14 +117,19 @@ def moe_case(s, B, device):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    cuda = torch.cuda.is_available()
-    p.add_argument("--shapes", default="kl-48b,k3" if cuda else "tiny")
-    p.add_argument("--batches", default="1,16,64" if cuda else "1,4")
-    p.add_argument("--context", type=int, default=4096 if cuda else 128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", help="default kl-48b,k3 (cuda), tiny (cpu)")
+    p.add_argument("--batches", help="default 1,16,64 (cuda), 1,4 (cpu)")
+    p.add_argument("--context", type=int, help="default 4096 (cuda), 128 (cpu)")
+    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "triton_kernels.json")
     args = p.parse_args()
+    cuda = args.device == "cuda"
+    args.shapes = args.shapes or ("kl-48b,k3" if cuda else "tiny")
+    args.batches = args.batches or ("1,16,64" if cuda else "1,4")
+    args.context = args.context or (4096 if cuda else 128)
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
-    device = torch.device("cuda" if cuda else "cpu")
+    device = torch.device(args.device)
     bw = copy_bandwidth(device)
     out = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)",
@@ -130,6 +137,7 @@ def main() -> None:
         "results": {},
     }
     print(f"{out['device']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     for name in args.shapes.split(","):
         s = SHAPES[name]
         for B in (int(b) for b in args.batches.split(",")):
@@ -147,9 +155,13 @@ def main() -> None:
                     f"{row['GBps']:7.1f} GB/s = {row['fraction']:.0%} of copy",
                     flush=True,
                 )
-    path = Path(__file__).parent / "results" / "triton_kernels.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+        args.json.write_text(json.dumps(out, indent=2))  # after each shape: a run cut short keeps it
+    b = args.batches.split(",")[0]
+    print(
+        f"MoE experts at B={b}: "
+        + ", ".join(f"{n} {out['results'][f'{n}/moe_experts/B{b}']['fraction']:.0%}" for n in args.shapes.split(","))
+        + " of copy bandwidth (target 60%)"
+    )
 
 
 if __name__ == "__main__":
