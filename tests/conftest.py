@@ -80,18 +80,18 @@ def pytest_configure(config):
     dtype, kernels = os.environ.get("K3SERVE_TEST_DTYPE"), os.environ.get("K3SERVE_TEST_KERNELS")
     if not (dtype or kernels):  # import nothing of the engine at configure time otherwise (the Ray
         return  # test's cluster then timed out the next TP server's rendezvous)
-    from k3serve.engine import llm_engine, setup
+    from k3serve.engine import build
 
     if dtype:
         import dataclasses
 
-        def placement(cfg, _orig=setup.placement):
+        def placement(cfg, _orig=build.placement):
             return _orig(dataclasses.replace(cfg, dtype=dtype) if cfg.dtype == "auto" else cfg)
 
-        llm_engine.placement = placement
+        build.placement = placement
     if kernels:
 
-        def kernel_mode(mode, device, enforce_eager=False, _orig=setup.kernel_mode):
-            return _orig(kernels if mode == "auto" else mode, device, enforce_eager)
+        def kernel_mode(mode, device, *args, _orig=build.kernel_mode):
+            return _orig(kernels if mode == "auto" else mode, device, *args)
 
-        llm_engine.kernel_mode = kernel_mode
+        build.kernel_mode = kernel_mode
