@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from k3serve.sampling.params import SamplingParams
+        from k3serve.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'k3serve' has no attribute {name!r}")

@@ -148,7 +148,7 @@ class EngineConfig:
                 f"'ray' (Ray actors on the cluster), got {self.distributed_executor_backend!r}"
             )
         if self.speculative_config:
-            from k3serve.spec_decode.config import SpeculativeConfig
+            from k3serve.config.speculative import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
         if self.extra:

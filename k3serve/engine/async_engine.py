@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
 from k3serve.engine.outputs import RequestOutput
 from k3serve.engine.stats import EngineStats, snapshot
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 from k3serve.scheduler.batch import ModelFault
 
 log = logging.getLogger("k3serve.engine")

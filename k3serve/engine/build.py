@@ -35,7 +35,7 @@ def build_core(config: EngineConfig, executor: Executor | None = None) -> Engine
 def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> EngineCore:
     from k3serve.offload.setup import make_tiers
     from k3serve.runner.graph_step import graph_settings
-    from k3serve.runner.model_runner import ModelRunner
+    from k3serve.runner.model_runner import ModelRunner, speculation
     from k3serve.tokenizer import Tokenizer
 
     info = ex.info  # the model's config, dtype and weight bytes; the weights are the executor's
@@ -75,7 +75,8 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
         ),
         cache,
     )
-    spec = _speculation(config, model_path, ex, max_model_len, where.device)
+    target = ex.model if ex.model is not None else info  # a worker's model: its config alone
+    spec = speculation(config, model_path, target, max_model_len, where.device)
     graph = graph_settings(config, mode, spec)
     if graph is not None and graph.num_speculative_tokens:  # verify steps write each position's own slot
         k = graph.num_speculative_tokens
@@ -116,27 +117,6 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
         startup_log.append(line)
         log.info(line)
     return core
-
-
-def _speculation(config: EngineConfig, model_path: str, ex: Executor, max_model_len: int, device):
-    """The SpecDecoder of `config.speculative_config`, or None. Its drafter reads the target's
-    config, and its kernels when the model lives in this process."""
-    if not config.speculative_config:
-        return None
-    from k3serve.spec_decode.config import SpeculativeConfig
-    from k3serve.spec_decode.decoder import SpecDecoder
-
-    spec_cfg = SpeculativeConfig.from_dict(config.speculative_config).resolve_model(model_path)
-    target = ex.model if ex.model is not None else ex.info  # a worker's model: its config alone
-    spec = SpecDecoder(spec_cfg, target, max_model_len, config.max_num_seqs, device)
-    log.info(
-        "speculative decoding: %s, %d tokens, %s drafting, %s verification",
-        spec.cfg.method,
-        spec.cfg.num_speculative_tokens,
-        spec.cfg.draft_sample_method,
-        spec.cfg.rejection_sample_method,
-    )
-    return spec
 
 
 def build_replicas(config: EngineConfig, dp: int, dp_attention: bool) -> list:

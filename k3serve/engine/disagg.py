@@ -13,10 +13,10 @@ import time
 from k3serve.engine.groups import Group, PromptInput, Sample
 from k3serve.engine.handoff import KVHandoff, capture, install
 from k3serve.engine.outputs import RequestOutput
-from k3serve.sampling.params import ParamError, SamplingParams
+from k3serve.sampling_params import ParamError, SamplingParams
 from k3serve.scheduler.batch import SampledToken
 from k3serve.scheduler.request import Request
-from k3serve.sampling.detokenizer import IncrementalDetokenizer
+from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 class HandoffMixin:
@@ -31,7 +31,7 @@ class HandoffMixin:
 
     def cache_ids(self, prompt: PromptInput) -> list[int]:
         """The prefix-cache keys of a prompt: its ids, with media pads replaced by the items'
-        content keys (engine/media.py); nothing is encoded."""
+        content keys (multimodal/prompt_media.py); nothing is encoded."""
         mm = (prompt.get("multi_modal_data") or {}) if isinstance(prompt, dict) else {}
         _, ids = self._tokenize(prompt)
         if not (mm.get("image") or mm.get("video")):
@@ -69,7 +69,7 @@ class HandoffMixin:
                 f"pull it again with held_tokens={len(held) * h.block_size}"
             )
         first = self._first_token(h, params)
-        constraint = self._constraint(params.structured) if params.structured else None
+        constraint = self.runner.constraint(params.structured, self.tokenizer) if params.structured else None
         if constraint is not None and not constraint.accept(h.first_token):
             raise ParamError(
                 "kv_transfer_params",

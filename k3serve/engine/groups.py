@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from k3serve.scheduler.batch import PromptLogprob, SampledToken
 from k3serve.scheduler.request import Request
-from k3serve.sampling.detokenizer import IncrementalDetokenizer
+from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 
 PromptInput = str | list[int] | dict  # text, token ids, or {"prompt_token_ids" | "prompt", "multi_modal_data"}
 

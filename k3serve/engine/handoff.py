@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3serve.layers.mla import from_cache, to_cache
+from k3serve.executor.transfer import read_request, write_request
 from k3serve.scheduler.batch import PromptLogprob
 
 
@@ -41,7 +41,7 @@ class KVHandoff:
     recurrent: dict[int, torch.Tensor]  # KDA layer -> [H, D, D] fp32, the state after the prompt
     conv: dict[int, torch.Tensor]  # KDA layer -> [K-1, 3P] fp32
     # what the request carries beside its cache, so the decode side continues it exactly:
-    cache_ids: list[int] | None = None  # prefix-cache keys when media replaced the pads (engine/media.py)
+    cache_ids: list[int] | None = None  # prefix-cache keys when media replaced the pads (multimodal/prompt_media.py)
     rng_state: torch.Tensor | None = None  # [5056] uint8: its sampler's generator after the first draw
     first_logprobs: dict[int, float] | None = None  # the first token's {id: logprob} incl. top-n, if asked
     prompt_logprobs: dict[int, PromptLogprob] | None = None  # prompt index -> entry, if asked
@@ -61,15 +61,6 @@ class KVHandoff:
         return self.latent_bytes + self.state_bytes
 
 
-def rows_of(
-    table: list[int], start: int, end: int, block_size: int, device: torch.device | None = None
-) -> torch.Tensor:
-    """Latent-cache rows of positions [start, end) under a block table, on `device`: beside the
-    cache they index."""
-    pos = torch.arange(start, end)
-    return (torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size).to(device)
-
-
 def capture(
     executor,
     block_size: int,
@@ -83,11 +74,9 @@ def capture(
     """Copy a finished prefill's rows (every prompt position) and state, every rank's heads, out
     of the executor's cache; `carried`: the KVHandoff fields beside the cache (cache_ids,
     rng_state, logprobs)."""
-    latent = executor.read_rows(rows_of(table, 0, len(prompt), block_size))  # gathered: copies
-    rec, conv = merge_heads(executor.read_state(slot))
-    cache = executor.cache
-    if cache is not None and cache.latent_scale is not None:
-        carried["latent_scale"] = {i: float(s) for i, s in cache.latent_scale.items()}
+    latent, rec, conv, scales = read_request(executor, table, 0, len(prompt), block_size, slot)
+    if scales is not None:
+        carried["latent_scale"] = scales
     return KVHandoff(request_id, list(prompt), first_token, block_size, 0, latent, rec, conv, **carried)
 
 
@@ -96,42 +85,8 @@ def install(executor, h: KVHandoff, block_size: int, table: list[int], slot: int
     its heads of the state slot."""
     if h.block_size != block_size:
         raise ValueError(f"hand-off block size {h.block_size} != this engine's {block_size}")
-    cache, latent = executor.cache, dict(h.latent)
-    if cache is not None and (h.latent_scale is not None or cache.latent_scale is not None):
-        # scaled fp8 on either side: the values, rescaled to this cache's scale (a calibrating
-        # layer takes its scale from them, as from a prefill's rows)
-        for i, rows in h.latent.items():
-            values = from_cache(rows.to(cache.device), None if h.latent_scale is None else h.latent_scale[i])
-            latent[i] = to_cache(values, cache.latent[i].dtype, cache.observe(i, values))
-    executor.write_rows(rows_of(table, h.start, len(h.prompt_token_ids), block_size), latent)
-    executor.write_state(slot, split_heads(h.recurrent, h.conv, executor.size))
-
-
-# ---- tensor parallelism: each rank holds H/N heads of the KDA state --------------------------
-# A hand-off always carries every head (in checkpoint order), so a TP2 prefill engine can hand
-# to a TP1 or TP4 decode engine. Rank r holds heads [r*h, (r+1)*h): recurrent [h, D, D]; conv
-# [K-1, 3hD] laid out [q_r | k_r | v_r] (layers/kda.py), the whole one [q | k | v].
-def merge_heads(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
-    """Rank-ordered (recurrent, conv) per rank -> the whole state, every head."""
-    rec = {i: torch.cat([p[0][i] for p in parts]) for i in parts[0][0]}
-    conv = {}
-    for i in parts[0][1]:
-        thirds = [p[1][i].view(p[1][i].shape[0], 3, -1) for p in parts]  # [K-1, 3, hD] per rank
-        conv[i] = torch.cat(thirds, -1).reshape(thirds[0].shape[0], -1)
-    return rec, conv
-
-
-def split_heads(rec: dict, conv: dict, size: int) -> list[tuple[dict, dict]]:
-    """The whole state -> each of `size` ranks' (recurrent, conv) share."""
-    out = []
-    for r in range(size):
-        mine_rec = {i: t.chunk(size)[r].contiguous() for i, t in rec.items()}
-        mine_conv = {
-            i: t.view(t.shape[0], 3, -1).chunk(size, -1)[r].reshape(t.shape[0], -1).contiguous()
-            for i, t in conv.items()
-        }
-        out.append((mine_rec, mine_conv))
-    return out
+    rows = (table, h.start, len(h.prompt_token_ids), block_size)
+    write_request(executor, *rows, slot, h.latent, h.latent_scale, h.recurrent, h.conv)
 
 
 @dataclass

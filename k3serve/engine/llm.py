@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
 from k3serve.engine.outputs import RequestOutput
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 
 
 class LLM:

@@ -22,12 +22,12 @@ from k3serve.engine.disagg import HandoffMixin
 from k3serve.engine.groups import Group, PromptInput, Sample  # noqa: F401 - PromptInput is re-exported
 from k3serve.engine.handoff import HandoffStore
 from k3serve.engine.info import EngineInfo
-from k3serve.engine.media import MediaEncoder
+from k3serve.multimodal.prompt_media import MediaEncoder
 from k3serve.engine.output import OutputProcessor
 from k3serve.engine.outputs import RequestOutput
 from k3serve.executor import Executor
-from k3serve.sampling.detokenizer import IncrementalDetokenizer
-from k3serve.sampling.params import ParamError, SamplingParams
+from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
+from k3serve.sampling_params import ParamError, SamplingParams
 from k3serve.scheduler.request import Request
 
 
@@ -117,7 +117,11 @@ class LLMEngine(HandoffMixin):
             if images or videos or self.media.needs_images(ids)
             else None
         )
-        constraints = [self._constraint(params.structured) for _ in range(params.n)] if params.structured else None
+        constraints = (
+            [self.runner.constraint(params.structured, self.tokenizer) for _ in range(params.n)]
+            if params.structured
+            else None
+        )
         group = Group(
             request_id,
             text,
@@ -153,18 +157,6 @@ class LLMEngine(HandoffMixin):
     def shutdown(self) -> None:
         """Stop the ranks (nothing to stop for one process); the engine cannot step after."""
         self.core.shutdown()
-
-    def _constraint(self, so):
-        """A fresh grammar state for one sequence; a spec that does not compile is the request's
-        fault (ParamError -> 400), found before anything is queued."""
-        from k3serve.sampling.grammar import GrammarBackend, GrammarError
-
-        if self.runner.grammar is None:
-            self.runner.grammar = GrammarBackend(self.tokenizer, self.model_info.cfg.vocab_size)
-        try:
-            return self.runner.grammar.constraint(so)
-        except GrammarError as e:
-            raise ParamError("structured_outputs", str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         return self.outputs.abort(request_id)

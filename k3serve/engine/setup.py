@@ -96,7 +96,7 @@ def spec_reserve(config: EngineConfig, model: ModelInfo) -> int:
     (draft_cache_bytes), each by the formula the planner uses."""
     if not config.speculative_config:
         return 0
-    from k3serve.spec_decode.config import SpeculativeConfig
+    from k3serve.config.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig.from_dict(config.speculative_config)
     records = spec_records_bytes(
@@ -106,7 +106,7 @@ def spec_reserve(config: EngineConfig, model: ModelInfo) -> int:
     if spec.method != "draft_model" or not path or not Path(path).is_dir():
         return records  # (a draft that is not there fails by name when the drafter loads)
     from k3serve.config.bundled import load_model_config
-    from k3serve.planner.weights import loaded_weight_bytes
+    from k3serve.weights.schema import loaded_weight_bytes
 
     draft = load_model_config(path)
     max_model_len = resolve_max_model_len(config, model)

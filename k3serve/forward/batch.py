@@ -99,7 +99,7 @@ class ForwardBatch:
     block_size: int
     verify: list[int] = field(default_factory=list)  # sequences verifying drafts: KDA records per-position states
     media_rows: torch.Tensor | None = None  # [M] rows of the flat batch whose embedding is a media row
-    media_embeds: torch.Tensor | None = None  # [M, d] vision-tower rows for them (engine/media.py)
+    media_embeds: torch.Tensor | None = None  # [M, d] vision-tower rows for them (multimodal/prompt_media.py)
     step: StepRows = field(init=False)  # decode / verify rows as device tensors, built once here
     # the step's output slot for KDA verify records, layer -> (rec [S, T, H, D, D], conv [S, T, K-1, 3P]),
     # filled by the KDA layers of a verify pass and handed back in ForwardOut (not kept on the cache)

@@ -135,13 +135,13 @@ def experts_as(cfg, fmt: str):
 
 def _draft(args: argparse.Namespace) -> dict:
     """The draft's weights and own cache per rank: --draft-model by the engine's formulas
-    (planner/weights.py loaded_weight_bytes, cache/sizing.py draft_cache_bytes), else the BF16
+    (weights/schema.py loaded_weight_bytes, cache/sizing.py draft_cache_bytes), else the BF16
     weights of --draft-params."""
     if not args.draft_model:
         return dict(draft_bytes=int(args.draft_params * 2))
     from k3serve.cache.sizing import draft_cache_bytes
     from k3serve.config.bundled import load_model_config
-    from k3serve.planner.weights import loaded_weight_bytes
+    from k3serve.weights.schema import loaded_weight_bytes
 
     draft = load_model_config(args.draft_model)
     return dict(

@@ -10,6 +10,7 @@ References: nano-vllm `engine/model_runner.py`, vLLM v1 `worker/gpu_model_runner
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +20,15 @@ from k3serve.cache.sizing import CachePlan
 from k3serve.runner.rank_step import StepInputs, StepResult
 from k3serve.sampling.device import DeviceSamplingParams, device_samplable, model_faults, row_values, sample
 from k3serve.sampling.sampler import MODEL_FAULT, Sampler, SampleResult, model_fault_rows, sampled_token
-from k3serve.engine.media import PromptMedia
+from k3serve.multimodal.prompt_media import PromptMedia
 from k3serve.sampling.grammar import Constraint, refuse
+from k3serve.sampling_params import ParamError
 from k3serve.sampling.logits_process import apply_bias_and_penalties, suppressed_ends
 from k3serve.sampling.structured import ConstraintStats
 from k3serve.scheduler.batch import PromptLogprob, SampledToken, ScheduledBatch, StepOutput
 from k3serve.scheduler.request import Request
+
+log = logging.getLogger("k3serve.engine")
 
 
 @dataclass
@@ -64,9 +68,22 @@ class ModelRunner:
         # structured outputs: the engine registers a Constraint per constrained request
         self.grammar = None  # GrammarBackend, built on the first constrained request
         self.constraints: dict[str, Constraint] = {}
-        self.media: dict[str, PromptMedia] = {}  # prompt media rows per request (engine/media.py)
+        self.media: dict[str, PromptMedia] = {}  # prompt media rows per request (multimodal/prompt_media.py)
         self.constraint_stats = ConstraintStats()
         self.static_steps = 0  # steps that ran as the graph backend's static step, here or in a worker
+
+    def constraint(self, so, tokenizer) -> Constraint:
+        """A fresh grammar state for one sequence of a request with structured outputs `so`; a
+        spec that does not compile is the request's fault (ParamError -> 400), found before
+        anything is queued. The grammar compiler is built on the first constrained request."""
+        from k3serve.sampling.grammar import GrammarBackend, GrammarError
+
+        if self.grammar is None:
+            self.grammar = GrammarBackend(tokenizer, self.vocab_size)
+        try:
+            return self.grammar.constraint(so)
+        except GrammarError as e:
+            raise ParamError("structured_outputs", str(e)) from None
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -329,6 +346,27 @@ class ModelRunner:
         if gen is None:
             gen = self._generators[req.request_id] = torch.Generator().manual_seed(self._seed(req))
         return gen
+
+
+def speculation(config, model_path: str, target, max_model_len: int, device):
+    """The SpecDecoder of an EngineConfig's `speculative_config`, or None. Its drafter reads the
+    target's config (`target`: the model, or executor/base.py ModelInfo when the model lives in
+    worker processes), and its kernels when the model is in this process."""
+    if not config.speculative_config:
+        return None
+    from k3serve.config.speculative import SpeculativeConfig
+    from k3serve.spec_decode.decoder import SpecDecoder
+
+    spec_cfg = SpeculativeConfig.from_dict(config.speculative_config).resolve_model(model_path)
+    spec = SpecDecoder(spec_cfg, target, max_model_len, config.max_num_seqs, device)
+    log.info(
+        "speculative decoding: %s, %d tokens, %s drafting, %s verification",
+        spec.cfg.method,
+        spec.cfg.num_speculative_tokens,
+        spec.cfg.draft_sample_method,
+        spec.cfg.rejection_sample_method,
+    )
+    return spec
 
 
 def _draft_rows(seqs) -> list[list[int]] | None:

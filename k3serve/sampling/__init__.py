@@ -1,5 +1,2 @@
-"""Sampling: parameters (pure Python), the batched sampler and the incremental detokenizer."""
-
-from k3serve.sampling.params import SamplingParams
-
-__all__ = ["SamplingParams"]
+"""Sampling: the batched sampler, device sampling, logits processing, grammars and speculative
+verification's draws (the request's parameters are k3serve/sampling_params.py)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -41,7 +41,7 @@ class Request:
     spec_draft_tokens: int = 0  # drafts verified over the request's life, and how many were accepted
     spec_accepted_tokens: int = 0
     # the prompt ids prefix caching hashes: media pads replaced by ids derived from the image
-    # (engine/media.py), so a cached prefix is reused only for the same images; None: the prompt
+    # (multimodal/prompt_media.py), so a cached prefix is reused only for the same images; None: the prompt
     prompt_cache_ids: list[int] | None = None
     # prefill/decode hand-off (engine/handoff.py): finishing leaves the cache to the engine, which
     # copies the request's latent rows and KDA state out for a decode engine before freeing it

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from k3serve.server.errors import APIError
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 
 
 MAX_N = 128  # parallel samples per request; each holds a KDA state slot

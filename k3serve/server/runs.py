@@ -15,7 +15,7 @@ from k3serve.engine.async_engine import EngineOverloaded, EngineUnavailable, Req
 from k3serve.engine.outputs import RequestOutput
 from k3serve.server.media import engine_prompt
 from k3serve.server.tracing import HEADERS as TRACE_HEADERS
-from k3serve.sampling.params import ParamError, SamplingParams
+from k3serve.sampling_params import ParamError, SamplingParams
 from k3serve.server.errors import APIError, error_body
 from k3serve.server.state import ServerState
 

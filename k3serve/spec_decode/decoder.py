@@ -8,7 +8,7 @@ import torch
 from k3serve.sampling.sampler import sampled_token
 from k3serve.scheduler.batch import SampledToken
 from k3serve.scheduler.request import Request
-from k3serve.spec_decode.config import SpeculativeConfig
+from k3serve.config.speculative import SpeculativeConfig
 from k3serve.spec_decode.proposer import Draft, NgramProposer
 from k3serve.spec_decode.verifier import SpecStats, verify
 

@@ -10,7 +10,7 @@ import torch
 
 from k3serve import LLM, SamplingParams
 from k3serve.cache.sizing import kda_state_bytes_per_request
-from k3serve.engine.handoff import merge_heads, split_heads
+from k3serve.executor.transfer import merge_heads, split_heads
 from tests.engine.test_handoff import disaggregated
 
 KW = dict(cache_memory="32MiB", max_model_len=512, block_size=16)

@@ -228,7 +228,7 @@ def test_chunked_prefill_invariance(tiny_k3_dir):
 
 
 def test_logprobs_above_max_logprobs_are_refused_by_name(tiny_k3_dir):
-    from k3serve.sampling.params import ParamError
+    from k3serve.sampling_params import ParamError
 
     llm = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256, max_logprobs=3)
     for field in ("logprobs", "prompt_logprobs"):

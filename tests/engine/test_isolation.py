@@ -9,7 +9,7 @@ import torch
 
 from k3serve import SamplingParams
 from k3serve.sampling import logits_process, sampler as sampler_mod
-from k3serve.sampling.params import ParamError
+from k3serve.sampling_params import ParamError
 from k3serve.sampling.sampler import Sampler
 from k3serve.scheduler.request import Request
 

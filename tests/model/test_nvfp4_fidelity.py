@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from k3serve import LLM
 from k3serve.config.model_config import ModelConfig
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 from k3serve.testing.builder import _write_shards, build_tiny_checkpoint
 from k3serve.config.quant_config import nvfp4_quantization_config
 from k3serve.weights.mxfp4 import PackedMXFP4

@@ -14,7 +14,7 @@ import torch
 
 from k3serve.cli import build_parser, main
 from k3serve.engine.llm_engine import LLMEngine
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 from k3serve.server.launch import build_server
 from tests.live import serving
 

@@ -70,7 +70,7 @@ def test_the_greedy_shortcut_drafts_what_the_general_path_drafts():
     its torch form without kernels; a step of plain requests alone: forward and chain in one
     compiled call); with a logit bias it takes draft_token's general path. With an empty bias
     every path drafts the same tokens, fewer where fewer are asked."""
-    from k3serve.sampling.params import SamplingParams
+    from k3serve.sampling_params import SamplingParams
     from k3serve.scheduler.request import Request
 
     model = _draft(2, 301, markov=8)

@@ -17,7 +17,7 @@ from k3serve.config.bundled import load_model_config
 def test_bookkeeping_modules_never_import_torch():
     code = (
         "import sys; import k3serve, k3serve.cache.manager, k3serve.cache.sizing, "
-        "k3serve.scheduler.scheduler, k3serve.sampling.params; "
+        "k3serve.scheduler.scheduler, k3serve.sampling_params; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,7 +16,7 @@ import torch
 
 from k3serve.sampling import logits_process
 from k3serve.sampling.device import DeviceSamplingParams, logprobs_of, penalize, sample, uniforms, unit
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 from k3serve.testing.sync_audit import SyncAudit
 from tests.spec.test_rejection import chisquare_pvalue
 

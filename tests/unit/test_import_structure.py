@@ -128,3 +128,23 @@ def test_the_checker_sees_a_circle():
     assert "k3serve.server.kv_transfer" in imports("k3serve.server.serving_chat")
     assert "k3serve.server.serving_chat" in imports("k3serve.server.kv_endpoints")
     assert imports("k3serve.server.kv_transfer").isdisjoint({"k3serve.server.serving_chat", "k3serve.server.runs"})
+
+
+def test_the_engine_floor_stays_narrow():
+    """engine/ (the core, its build, the output processor and the facades over them) reaches at
+    most 10 other packages (it reached 18 before the executor seam), none of the model floor's
+    (layers, models, kernels, backends, forward), and no class in it passes 300 lines."""
+    packages = {
+        m.split(".")[1]
+        for p in (ROOT / "engine").rglob("*.py")
+        for m in _imports(p)
+        if m.startswith("k3serve.") and (ROOT / m.split(".")[1]).is_dir() and m.split(".")[1] != "engine"
+    }
+    assert len(packages) <= 10 and not packages & {"layers", "models", "kernels", "backends", "forward"}, packages
+    long = [
+        f"{p.name}:{node.name} {node.end_lineno - node.lineno + 1} lines"
+        for p in (ROOT / "engine").rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300
+    ]
+    assert not long, long

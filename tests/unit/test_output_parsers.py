@@ -10,8 +10,8 @@ from hypothesis import given, settings
 
 from k3serve.chat.k3_xtml import close_tag, element, open_tag, segments_text, tool_calls_body
 from k3serve.chat.messages import ToolCall
-from k3serve.sampling.detokenizer import IncrementalDetokenizer
-from k3serve.sampling.params import SamplingParams
+from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
+from k3serve.sampling_params import SamplingParams
 from k3serve.server.output_parser import OutputParser
 
 

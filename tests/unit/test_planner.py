@@ -591,7 +591,7 @@ def test_speculative_records_are_one_formula_in_the_engine_and_the_planner(tiny_
 def test_a_draft_models_weights_and_cache_are_one_formula_in_the_engine_and_the_planner(tiny_k3_dir, tiny_kl_dir):
     """A `draft_model` drafter's float32 weights and its own cache (a slot and max_model_len + 16
     rows per sequence) come out of a derived cache budget by the formulas the planner uses
-    (planner/weights.py loaded_weight_bytes, cache/sizing.py draft_cache_bytes), and the drafter
+    (weights/schema.py loaded_weight_bytes, cache/sizing.py draft_cache_bytes), and the drafter
     the engine then loads holds exactly those bytes."""
     import argparse
 
@@ -604,7 +604,7 @@ def test_a_draft_models_weights_and_cache_are_one_formula_in_the_engine_and_the_
     from k3serve.engine.setup import cache_budget
     from k3serve.planner.cli import _draft
     from k3serve.planner.memory import rank_memory
-    from k3serve.planner.weights import loaded_weight_bytes
+    from k3serve.weights.schema import loaded_weight_bytes
     from k3serve.runner.rank_step import weight_bytes
 
     spec = {"method": "draft_model", "model": str(tiny_kl_dir), "num_speculative_tokens": 3}

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from k3serve.sampling.detokenizer import IncrementalDetokenizer
+from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from k3serve.sampling.logits_process import apply_bias_and_penalties, row_params, truncate
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 from k3serve.sampling.reference import process_row
 from k3serve.sampling.sampler import Sampler
 from k3serve.scheduler.request import Request

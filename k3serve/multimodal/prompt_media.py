@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.sampling.params import ParamError
+from k3serve.sampling_params import ParamError
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import codecs
 
-from k3serve.sampling.params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:
