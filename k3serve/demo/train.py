@@ -232,12 +232,12 @@ def _load_state(path: Path, model, opt, sched, g: torch.Generator) -> tuple[int,
 def _init_(model, seed: int) -> None:
     """Same initialisation rules as the tiny builder (norms ~1, A_log in log[1, 16], ...)."""
     from k3serve.testing.builder import random_weights
-    from k3serve.weights.loader import _canonicalize
+    from k3serve.weights.loader import canonicalize
 
     text = {
         k: v for k, v in random_weights(model.cfg, seed).items() if not k.startswith(("vision_tower.", "mm_projector."))
     }
-    model.load_weights(_canonicalize(text, model.cfg))
+    model.load_weights(canonicalize(text, model.cfg))
 
 
 def _loss(model, cfg, seqs: list[tuple[list[int], list[int]]], device: str = "cpu") -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from k3serve.distributed.dp_workers import DPAttentionWorkers
 from k3serve.executor.base import Allocation, Executor, ModelInfo
+from k3serve.executor.placement import check_multi_rank
 from k3serve.distributed.multinode import NodeLayout
 from k3serve.parallel.group import TPGroup
 
@@ -68,6 +69,9 @@ class DPWorkerExecutor(Executor):
     def parallel_stats(self) -> dict:
         return self._stats
 
+    def rank_weight_bytes(self) -> list[int]:
+        return [self.workers.weight_bytes(r) for r in self.ranks]
+
     @property
     def alive(self) -> bool:
         return self.workers.alive
@@ -101,10 +105,7 @@ def start_dp_workers(config, m: int, model_path: str, where) -> list[DPWorkerExe
     executor per replica."""
     from k3serve.config.bundled import load_model_config
 
-    if where.device.type != "cpu":
-        raise ValueError(
-            f"DP-attention worker processes on {where.device}: the NCCL group is not built yet; the gloo (CPU) one is"
-        )
+    check_multi_rank(where, "--data-parallel-size")
     n = config.tensor_parallel_size
     workers = DPAttentionWorkers(
         model_path,
@@ -149,18 +150,18 @@ def replica_executors(config, dp: int, dp_attention: bool, where) -> list[Execut
         return [None] * dp
     from k3serve.distributed.start import model_source
 
-    model_path = model_source(config)
     if config.data_parallel_backend == "mp":
-        return list(start_dp_workers(config, dp, model_path, where))
-    if config.tensor_parallel_size > 1 or config.nnodes > 1:
+        return list(start_dp_workers(config, dp, model_source(config), where))
+    if config.tensor_parallel_size > 1 or config.nnodes > 1 or where.device.type != "cpu":
         raise ValueError(
             "--data-parallel-backend threads runs each DP-attention rank's whole model in this "
-            "process: TP inside the DP ranks and several nodes need --data-parallel-backend mp (the default)"
+            "process: TP inside the DP ranks, several nodes and GPUs (one process per GPU) need "
+            "--data-parallel-backend mp (the default)"
         )
     from k3serve.executor import UniProcExecutor
     from k3serve.parallel.expert_group import expert_groups
 
-    threads = max(1, (os.cpu_count() or 1) // dp)
+    model_path, threads = model_source(config), max(1, (os.cpu_count() or 1) // dp)
     return [
         UniProcExecutor.load(
             model_path, where, load_format=config.load_format, progress=config.load_progress, ep=g, threads=threads

@@ -76,10 +76,12 @@ def worker_base(
         dtype=str(dtype).removeprefix("torch."),
         load_format=load_format,
         kernels=kernels,
-        device=str(device),
+        device=torch.device(device).type,  # each rank's own device: WorkerSpec.rank_device
         threads=threads,
         master_addr=nodes.master_addr if nodes.multi else "127.0.0.1",
         control=nodes.multi,
+        per_node=tp_size // nodes.nnodes,
+        ray=nodes.ray,
     )
 
 
@@ -420,6 +422,11 @@ class MultiprocExecutor(WorkerGroup, Executor):
 
     def parallel_stats(self) -> dict:
         return self.rank0.parallel_stats()
+
+    def rank_weight_bytes(self) -> list[int]:
+        """Rank 0's and each worker of this host's (ranks on other nodes report none here)."""
+        local = [] if self.nodes.multi else self.nodes.ranks(self.size)[1:]
+        return [self.rank0.info.weight_bytes] + [self.weight_bytes(r) for r in local]
 
     @property
     def transfers(self) -> bool:

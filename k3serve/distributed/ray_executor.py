@@ -85,7 +85,8 @@ class RayExecutor(MultiprocExecutor):
         from k3serve.distributed.worker import WorkerSpec
 
         ray = _ray()
-        cls = ray.remote(num_cpus=base["threads"])(RankActor)
+        # on CUDA each actor gets one GPU from Ray and sees only it (WorkerSpec.rank_device: cuda:0)
+        cls = ray.remote(num_cpus=base["threads"], num_gpus=1 if base["device"] == "cuda" else 0)(RankActor)
         out = []
         for rank in ranks:
             # two threads: run() serves the rank for good, node_id() still answers beside it

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from k3serve.distributed.executor import MultiprocExecutor, check_layout
 from k3serve.executor import Executor, UniProcExecutor
+from k3serve.executor.placement import check_multi_rank
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import NodeLayout
 
@@ -19,10 +20,7 @@ def start_executor(config, where) -> Executor:
     model_path = model_source(config)
     if config.tensor_parallel_size == 1:
         return UniProcExecutor.load(model_path, where, load_format=config.load_format, progress=config.load_progress)
-    if where.device.type != "cpu":
-        raise ValueError(
-            f"tensor_parallel_size > 1 on {where.device}: the NCCL group is not built yet; the gloo (CPU) executor is"
-        )
+    check_multi_rank(where, "--tensor-parallel-size")
     check_layout(model_path, TPGroup(0, config.tensor_parallel_size, config.enable_expert_parallel))
     kw = dict(
         expert_parallel=config.enable_expert_parallel,

@@ -48,17 +48,30 @@ class WorkerSpec:
     all2all: str = "auto"  # its MoE layers' token exchange (layers/moe_dispatch.py)
     tp_size: int = 1  # DP-attention: TP ranks per DP rank (rank = dp rank * tp_size + tp rank)
     tp_shm_paths: tuple[str, ...] = ()  # DP-attention with TP: each DP rank's TP segment by DP rank ("": none here)
+    per_node: int = 0  # ranks on each node (0: all `world`): rank r is local rank r % per_node
+    ray: bool = False  # a Ray actor: on CUDA it sees only the GPU Ray gave it
+
+    @property
+    def rank_device(self):
+        """This rank's device: the driver's device type; on CUDA GPU `local rank` of its node's
+        visible ones (executor/placement.py)."""
+        import torch
+
+        from k3serve.executor.placement import rank_device
+
+        kind = torch.device(self.device).type
+        return rank_device(kind, 0 if self.ray else self.rank % (self.per_node or self.world))
 
 
 def make_group(spec: WorkerSpec, store, rank: int):
-    """This rank's TPGroup over a ProcessGroupGloo on the shared store (a rendezvous), with the
-    shared-memory transport when every rank could map the segment (agreed over gloo). For a
-    DP-attention rank: the expert group of all `world` ranks."""
+    """This rank's TPGroup over a process group on the shared store (a rendezvous): NCCL on CUDA,
+    gloo with the shared-memory transport on the CPU when every rank could map the segment
+    (agreed over gloo). For a DP-attention rank: the expert group of all `world` ranks."""
     from k3serve.parallel.group import TPGroup
 
-    pg, shm = _gloo_group(spec, store, spec.prefix, rank, spec.world, spec.shm_path)
+    pg, shm = _process_group(spec, store, spec.prefix, rank, spec.world, spec.shm_path)
     dp = dict(size_flag="--data-parallel-size", all2all=spec.all2all) if spec.dp_attention else {}
-    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm, **dp)
+    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm, device_type=spec.rank_device.type, **dp)
 
 
 def make_dp_tp_group(spec: WorkerSpec, store):
@@ -69,21 +82,29 @@ def make_dp_tp_group(spec: WorkerSpec, store):
         return NO_TP
     replica, t = divmod(spec.rank, spec.tp_size)
     paths = spec.tp_shm_paths
-    pg, shm = _gloo_group(
+    pg, shm = _process_group(
         spec, store, f"{spec.prefix}/tp{replica}", t, spec.tp_size, paths[replica] or None if paths else None
     )
-    return TPGroup(t, spec.tp_size, False, pg, shm)
+    return TPGroup(t, spec.tp_size, False, pg, shm, device_type=spec.rank_device.type)
 
 
-def _gloo_group(spec: WorkerSpec, store, prefix: str, rank: int, world: int, shm_path: str | None):
-    """(ProcessGroupGloo of `world` ranks under `prefix`, the shared segment's ShmComm or None)."""
+def _process_group(spec: WorkerSpec, store, prefix: str, rank: int, world: int, shm_path: str | None):
+    """(the process group of `world` ranks under `prefix`, the shared segment's ShmComm or None):
+    parallel/group.py process_group picks NCCL for CUDA ranks (on this rank's GPU; no shared
+    segment), gloo for CPU ranks."""
     import torch
     import torch.distributed as dist
+
+    from k3serve.parallel.group import process_group
 
     # forming the group waits on the slowest rank's start (its imports, its kernels' load) under
     # a start-up bound; the collectives after it get timeout_s, which bounds a hang on a dead peer
     start = max(spec.timeout_s, START_TIMEOUT_S)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, datetime.timedelta(seconds=start))
+    device = spec.rank_device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        return process_group(dist.PrefixStore(prefix, store), rank, world, "cuda", spec.timeout_s), None
+    pg = process_group(dist.PrefixStore(prefix, store), rank, world, "cpu", start)
     shm = _attach_shm(shm_path, rank, world, spec.timeout_s)  # its timeout bounds its collectives
     agree = torch.tensor([int(shm is not None)])
     pg.allreduce([agree]).wait()
@@ -132,10 +153,11 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         if conn is None:
             channel = ControlChannel(control_group(store, spec.prefix, spec.rank, spec.world), spec.rank)
         groups = {"ep": tp, "tp": make_dp_tp_group(spec, store)} if spec.dp_attention else {"tp": tp}
+        device = spec.rank_device
         model = load_model(
             spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format, progress=False, **groups
-        ).to(spec.device)
-        model.use_kernels(kernel_mode(spec.kernels, torch.device(spec.device)))
+        ).to(device)
+        model.use_kernels(kernel_mode(spec.kernels, device))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         why = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         if conn is not None:
@@ -154,7 +176,6 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
 
 def serve(conn, model, spec: WorkerSpec) -> None:
     """`conn`: anything with recv() -> (method, args): the pipe, or the ControlChannel."""
-    import torch
 
     from k3serve.parallel.group import CollectiveError
     from k3serve.runner.rank_step import RankRunner
@@ -172,7 +193,7 @@ def serve(conn, model, spec: WorkerSpec) -> None:
             if method == "allocate":  # an executor/base.py Allocation: the driver's plan and backend
                 (alloc,) = args
                 model.use_kernels(alloc.mode)
-                runner = RankRunner.allocate(model, alloc, torch.device(spec.device))
+                runner = RankRunner.allocate(model, alloc, spec.rank_device)
             else:
                 result = getattr(runner, method)(*args)
                 if method in answers:

@@ -40,12 +40,19 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
 
     info = ex.info  # the model's config, dtype and weight bytes; the weights are the executor's
     check_quantization(config, info)
-    mode = kernel_mode(config.kernels, where.device, config.enforce_eager, ex.lockstep, config.ssm_dtype)
+    mode = kernel_mode(config.kernels, where.device, config.enforce_eager, config.ssm_dtype)
     kernels = ex.use_kernels(mode)
     tokenizer = Tokenizer.from_dir(config.tokenizer or model_path)
     max_model_len = resolve_max_model_len(config, info)
     plan = make_plan(config, info, where, max_model_len)
     startup_log = startup_lines(model_path, info, where, plan, config.max_num_seqs)
+    per_rank = ex.rank_weight_bytes()
+    if len(per_rank) > 1:
+        kind = "DP-attention ranks of this replica" if ex.lockstep else "tensor-parallel ranks"
+        shares = (
+            f"{per_rank[0]:,} B x {len(per_rank)}" if len(set(per_rank)) == 1 else ", ".join(f"{b:,}" for b in per_rank)
+        )
+        startup_log.append(f"weights per rank: {shares} ({kind})")
     # ids the model can emit but the tokenizer cannot decode: masked out of sampling, stated once
     unmapped = tokenizer.unmapped_ids(info.cfg.vocab_size)
     if unmapped:

@@ -127,6 +127,11 @@ class Executor(ABC):
         """Rank 0's collective totals and the expert load, for /metrics (engine/stats.py)."""
         return {}
 
+    def rank_weight_bytes(self) -> list[int]:
+        """The weight bytes each rank this process can see loaded, rank order (what `k3serve
+        plan` predicts per rank)."""
+        return [self.info.weight_bytes]
+
     @property
     def transfers(self) -> bool:
         """Whether state reads and writes reach every rank (a TP group over torchrun, Ray or

@@ -62,16 +62,15 @@ def check_multi_rank(where: Placement, flag: str) -> None:
         )
 
 
-def kernel_mode(
-    mode: str, device: torch.device, enforce_eager: bool = False, lockstep: bool = False, ssm_dtype: str = "float32"
-) -> str:
+def kernel_mode(mode: str, device: torch.device, enforce_eager: bool = False, ssm_dtype: str = "float32") -> str:
     """EngineConfig.kernels for an engine on `device`: the compiled kernels read CPU tensors only,
     so an engine elsewhere builds none and "cpp" there is refused by name; "auto" on a GPU is the
     triton backend (compiled, captured decode steps with the Triton kernels; "graph" where Triton
     or fla-core is not installed), or the torch reference under --enforce-eager. "triton" where
     its kernels cannot run (not installed; a CPU without TRITON_INTERPRET=1) is refused by name.
-    `lockstep` (DP-attention replicas): "auto" on a GPU runs torch, their dispatch is eager there.
-    A KDA state other than float32 (`ssm_dtype`) leaves the C++ kernels (float32 state) aside."""
+    A KDA state other than float32 (`ssm_dtype`) leaves the C++ kernels (float32 state) aside.
+    DP-attention replicas take the same backends: their static steps agree on one bucket and
+    exchange tokens at a fixed shape (runner/graph_step.py), over NCCL on GPUs."""
     from k3serve.kernels.triton import unavailable
 
     if mode == "triton" and (why := unavailable(device.type)):
@@ -87,17 +86,12 @@ def kernel_mode(
             return "torch"
         return mode
     if mode in ("torch", "graph", "triton"):
-        if mode != "torch" and lockstep:
-            raise ValueError(
-                f"kernels={mode!r} with DP-attention replicas on {device}: their "
-                "expert group is gloo (CPU) here; the NCCL one is not built"
-            )
         return mode
     if mode == "cpp":
         raise ValueError(
             f"kernels='cpp': the compiled kernels are CPU-only and this engine runs on {device}; "
             "use 'auto', 'triton', 'graph' or 'torch'"
         )
-    if enforce_eager or lockstep:
+    if enforce_eager:
         return "torch"
     return "graph" if unavailable(device.type) else "triton"

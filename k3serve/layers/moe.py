@@ -120,7 +120,8 @@ class SparseMoE(nn.Module):
         self.first_expert = xg.rank * experts if xg.expert_parallel else 0  # global id of local expert 0
         # with expert parallelism: (token, slot) assignments per global expert since start, [E] (the
         # router runs on every rank, so rank 0 sees every rank's load: /metrics shows imbalance)
-        self.expert_load = torch.zeros(m.num_experts, dtype=torch.long) if xg.expert_parallel else None
+        # a counter, not a weight: real even in a model built on the meta device (models/registry.py)
+        self.expert_load = torch.zeros(m.num_experts, dtype=torch.long, device="cpu") if xg.expert_parallel else None
         self.w1 = ExpertWeights(experts, inter, inner)
         self.w3 = ExpertWeights(experts, inter, inner)
         self.w2 = ExpertWeights(experts, inner, inter)

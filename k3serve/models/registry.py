@@ -38,12 +38,27 @@ def load_model(
     progress: bool = True,
     tp: TPGroup = NO_TP,
     ep: TPGroup | None = None,
+    device: str | torch.device = "cpu",
+    stats=None,
 ) -> KimiForCausalLM:
+    """This rank's model for (`tp`, `ep`) on `device`. The model is built on the meta device
+    (nothing allocated) and each weight it keeps is read from the files' mmap, only its slice,
+    straight to `device` (parallel/rank_load.py; `stats`: a ReadStats counting the bytes read).
+    `load_format` fastsafetensors reads whole files through that library instead, then keeps
+    this rank's share."""
+    from k3serve.parallel.rank_load import rank_weights
     from k3serve.parallel.shard import shard_weights
-    from k3serve.weights.loader import load_weights
+    from k3serve.weights.loader import LOAD_FORMATS, load_weights
 
     cfg = load_model_config(path)
-    model = build_model(cfg, dtype, tp, ep)  # first: its layers name a dimension the TP size does not divide
-    weights = load_weights(path, cfg, load_format=load_format, progress=progress)
-    model.load_weights(shard_weights(weights, cfg, tp, ep))
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    if load_format == "fastsafetensors":
+        model = build_model(cfg, dtype, tp, ep)  # first: its layers name a dimension the TP size does not divide
+        weights = load_weights(path, cfg, load_format=load_format, progress=progress)
+        model.load_weights(shard_weights(weights, cfg, tp, ep))
+        return model.to(device)
+    with torch.device("meta"):
+        model = build_model(cfg, dtype, tp, ep)
+    model.load_weights(rank_weights(path, cfg, tp, ep, torch.device(device), stats, progress))
     return model

@@ -22,14 +22,24 @@ _FP32 = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correcti
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
-def assign_weights(model, weights: dict) -> None:
+def assign_weights(model, weights) -> None:
+    """`weights`: a dict, or an iterable of (canonical name, weight) as a rank reads them
+    (parallel/rank_load.py): each is placed as it comes, so the model (possibly built on the meta
+    device, holding nothing) never holds a second copy; a layer's experts are stacked as soon as
+    its last one arrives."""
     params = dict(model.named_parameters())
-    experts: dict[tuple[int, str], dict[int, object]] = {}
+    experts: dict[tuple[int, str], dict[int, object]] = {}  # layers still waiting for experts
+    loaded: set[tuple[int, str]] = set()
     model.kv_scales = {}  # MLA layer -> the checkpoint's fp8 cache scale (compressed-tensors kv_cache_scheme)
-    for name, value in weights.items():
+    for name, value in weights.items() if isinstance(weights, dict) else weights:
         m = _EXPERT.match(name)
         if m:
-            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = value
+            key = (int(m[1]), m[3])
+            experts.setdefault(key, {})[int(m[2])] = value
+            moe = model.model.layers[key[0]].block_sparse_moe
+            if len(experts[key]) == getattr(moe, key[1]).shape[0]:  # the layer's last expert
+                _load_experts(model, moe, key[1], experts.pop(key))
+                loaded.add(key)
             continue
         m = _KV_SCALE.match(name)
         if m:  # one latent row holds K and V alike: k_scale is its scale (vLLM's MLA reads k_scale only)
@@ -41,31 +51,35 @@ def assign_weights(model, weights: dict) -> None:
         p = params.pop(name)
         if tuple(p.shape) != tuple(value.shape):
             value = value.reshape(p.shape)
+        value = value.to(torch.float32 if name.endswith(_FP32) else p.dtype)
         with torch.no_grad():
-            p.data = value.to(torch.float32 if name.endswith(_FP32) else p.dtype).clone()
+            if p.is_meta:  # built on the meta device: the weight becomes the parameter
+                module, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(module), leaf, torch.nn.Parameter(value, p.requires_grad))
+            else:
+                p.data = value.clone()
     if params:
         raise MissingTensorError("model parameter not found in the weights", tensor=sorted(params)[0])
-    _assign_experts(model, experts)
-
-
-def _assign_experts(model, experts) -> None:
     for i, layer in enumerate(model.model.layers):
         if not hasattr(layer, "block_sparse_moe"):
             continue
-        moe = layer.block_sparse_moe
         for w in ("w1", "w2", "w3"):
-            per, count = experts.get((i, w), {}), moe.w1.shape[0]  # this rank's experts (all, without EP)
-            if len(per) != count:
-                missing = min(set(range(count)) - set(per))
+            if (i, w) not in loaded:
+                count = getattr(layer.block_sparse_moe, w).shape[0]  # this rank's experts (all, without EP)
+                missing = min(set(range(count)) - set(experts.get((i, w), {})))
                 raise MissingTensorError(
                     "routed expert weight missing",
                     tensor=f"model.layers.{i}.block_sparse_moe.experts.{missing}.{w}.weight",
                 )
-            mats = [per[e] for e in range(count)]
-            if isinstance(mats[0], PackedNVFP4):
-                stacked = PackedNVFP4.stack(mats)
-            elif isinstance(mats[0], PackedMXFP4):
-                stacked = PackedMXFP4(torch.stack([m.packed for m in mats]), torch.stack([m.scale for m in mats]))
-            else:
-                stacked = torch.stack(mats).to(model.dtype)
-            getattr(moe, w).load(stacked)
+
+
+def _load_experts(model, moe, w: str, per: dict[int, object]) -> None:
+    """One layer's experts stacked [E, out, in] (still packed for MXFP4 / NVFP4 checkpoints)."""
+    mats = [per[e] for e in range(len(per))]
+    if isinstance(mats[0], PackedNVFP4):
+        stacked = PackedNVFP4.stack(mats)
+    elif isinstance(mats[0], PackedMXFP4):
+        stacked = PackedMXFP4(torch.stack([m.packed for m in mats]), torch.stack([m.scale for m in mats]))
+    else:
+        stacked = torch.stack(mats).to(model.dtype)
+    getattr(moe, w).load(stacked)

@@ -102,16 +102,20 @@ class TPGroup:
             raise ValueError(f"{what} = {n} is not divisible by {self.size_flag} {self.size}")
         return n // self.size
 
+    def _on_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A host value (a row count, a bucket offer) on an NCCL group travels on the rank's GPU."""
+        return x.cuda() if self.device_type == "cuda" and x.device.type == "cpu" else x
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks (in place where possible), [same shape]."""
         if self.size == 1:
             return x
         if torch.compiler.is_compiling():  # a graph node in the compiled step (CommStats not counted)
             return funcol.all_reduce(x, "sum", self.functional)
-        x = x.contiguous()
+        home, x = x.device, self._on_device(x.contiguous())
         if self.shm is not None and self.shm.fits(x):
             return _collective(self.stats, "all_reduce", x, lambda: self.shm.all_reduce(x))
-        return _collective(self.stats, "all_reduce", x, lambda: (self.pg.allreduce([x]).wait(), x)[1])
+        return _collective(self.stats, "all_reduce", x, lambda: (self.pg.allreduce([x]).wait(), x)[1]).to(home)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x [..., n] along the last dim -> [..., N * n] (rank order)."""
@@ -120,12 +124,12 @@ class TPGroup:
         if torch.compiler.is_compiling():  # rank-major rows [N * R, n] -> [R, N * n] (rank order per row)
             g = funcol.all_gather_tensor(x.contiguous(), 0, self.functional)
             return g.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
-        x = x.contiguous()
+        home, x = x.device, self._on_device(x.contiguous())
         if self.shm is not None and self.shm.fits(x):
             return _collective(self.stats, "all_gather", x, lambda: self.shm.all_gather(x))
         parts = [torch.empty_like(x) for _ in range(self.size)]
         _collective(self.stats, "all_gather", x, lambda: self.pg.allgather([parts], [x]).wait())
-        return torch.cat(parts, -1)
+        return torch.cat(parts, -1).to(home)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """x [N * n, ...] summed over the ranks; this rank's chunk [n, ...] (rank r: rows r*n..)."""
@@ -177,16 +181,26 @@ class TPGroup:
 NO_TP = TPGroup()
 
 
-def nccl_group(store, rank: int, size: int, expert_parallel: bool = False, timeout_s: float = 120.0) -> TPGroup:
-    """A TPGroup over ProcessGroupNCCL on `store` (a rendezvous; each rank on its current CUDA
-    device), for tensors on the GPU: its eager collectives call NCCL, its compiled ones are
-    functional collectives captured with the step. Only the GPU check runs it (bench/gpu_check.sh,
-    tests/distributed/test_nccl_group.py); the engine's TP executor builds gloo groups."""
+def process_group(store, rank: int, size: int, device_type: str, timeout_s: float):
+    """A process group of `size` ranks on `store` (a rendezvous): ProcessGroupNCCL for tensors on
+    the GPU (`device_type` "cuda": each rank on its current CUDA device), ProcessGroupGloo for the
+    CPU. The device type picks it; every TP, EP and DP group of the engine is built here."""
     import datetime
 
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
-    pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def nccl_group(store, rank: int, size: int, expert_parallel: bool = False, timeout_s: float = 120.0) -> TPGroup:
+    """A TPGroup over ProcessGroupNCCL on `store`, for tensors on the GPU: its eager collectives
+    call NCCL, its compiled ones are functional collectives captured with the step
+    (tests/distributed/test_nccl_group.py; the engine's ranks build theirs in
+    distributed/worker.py make_group)."""
+    pg = process_group(store, rank, size, "cuda", timeout_s)
     return TPGroup(rank, size, expert_parallel, pg, device_type="cuda")
 
 

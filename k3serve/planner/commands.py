@@ -60,9 +60,7 @@ def launch_commands(
     if nodes > 1:
         k3 += f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $HEAD_IP --master-port 29500"
     if layout.pp > 1:
-        k3 += "  # built: TP, EP, DP-attention (TP inside, across nodes); pipeline ranks are not yet"
+        k3 += f" --pipeline-parallel-size {layout.pp}  # waits for k3serve's pipeline stages: serve it with vLLM or SGLang"
     elif nodes > 1 and layout.dp > 1 and layout.ep == 1:
         k3 += "  # plain replicas span one node each: start one server per node behind a load balancer"
-    elif layout.num_gpus > 1:
-        k3 += "  # TP/EP ranks run over gloo (CPU) in this build; the NCCL group for GPUs is not built yet"
     return {"k3serve": k3, "vllm": vllm, "sglang": sgl}

@@ -122,7 +122,7 @@ def load_weights(
     for f, name, t in read(shards, by_file, str(device)):
         check_finite(t, name, f)
         raw[name] = t
-    return _canonicalize(raw, cfg)
+    return canonicalize(raw, cfg)
 
 
 def _read_mmap(files, by_file: dict[Path, list[str]], device: str):
@@ -184,7 +184,7 @@ def check_finite(t: torch.Tensor, name: str, file: Path) -> None:
         raise NonFiniteWeightError(what, tensor=name, file=str(file))
 
 
-def _canonicalize(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Weight]:
+def canonicalize(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Weight]:
     prefix = cfg.tensor_prefix
     out: dict[str, Weight] = {}
     for name, t in raw.items():
