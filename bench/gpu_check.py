@@ -78,6 +78,13 @@ STAGES = (  # by value: what the first minutes must answer comes first
         f"--only kl-bf16 --kernels graph --streams 1 --new 2 --dtype float32 {CPU}",
     ),
     Stage(
+        "multi-gpu",
+        240,
+        "{py} bench/multi_gpu.py --only k3-mxfp4,kl-400m --streams 1,16,64 --json {json}",
+        "--only kl-bf16 --tp 2 --streams 1 --new 2 --device cpu --compile-backend eager",
+        gpus=2,
+    ),
+    Stage(
         "kernels",
         60,
         "{py} bench/triton_kernels.py --json {json}",

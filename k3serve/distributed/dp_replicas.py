@@ -155,8 +155,8 @@ def replica_executors(config, dp: int, dp_attention: bool, where) -> list[Execut
     if config.tensor_parallel_size > 1 or config.nnodes > 1 or where.device.type != "cpu":
         raise ValueError(
             "--data-parallel-backend threads runs each DP-attention rank's whole model in this "
-            "process: TP inside the DP ranks, several nodes and GPUs (one process per GPU) need "
-            "--data-parallel-backend mp (the default)"
+            "process: TP inside the DP ranks and several nodes need --data-parallel-backend mp (the "
+            "default), as do GPUs (one process per GPU)"
         )
     from k3serve.executor import UniProcExecutor
     from k3serve.parallel.expert_group import expert_groups

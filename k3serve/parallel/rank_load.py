@@ -12,6 +12,7 @@ not divide (whose error shard_weights names), are read whole and cut by the refe
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ def rank_weights(
             name = keep.name
             if keep.vocab and w.shape[0] < keep.length:  # the last shard: zero rows up to the common width
                 w = torch.cat((w, w.new_zeros(keep.length - w.shape[0], *w.shape[1:])))
-        yield name, w.to(device)
+        yield name, _contiguous(w).to(device)
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,11 @@ def _read(fh, name: str, shape: tuple[int, ...], keep: _Keep, cfg: ModelConfig, 
         length = max(0, min(length, shape[0] - start))
     index = (slice(None),) * keep.dim + (slice(start, start + length),)
     return fh.get_slice(name)[index], True
+
+
+def _contiguous(w: Weight) -> Weight:
+    """A column slice can come back strided; the kernels' packing and the parameters want rows."""
+    if isinstance(w, torch.Tensor):
+        return w.contiguous()
+    parts = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}  # PackedMXFP4 / PackedNVFP4
+    return dataclasses.replace(w, **{k: t.contiguous() for k, t in parts.items() if isinstance(t, torch.Tensor)})

@@ -141,5 +141,5 @@ def test_a_layout_that_cannot_run_says_why_naming_the_flag(fake_cuda):
     from k3serve.distributed.dp_replicas import replica_executors
 
     cfg = EngineConfig.from_kwargs("ckpt", data_parallel_backend="threads", enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="--data-parallel-backend threads.*GPUs.*mp"):
+    with pytest.raises(ValueError, match="--data-parallel-backend threads.*mp.*GPUs"):
         replica_executors(cfg, 2, True, placement(cfg))

@@ -72,14 +72,26 @@ def test_each_rank_reads_exactly_what_the_reference_keeps(case, tiny_kl_dir, tin
 
 def test_a_tp2_engines_ranks_hold_their_share_and_say_so(tiny_kl_dir):
     """Per-rank loaded bytes at start-up: each at most 55% of the one-process model's and equal
-    to the planner's per-rank figure (bf16 as stored, the vision tower aside)."""
-    from k3serve import LLM
+    to the planner's per-rank figure (bf16 as stored, the vision tower aside); the bf16 slices
+    run the C++ kernels to the tokens of the same TP2 engine loaded the reference way (whole
+    files, then shard_weights: --load-format fastsafetensors). A column slice read strided once
+    broke the kernels' packing here. (bf16 TP2 and bf16 one process part at the first token on
+    this tiny model: bf16 partial sums; float32 TP equals one process, test_tp_engine.py.)"""
+    from k3serve import LLM, SamplingParams
     from k3serve.planner.weights import weight_split
 
     kw = dict(dtype="bfloat16", cache_memory="16MiB", max_model_len=128, max_num_seqs=2)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 2, 7, 11]}, {"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}]
     one = LLM(str(tiny_kl_dir), **kw).engine.model_info.weight_bytes
+    ref = LLM(str(tiny_kl_dir), tensor_parallel_size=2, load_format="fastsafetensors", **kw)
+    try:
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy)]
+    finally:
+        ref.engine.shutdown()
     llm = LLM(str(tiny_kl_dir), tensor_parallel_size=2, **kw)
     try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
         cfg = load_model_config(tiny_kl_dir)
         vision = sum(s.nbytes for s in model_tensor_specs(cfg) if s.vision)
         per_rank = llm.engine.executor.rank_weight_bytes()
