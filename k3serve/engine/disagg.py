@@ -105,6 +105,7 @@ class HandoffMixin:
         if ended:
             self.scheduler.finish(req, req.finish_reason)
         self.outputs.on_token(group, req, first)
+        self._free()
         return self.outputs.output(group) if req.finished else None
 
     @staticmethod
@@ -125,10 +126,10 @@ class HandoffMixin:
         top = tuple((t, lp) for t, lp in h.first_logprobs.items() if t != h.first_token)
         return SampledToken(h.first_token, h.first_logprobs[h.first_token], top)
 
-    def _capture(self, req: Request) -> KVHandoff:
+    def _capture(self, req: Request, group: Group) -> KVHandoff:
         """A finished prefill's cache rows and state, and what continues it exactly elsewhere:
         its sampler's random stream, the first token's logprobs, prompt logprobs, media keys."""
-        rid, group = req.request_id, self.outputs.owner[req.request_id]
+        rid = req.request_id
         sample, slot = group.samples[0], self.cache.state_slot(rid)
         return capture(
             self.executor,

@@ -12,6 +12,7 @@ requests (prefill/decode disaggregation) is engine/disagg.py, a mixin of it.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from k3serve.executor import Executor
 from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from k3serve.sampling_params import ParamError, SamplingParams
 from k3serve.scheduler.request import Request
+
+log = logging.getLogger("k3serve.engine")
 
 
 class LLMEngine(HandoffMixin):
@@ -52,7 +55,7 @@ class LLMEngine(HandoffMixin):
             self.media = MediaEncoder(
                 self.model_path,
                 self.model_info.cfg,
-                core.executor.info.dtype,
+                self.model_info.dtype,
                 core.runner.device,
                 parse_bytes(config.mm_encoder_cache),
             )
@@ -60,11 +63,13 @@ class LLMEngine(HandoffMixin):
             core.shutdown()
             raise
         if self.model_info.cfg.vision is not None:
-            self.startup_log.append(
+            line = (
                 f"vision encoder cache: {self.media.cache_bytes:,} B beside the cache budget "
                 f"(tower rows by image / video-chunk digest)"
             )
-        self.outputs = OutputProcessor(self.scheduler, self._release)
+            self.startup_log.append(line)
+            log.info(line)
+        self.outputs = OutputProcessor(self.scheduler)
         self._arrivals = itertools.count()
         self.handoffs = HandoffStore()  # prefilled requests kept for a decode engine (engine/handoff.py)
 
@@ -159,7 +164,9 @@ class LLMEngine(HandoffMixin):
         self.core.shutdown()
 
     def abort(self, request_id: str) -> bool:
-        return self.outputs.abort(request_id)
+        found = self.outputs.abort(request_id)
+        self._free()
+        return found
 
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Drop cached-free latent blocks and unpinned KDA checkpoints: (blocks, checkpoints); the
@@ -205,17 +212,21 @@ class LLMEngine(HandoffMixin):
         self.outputs.scheduled(batch)
         done = self.core.execute(batch)
         if done.out is None:
-            return self.outputs.failed_requests(done.culprits, done.why)
-        return self.outputs.process(batch, done.out)
+            outs = self.outputs.failed_requests(done.culprits, done.why)
+        else:
+            outs = self.outputs.process(batch, done.out)
+        self._free()
+        return outs
 
-    def _release(self, req: Request) -> None:
-        """What a finished request held: a prefill kept for a decode engine is copied out of
-        the cache first (engine/handoff.py), then the cache and the runner let it go."""
-        if req.keep_cache and self.cache.holds(req.request_id):
-            if req.finish_reason in ("stop", "length") and req.output_token_ids:
-                self.handoffs.put(self._capture(req))
-            self.cache.free(req.request_id)
-        self.core.release(req)
+    def _free(self) -> None:
+        """What the requests that just ended held: a prefill kept for a decode engine is copied
+        out of the cache first (engine/handoff.py), then the cache and the runner let it go."""
+        for req, group in self.outputs.drain():
+            if req.keep_cache and self.cache.holds(req.request_id):
+                if req.finish_reason in ("stop", "length") and req.output_token_ids:
+                    self.handoffs.put(self._capture(req, group))
+                self.cache.free(req.request_id)
+            self.core.release(req)
 
     # ---- input checks ----------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -3,16 +3,14 @@
 
 It owns the requests as the caller sees them (engine/groups.py: an n > 1 request is a group of
 n scheduler requests), their detokenizers, logprobs, stop strings and timing metrics, and the
-engine's token counters. What a finished request held in the cache and the runner is released
-by the engine core (`release`, a callback), not here.
+engine's token counters. What a finished request held in the cache and the runner the engine
+frees after each call (`drain`), not here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-
 from k3serve.engine.groups import Group
 from k3serve.engine.outputs import CompletionOutput, RequestOutput
 from k3serve.scheduler.batch import SampledToken, ScheduledBatch, StepOutput
@@ -23,8 +21,9 @@ log = logging.getLogger("k3serve.engine")
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, release: Callable[[Request], None]):
-        self.scheduler, self._release_cache = scheduler, release
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._released: list[tuple[Request, Group]] = []  # ended since the last drain, with their groups
         self.groups: dict[str, Group] = {}  # caller's request id -> its group
         self.owner: dict[str, Group] = {}  # scheduler request id -> its group
         self._seen: dict[str, int] = {}  # output tokens already detokenized, per scheduler request
@@ -119,9 +118,14 @@ class OutputProcessor:
         return True
 
     def release(self, req: Request) -> None:
-        self._release_cache(req)
-        self.owner.pop(req.request_id, None)
+        self._released.append((req, self.owner.pop(req.request_id, None)))
         self._seen.pop(req.request_id, None)
+
+    def drain(self) -> list[tuple[Request, Group]]:
+        """The requests that ended (finished, failed, aborted) since the last call, for the
+        engine to free what they held."""
+        out, self._released = self._released, []
+        return out
 
     @staticmethod
     def output(group: Group) -> RequestOutput:
