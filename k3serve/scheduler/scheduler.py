@@ -141,6 +141,10 @@ class Scheduler:
                 budget -= n
         if not batch.preempted:  # no admissions in a step that had to preempt
             budget = self._admit(batch, budget)
+        # verifying sequences first (stable): the one-position-at-a-time rows (forward/batch.py
+        # StepRows) are then the batch's own order, so a verify step where some requests have no
+        # draft still runs as one decode-stack call instead of layer by layer
+        batch.seqs.sort(key=lambda s: not s.drafts)
         return batch
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
