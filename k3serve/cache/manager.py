@@ -333,7 +333,7 @@ class HybridCacheManager:
         # tier blocks fill the fresh blocks after the shared ones; they are published (and so
         # shared) once the step that loads them has run, as computed blocks are
         loads = tuple(zip(hit.loads, blocks[len(shared) :])) if hit is not None else ()
-        if self.tiers is not None and (loads or hit.load_state is not None):
+        if self.tiers is not None and hit is not None and (loads or hit.load_state is not None):
             self.tiers.stats["cpu"].hit_tokens += hit.num_tokens
         live = self.state_slot(req_id)
         return CacheAllocation(live, list(blocks), restore, loads, hit.load_state if hit is not None else None)
