@@ -1,5 +1,7 @@
 """`--speculative-config` (vLLM keys): method, num_speculative_tokens, model, draft_sample_method,
-rejection_sample_method, prompt_lookup_min/max (ngram). Pure Python; errors name the key."""
+rejection_sample_method, prompt_lookup_min/max (ngram); and k3serve's `adaptive` (default true:
+num_speculative_tokens is the most a request drafts, each step's lengths are chosen from
+measured costs and acceptance; false: always K, for an exact A/B). Pure Python; errors name the key."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"  # "standard" | "block"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    adaptive: bool = True  # choose each step's draft lengths (spec_decode/adaptive.py); False: always K
 
     def resolve_model(self, target_dir: str) -> "SpeculativeConfig":
         """A draft path that does not exist as given is looked up inside the target's directory
@@ -39,6 +42,7 @@ class SpeculativeConfig:
             "rejection_sample_method",
             "prompt_lookup_min",
             "prompt_lookup_max",
+            "adaptive",
         }
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -57,7 +61,10 @@ class SpeculativeConfig:
             raw.get("rejection_sample_method", "standard"),
             int(raw.get("prompt_lookup_min", 1)),
             int(raw.get("prompt_lookup_max", 4)),
+            raw.get("adaptive", True),
         )
+        if not isinstance(cfg.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {cfg.adaptive!r}")
         if cfg.draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError("speculative_config.draft_sample_method must be 'greedy' or 'probabilistic'")
         if cfg.rejection_sample_method not in ("standard", "block"):

@@ -119,11 +119,32 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
         spec,
     )
     core.tiers = make_tiers(config, core)  # prefix-cache tiers in host memory and on disk, or None
+    if spec is not None and spec.policy is not None:
+        startup_log.append(_draft_policy(spec, runner, ex, cache, config, graph))
+        log.info(startup_log[-1])
     if graph is not None:
         line = graph.startup_line(where.device, ex.lockstep)
         startup_log.append(line)
         log.info(line)
     return core
+
+
+def _draft_policy(spec, runner, ex: Executor, cache, config: EngineConfig, graph) -> str:
+    """Set up the adaptive draft lengths (spec_decode/adaptive.py): the graph backend's verify
+    buckets take every sequence at one length; the cost table is profiled now, unless steps
+    compile per bucket or the replica steps in lockstep (then it fills from the first steps)."""
+    from k3serve.runner.spec_profile import profile_step_costs
+
+    spec.policy.uniform = graph is not None
+    k = spec.cfg.num_speculative_tokens
+    # (stand-in steps would also calibrate fp8 KV scales on their rows: --calculate-kv-scales waits)
+    if graph is not None or ex.lockstep or config.calculate_kv_scales:
+        return f"speculation: adaptive draft lengths 0..{k}, step costs measured from the first steps"
+    seconds = profile_step_costs(spec, runner, ex, cache, config.max_num_seqs)
+    return (
+        f"speculation: adaptive draft lengths 0..{k}, step costs profiled in {seconds:.2f} s "
+        f"('\"adaptive\": false' in --speculative-config pins {k})"
+    )
 
 
 def build_replicas(config: EngineConfig, dp: int, dp_attention: bool) -> list:

@@ -10,6 +10,7 @@ many processes run the model (executor/base.py). Built by engine/build.py `build
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from k3serve.cache.manager import HybridCacheManager
@@ -78,10 +79,13 @@ class EngineCore:
         scheduler requeues its requests to run alone, Scheduler.retry_apart); a broken rank group
         raises: no request can run again."""
         try:
+            t = time.perf_counter()
             step = self.runner.prepare(batch)
             out, rollback = self.runner.finish(step, self.executor.execute(step.inputs, self.runner.taps))
             if rollback is not None:
                 self.executor.rollback(*rollback)
+            if self.spec is not None:  # the draft-length policy's cost table, refreshed online
+                self.spec.step_done(batch, time.perf_counter() - t)
         except RANK_FAULTS as e:
             self.executor.fail(str(e))
             raise
@@ -105,12 +109,11 @@ class EngineCore:
         if it raises, this step runs without drafts."""
         if self.spec is None:
             return
-        reqs = [r for r in self.scheduler.running if r.num_uncomputed == 1]
         try:
-            self.runner.propose(reqs)
+            self.runner.propose(self.scheduler.running)
         except Exception as e:  # noqa: BLE001
             log.warning("drafting raised %s: %s; this step runs without drafts", type(e).__name__, e)
-            for r in reqs:
+            for r in self.scheduler.running:
                 r.spec_token_ids = []
 
     def write_back(self) -> None:

@@ -152,7 +152,13 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
             values[f.name] = min(s.taken_at for s in stats)
         elif f.name == "tp_collectives":
             values[f.name] = stats[0].tp_collectives
-        elif f.name in ("spec_accepted_per_position", "expert_tokens_per_rank", "iteration_tokens", "tier_stats"):
+        elif f.name in (
+            "spec_accepted_per_position",
+            "spec_draft_lengths",
+            "expert_tokens_per_rank",
+            "iteration_tokens",
+            "tier_stats",
+        ):
             rows = [getattr(s, f.name) for s in stats]
             width = max(len(r) for r in rows)
             values[f.name] = tuple(sum(r[j] for r in rows if j < len(r)) for j in range(width))

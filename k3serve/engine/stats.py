@@ -34,6 +34,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    spec_draft_lengths: tuple[int, ...] = ()  # adaptive drafting: request-steps that chose each length 0..K
+    spec_skipped_steps: int = 0  # adaptive drafting: steps whose drafter did not run (it could not pay)
     expert_tokens_per_rank: tuple[int, ...] = ()  # expert parallelism: assignments routed to each rank
     tp_collectives: tuple[tuple[str, int, int, float], ...] = ()  # rank 0's (kind, calls, bytes, seconds)
     # tokens a step scheduled: cumulative counts per ITERATION_BUCKETS upper bound (+inf last), and their sum
@@ -94,6 +96,13 @@ class IterationTokens:
         self.total += tokens
 
 
+def _draft_policy(spec) -> dict:
+    policy = spec.policy if spec is not None else None
+    if policy is None:
+        return {}
+    return {"spec_draft_lengths": tuple(policy.chosen), "spec_skipped_steps": policy.skipped_steps}
+
+
 def snapshot(engine) -> EngineStats:
     """Read an LLMEngine between steps (call it on the engine thread)."""
     sched, cache, plan = engine.scheduler, engine.cache, engine.plan
@@ -118,6 +127,7 @@ def snapshot(engine) -> EngineStats:
         spec_draft_tokens=spec.draft_tokens if spec else 0,
         spec_accepted_tokens=spec.accepted_tokens if spec else 0,
         spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
+        **_draft_policy(engine.spec),
         iteration_tokens=tuple(engine.iteration_tokens.counts),
         iteration_tokens_sum=engine.iteration_tokens.total,
         tier_stats=tier_values(engine.tiers) if getattr(engine, "tiers", None) is not None else (),

@@ -90,10 +90,10 @@ class ModelRunner:
         """The layers whose hidden states a DSpark drafter reads after each step."""
         return self.spec.tap_layers if self.spec is not None else ()
 
-    @torch.inference_mode()
-    def propose(self, reqs: list[Request]) -> None:
+    def propose(self, running: list[Request]) -> None:
+        """Drafts for the running requests that decode this step (spec_decode/decoder.py)."""
         if self.spec is not None:
-            self.spec.propose(reqs)
+            self.spec.propose(running)
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         seqs = batch.seqs

@@ -212,6 +212,20 @@ class _EngineCollector:
         for i, n in enumerate(s.spec_accepted_per_position):
             per_pos.add_metric([*self.lv, str(i)], n)
         yield per_pos
+        if s.spec_draft_lengths:  # adaptive drafting (spec_decode/adaptive.py): what it chose
+            lengths = CounterMetricFamily(
+                "k3serve:spec_decode_draft_length",
+                "Decoding request-steps by the draft length the policy chose (0: decoded without drafts)",
+                labels=[*LABELS, "length"],
+            )
+            for k, n in enumerate(s.spec_draft_lengths):
+                lengths.add_metric([*self.lv, str(k)], n)
+            yield lengths
+            yield counter(
+                "k3serve:spec_decode_skipped_steps",
+                "Steps whose drafter did not run: by the measured costs and acceptance it could not pay",
+                s.spec_skipped_steps,
+            )
         if s.expert_tokens_per_rank:
             load = CounterMetricFamily(
                 "k3serve:expert_parallel_tokens",

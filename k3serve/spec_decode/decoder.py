@@ -1,16 +1,22 @@
-"""SpecDecoder: the runner's speculative side — ask the drafter for tokens before a step,
-verify them after the target's forward, roll KDA state back, keep acceptance statistics."""
+"""SpecDecoder: the runner's speculative side — ask the drafter for tokens before a step, choose
+how many of them each request verifies (spec_decode/adaptive.py, unless the config pins K),
+verify them after the target's forward, keep acceptance statistics and step timings."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from k3serve.sampling.sampler import sampled_token
-from k3serve.scheduler.batch import SampledToken
+from k3serve.scheduler.batch import SampledToken, ScheduledBatch
 from k3serve.scheduler.request import Request
 from k3serve.config.speculative import SpeculativeConfig
+from k3serve.spec_decode.adaptive import DraftPolicy
 from k3serve.spec_decode.proposer import Draft, NgramProposer
 from k3serve.spec_decode.verifier import SpecStats, verify
+
+SAMPLE_EVERY = 4  # steps one cost sample is taken from
 
 
 def make_proposer(
@@ -48,20 +54,63 @@ class SpecDecoder:
         self.proposer = make_proposer(cfg, target, max_model_len, max_num_seqs, device)
         self.stats = SpecStats()
         self._drafts: dict[str, Draft] = {}
+        self._steps = 0
+        # None: every request verifies all it was proposed (`"adaptive": false`, an exact A/B)
+        free = getattr(self.proposer, "free", False)  # a host lookup (ngram): no forward to weigh
+        self.policy = DraftPolicy(cfg.num_speculative_tokens, probe_every=16 if free else 32) if cfg.adaptive else None
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
         return getattr(self.proposer, "tap_layers", ())
 
-    def propose(self, reqs: list[Request]) -> None:
-        """Set `spec_token_ids` on decoding requests (at most num_speculative_tokens each)."""
-        reqs = [r for r in reqs if r.max_drafts > 0]
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` on the running requests that decode this step (at most
+        num_speculative_tokens each; with the policy, the lengths it chooses, none at all when
+        drafting cannot pay this step). The drafter runs under inference mode."""
+        policy = self.policy
+        if policy is not None and policy.resting():  # first: a resting step costs a counter
+            return
+        reqs = [r for r in running if r.num_uncomputed == 1 and r.max_drafts > 0]
         if not reqs:
             return
+        with torch.inference_mode():
+            self._propose(reqs, policy)
+
+    def _propose(self, reqs: list[Request], policy) -> None:
+        if policy is not None:
+            policy.score_shadows(reqs)
+            if not policy.should_draft([r.request_id for r in reqs], getattr(self.proposer, "free", False)):
+                return
         ks = [min(self.cfg.num_speculative_tokens, r.max_drafts) for r in reqs]
-        for r, d in zip(reqs, self.proposer.propose(reqs, ks)):
-            r.spec_token_ids = list(d.token_ids)
-            self._drafts[r.request_id] = d
+        t = time.perf_counter()
+        drafts = self.proposer.propose(reqs, ks)
+        if policy is None:
+            lengths = [len(d.token_ids) for d in drafts]
+        else:
+            policy.record_draft_time(len(reqs), time.perf_counter() - t)
+            lengths = policy.choose(
+                [r.request_id for r in reqs],
+                [len(d.token_ids) for d in drafts],
+                [r.num_tokens for r in reqs],
+                [d.token_ids for d in drafts],
+            )
+        for r, d, k in zip(reqs, drafts, lengths):
+            r.spec_token_ids = list(d.token_ids[:k])
+            if k:
+                self._drafts[r.request_id] = d
+            else:
+                self._drafts.pop(r.request_id, None)
+
+    def step_done(self, batch: ScheduledBatch, seconds: float) -> None:
+        """A step's wall time refreshes the cost table when it was a pure decode / verify step
+        (every sequence one newest token plus its drafts)."""
+        if self.policy is None:
+            return
+        self._steps += 1
+        if self._steps % SAMPLE_EVERY:  # one step in SAMPLE_EVERY: a decode step's bookkeeping stays a counter
+            return
+        if all(s.sample and s.start and s.num_tokens == 1 + len(s.drafts) for s in batch.seqs):
+            self.policy.record_step(len(batch.seqs), batch.num_tokens, seconds)
 
     def verify(
         self, req: Request, logits: torch.Tensor, drafts: list[int], gen: torch.Generator
@@ -71,6 +120,8 @@ class SpecDecoder:
         q = d.probs[: len(drafts)] if d is not None and d.probs is not None else None
         emitted, tau = verify(req, logits, drafts, q, self.cfg.rejection_sample_method, gen)
         self.stats.record(len(drafts), tau)
+        if self.policy is not None:
+            self.policy.record_verify(req.request_id, len(drafts), tau)
         req.spec_draft_tokens += len(drafts)
         req.spec_accepted_tokens += tau
         n = req.params.logprobs
@@ -83,3 +134,5 @@ class SpecDecoder:
     def release(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)
         self.proposer.release(request_id)
+        if self.policy is not None:
+            self.policy.release(request_id)

@@ -12,7 +12,14 @@ import pytest
 from k3serve import LLM, SamplingParams
 
 KW = dict(cache_memory="32MiB", max_model_len=512, seed=0, dtype="float32")
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# K pinned (every proposal verified): the drafts and their rollback across ranks are what is checked
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "adaptive": False,
+}
 SHARED = [(7 * i) % 400 + 3 for i in range(40)]  # 40 tokens: two whole latent blocks of 16, then a tail
 PROMPTS = [SHARED + [11, 12], SHARED + [13], [5, 6, 7, 5, 6, 7, 5, 6]]
 # greedy, biased toward three ids so that the tiny model loops and ngram drafts are accepted

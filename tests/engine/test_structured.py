@@ -67,7 +67,8 @@ def speculative(tiny_k3_dir):
     return LLM(
         str(tiny_k3_dir),
         **KW,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        # K pinned: every proposed draft meets the grammar (cut, masked) before verification
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False},
     )
 
 

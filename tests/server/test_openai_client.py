@@ -171,3 +171,7 @@ def test_server_with_speculative_config(tiny_k3_dir):
     assert spec_text == plain_text
     metrics = asyncio.run(go(app, "/metrics")).text
     assert "k3serve:spec_decode_num_drafts" in metrics and "k3serve:spec_decode_mean_acceptance_length" in metrics
+    # the adaptive policy's choices: one count per decoding request-step, by length 0..3
+    chosen = [line for line in metrics.splitlines() if line.startswith("k3serve:spec_decode_draft_length_total{")]
+    assert len(chosen) == 4 and sum(float(line.split()[-1]) for line in chosen) > 0
+    assert "k3serve:spec_decode_skipped_steps_total" in metrics

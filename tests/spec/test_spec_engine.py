@@ -30,7 +30,9 @@ def base(tiny_k3_dir):
 
 
 def spec_llm(model_dir, **spec):
-    return LLM(str(model_dir), speculative_config={"num_speculative_tokens": 4, **spec}, **KW)
+    """K pinned (`adaptive` off): these tests are about verification, so every proposed draft is
+    verified; tests/spec/test_adaptive.py runs the chosen lengths."""
+    return LLM(str(model_dir), speculative_config={"num_speculative_tokens": 4, "adaptive": False, **spec}, **KW)
 
 
 def test_ngram_greedy_equals_plain_and_accepts(tiny_k3_dir, base):

@@ -1,0 +1,250 @@
+"""Adaptive draft lengths: each step, each decoding request drafts 0..K tokens, chosen to maximise
+the whole batch's expected tokens per second (issue 61; vLLM's per-step draft budget from a
+profiled step-cost table, SGLang's adaptive speculation).
+
+- `StepCosts` (spec_decode/step_costs.py): seconds of a decode / verify step by (sequence
+  bucket, rows), measured: a start-up profile (runner/spec_profile.py) seeds it, and one pure
+  decode / verify step in four refreshes it.
+- `Acceptance`: P(draft position i accepted | the ones before it were), as decayed counts, for
+  the drafter as a whole and per request; a request that drafted but verified nothing is scored
+  afterwards against the tokens it went on to emit ("shadow" drafts: free acceptance figures).
+- `DraftPolicy.choose`: the draft positions sorted by their chance of being reached, the batch's
+  throughput (B + expected accepted) / cost(B, B + D) for every D, the best D taken. K = 0 for
+  every request is a plain decode step with no verify overhead; when even the best request's
+  acceptance cannot pay, the drafter does not run and drafting rests (`should_draft`).
+
+Pure Python (no torch): the scheduler side of the step, cheap enough to run every step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import accumulate
+from statistics import median
+
+from k3serve.spec_decode.step_costs import StepCosts, seq_bucket
+
+
+def draft_gain(reach: list[float], k: int) -> float:
+    """Expected accepted tokens of a k-token draft: the chances of reaching positions 1..k."""
+    return sum(reach[:k])
+
+
+@dataclass
+class _Counts:
+    """Decayed (accepted, tried) per draft position."""
+
+    acc: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def add(self, position: int, accepted: bool, decay: float) -> None:
+        while len(self.acc) <= position:
+            self.acc.append(0.0)
+            self.tried.append(0.0)
+        self.acc[position] = self.acc[position] * decay + accepted
+        self.tried[position] = self.tried[position] * decay + 1.0
+
+
+class Acceptance:
+    """Conditional acceptance per draft position: the drafter's (all requests, slow decay) and
+    each request's (fast decay), a request's estimate pulled toward the drafter's by PRIOR
+    pseudo-observations, the drafter's toward 1/2 by one."""
+
+    GLOBAL_DECAY, REQUEST_DECAY, PRIOR = 0.995, 0.8, 2.0
+
+    def __init__(self):
+        self.drafter = _Counts()
+        self.requests: dict[str, _Counts] = {}
+
+    def record(self, request_id: str, k: int, tau: int) -> None:
+        """A verify pass (or a scored shadow draft) of k drafts that accepted the first tau."""
+        mine = self.requests.setdefault(request_id, _Counts())
+        for i in range(min(k, tau + 1)):  # positions past the first rejection were not tried
+            ok = i < tau
+            self.drafter.add(i, ok, self.GLOBAL_DECAY)
+            mine.add(i, ok, self.REQUEST_DECAY)
+
+    def drafter_rate(self, i: int) -> float:
+        c = self.drafter
+        return (c.acc[i] + 0.5) / (c.tried[i] + 1.0) if i < len(c.acc) else 0.5
+
+    def rate(self, request_id: str, i: int) -> float:
+        g = self.drafter_rate(i)
+        c = self.requests.get(request_id)
+        if c is None or i >= len(c.acc):
+            return g
+        return (c.acc[i] + self.PRIOR * g) / (c.tried[i] + self.PRIOR)
+
+    def first_rate(self, request_id: str) -> float:
+        """`rate(request_id, 0)`: P(the first draft is accepted)."""
+        d, c = self.drafter, self.requests.get(request_id)
+        g = (d.acc[0] + 0.5) / (d.tried[0] + 1.0) if d.acc else 0.5
+        return (c.acc[0] + self.PRIOR * g) / (c.tried[0] + self.PRIOR) if c is not None and c.acc else g
+
+    def reach(self, request_id: str, n: int) -> list[float]:
+        """P(draft position i is accepted) for i < n: the product of the conditional rates up to i
+        (`rate` inlined: this runs for every decoding request every step)."""
+        d, c = self.drafter, self.requests.get(request_id)
+        own = len(c.acc) if c is not None else 0
+        out, p, prior = [], 1.0, self.PRIOR
+        for i in range(n):
+            g = (d.acc[i] + 0.5) / (d.tried[i] + 1.0) if i < len(d.acc) else 0.5
+            p *= (c.acc[i] + prior * g) / (c.tried[i] + prior) if i < own else g
+            out.append(p)
+        return out
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+@dataclass
+class _Shadow:
+    at: int  # the request's token count when it was drafted
+    tokens: list[int]
+
+
+class DraftPolicy:
+    """Chooses each step's draft lengths. `max_k`: num_speculative_tokens; `uniform`: every
+    sequence of a verify step drafts the same length (the graph backend's verify buckets take a
+    step only when every sequence verifies); `probe_every`: a step that would not draft drafts
+    anyway this often, so that costs and acceptance of drafting stay measured (a model
+    drafter's run costs a forward; a free one's, a lookup)."""
+
+    def __init__(self, max_k: int, uniform: bool = False, probe_every: int = 32):
+        self.max_k, self.uniform, self.probe_every = max_k, uniform, probe_every
+        self.costs = StepCosts()
+        self.acceptance = Acceptance()
+        self.draft_seconds: dict[int, deque] = {}  # sequence bucket -> the drafter's last call times
+        self._shadows: dict[str, _Shadow] = {}
+        self._seen: set[tuple[int, int]] = set()  # step shapes seen online (their first step dropped)
+        self._rest, self._backoff, self._probe = 0, 1, False  # should_draft's rests (see there)
+        self.chosen = [0] * (max_k + 1)  # request-steps that drafted each length (/metrics)
+        self.skipped_steps = 0  # steps whose drafter did not run: drafting could not pay
+
+    # ---- before the drafter runs -----------------------------------------------------------
+    def resting(self) -> bool:
+        """Whether this step skips drafting without looking (the rest after a screen found that
+        drafting cannot pay): a decode step's cost then stays a counter."""
+        if self._rest:
+            self._rest -= 1
+            self.skipped_steps += 1
+            return True
+        return False
+
+    def should_draft(self, request_ids: list[str], free: bool = False) -> bool:
+        """Whether running the drafter this step can pay for itself. A bound, not a guess: every
+        draft position is credited the best first-position acceptance of any request (reach
+        never rises with position), the drafter its measured cost (none when `free`); when no
+        number of drafts beats decoding even so, `choose` would pick none. Then drafting rests
+        1, 2, 4 .. `probe_every` steps (`resting`), and the step after a rest drafts regardless
+        (a probe: its drafts are verified or kept as shadows, so acceptance keeps being
+        measured); drafting that pays again starts the rests over."""
+        if not request_ids or not self.costs.measured:
+            return True
+        if self._probe:
+            self._probe = False
+            return True
+        B = len(request_ids)
+        n = B * self.max_k
+        cost = self.costs.dense(B, B + n)
+        draft = 0.0 if free else self.draft_cost(B)
+        p = max(self.acceptance.first_rate(r) for r in request_ids)
+        base = B / cost[B]
+        if any((B + d * p) / (cost[B + d] + draft) > base for d in range(1, n + 1)):
+            return True
+        self.skipped_steps += 1
+        self._rest, self._probe = self._backoff, True
+        self._backoff = min(2 * self._backoff, self.probe_every)
+        return False
+
+    def record_draft_time(self, seqs: int, seconds: float) -> None:
+        self.draft_seconds.setdefault(seq_bucket(seqs), deque(maxlen=StepCosts.WINDOW)).append(seconds)
+
+    def draft_cost(self, seqs: int) -> float:
+        times = self.draft_seconds.get(seq_bucket(seqs))
+        return median(times) if times else 0.0
+
+    # ---- after it ran ------------------------------------------------------------------------
+    def choose(self, request_ids: list[str], proposed: list[int], token_counts: list[int], drafts=None) -> list[int]:
+        """Each request's draft length (<= what it was proposed) for a step of these decoding
+        requests. `token_counts`: each request's tokens now (shadow drafts are scored against the
+        tokens that come after); `drafts`: the proposed ids, kept as shadows of requests that
+        verify none of them."""
+        B = len(request_ids)
+        if not self.costs.measured:  # nothing measured yet (a graph backend's first steps): draft all
+            ks = list(proposed)
+        else:
+            _, ks = self._best(B, [self.acceptance.reach(r, n) for r, n in zip(request_ids, proposed)])
+        if any(ks):
+            self._backoff = 1  # drafting pays: a later screen that fails rests one step first
+        for j, (r, k) in enumerate(zip(request_ids, ks)):
+            self.chosen[k] += 1
+            if k == 0 and proposed[j] and drafts is not None and r not in self._shadows:
+                self._shadows[r] = _Shadow(token_counts[j], list(drafts[j]))
+        return ks
+
+    def score_shadows(self, reqs) -> None:
+        """Each request's shadow draft (scheduler Request) against the tokens it emitted since:
+        accepted up to the first mismatch (what greedy verification would have accepted; for a
+        one-hot q, standard verification accepts a draft with the probability that sampling
+        emits it). Scored once a mismatch or every draft's position has been seen."""
+        if not self._shadows:
+            return
+        for r in reqs:
+            s = self._shadows.get(r.request_id)
+            if s is None:
+                continue
+            emitted = r.token_slice(s.at, s.at + len(s.tokens))
+            m = 0
+            while m < len(emitted) and emitted[m] == s.tokens[m]:
+                m += 1
+            if m < len(emitted) or len(emitted) == len(s.tokens):
+                self.acceptance.record(r.request_id, len(s.tokens), m)
+                del self._shadows[r.request_id]
+
+    def record_verify(self, request_id: str, k: int, tau: int) -> None:
+        self.acceptance.record(request_id, k, tau)
+
+    def record_step(self, seqs: int, rows: int, seconds: float) -> None:
+        """A pure decode / verify step of `seqs` sequences and `rows` rows took `seconds`. The
+        first step of each shape is not kept: it may have compiled (the graph backend builds a
+        bucket on its first step) or warmed a cache up."""
+        key = (seq_bucket(seqs), rows)
+        if key in self._seen:
+            self.costs.record(seqs, rows, seconds)
+        else:
+            self._seen.add(key)
+
+    def release(self, request_id: str) -> None:
+        self.acceptance.release(request_id)
+        self._shadows.pop(request_id, None)
+
+    # ---- the choice --------------------------------------------------------------------------
+    def _best(self, B: int, reach: list[list[float]]) -> tuple[int, list[int]]:
+        """(total drafts D, per-request lengths) maximising (B + expected accepted) / cost.
+        Per request, reach falls with position, so the D most reachable positions of the batch
+        are a prefix of each request's drafts: sort them once, sweep D."""
+        n = sum(map(len, reach))
+        cost = self.costs.dense(B, B + n)  # [rows] seconds
+        best_rate, best_d, best_ks = B / cost[B], 0, [0] * len(reach)
+        if self.uniform:  # one length j for every sequence, or none
+            for j in range(1, min((len(r) for r in reach), default=0) + 1):
+                rate = (B + sum(draft_gain(r, j) for r in reach)) / cost[B * (1 + j)]
+                if rate > best_rate:
+                    best_rate, best_d, best_ks = rate, B * j, [j] * len(reach)
+            return best_d, best_ks
+        ranked = sorted((p for r in reach for p in r), reverse=True)  # floats: a C sort
+        rates = [(B + g) / c for g, c in zip(accumulate(ranked), cost[B + 1 : B + 1 + n])]
+        if rates:
+            d = max(range(n), key=rates.__getitem__)
+            if rates[d] > best_rate:
+                best_d, cut = d + 1, ranked[d]
+                # each request's positions above the D-th largest reach, then ties in batch order
+                best_ks = [sum(p > cut for p in r) for r in reach]
+                ties = best_d - sum(best_ks)
+                for j, r in enumerate(reach):
+                    while ties and best_ks[j] < len(r) and r[best_ks[j]] == cut:
+                        best_ks[j] += 1
+                        ties -= 1
+        return best_d, best_ks
