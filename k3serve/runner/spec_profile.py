@@ -56,7 +56,7 @@ def profile_step_costs(spec, runner, executor, cache, max_num_seqs: int, token: 
         for b in sizes:
             for j in draft_lengths(k):
                 best = min(_step(runner, executor, cache, reqs[:b], 1, [j] * b, token) for _ in range(REPEATS))
-                policy.costs.record(b, b * (1 + j), best)
+                policy.costs.record(b, b * (1 + j), best, verifying=b if j else 0)
     finally:
         for rid in held:
             cache.free(rid)

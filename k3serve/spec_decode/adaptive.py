@@ -2,14 +2,16 @@
 the whole batch's expected tokens per second (issue 61; vLLM's per-step draft budget from a
 profiled step-cost table, SGLang's adaptive speculation).
 
-- `StepCosts` (spec_decode/step_costs.py): seconds of a decode / verify step by (sequence
-  bucket, rows), measured: a start-up profile (runner/spec_profile.py) seeds it, and one pure
-  decode / verify step in four refreshes it.
+- `StepCosts` (spec_decode/step_costs.py): seconds of a decode / verify step, a + m * rows +
+  h * verifying sequences per (sequence bucket, context bucket), fitted to measurements: a
+  start-up profile (runner/spec_profile.py) seeds it, and one pure decode / verify step in four
+  refreshes it.
 - `Acceptance`: P(draft position i accepted | the ones before it were), as decayed counts, for
   the drafter as a whole and per request; a request that drafted but verified nothing is scored
   afterwards against the tokens it went on to emit ("shadow" drafts: free acceptance figures).
-- `DraftPolicy.choose`: the draft positions sorted by their chance of being reached, the batch's
-  throughput (B + expected accepted) / cost(B, B + D) for every D, the best D taken. K = 0 for
+- `DraftPolicy.choose`: the lengths maximising the batch's expected tokens per second,
+  (B + expected accepted) / cost, found exactly (Dinkelbach's iteration: a few rounds of each
+  request choosing alone at a trial rate). K = 0 for
   every request is a plain decode step with no verify overhead; when even the best request's
   acceptance cannot pay, the drafter does not run and drafting rests (`should_draft`).
 
@@ -24,6 +26,13 @@ from itertools import accumulate
 from statistics import median
 
 from k3serve.spec_decode.step_costs import StepCosts, seq_bucket
+
+
+# a plan that drafts must beat a plain decode by this factor: what the table cannot see (noise,
+# the bookkeeping of more tokens) weighs against drafting, so that near break-even it stays off
+MARGIN = 1.02
+SPARSE = 12  # a cost bucket is sampled every step until it holds this many samples
+OUTLIER = 5.0  # a step sample this many times the estimate is a compile or a stall, not a cost
 
 
 def draft_gain(reach: list[float], k: int) -> float:
@@ -117,7 +126,8 @@ class DraftPolicy:
         self.acceptance = Acceptance()
         self.draft_seconds: dict[int, deque] = {}  # sequence bucket -> the drafter's last call times
         self._shadows: dict[str, _Shadow] = {}
-        self._seen: set[tuple[int, int]] = set()  # step shapes seen online (their first step dropped)
+        self._first_dropped = False  # record_step's first sample (see there)
+        self._reach = None  # (request ids, reach over K) should_draft computed this step
         self._rest, self._backoff, self._probe = 0, 1, False  # should_draft's rests (see there)
         self.chosen = [0] * (max_k + 1)  # request-steps that drafted each length (/metrics)
         self.skipped_steps = 0  # steps whose drafter did not run: drafting could not pay
@@ -132,27 +142,37 @@ class DraftPolicy:
             return True
         return False
 
-    def should_draft(self, request_ids: list[str], free: bool = False) -> bool:
+    def should_draft(self, request_ids: list[str], free: bool = False, context: float = 0) -> bool:
         """Whether running the drafter this step can pay for itself. A bound, not a guess: every
         draft position is credited the best first-position acceptance of any request (reach
         never rises with position), the drafter its measured cost (none when `free`); when no
         number of drafts beats decoding even so, `choose` would pick none. Then drafting rests
         1, 2, 4 .. `probe_every` steps (`resting`), and the step after a rest drafts regardless
         (a probe: its drafts are verified or kept as shadows, so acceptance keeps being
-        measured); drafting that pays again starts the rests over."""
+        measured); drafting that pays again starts the rests over. `context`: the requests'
+        mean cached tokens (the cost table's context bucket)."""
         if not request_ids or not self.costs.measured:
             return True
         if self._probe:
             self._probe = False
             return True
         B = len(request_ids)
-        n = B * self.max_k
-        cost = self.costs.dense(B, B + n)
+        a, m, h = self.costs.fit(B, context)
         draft = 0.0 if free else self.draft_cost(B)
         p = max(self.acceptance.first_rate(r) for r in request_ids)
-        base = B / cost[B]
-        if any((B + d * p) / (cost[B + d] + draft) > base for d in range(1, n + 1)):
-            return True
+        base = MARGIN * B / (a + m * B)
+        # d drafts need at least ceil(d / K) verifying sequences
+        if any(
+            (B + d * p) / (a + m * (B + d) + h * -(-d // self.max_k) + draft) > base
+            for d in range(1, B * self.max_k + 1)
+        ):
+            if free:
+                return True
+            # a drafter that costs a forward: the choice it would lead to, with its cost, must pay
+            reach = [self.acceptance.reach(r, self.max_k) for r in request_ids]
+            self._reach = (request_ids, reach)  # choose reads it this step
+            if self._best(B, reach, context, draft)[0]:
+                return True
         self.skipped_steps += 1
         self._rest, self._probe = self._backoff, True
         self._backoff = min(2 * self._backoff, self.probe_every)
@@ -166,7 +186,9 @@ class DraftPolicy:
         return median(times) if times else 0.0
 
     # ---- after it ran ------------------------------------------------------------------------
-    def choose(self, request_ids: list[str], proposed: list[int], token_counts: list[int], drafts=None) -> list[int]:
+    def choose(
+        self, request_ids: list[str], proposed: list[int], token_counts: list[int], drafts=None, context: float = 0
+    ) -> list[int]:
         """Each request's draft length (<= what it was proposed) for a step of these decoding
         requests. `token_counts`: each request's tokens now (shadow drafts are scored against the
         tokens that come after); `drafts`: the proposed ids, kept as shadows of requests that
@@ -175,7 +197,13 @@ class DraftPolicy:
         if not self.costs.measured:  # nothing measured yet (a graph backend's first steps): draft all
             ks = list(proposed)
         else:
-            _, ks = self._best(B, [self.acceptance.reach(r, n) for r, n in zip(request_ids, proposed)])
+            held = self._reach
+            if held is not None and held[0] == request_ids:  # should_draft's, this step: the same counts
+                reach = [r[:n] for r, n in zip(held[1], proposed)]
+            else:
+                reach = [self.acceptance.reach(r, n) for r, n in zip(request_ids, proposed)]
+            self._reach = None
+            _, ks = self._best(B, reach, context)
         if any(ks):
             self._backoff = 1  # drafting pays: a later screen that fails rests one step first
         for j, (r, k) in enumerate(zip(request_ids, ks)):
@@ -206,45 +234,63 @@ class DraftPolicy:
     def record_verify(self, request_id: str, k: int, tau: int) -> None:
         self.acceptance.record(request_id, k, tau)
 
-    def record_step(self, seqs: int, rows: int, seconds: float) -> None:
-        """A pure decode / verify step of `seqs` sequences and `rows` rows took `seconds`. The
-        first step of each shape is not kept: it may have compiled (the graph backend builds a
-        bucket on its first step) or warmed a cache up."""
-        key = (seq_bucket(seqs), rows)
-        if key in self._seen:
-            self.costs.record(seqs, rows, seconds)
-        else:
-            self._seen.add(key)
+    def record_step(self, seqs: int, rows: int, seconds: float, context: float = 0, verifying: int = 0) -> None:
+        """A pure decode / verify step of `seqs` sequences, `context` cached tokens each on
+        average, and `rows` rows took `seconds`. A sample over OUTLIER times the table's
+        estimate is not kept, nor the very first when nothing was profiled: a step that
+        compiled (the graph backend builds each bucket on its first step)."""
+        guess = self.costs.estimate(seqs, rows, context, verifying)
+        if guess is None:
+            if not self._first_dropped:
+                self._first_dropped = True
+                return
+        elif seconds > OUTLIER * guess:
+            return
+        self.costs.record(seqs, rows, seconds, context, verifying)
+
+    def sparse(self, seqs: int, context: float) -> bool:
+        """Whether the step's bucket has few samples (every step is sampled until it has them)."""
+        return self.costs.samples(seqs, context) < SPARSE
 
     def release(self, request_id: str) -> None:
         self.acceptance.release(request_id)
         self._shadows.pop(request_id, None)
 
     # ---- the choice --------------------------------------------------------------------------
-    def _best(self, B: int, reach: list[list[float]]) -> tuple[int, list[int]]:
-        """(total drafts D, per-request lengths) maximising (B + expected accepted) / cost.
-        Per request, reach falls with position, so the D most reachable positions of the batch
-        are a prefix of each request's drafts: sort them once, sweep D."""
-        n = sum(map(len, reach))
-        cost = self.costs.dense(B, B + n)  # [rows] seconds
-        best_rate, best_d, best_ks = B / cost[B], 0, [0] * len(reach)
+    def _best(self, B: int, reach: list[list[float]], context: float = 0, draft: float = 0.0) -> tuple[int, list[int]]:
+        """(total drafts D, per-request lengths) maximising (B + expected accepted) / (cost +
+        `draft`, the drafter's seconds when it has yet to run), drafting only when that beats a
+        plain decode by MARGIN."""
+        a, m, h = self.costs.fit(B, context)
+        best_rate, best_d, best_ks = MARGIN * B / (a + m * B), 0, [0] * len(reach)
         if self.uniform:  # one length j for every sequence, or none
             for j in range(1, min((len(r) for r in reach), default=0) + 1):
-                rate = (B + sum(draft_gain(r, j) for r in reach)) / cost[B * (1 + j)]
+                rate = (B + sum(draft_gain(r, j) for r in reach)) / (a + m * B * (1 + j) + h * B + draft)
                 if rate > best_rate:
                     best_rate, best_d, best_ks = rate, B * j, [j] * len(reach)
             return best_d, best_ks
-        ranked = sorted((p for r in reach for p in r), reverse=True)  # floats: a C sort
-        rates = [(B + g) / c for g, c in zip(accumulate(ranked), cost[B + 1 : B + 1 + n])]
-        if rates:
-            d = max(range(n), key=rates.__getitem__)
-            if rates[d] > best_rate:
-                best_d, cut = d + 1, ranked[d]
-                # each request's positions above the D-th largest reach, then ties in batch order
-                best_ks = [sum(p > cut for p in r) for r in reach]
-                ties = best_d - sum(best_ks)
-                for j, r in enumerate(reach):
-                    while ties and best_ks[j] < len(r) and r[best_ks[j]] == cut:
-                        best_ks[j] += 1
-                        ties -= 1
+        # Dinkelbach: at a trial rate lam, each request alone takes the length maximising its
+        # expected tokens minus lam times its seconds; the plan's own rate is the next lam. It
+        # rises to the best plan in a few rounds (each request's choice is independent at a
+        # fixed lam, which a sweep over sorted positions is not once a verifier costs h).
+        gains = [[0.0, *accumulate(r)] for r in reach]
+        lam, ks = best_rate / MARGIN, [0] * len(reach)
+        for _ in range(8):
+            row, setup = lam * m, lam * h  # a row's and a verifier's seconds, in tokens at lam
+            ks, d, gain, verifying = [], 0, 0.0, 0
+            for g in gains:
+                k_best, v_best = 0, 0.0
+                for k in range(1, len(g)):
+                    v = g[k] - row * k - setup
+                    if v > v_best:
+                        k_best, v_best = k, v
+                ks.append(k_best)
+                if k_best:
+                    d, gain, verifying = d + k_best, gain + g[k_best], verifying + 1
+            rate = (B + gain) / (a + m * (B + d) + h * verifying + draft)
+            if rate <= lam * (1 + 1e-12):
+                break
+            lam = rate
+        if d and lam > best_rate:
+            best_d, best_ks = d, ks
         return best_d, best_ks

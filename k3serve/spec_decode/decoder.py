@@ -77,9 +77,11 @@ class SpecDecoder:
             self._propose(reqs, policy)
 
     def _propose(self, reqs: list[Request], policy) -> None:
+        context = 0.0
         if policy is not None:
             policy.score_shadows(reqs)
-            if not policy.should_draft([r.request_id for r in reqs], getattr(self.proposer, "free", False)):
+            context = sum(r.num_computed_tokens for r in reqs) / len(reqs)
+            if not policy.should_draft([r.request_id for r in reqs], getattr(self.proposer, "free", False), context):
                 return
         ks = [min(self.cfg.num_speculative_tokens, r.max_drafts) for r in reqs]
         t = time.perf_counter()
@@ -93,6 +95,7 @@ class SpecDecoder:
                 [len(d.token_ids) for d in drafts],
                 [r.num_tokens for r in reqs],
                 [d.token_ids for d in drafts],
+                context,
             )
         for r, d, k in zip(reqs, drafts, lengths):
             r.spec_token_ids = list(d.token_ids[:k])
@@ -107,10 +110,16 @@ class SpecDecoder:
         if self.policy is None:
             return
         self._steps += 1
-        if self._steps % SAMPLE_EVERY:  # one step in SAMPLE_EVERY: a decode step's bookkeeping stays a counter
+        seqs = batch.seqs
+        context = seqs[0].start  # the first sequence's stands in for the sampling decision
+        # one step in SAMPLE_EVERY (a decode step's bookkeeping stays a counter), every step
+        # while its bucket has few points (a new context length, a new batch size)
+        if self._steps % SAMPLE_EVERY and not self.policy.sparse(len(seqs), context):
             return
-        if all(s.sample and s.start and s.num_tokens == 1 + len(s.drafts) for s in batch.seqs):
-            self.policy.record_step(len(batch.seqs), batch.num_tokens, seconds)
+        if all(s.sample and s.start and s.num_tokens == 1 + len(s.drafts) for s in seqs):
+            verifying = sum(1 for s in seqs if s.drafts)
+            context = sum(s.start for s in seqs) / len(seqs)
+            self.policy.record_step(len(seqs), batch.num_tokens, seconds, context, verifying)
 
     def verify(
         self, req: Request, logits: torch.Tensor, drafts: list[int], gen: torch.Generator

@@ -9,58 +9,64 @@ import random
 
 import pytest
 
-from k3serve.spec_decode.adaptive import Acceptance, DraftPolicy, draft_gain
+from k3serve.spec_decode.adaptive import MARGIN, Acceptance, DraftPolicy, draft_gain
 from k3serve.spec_decode.step_costs import StepCosts
 from k3serve.spec_decode.proposer import NgramProposer
 
 
-def gpu_like(policy: DraftPolicy, flat_rows: int = 64, per_row: float = 1e-4) -> None:
-    """Step cost flat up to `flat_rows` rows (memory-bound), linear after."""
+def affine(policy: DraftPolicy, a: float, m: float, h: float = 0.0) -> None:
+    """Steps costing a + m * rows + h * verifying sequences, profiled as the engine does."""
     for b in (1, 2, 4, 8, 16):
         for k in range(policy.max_k + 1):
-            rows = b * (1 + k)
-            policy.costs.record(b, rows, 0.01 + per_row * max(0, rows - flat_rows))
+            v = b if k else 0
+            policy.costs.record(b, b * (1 + k), a + m * b * (1 + k) + h * v, verifying=v)
+
+
+def gpu_like(policy: DraftPolicy) -> None:
+    """A row costs next to nothing beside the step (memory-bound)."""
+    affine(policy, 0.01, 1e-6)
 
 
 def cpu_like(policy: DraftPolicy) -> None:
     """Every row costs the same: verifying a draft costs what decoding its token costs."""
-    for b in (1, 2, 4, 8, 16):
-        for k in range(policy.max_k + 1):
-            policy.costs.record(b, b * (1 + k), 1e-3 * b * (1 + k))
+    affine(policy, 0.0, 1e-3)
 
 
-def test_costs_interpolate_and_take_a_neighbours_shape():
+def test_costs_fit_rows_and_verifying_sequences():
     c = StepCosts()
-    for rows, t in ((4, 1.0), (8, 2.0), (16, 2.5)):
-        c.record(4, rows, t)
-    assert c.estimate(4, 8) == 2.0
-    assert c.estimate(3, 6) == pytest.approx(1.5)  # same bucket, between points
-    assert c.estimate(4, 20) == pytest.approx(2.5 + 4 * 0.5 / 8)  # past the last point: its slope
-    c.record(2, 2, 0.5)  # one point in bucket 2: bucket 4's shape through it (bucket 4 at 2 rows: 0.5)
-    assert c.estimate(2, 4) == pytest.approx(1.0)
-    assert c.estimate(64, 16) == 2.5  # an unmeasured bucket: the nearest curve
-    for _ in range(5):  # a window's median: one compile-sized sample does not move it
-        c.record(4, 8, 2.0)
-    c.record(4, 8, 100.0)
-    assert c.estimate(4, 8) == 2.0
-    c.record(8, 8, 1.0)
-    c.record(8, 16, 3.0)
-    c.record(8, 24, 2.0)  # noise: more rows measured cheaper; the policy reads a non-decreasing curve
-    dense = c.dense(8, 24)
-    assert all(a <= b for a, b in zip(dense[8:], dense[9:])) and dense[16] == dense[24] == 2.5
+    for rows, v, t in ((4, 0, 1.0), (8, 4, 2.0), (12, 4, 2.5), (20, 4, 3.5)):
+        c.record(4, rows, t, context=100, verifying=v)
+    a, m, h = c.fit(4, context=100)
+    assert (a, m, h) == pytest.approx((0.5, 0.125, 0.125))
+    assert c.estimate(3, 6, context=100, verifying=1) == pytest.approx(0.5 + 0.75 + 0.125)  # same bucket
+    c.record(4, 4, 3.0, context=2000)  # attention over 2,000 tokens: a decode step costs 3x
+    # only decodes measured there: the row and verifier shares come from the short contexts
+    assert c.estimate(4, 8, context=2000, verifying=4) == pytest.approx(2.5 + 1.0 + 0.5)
+    assert c.estimate(4, 4, context=5000) == pytest.approx(3.0)  # the nearest context's
+    assert c.estimate(64, 64, context=100) == pytest.approx(0.5 + 8.0)  # an unmeasured bucket: the nearest's
+    one = StepCosts()
+    one.record(2, 2, 1.0)  # one point: a line through the origin
+    assert one.estimate(2, 6) == pytest.approx(3.0)
+    down = StepCosts()
+    for rows, t in ((2, 2.0), (4, 1.0), (6, 1.5)):  # noise: more rows measured cheaper
+        down.record(2, rows, t, verifying=2 if rows > 2 else 0)
+    assert down.fit(2)[1] >= 0 and down.fit(2)[2] >= 0  # no share is negative
 
 
-def test_the_first_step_of_a_shape_is_not_a_cost():
+def test_compiles_are_not_costs():
     p = DraftPolicy(2)
-    p.record_step(4, 8, 30.0)  # a graph bucket's first step compiles
+    p.record_step(4, 8, 30.0)  # a graph bucket's first step compiles: nothing to compare it with
     assert not p.costs.measured
     p.record_step(4, 8, 0.01)
-    p.record_step(4, 8, 0.01)
-    assert p.costs.estimate(4, 8) == 0.01
-    for _ in range(3):  # one point measured in all: another bucket's step takes its line
+    p.record_step(4, 12, 0.012)
+    p.record_step(4, 12, 3.0)  # the next bucket's compile: 250x the estimate
+    p.record_step(16, 16, 2.0)  # another's: 50x what bucket 4's line says of 16 rows
+    assert p.costs.estimate(4, 8) == pytest.approx(0.01) and p.costs.estimate(4, 12) == pytest.approx(0.012)
+    assert p.costs.samples(16) == 0 and p.costs.samples(4) == 2
+    for _ in range(3):  # only bucket 4 measured: another bucket's step takes its line
         p.record_verify("a", 2, 2)
     assert p.choose(["a"], [2], [5]) in ([0], [1], [2])
-    assert p.costs.estimate(1, 3) == pytest.approx(0.01 * 3 / 8)
+    assert p.costs.estimate(1, 3) == pytest.approx(0.01 - 5 * 0.0005)
 
 
 def test_acceptance_learns_per_request_and_position():
@@ -78,7 +84,7 @@ def test_acceptance_learns_per_request_and_position():
 def test_choice_is_the_exhaustive_optimum(seed):
     rng = random.Random(seed)
     p = DraftPolicy(4)
-    (gpu_like if seed % 2 else cpu_like)(p)
+    affine(p, 0.01 * (seed % 3), 1e-3, 0.002 * (seed % 5))
     ids = [f"r{i}" for i in range(rng.randint(1, 5))]
     for r in ids:
         for _ in range(rng.randint(0, 6)):
@@ -89,34 +95,36 @@ def test_choice_is_the_exhaustive_optimum(seed):
     B = len(ids)
 
     def rate(lengths):
-        return (B + sum(draft_gain(r, k) for r, k in zip(reach, lengths))) / p.costs.estimate(B, B + sum(lengths))
+        verifying = sum(1 for k in lengths if k)
+        cost = p.costs.estimate(B, B + sum(lengths), verifying=verifying)
+        return (B + sum(draft_gain(r, k) for r, k in zip(reach, lengths))) / cost
 
     best = max(itertools.product(*(range(n + 1) for n in proposed)), key=rate)
+    if rate(best) <= MARGIN * rate([0] * B):  # drafting must beat decoding by the margin
+        best = [0] * B
     assert rate(ks) == pytest.approx(rate(best), rel=1e-9)
     assert all(0 <= k <= n for k, n in zip(ks, proposed))
 
 
 def test_flat_costs_draft_everything_linear_costs_draft_only_sure_things():
-    gpu, cpu = DraftPolicy(4), DraftPolicy(4)
+    gpu, cpu, setup = DraftPolicy(4), DraftPolicy(4), DraftPolicy(4)
     gpu_like(gpu)
     cpu_like(cpu)
-    for p in (gpu, cpu):
+    affine(setup, 0.01, 1e-4, 0.004)  # a verifying sequence costs 40 rows' worth
+    for p in (gpu, cpu, setup):
         for _ in range(10):
             p.record_verify("sure", 4, 4)
+            p.record_verify("likely", 4, 3)
             p.record_verify("coin", 4, 0)
-    assert gpu.choose(["sure", "coin"], [4, 4], [9, 9]) == [4, 4]
-    assert cpu.choose(["sure", "coin"], [4, 4], [9, 9]) == [0, 0]  # linear rows: nothing below ~1 pays
-    flat_then_steep = DraftPolicy(4)
-    gpu_like(flat_then_steep, flat_rows=6, per_row=0.01)
-    for _ in range(10):
-        flat_then_steep.record_verify("sure", 4, 4)
-        flat_then_steep.record_verify("coin", 4, 0)
-    assert flat_then_steep.choose(["sure", "coin"], [4, 4], [9, 9]) == [4, 0]
+    assert gpu.choose(["sure", "likely", "coin"], [4, 4, 4], [9] * 3) == [4, 4, 4]
+    assert cpu.choose(["sure", "likely", "coin"], [4, 4, 4], [9] * 3) == [0, 0, 0]  # linear rows: nothing pays
+    # a verifier's cost is paid once a request: whole drafts for the likely ones, none for the coin
+    assert setup.choose(["sure", "likely", "coin"], [4, 4, 4], [9] * 3) == [4, 4, 0]
 
 
 def test_uniform_gives_one_length_or_none():
     p = DraftPolicy(4, uniform=True)
-    gpu_like(p, flat_rows=12)
+    gpu_like(p)
     for _ in range(10):
         p.record_verify("a", 4, 4)
         p.record_verify("b", 4, 4)
@@ -146,9 +154,7 @@ def test_shadow_drafts_score_what_verification_would_have_accepted():
 
 def test_a_useless_drafter_rests_longer_and_longer_and_still_probes():
     p = DraftPolicy(4, probe_every=8)
-    for b in (1, 2, 4, 8):  # 4 ms a step and 0.8 ms a row: a draft must be accepted 44% of the time
-        for k in range(5):
-            p.costs.record(b, b * (1 + k), 0.004 + 0.0008 * b * (1 + k))
+    affine(p, 0.004, 0.0008)  # 4 ms a step and 0.8 ms a row: a draft must be accepted 44% of the time
     p.record_draft_time(4, 1e-4)
     ids = ["a", "b", "c", "d"]
     for _ in range(30):

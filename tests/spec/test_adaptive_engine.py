@@ -27,10 +27,10 @@ class RandomLengths(DraftPolicy):
         super().__init__(k)
         self.rng = random.Random(seed)
 
-    def should_draft(self, request_ids, free=False):
+    def should_draft(self, request_ids, free=False, context=0):
         return True
 
-    def choose(self, request_ids, proposed, token_counts, drafts=None):
+    def choose(self, request_ids, proposed, token_counts, drafts=None, context=0):
         ks = [self.rng.randint(0, n) for n in proposed]
         for k in ks:
             self.chosen[k] += 1
