@@ -66,9 +66,16 @@ class SpecDecoder:
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on the running requests that decode this step (at most
         num_speculative_tokens each; with the policy, the lengths it chooses, none at all when
-        drafting cannot pay this step). The drafter runs under inference mode."""
+        drafting cannot pay this step). A seeded sampled request verifies every draft proposed
+        to it, whatever the policy says: its verification draws depend on its draft lengths, so
+        the lengths must not depend on timings or on other requests for its seed to give the
+        same text each time. The drafter runs under inference mode."""
         policy = self.policy
-        if policy is not None and policy.resting():  # first: a resting step costs a counter
+        if policy is not None and policy.resting():  # a resting step costs a counter (and a scan)
+            fixed = [r for r in running if r.num_uncomputed == 1 and r.max_drafts > 0 and _seeded(r)]
+            if fixed:
+                with torch.inference_mode():
+                    self._propose(fixed, None)
             return
         reqs = [r for r in running if r.num_uncomputed == 1 and r.max_drafts > 0]
         if not reqs:
@@ -82,6 +89,9 @@ class SpecDecoder:
             policy.score_shadows(reqs)
             context = sum(r.num_computed_tokens for r in reqs) / len(reqs)
             if not policy.should_draft([r.request_id for r in reqs], getattr(self.proposer, "free", False), context):
+                fixed = [r for r in reqs if _seeded(r)]
+                if fixed:
+                    self._propose(fixed, None)
                 return
         ks = [min(self.cfg.num_speculative_tokens, r.max_drafts) for r in reqs]
         t = time.perf_counter()
@@ -98,6 +108,7 @@ class SpecDecoder:
                 context,
             )
         for r, d, k in zip(reqs, drafts, lengths):
+            k = len(d.token_ids) if _seeded(r) else k
             r.spec_token_ids = list(d.token_ids[:k])
             if k:
                 self._drafts[r.request_id] = d
@@ -145,3 +156,8 @@ class SpecDecoder:
         self.proposer.release(request_id)
         if self.policy is not None:
             self.policy.release(request_id)
+
+
+def _seeded(req: Request) -> bool:
+    """A sampled request with a seed: its drafts are verified as proposed (see propose)."""
+    return req.params.seed is not None and not req.params.greedy

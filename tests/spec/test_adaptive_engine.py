@@ -158,3 +158,19 @@ def test_a_verify_step_where_some_requests_drafted_nothing_is_one_stack_call(tin
     llm.engine.spec.policy = RandomLengths(3, seed=5)
     llm.generate(prompts(8, seed=6), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **LOOPY))
     assert len(mixed) > 3 and all(mixed)
+
+
+def test_a_seeded_sampled_request_gives_the_same_text_whatever_the_policy_does(tiny_k3_dir, random_dspark):
+    """Its verification draws depend on its draft lengths: it verifies every proposed draft, so
+    its text is the pinned-K engine's, alone or beside others, whatever lengths the rest get."""
+    spec = {"method": "dspark", "model": random_dspark, "num_speculative_tokens": 4}
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **LOOPY)
+    p = prompts(1, seed=8)
+    pinned = LLM(str(tiny_k3_dir), speculative_config={**spec, "adaptive": False}, **KW)
+    want = ids(pinned.generate(p, seeded))
+    llm = LLM(str(tiny_k3_dir), speculative_config=spec, **KW)
+    assert ids(llm.generate(p, seeded)) == want
+    llm.engine.spec.policy = policy = RandomLengths(4, seed=9)
+    out = llm.generate(p + prompts(6, seed=10), [seeded] + [greedy] * 6)
+    assert ids(out)[:1] == want and policy.chosen[0] > 0  # the others' lengths did vary
