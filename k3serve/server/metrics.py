@@ -182,6 +182,13 @@ class _EngineCollector:
             c.add_metric(self.lv, value)
             return c
 
+        def indexed(name, doc, label, values):
+            """A counter per index of `values` (label `label` = "0", "1", ...)."""
+            c = CounterMetricFamily(name, doc, labels=[*LABELS, label])
+            for i, n in enumerate(values):
+                c.add_metric([*self.lv, str(i)], n)
+            return c
+
         yield gauge("vllm:num_requests_running", "Requests in model execution batches", s.num_running)
         if s.iteration_tokens:
             it = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens scheduled per engine step", labels=LABELS)
@@ -206,35 +213,31 @@ class _EngineCollector:
         yield counter("vllm:spec_decode_num_drafts", "Verify passes with drafted tokens", s.spec_drafts)
         yield counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens", s.spec_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafted tokens", s.spec_accepted_tokens)
-        per_pos = CounterMetricFamily(
-            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position", labels=[*LABELS, "position"]
+        yield indexed(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by position",
+            "position",
+            s.spec_accepted_per_position,
         )
-        for i, n in enumerate(s.spec_accepted_per_position):
-            per_pos.add_metric([*self.lv, str(i)], n)
-        yield per_pos
         if s.spec_draft_lengths:  # adaptive drafting (spec_decode/adaptive.py): what it chose
-            lengths = CounterMetricFamily(
+            yield indexed(
                 "k3serve:spec_decode_draft_length",
                 "Decoding request-steps by the draft length the policy chose (0: decoded without drafts)",
-                labels=[*LABELS, "length"],
+                "length",
+                s.spec_draft_lengths,
             )
-            for k, n in enumerate(s.spec_draft_lengths):
-                lengths.add_metric([*self.lv, str(k)], n)
-            yield lengths
             yield counter(
                 "k3serve:spec_decode_skipped_steps",
                 "Steps whose drafter did not run: by the measured costs and acceptance it could not pay",
                 s.spec_skipped_steps,
             )
         if s.expert_tokens_per_rank:
-            load = CounterMetricFamily(
+            yield indexed(
                 "k3serve:expert_parallel_tokens",
                 "Token-to-expert assignments routed to each expert-parallel rank's experts",
-                labels=[*LABELS, "rank"],
+                "rank",
+                s.expert_tokens_per_rank,
             )
-            for r, n in enumerate(s.expert_tokens_per_rank):
-                load.add_metric([*self.lv, str(r)], n)
-            yield load
             mean = sum(s.expert_tokens_per_rank) / len(s.expert_tokens_per_rank)
             yield gauge(
                 "k3serve:expert_parallel_imbalance",

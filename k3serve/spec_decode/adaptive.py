@@ -74,26 +74,16 @@ class Acceptance:
             self.drafter.add(i, ok, self.GLOBAL_DECAY)
             mine.add(i, ok, self.REQUEST_DECAY)
 
-    def drafter_rate(self, i: int) -> float:
-        c = self.drafter
-        return (c.acc[i] + 0.5) / (c.tried[i] + 1.0) if i < len(c.acc) else 0.5
-
-    def rate(self, request_id: str, i: int) -> float:
-        g = self.drafter_rate(i)
-        c = self.requests.get(request_id)
-        if c is None or i >= len(c.acc):
-            return g
-        return (c.acc[i] + self.PRIOR * g) / (c.tried[i] + self.PRIOR)
-
     def first_rate(self, request_id: str) -> float:
-        """`rate(request_id, 0)`: P(the first draft is accepted)."""
+        """P(the request's first draft is accepted): its own decayed counts pulled toward the
+        drafter's by PRIOR pseudo-observations, the drafter's toward 1/2 by one."""
         d, c = self.drafter, self.requests.get(request_id)
         g = (d.acc[0] + 0.5) / (d.tried[0] + 1.0) if d.acc else 0.5
         return (c.acc[0] + self.PRIOR * g) / (c.tried[0] + self.PRIOR) if c is not None and c.acc else g
 
     def reach(self, request_id: str, n: int) -> list[float]:
         """P(draft position i is accepted) for i < n: the product of the conditional rates up to i
-        (`rate` inlined: this runs for every decoding request every step)."""
+        (the rates as `first_rate` reads position 0; this runs for every decoding request every step)."""
         d, c = self.drafter, self.requests.get(request_id)
         own = len(c.acc) if c is not None else 0
         out, p, prior = [], 1.0, self.PRIOR

@@ -80,10 +80,6 @@ class StepCosts:
         f = self.fit(seqs, context)
         return None if f is None else max(1e-9, f[0] + f[1] * rows + f[2] * verifying)
 
-    def table(self) -> dict[Key, Fit]:
-        """{(sequence bucket, context bucket): (a, m, h)} (what the bench prints)."""
-        return {b: self._fit(b) for b in sorted(self._samples)}
-
     def _fit(self, b: Key, borrow: bool = True) -> Fit:
         held = self._fits.get(b)
         n = self._recorded[b]
