@@ -204,7 +204,11 @@ def _internal_messages(thinking, effort, tool_choice, response_format) -> list[S
 def encode_segments(tokenizer, segs: list[Seg]) -> list[int]:
     ids: list[int] = []
     for s in segs:
-        ids += [tokenizer.token_to_id(s.text)] if s.special else tokenizer.encode(s.text)
+        if s.special:
+            ids.append(tokenizer.token_to_id(s.text))
+            continue
+        for part in tokenizer.encode_parts(s.text):  # piece by piece: one extend by the 20 M ids
+            ids += part  # of a 30 MiB message holds the GIL (and the event loop) for ~0.2 s
     return ids
 
 
