@@ -10,7 +10,10 @@ persists them to the directory as packs: one file for the blocks a step publishe
 chunk's 32 blocks, say), one for each state (offload/entry.py). A pack is read, verified and
 evicted whole; the index still holds each block and state under its own key. Host memory and the directory each keep an LRU
 under their byte budget (cache/tiers.py); the directory's survives restarts (scanned at start,
-oldest first) and may be shared by engines of the same model (same fingerprint).
+oldest first) and may be shared by engines of the same model (same fingerprint). Under calibrated
+fp8 scales (--calculate-kv-scales) entries sit in a folder named after the scales they were
+written under: engines that calibrated differently share the directory but never read each
+other's latents.
 
 Reading: a lookup that needs disk entries asks for them (`prefetch`); reader threads load and
 verify them (offload/entry.py) while other requests' steps run, and `poll` (at each step's
@@ -24,10 +27,11 @@ state entry `recurrent.{l}` [H, D, D] and `conv.{l}` [K-1, 3P] per KDA layer (th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import queue
-import shutil
 import threading
 import time
 import weakref
@@ -87,8 +91,11 @@ class PrefixTiers:
             kind: sum(torch.Size(s).numel() * d.itemsize for s, d in e.values()) for kind, e in self.expect.items()
         }
         self.pin = cache_device(cache).type == "cuda"  # a meta twin's is "meta"
-        self.dir = Path(disk_dir) / fingerprint if disk_dir else None
-        self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.dir else None)
+        # calibrated fp8 scales: entries live in a folder of their scales (`_open_scales`), and
+        # until this engine's scales are known (its first rows) it neither reads nor writes there
+        self.root = Path(disk_dir) / fingerprint if disk_dir else None
+        self.dir = self.root if not (self.root and cache.calibrating) else None
+        self.index = TierIndex(TierLRU(cpu_bytes), TierLRU(disk_bytes) if self.root else None)
         self.host: dict[Key, dict[str, torch.Tensor]] = {}
         self.file_of: dict[Key, Path] = {}  # disk entries: the pack each is read from
         self.packs: dict[Path, list[Key]] = {}  # every entry a pack holds (its header's keys)
@@ -97,14 +104,16 @@ class PrefixTiers:
         self._done: queue.Queue = queue.Queue()  # (op, key, payload) back to the engine thread
         self._arrived = threading.Event()
         self._threads, self._readers = [], None
-        self._scales_file = None  # calibrated fp8 latent scales: written once beside the entries
+        self._calibrated = False  # scales calibrated here or adopted: the folder is opened when known
         self._absent: dict[Key, float] = {}  # keys looked for on disk and not found: when (discover)
         self._deleting: set[Path] = set()  # packs dropped, their deletion queued
-        if self.dir is not None and cache.calibrating:
+        if self.root is not None and cache.calibrating:
+            self._calibrated = True
             self._adopt_scales(cache)
         if self.dir is not None:
             self._scan()
             self.index.discover = self.discover
+        if self.root is not None:
             # file reads and checksums release the GIL: a prefix of many small blocks reads in parallel
             self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="k3serve-tier-read")
             t = threading.Thread(target=self._write_loop, daemon=True, name="k3serve-tier-writer")
@@ -115,29 +124,45 @@ class PrefixTiers:
 
     # ---- files -------------------------------------------------------------------------------
     def _adopt_scales(self, cache) -> None:
-        """--calculate-kv-scales with a directory: the entries there were written under the scales
-        saved beside them; a restarted engine takes those instead of calibrating anew (else they
-        would be read under other scales). None saved yet: this engine saves its own (store)."""
-        path = self.dir / SCALES_FILE
+        """--calculate-kv-scales with a directory: a restarted engine takes the scales saved there
+        (the first engine's) instead of calibrating anew, so it reads what that engine wrote.
+        None saved yet (or unreadable): this engine calibrates on its first rows."""
+        path = self.root / SCALES_FILE
         try:
             saved = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        except FileNotFoundError:
-            self._scales_file = path
+        except (FileNotFoundError, NotADirectoryError):
             return
         except (OSError, ValueError, AttributeError) as e:
-            log.warning("prefix tier: %s is unreadable (%s): calibrating anew, its entries dropped", path, e)
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self._scales_file = path
+            log.warning("prefix tier: %s is unreadable (%s): calibrating anew", path, e)
             return
         cache.use_scales(saved, calibrate=False)
+        self.dir = self.root / f"scales-{_scales_digest(saved)}"
         log.info("fp8 latent scales of %d layers from %s (the entries there were written under them)", len(saved), path)
 
-    def _save_scales(self, cache) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._scales_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({str(i): float(s) for i, s in cache.latent_scale.items()}))
-        tmp.replace(self._scales_file)
-        self._scales_file = None
+    def _open_scales(self, cache) -> None:
+        """This engine's scales are known (its first rows set them): its entries live in a folder
+        named after them, so engines that calibrated other scales on the same directory (started
+        together) never read each other's latents; the first saved set is what later engines
+        adopt. A directory this engine cannot write to is left alone: the disk tier is off."""
+        scales = {i: float(s) for i, s in cache.latent_scale.items()}
+        folder = self.root / f"scales-{_scales_digest(scales)}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / f"{SCALES_FILE}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({str(i): s for i, s in scales.items()}))
+            try:
+                os.link(tmp, self.root / SCALES_FILE)  # only if none is there: the first set stays
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("prefix cache: the directory %s cannot be written (%s): the disk tier is off", self.root, e)
+            self.root, self.index.disk = None, None
+            return
+        self.dir = folder
+        self._scan()
+        self.index.discover = self.discover
 
     def discover(self, key: Key) -> bool:
         """A directory shared with other engines (replicas, a P/D pair): whether a pack named
@@ -345,9 +370,9 @@ class PrefixTiers:
             self.index.stats["cpu"].bytes_written += self.entry_bytes[key[0]]
             self._put_host(key, host)
             packs.setdefault(key if key[0] == "state" else "blocks", []).append((key, host))
+        if self._calibrated and self.dir is None and self.root is not None and not cache.calibrating:
+            self._open_scales(cache)  # before the first entry written under them
         if self.dir is not None and packs:
-            if self._scales_file is not None and not cache.calibrating:
-                self._save_scales(cache)  # before the first entry written under them
             ready = None
             if self.pin:
                 ready = torch.cuda.Event()
@@ -400,6 +425,12 @@ def _stop(readers: ThreadPoolExecutor | None, writes: queue.Queue, threads: list
         for t in threads:
             t.join(timeout)
         threads.clear()
+
+
+def _scales_digest(scales: dict[int, float]) -> str:
+    """16 hex digits naming one set of calibrated scales (layer -> s)."""
+    text = json.dumps({str(i): float(s).hex() for i, s in sorted(scales.items())})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def cache_device(cache) -> torch.device:

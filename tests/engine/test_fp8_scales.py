@@ -206,3 +206,47 @@ def test_disk_tier_keeps_calibrated_scales_across_a_restart(tiny_k3_dir, tmp_pat
     assert run(again, [toks(5, 99)]) and {i: s.item() for i, s in cache.latent_scale.items()} == scales
     assert run(again, [longer]) == want  # its prefix served from the disk tier, read under the saved scales
     assert again.engine.tiers.index.stats["disk"].hits > 0
+
+
+def test_engines_sharing_a_directory_never_read_each_others_scales(loud_k3, tmp_path):
+    """Issue 63 item 1: engines started together on one directory each calibrate their own
+    scales. Before: B found A's packs and read A's latents under B's scales (wrong text). Now
+    each scale set writes where only engines under the same scales read; the first saved set
+    is what a later engine adopts."""
+    kw = {**KW, "calculate_kv_scales": True, "kv_offloading_dir": str(tmp_path / "tier"), "kv_offloading_size": 0.05}
+    a, b = LLM(str(loud_k3), **kw), LLM(str(loud_k3), **kw)  # both start before either saved scales
+    run(a, [toks(48, 31)]), run(b, [toks(9, 32)])  # their first rows differ: so do their scales
+    sa, sb = ({i: s.item() for i, s in e.engine.executor.cache.latent_scale.items()} for e in (a, b))
+    assert sa != sb
+    longer = toks(48, 31) + toks(9, 33)
+    a.engine.tiers.flush()  # A's packs of the shared prefix are on disk
+    got = run(b, [longer])
+    own = LLM(str(loud_k3), **{**KW, "calculate_kv_scales": True})  # B's scales, no tier
+    run(own, [toks(9, 32)])
+    assert run(own, [longer]) == got
+    assert b.engine.tiers.index.stats["disk"].hits == 0
+    a.engine.shutdown(), b.engine.shutdown()
+    saved = json.loads((next((tmp_path / "tier").glob("*/kv_scales.json"))).read_text())
+    assert {int(k): v for k, v in saved.items()} == sa  # the first writer's, not overwritten
+    c = LLM(str(loud_k3), **kw)  # adopts A's scales, and so reads A's entries
+    like_a = LLM(str(loud_k3), **{**KW, "calculate_kv_scales": True})
+    run(like_a, [toks(48, 31)])
+    assert run(c, [longer]) == run(like_a, [longer])
+    assert c.engine.tiers.index.stats["disk"].hits > 0
+
+
+def test_an_unwritable_directory_with_calibrated_scales_turns_the_disk_tier_off(tiny_k3_dir, tmp_path, caplog):
+    """Issue 63 item 3: saving the scales failed inside every step that added cache entries (each
+    such request failed). Now the disk tier is off with one warning; host memory still serves."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")  # root ignores file modes: a file in the path fails for it too
+    kw = {**KW, "calculate_kv_scales": True, "kv_offloading_dir": str(blocker / "tier"), "kv_offloading_size": 0.05}
+    prompts = [toks(40, 41), toks(40, 41) + toks(6, 42), toks(33, 43)]
+    with caplog.at_level("WARNING", logger="k3serve.offload"):
+        llm = LLM(str(tiny_k3_dir), **kw)
+        got = [run(llm, [p])[0] for p in prompts]
+    ref = LLM(str(tiny_k3_dir), **{**KW, "calculate_kv_scales": True})
+    assert got == [run(ref, [p])[0] for p in prompts]
+    assert llm.engine.tiers.index.disk is None
+    warned = [r.getMessage() for r in caplog.records if r.name == "k3serve.offload"]
+    assert len(warned) == 1 and "cannot be written" in warned[0] and str(blocker) in warned[0]
