@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import AbstractSet as Set
 from typing import Callable
 
 Key = tuple[str, bytes]  # ("block" | "state", 16-byte chained hash)
@@ -52,9 +53,11 @@ class TierLRU:
     def touch(self, key: Key) -> None:
         self._size.move_to_end(key)
 
-    def add(self, key: Key, nbytes: int) -> list[Key]:
+    def add(self, key: Key, nbytes: int, keep: Set[Key] = frozenset()) -> list[Key]:
         """Insert (or refresh) an entry; the entries evicted to stay within budget, oldest first.
-        An entry larger than the whole budget is evicted at once (returned itself)."""
+        An entry larger than the whole budget is evicted at once (returned itself). Entries in
+        `keep` (touched first, so only newer ones stand behind them) are never evicted: when the
+        oldest is one, the newcomer goes instead."""
         if key in self._size:
             self.touch(key)
             return []
@@ -62,9 +65,13 @@ class TierLRU:
         self.used += nbytes
         out = []
         while self.used > self.budget and self._size:
-            old, n = self._size.popitem(last=False)
-            self.used -= n
+            old = next(iter(self._size))
+            if old in keep:
+                old = key
+            self.used -= self._size.pop(old)
             out.append(old)
+            if old == key:
+                break
         return out
 
     def remove(self, key: Key) -> bool:

@@ -62,6 +62,8 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.poll()  # disk reads done, files written: before the schedule looks them up
         batch = self.scheduler.schedule()
+        if self.tiers is not None:  # what the step loads outlives the write-back just below
+            self.tiers.hold(batch.load_blocks, batch.load_states)
         self.write_back()  # what scheduling evicted, before any step reuses its rows
         if batch.is_empty:
             if self.executor.lockstep:
@@ -69,8 +71,6 @@ class EngineCore:
             if self.tiers is not None and self.tiers.busy:  # a request waits on its prefix's disk read
                 self.tiers.wait(0.01)
             return None
-        if self.tiers is not None:
-            self.tiers.load(self.executor.cache, batch.load_blocks, batch.load_states)
         self.iteration_tokens.add(sum(s.num_tokens for s in batch.seqs))
         return batch
 
@@ -80,6 +80,8 @@ class EngineCore:
         raises: no request can run again."""
         try:
             t = time.perf_counter()
+            if self.tiers is not None:  # part of the step: if it fails, no loaded block is published
+                self.tiers.load(self.executor.cache, batch.load_blocks, batch.load_states)
             step = self.runner.prepare(batch)
             out, rollback = self.runner.finish(step, self.executor.execute(step.inputs, self.runner.taps))
             if rollback is not None:

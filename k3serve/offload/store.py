@@ -107,6 +107,7 @@ class PrefixTiers:
         self._calibrated = False  # scales calibrated here or adopted: the folder is opened when known
         self._absent: dict[Key, float] = {}  # keys looked for on disk and not found: when (discover)
         self._deleting: set[Path] = set()  # packs dropped, their deletion queued
+        self._held: set[Key] = set()  # host entries the scheduled step loads (`hold`)
         if self.root is not None and cache.calibrating:
             self._calibrated = True
             self._adopt_scales(cache)
@@ -334,7 +335,7 @@ class PrefixTiers:
 
     def _put_host(self, key: Key, tensors: dict[str, torch.Tensor]) -> None:
         self.host[key] = tensors
-        for old in self.index.cpu.add(key, self.entry_bytes[key[0]]):
+        for old in self.index.cpu.add(key, self.entry_bytes[key[0]], self._held):
             self.host.pop(old, None)
             self.index.stats["cpu"].evictions += 1
 
@@ -381,16 +382,26 @@ class PrefixTiers:
                 key = entries[0][0]
                 self._writes.put(("write", self.pack_path(key), (key[0], entries, ready)))
 
+    def hold(self, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
+        """The host entries a scheduled step loads stay until `load` has copied them: under
+        write_back what scheduling evicted is stored in between, and a host tier that evicts
+        dropped them (the step then failed on the missing entry, 81 of 2,000 requests)."""
+        self._held = {("block", h) for h, _ in blocks} | {("state", h) for h, _ in states}
+        for key in self._held:
+            self.index.cpu.touch(key)
+
     def load(self, cache, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
-        """Fill fresh blocks and live slots from host memory, before the step that reads them."""
+        """Fill fresh blocks and live slots from host memory, at the start of the step that reads them."""
         t0 = time.perf_counter()
         st = self.index.stats["cpu"]
-        self.port.write_blocks([b for _, b in blocks], [self.host[("block", h)] for h, _ in blocks], self.pin)
-        for h, _ in blocks:
-            self.index.cpu.touch(("block", h))
-        for h, slot in states:
-            self.port.write_state(slot, self.host[("state", h)], self.pin)
-            self.index.cpu.touch(("state", h))
+        try:
+            self.port.write_blocks([b for _, b in blocks], [self.host[("block", h)] for h, _ in blocks], self.pin)
+            for h, slot in states:
+                self.port.write_state(slot, self.host[("state", h)], self.pin)
+        finally:
+            self._held = set()
+        for key in [("block", h) for h, _ in blocks] + [("state", h) for h, _ in states]:
+            self.index.cpu.touch(key)
         n = len(blocks) + len(states)
         if n:
             st.hits += n

@@ -313,3 +313,44 @@ def test_write_back_writes_less_and_a_shutdown_leaves_what_the_pools_held(tiny_k
     got, cached = run(again, [prefix + suffix])
     assert got == cold and cached == [64]
     assert again.engine.tiers.index.stats["disk"].hits >= 5
+
+
+def _shared_prefix_traffic(n: int) -> list[list[int]]:
+    """One request at a time over four shared prefixes of 40-100 tokens, each with its own tail."""
+    import random
+
+    rng = random.Random(0)
+    prefixes = [toks(rng.choice([40, 70, 100]), 1000 + i) for i in range(4)]
+    return [prefixes[rng.randrange(4)] + toks(rng.randrange(1, 40), 2000 + i) for i in range(n)]
+
+
+def test_write_back_with_a_host_tier_that_evicts_loads_what_it_scheduled(tiny_k3_dir):
+    """Issue 63 item 2: under write_back the entries a step was scheduled to load could be evicted
+    from host memory by what the same schedule evicted from the device (stored in between): the
+    step failed (before: 2 of these 60 requests raised KeyError). Now they are held until loaded."""
+    prompts = _shared_prefix_traffic(60)
+    llm = LLM(str(tiny_k3_dir), **SMALL, kv_offloading_size=0.0002, kv_offloading_write_policy="write_back")
+    cold = LLM(str(tiny_k3_dir), **{**SMALL, "enable_prefix_caching": False})
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = [run(llm, [p], sp)[0][0] for p in prompts]  # one at a time: every step alone
+    assert got == [run(cold, [p], sp)[0][0] for p in prompts]
+    st = llm.engine.tiers.index.stats["cpu"]
+    assert st.evictions > 50 and st.hits > 20  # the host tier both evicted and served
+    assert llm.engine.tiers.index.cpu.used <= llm.engine.tiers.index.cpu.budget
+
+
+def test_a_step_whose_tier_load_fails_publishes_nothing(tiny_k3_dir, monkeypatch):
+    """The load is part of the step: when it raises, the request ends with an error (alone in its
+    step) and nothing it was to load is published; the next request on that prefix recomputes."""
+    prefix, tail = toks(70, 51), toks(6, 52)
+    llm = LLM(str(tiny_k3_dir), **SMALL, kv_offloading_size=0.05)
+    cold = LLM(str(tiny_k3_dir), **{**SMALL, "enable_prefix_caching": False})
+    run(llm, [prefix])
+    evict(llm, prefix)
+    port, real = llm.engine.tiers.port, llm.engine.tiers.port.write_state
+    monkeypatch.setattr(port, "write_state", lambda *a: (_ for _ in ()).throw(OSError("host copy failed")))
+    out = llm.generate([{"prompt_token_ids": prefix + tail}], GREEDY)[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert llm.engine.cache.lookup(prefix + tail).blocks == ()  # the blocks it loaded stay unpublished
+    monkeypatch.setattr(port, "write_state", real)
+    assert run(llm, [prefix + tail])[0] == run(cold, [prefix + tail])[0]
