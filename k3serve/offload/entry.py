@@ -48,10 +48,21 @@ def write_pack(path: Path, kind: str, entries: dict[str, dict[str, torch.Tensor]
     data = st_save(cpu, metadata=meta)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no partial file stays behind (414 once filled a tier)
+        tmp.unlink(missing_ok=True)
+        raise
     return len(data)
+
+
+def pack_bytes(tensors: list[torch.Tensor]) -> int:
+    """At least the size of the pack `write_pack` makes of these tensors: their bytes, the
+    safetensors header's entry per tensor (name, dtype, shape, offsets: under 256 bytes for
+    our names) and the metadata (64 hex digits of sha256, 33 characters a key)."""
+    return sum(t.numel() * t.element_size() for t in tensors) + 256 * len(tensors) + 512 + 40 * len(tensors)
 
 
 def pack_keys(path: Path) -> tuple[str, list[str]]:

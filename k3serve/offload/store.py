@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from k3serve.cache.tiers import Key, TierIndex, TierLRU
-from k3serve.offload.entry import EntryError, pack_keys, read_pack, write_pack
+from k3serve.offload.entry import EntryError, pack_bytes, pack_keys, read_pack, write_pack
 from k3serve.offload.ports import ExecutorPort
 
 log = logging.getLogger("k3serve.offload")
@@ -108,6 +108,7 @@ class PrefixTiers:
         self._absent: dict[Key, float] = {}  # keys looked for on disk and not found: when (discover)
         self._deleting: set[Path] = set()  # packs dropped, their deletion queued
         self._held: set[Key] = set()  # host entries the scheduled step loads (`hold`)
+        self._writing: set = set()  # ("writing", path): the disk budget reserved for packs in flight
         if self.root is not None and cache.calibrating:
             self._calibrated = True
             self._adopt_scales(cache)
@@ -225,11 +226,36 @@ class PrefixTiers:
         for key in keys:
             if key not in self.file_of:
                 self.file_of[key] = path
-                evicted += self.index.disk.add(key, max(1, size // len(keys)))
-        for old in evicted:
+                evicted += self.index.disk.add(key, max(1, size // len(keys)), self._writing)
+        self._evicted(evicted)
+
+    def _evicted(self, keys: list) -> None:
+        for old in keys:
             self.index.stats["disk"].evictions += 1
             if old in self.file_of:
                 self._drop_pack(self.file_of[old])
+
+    def _reserve(self, path: Path, nbytes: int) -> bool:
+        """Room on disk for a pack about to be written, made before it is written: the packs it
+        pushes out have their deletions queued ahead of the write, and the reservation counts
+        until the pack joins the index, so the directory (temporary files included) stays
+        within its budget while writes are in flight. False: it does not fit, not written."""
+        slot = ("writing", str(path))
+        evicted = self.index.disk.add(slot, nbytes, self._writing)
+        if slot in evicted:
+            evicted.remove(slot)
+            self._evicted(evicted)
+            return False
+        self._writing.add(slot)
+        self._evicted(evicted)
+        return True
+
+    def _written(self, path: Path) -> None:
+        """A pack's write ended (done or failed): its reservation gives way to what it holds."""
+        slot = ("writing", str(path))
+        if slot in self._writing:
+            self._writing.discard(slot)
+            self.index.disk.remove(slot)
 
     def _drop_pack(self, path: Path, delete: bool = True) -> None:
         for key in self.packs.pop(path, []):
@@ -270,6 +296,8 @@ class PrefixTiers:
                     self._done.put(("written", path, ([k for k, _ in entries], n)))
             except OSError as e:
                 log.warning("prefix cache: could not write %s: %s", path, e)
+                if op == "write":
+                    self._done.put(("unwritten", path, None))
             finally:
                 self._writes.task_done()
 
@@ -312,10 +340,12 @@ class PrefixTiers:
                 op, path, payload = self._done.get_nowait()
             except queue.Empty:
                 return
-            if op == "written":
-                keys, n = payload
-                stats.bytes_written += n
-                self._index_pack(path, keys, n)
+            if op in ("written", "unwritten"):
+                self._written(path)
+                if op == "written":
+                    keys, n = payload
+                    stats.bytes_written += n
+                    self._index_pack(path, keys, n)
                 continue
             self.index.prefetching.difference_update(self._reading.pop(path, set()))
             keys = [k for k in self.packs.get(path, []) if self.file_of.get(k) == path]
@@ -379,8 +409,9 @@ class PrefixTiers:
                 ready = torch.cuda.Event()
                 ready.record()
             for entries in packs.values():
-                key = entries[0][0]
-                self._writes.put(("write", self.pack_path(key), (key[0], entries, ready)))
+                key, path = entries[0][0], self.pack_path(entries[0][0])
+                if self._reserve(path, pack_bytes([t for _, e in entries for t in e.values()])):
+                    self._writes.put(("write", path, (key[0], entries, ready)))
 
     def hold(self, blocks: list[tuple[bytes, int]], states: list[tuple[bytes, int]]) -> None:
         """The host entries a scheduled step loads stay until `load` has copied them: under
