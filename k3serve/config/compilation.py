@@ -25,6 +25,11 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] | None = None  # batch buckets; default from max_num_seqs
     max_cudagraph_capture_size: int | None = None  # largest bucket (default: max_num_seqs)
     backend: str = "inductor"  # torch.compile backend of the static step (aot_eager: the suite's)
+    # k3serve's own keys. A new bucket compiles on a thread of its own while its steps run
+    # eagerly (a first batch size stalled every stream up to 44 s when it compiled inside the
+    # step); ranks of a TP or DP-attention group compile in the step, where they agree on it.
+    compile_in_background: bool = True
+    max_compiled_buckets: int = 32  # compiled variants kept (~10-50 MB each); steps beyond run eagerly
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -33,6 +38,13 @@ class CompilationConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or any(not isinstance(s, int) or s < 1 for s in sizes)):
             raise ValueError(f"compilation_config.cudagraph_capture_sizes must be positive integers, got {sizes!r}")
+        if not isinstance(self.compile_in_background, bool):
+            raise ValueError(
+                f"compilation_config.compile_in_background must be true or false, got {self.compile_in_background!r}"
+            )
+        cap = self.max_compiled_buckets
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"compilation_config.max_compiled_buckets must be a positive integer, got {cap!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | CompilationConfig | None") -> "CompilationConfig":

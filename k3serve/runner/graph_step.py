@@ -15,7 +15,12 @@ inputs, the compiled call or a replay, one device-to-host copy of the [n, V] log
 from __future__ import annotations
 
 import datetime
+import logging
+import queue
+import threading
+import time
 import types
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,6 +31,8 @@ from k3serve.backends import STATIC
 from k3serve.config.compilation import CompilationConfig
 from k3serve.forward import CacheTensors, StaticBuffers
 from k3serve.sampling.device import NEG_INF, allowed_tokens, model_faults, sample
+
+log = logging.getLogger("k3serve.graph")
 
 # DP-attention: how long a step's collectives wait while a peer compiles a new bucket (its first
 # call compiles the whole step: minutes for a large model on a few cores)
@@ -88,7 +95,12 @@ class GraphSettings:
             f"graph backend: decode steps of {sizes[0]}..{sizes[-1]} rows run compiled "
             f"({'eager, --enforce-eager' if self.eager else cc.backend}"
             f"{', captured as CUDA graphs' if device.type == 'cuda' and not self.eager else ''}); "
-            f"each new batch bucket compiles on its first step"
+            + (
+                "each new batch bucket compiles on a thread of its own, its steps eager until then"
+                if cc.compile_in_background and not self.eager and not lockstep
+                else "each new batch bucket compiles on its first step"
+            )
+            + f" (at most {cc.max_compiled_buckets} buckets)"
             + ("; DP-attention ranks agree on each step's bucket" if lockstep else "")
         )
         if cc.extra:
@@ -156,6 +168,14 @@ class GraphSteps:
         self.compiles = 0  # entries built (each a compile and, on CUDA, a capture)
         self.steps = 0  # decode and verify steps run here
         self.padding_steps = 0  # DP-attention: static steps of padding rows only, for an idle rank
+        self.eager_steps = 0  # steps static would take, run eagerly: their bucket compiling or over the cap
+        # a single rank compiles new buckets off the step path; a TP or DP-attention group's ranks
+        # must take the same path each step, so they build in the step, as they agree
+        self.background = config.compile_in_background and not eager and self.ep is None and model.tp.size == 1
+        self._building: dict[Bucket, Future] = {}  # bucket -> its background build
+        self._failed: set[Bucket] = set()  # builds that raised: those steps stay eager
+        self._jobs: queue.Queue | None = None  # the compile thread's queue, started on first use
+        self._capped = False  # the cap was reached (warned once)
 
     def takes(self, inp) -> bool:
         """Whether a step is one the static step runs: a pure decode (one token a sequence), or a
@@ -186,7 +206,69 @@ class GraphSteps:
         need = max(len(t) for t in tables)
         return B, _pow2(need)
 
-    def decide(self, inp) -> int | None:
+    def _key(self, inp, taps: tuple[int, ...], ep_rows: int) -> Bucket:
+        B, W = self.bucket(len(inp.seq_lens), inp.block_tables)
+        history = (0, 0)
+        if inp.histories is not None:  # widths as powers of two: a bucket per doubling, not per token
+            history = tuple(_pow2(max(len(h[i]) for h in inp.histories)) for i in (0, 1))
+        return Bucket(
+            B, W, self._positions(inp), taps, inp.sampling is not None, inp.token_mask is not None, history, ep_rows
+        )
+
+    def _ready(self, key: Bucket) -> bool:
+        """Whether a step of this bucket runs static now (False: eagerly). A bucket not built yet
+        is queued for the compile thread (background) or built by `run` (in the step), unless
+        the cap on compiled buckets is reached."""
+        if key in self.entries:
+            return True
+        fut = self._building.get(key)
+        if fut is not None and fut.done():
+            del self._building[key]
+            if fut.exception() is None:
+                self.entries[key] = fut.result()
+                return True
+            log.warning("graph backend: compiling %s raised %r; its steps run eagerly", key, fut.exception())
+            self._failed.add(key)
+        if fut is not None or key in self._failed:
+            return False
+        if len(self.entries) + len(self._building) >= self.config.max_compiled_buckets:
+            if not self._capped:
+                self._capped = True
+                log.warning(
+                    "graph backend: %d buckets compiled (compilation_config.max_compiled_buckets): "
+                    "steps of new buckets run eagerly",
+                    self.config.max_compiled_buckets,
+                )
+            return False
+        if not self.background:
+            return True
+        if self._jobs is None:
+            self._jobs = queue.Queue()
+            threading.Thread(target=self._compile_loop, daemon=True, name="k3serve-compile").start()
+        self._building[key] = Future()
+        self._jobs.put((key, self._building[key]))
+        return False
+
+    def _compile_loop(self) -> None:
+        """The compile thread: each bucket built and run once on padding rows (the compile and,
+        on CUDA, the capture happen there), while the engine's steps run eagerly."""
+        while True:
+            key, fut = self._jobs.get()
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    entry = self._build(*key)
+                    entry.buffers.fill_padding()
+                    entry.run()
+            except Exception as e:  # noqa: BLE001 - reported on the engine thread (`_ready`)
+                fut.set_exception(e)
+                continue
+            log.info(
+                "graph backend: bucket B=%d W=%d T=%d compiled in %.1f s", key.B, key.W, key.T, time.perf_counter() - t0
+            )
+            fut.set_result(entry)
+
+    def decide(self, inp, taps: tuple[int, ...] = ()) -> int | None:
         """Whether this step runs static: None for the eager path, else its `ep_rows` (0 without
         DP-attention). `inp` None: a DP-attention rank with nothing scheduled. DP-attention
         ranks meet in every MoE layer, so all of them run static or none does: each offers the
@@ -195,6 +277,9 @@ class GraphSteps:
         rank runs a padding step of them: `run_padding`). vLLM's `coordinate_batch_across_dp`
         and SGLang's DP-attention CUDA-graph check agree the same way."""
         takes = inp is not None and self.takes(inp)
+        if takes and not self._ready(self._key(inp, taps, 0) if self.ep is None else self._key(inp, taps, -1)):
+            self.eager_steps += 1
+            takes = False
         if self.ep is None:
             return 0 if takes else None
         if inp is None:
@@ -213,12 +298,7 @@ class GraphSteps:
         """A step `takes` accepted: its logits, or with `inp.sampling` its sampled ids.
         `ep_rows`: DP-attention's agreed exchange rows (`decide`)."""
         n, rows = len(inp.seq_lens), sum(inp.seq_lens)
-        B, W = self.bucket(n, inp.block_tables)
-        sampled, masked = inp.sampling is not None, inp.token_mask is not None
-        history = (0, 0)
-        if inp.histories is not None:  # widths as powers of two: a bucket per doubling, not per token
-            history = tuple(_pow2(max(len(h[i]) for h in inp.histories)) for i in (0, 1))
-        key = Bucket(B, W, self._positions(inp), taps, sampled, masked, history, ep_rows)
+        key = self._key(inp, taps, ep_rows)
         with self._patient(key not in self.entries):
             entry = self.entries.get(key)
             if entry is None:

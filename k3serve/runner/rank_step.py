@@ -87,7 +87,7 @@ class RankRunner:
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> StepResult:
-        ep_rows = self.graphs.decide(inp) if self.graphs is not None else None
+        ep_rows = self.graphs.decide(inp, taps) if self.graphs is not None else None
         if ep_rows is not None:
             self.copy_states(inp.restore)
             out = self.graphs.run(inp, taps, ep_rows)

@@ -7,13 +7,19 @@ break, at a second a bucket (tests/model/test_graph.py compiles through aot_eage
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from k3serve import LLM, SamplingParams
 from k3serve.cache.sizing import spec_records_bytes
 
-GRAPH = dict(kernels="graph", compilation_config={"backend": "eager", "cudagraph_capture_sizes": [1, 4]})
+# buckets build in the step here: the assertions below count the steps that ran static
+GRAPH = dict(
+    kernels="graph",
+    compilation_config={"backend": "eager", "cudagraph_capture_sizes": [1, 4], "compile_in_background": False},
+)
 LOOPY = dict(logit_bias={11: 6.0, 22: 6.0, 33: 6.0, 44: 6.0})  # greedy text loops: n-gram drafts accepted
 
 
@@ -186,3 +192,52 @@ def test_penalties_ride_in_the_static_step(tiny_k3_dir):
     greedy = tokens(llm, ps, params(0.0))
     assert greedy == tokens(LLM(str(tiny_k3_dir), kernels="torch", **kw), ps, params(0.0))
     assert greedy[:2] != tokens(llm, ps, params(0.0, with_penalties=False))[:2]  # the penalties bit
+
+
+def test_a_new_bucket_compiles_off_the_step_path_and_its_steps_run_eagerly(tiny_k3_dir, monkeypatch):
+    """Issue 63 item 4: a first batch size compiled inside the engine step and every stream
+    waited (up to 44 s in review). Now its steps run eagerly while a thread builds it: here a
+    build held 1.5 s never holds a step, and the steps after it are static, all equal to torch."""
+    from k3serve.runner.graph_step import GraphSteps
+
+    build = GraphSteps._build
+
+    def slow_build(self, *key):
+        time.sleep(1.5)  # a compile's length, without its CPU
+        return build(self, *key)
+
+    monkeypatch.setattr(GraphSteps, "_build", slow_build)
+    kw = dict(cache_memory="16MiB", max_model_len=256, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ps = prompts(3)
+    want = tokens(LLM(str(tiny_k3_dir), kernels="torch", **kw), ps, sp)
+    llm = LLM(str(tiny_k3_dir), kernels="graph", compilation_config={"backend": "eager"}, **kw)
+    g, gaps, last = graphs(llm), [], [time.perf_counter()]
+    step = llm.engine.step
+
+    def timed_step():
+        out = step()
+        gaps.append(time.perf_counter() - last[0])
+        last[0] = time.perf_counter()
+        return out
+
+    monkeypatch.setattr(llm.engine, "step", timed_step)
+    assert tokens(llm, ps, sp) == want
+    assert g.eager_steps > 0 and max(gaps) < 1.0  # no step waited on the 1.5 s build
+    while g._building:  # what is still compiling lands; then the same traffic runs static
+        time.sleep(0.1)
+        g._ready(next(iter(g._building)))
+    before = g.steps
+    assert tokens(llm, ps, sp) == want and g.steps > before
+
+
+def test_compiled_buckets_are_capped_and_steps_beyond_the_cap_run_eagerly(tiny_k3_dir):
+    kw = dict(cache_memory="16MiB", max_model_len=256, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ps = prompts(4)
+    want = tokens(LLM(str(tiny_k3_dir), kernels="torch", **kw), ps, sp)
+    cc = {"backend": "eager", "cudagraph_capture_sizes": [1, 2, 4], "compile_in_background": False}
+    llm = LLM(str(tiny_k3_dir), kernels="graph", compilation_config={**cc, "max_compiled_buckets": 1}, **kw)
+    assert tokens(llm, ps, sp) == want
+    g = graphs(llm)
+    assert len(g.entries) == 1 and g.compiles == 1 and g.steps > 0 and g.eager_steps > 0

@@ -51,7 +51,9 @@ def test_bf16_state_on_the_graph_backend_and_the_cpp_refusal(tiny_k3_dir):
     path = str(tiny_k3_dir)
     prompts = [toks(20 + 3 * i, 30 + i) for i in range(3)]
     want = run(LLM(path, **KW), prompts)
-    graph = LLM(path, **{**KW, "kernels": "graph"}, compilation_config={"backend": "eager"})
+    graph = LLM(
+        path, **{**KW, "kernels": "graph"}, compilation_config={"backend": "eager", "compile_in_background": False}
+    )
     assert run(graph, prompts) == want and graph.engine.executor.graphs.steps > 0
     with pytest.raises(ValueError, match="float32"):
         LLM(path, **{**KW, "kernels": "cpp"})

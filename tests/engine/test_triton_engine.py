@@ -17,7 +17,10 @@ pytest.importorskip("triton", reason="kernels='triton' needs triton")
 pytest.importorskip("fla", reason="kernels='triton' needs fla-core")
 
 
-TRITON = dict(kernels="triton", compilation_config={"backend": "eager", "cudagraph_capture_sizes": [1, 4]})
+TRITON = dict(
+    kernels="triton",
+    compilation_config={"backend": "eager", "cudagraph_capture_sizes": [1, 4], "compile_in_background": False},
+)
 
 
 def prompts(n: int, seed: int = 0) -> list[dict]:

@@ -120,6 +120,11 @@ def test_compilation_config_spelled_as_vllm():
         CompilationConfig.parse("{not json")
     with pytest.raises(ValueError, match="kernels must be one of"):
         EngineConfig(kernels="cuda")
+    cc = CompilationConfig.parse({"compile_in_background": False, "max_compiled_buckets": 4})
+    assert (cc.compile_in_background, cc.max_compiled_buckets, cc.extra) == (False, 4, {})
+    for bad in ({"compile_in_background": 0}, {"max_compiled_buckets": 0}, {"max_compiled_buckets": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CompilationConfig.parse(bad)
 
 
 def test_auto_kernels_on_a_gpu_is_the_triton_backend_unless_eager():
