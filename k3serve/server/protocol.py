@@ -3,20 +3,23 @@
 Field names follow the OpenAI API plus vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, prompt_logprobs, ...). A field
 this server does not honour is refused with a 400 naming it (`check_fields`), never dropped in
-silence.
+silence. Numbers and flags are strict types: a JSON `true` is not the integer 1, `0` is not a
+boolean and "0.5" is not a number (lax pydantic coerced them: `best_of: true` ran as 1); such a
+body is a 422 naming the field.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from k3serve.server.errors import APIError
 from k3serve.sampling_params import SamplingParams
 
 
 MAX_N = 128  # parallel samples per request; each holds a KDA state slot
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; past it the distribution is flat noise (1e300 was served)
 
 
 class _Open(BaseModel):
@@ -80,7 +83,7 @@ def as_dicts(items: list[BaseModel] | None) -> list[dict] | None:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # Why some well-known fields are refused (the rest get the generic message).
@@ -97,29 +100,29 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept, so check_fields can name them
 
     model: str | None = None
-    n: int = 1
+    n: StrictInt = 1
     kv_transfer_params: dict[str, Any] | None = None  # {"do_remote_decode": true}: server/kv_transfer.py
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    logit_bias: dict[str, StrictFloat] | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stream: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: StrictInt = 0
     user: str | None = None
-    prompt_logprobs: int | None = None  # vLLM: top-n logprobs of every prompt token
-    skip_special_tokens: bool = True
-    add_special_tokens: bool = False  # Kimi prompts carry no BOS: nothing to add either way
+    prompt_logprobs: StrictInt | None = None  # vLLM: top-n logprobs of every prompt token
+    skip_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool = False  # Kimi prompts carry no BOS: nothing to add either way
     # output constraints, enforced with xgrammar (server/structured.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -144,6 +147,12 @@ class _Sampling(BaseModel):
             raise ValueError(f"n must be between 1 and {MAX_N}")
         return n
 
+    def _check_temperature(self) -> None:
+        """Above MAX_TEMPERATURE is a 400; NaN and below 0 are SamplingParams' (also 400s)."""
+        t = self.temperature
+        if t is not None and t > MAX_TEMPERATURE:
+            raise APIError(400, f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t!r}", param="temperature")
+
     def _min_tokens(self, max_tokens: int) -> int:
         """min_tokens past the max_tokens the request asked for is a 400 (vLLM's check); past a
         default cap (the context left) it is held to that cap."""
@@ -157,6 +166,7 @@ class _Sampling(BaseModel):
     ) -> SamplingParams:
         """`defaults` (generation_config.json) fill what the request leaves unset."""
         d = defaults or {}
+        self._check_temperature()
 
         def pick(name: str, fallback):
             own = getattr(self, name)
@@ -199,19 +209,19 @@ def _asked_max(req) -> int | None:
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    add_generation_prompt: bool = True
-    thinking_token_budget: int | None = None  # vLLM's name; SGLang's is max_thinking_tokens
-    max_thinking_tokens: int | None = None
+    add_generation_prompt: StrictBool = True
+    thinking_token_budget: StrictInt | None = None  # vLLM's name; SGLang's is max_thinking_tokens
+    max_thinking_tokens: StrictInt | None = None
 
     def thinking_budget(self) -> int | None:
         """The most tokens the think channel may take before its closing is forced, or None."""
@@ -227,13 +237,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
     response_format: dict[str, Any] | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
 
 class TokenizeRequest(BaseModel):

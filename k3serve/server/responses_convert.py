@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from k3serve.server.errors import APIError
 from k3serve.server.parsed import Parsed
@@ -30,17 +30,17 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    store: bool = True
+    parallel_tool_calls: StrictBool = True
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     include: list[str] | None = None
-    background: bool = False
+    background: StrictBool = False  # strict: lax pydantic read `background: 0` as false
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None

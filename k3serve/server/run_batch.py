@@ -5,8 +5,8 @@ Each input line is `{"custom_id": ..., "method": "POST", "url": "/v1/chat/comple
 httpx's ASGI transport: the same validation, rendering, parsers and errors as HTTP), all at
 once, so the engine batches them. Each output line, in input order, is OpenAI's batch output
 record `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`; a line
-that is not a request (bad JSON, a missing field, another URL, a stream) gets `response: null`
-and an `error` naming the line, and the rest run on.
+that is not a request (not UTF-8, bad JSON or NaN, a missing field, another URL, a stream) gets
+`response: null` and an `error` naming the line, and the rest run on.
 """
 
 from __future__ import annotations
@@ -28,11 +28,22 @@ class BatchLine:
     problem: str | None  # why this line is not a request, or None
 
 
-def parse_line(number: int, text: str) -> BatchLine:
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")  # Python's json takes NaN; the request body cannot carry it
+
+
+def parse_line(number: int, raw: bytes | str) -> BatchLine:
     try:
-        req = json.loads(text)
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as e:  # one bad byte costs its own line, not the file
+        why = f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+        return BatchLine(number, None, None, None, f"line {number}: {why}")
+    try:
+        req = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         return BatchLine(number, None, None, None, f"line {number}: not JSON ({e.msg} at column {e.colno})")
+    except ValueError as e:
+        return BatchLine(number, None, None, None, f"line {number}: not JSON ({e})")
     if not isinstance(req, dict):
         return BatchLine(number, None, None, None, f"line {number}: a batch request must be a JSON object")
     cid, url, body = req.get("custom_id"), req.get("url"), req.get("body")
@@ -64,7 +75,7 @@ def record(line: BatchLine, status: int | None = None, body: dict | None = None)
     return out
 
 
-async def run_lines(app, texts: list[str], concurrency: int) -> list[dict]:
+async def run_lines(app, texts: list[bytes | str], concurrency: int) -> list[dict]:
     """Every non-empty line's output record, in input order."""
     import httpx
 
@@ -79,8 +90,12 @@ async def run_lines(app, texts: list[str], concurrency: int) -> list[dict]:
         async def one(line: BatchLine) -> dict:
             if line.problem is not None:
                 return record(line)
-            async with gate:
-                r = await client.post(line.url, json=line.body)
+            try:
+                async with gate:
+                    r = await client.post(line.url, json=line.body)
+            except Exception as e:  # noqa: BLE001 - a line the client cannot send fails alone, not the batch
+                line.problem = f"line {line.number}: not sent ({type(e).__name__}: {e})"
+                return record(line)
             try:
                 body = r.json()
             except ValueError:
@@ -97,8 +112,8 @@ def run_batch(args) -> int:
     from k3serve.server.launch import build_server
 
     log = logging.getLogger("k3serve.server")
-    with open(args.input_file, encoding="utf-8") as f:
-        texts = f.read().splitlines()
+    with open(args.input_file, "rb") as f:  # decoded line by line (parse_line): a bad byte fails its line
+        texts = f.read().splitlines()  # bytes split at \n and \r only: U+2028 inside a JSON string is no break
     app, state = build_server(args)
     try:
         results = asyncio.run(run_lines(app, texts, args.max_num_seqs * 4))

@@ -71,9 +71,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     try:
         for r in runs:
             await r.start()
-    except BaseException:
+    except BaseException as e:
         for r in runs:  # release the ones already submitted
             await r.close()
+        if isinstance(e, APIError) and e.param == "messages":  # the engine's name for the prompt's
+            e.param = "prompt"  # own fault (media pad ids without images): here the field is `prompt`
         raise
     head = {"id": rid, "created": int(time.time()), "model": state.served_model_name}
     if req.stream:
