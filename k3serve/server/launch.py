@@ -20,6 +20,7 @@ from k3serve.config.engine_config import ALL2ALL_BACKENDS, KERNELS
 from k3serve.server.vllm_flags import add_vllm_flags
 
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
+STRAGGLERS_S = 0.5  # uvicorn's wait for the connections it closes at shutdown, after the drain
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -455,19 +456,46 @@ def apply_config_file(argv: list[str]) -> list[str]:
         raise ValueError(f"--config {path}: cannot read it: {e}") from None
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: a YAML mapping of flag names to values is expected")
+    p = argparse.ArgumentParser(add_help=False)
+    add_serve_args(p)  # what each key's flag takes: a value, several, or none (a switch)
     flags = []
     for key, value in values.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, (dict, list)):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
-    head = rest[:1]  # the subcommand ("serve"); the file's flags follow it, the command line's come last
-    return head + flags + rest[1:]
+        flags += _config_flag(path, str(key), value, p._option_string_actions)
+    # the subcommand ("serve") and a MODEL right after it; the file's flags follow (a list's
+    # values would swallow a MODEL after them), the command line's come last
+    head = rest[:2] if len(rest) > 1 and not rest[1].startswith("-") else rest[:1]
+    return head + flags + rest[len(head) :]
+
+
+_YES, _NO = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
+
+
+def _config_flag(path: str, key: str, value, actions: dict) -> list[str]:
+    """One --config entry as command-line words. A switch's false is said (`--no-X` where the
+    flag has one): dropping it left `enable_prefix_caching: false` on. 0 and "" are values."""
+    flag = "--" + key.replace("_", "-")
+    action = actions.get(flag)  # None: not a serve flag (run-batch's own, or a typo): argparse judges it
+    if value is None:
+        return []  # YAML's null: the flag's default
+    if action is not None and action.nargs == 0:  # a switch: store_true, or --X / --no-X
+        return _config_switch(path, key, flag, value, actions)
+    if isinstance(value, bool) and action is None:
+        return [flag]  # argparse names the unknown flag (a typo's false used to vanish)
+    if isinstance(value, bool):
+        raise ValueError(f"--config {path}: {key} takes a value, not {str(value).lower()}")
+    if isinstance(value, list) and action is not None and action.nargs in ("*", "+"):
+        return [flag, *(str(v) for v in value)]
+    return [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+
+
+def _config_switch(path: str, key: str, flag: str, value, actions: dict) -> list[str]:
+    on = value if isinstance(value, bool) else str(value).strip().lower()
+    if on not in (True, False, *_YES, *_NO):
+        raise ValueError(f"--config {path}: {key} is a switch: give true or false, not {value!r}")
+    if on is True or on in _YES:
+        return [flag]
+    no = "--no-" + flag[2:]
+    return [no] if no in actions else []  # a store_true flag's false is its default
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -722,10 +750,21 @@ def headless(args: argparse.Namespace) -> int | None:
     return run_headless(path, tp, nodes, **kw)
 
 
+def start_line(args: argparse.Namespace) -> str:
+    from k3serve import __version__
+
+    model = args.model or args.model_flag or "the default model"
+    role = f"node {args.node_rank} of {args.nnodes} for" if args.node_rank else "serving"
+    return f"k3serve {__version__}: {role} {model}; importing torch, then loading the model"
+
+
 def serve(args: argparse.Namespace) -> int:
     from k3serve.server.http import draining_server, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    # said before torch and the engine are imported: on a loaded machine they took 20 s and more,
+    # with nothing in the log to say what was starting
+    logging.getLogger("k3serve.server").info("%s", start_line(args))
     status = headless(args)
     if status is not None:
         return status
@@ -746,7 +785,9 @@ def serve(args: argparse.Namespace) -> int:
         " (API key required)" if state.api_key else "",
     )
     # The drain (new requests 503, in-flight ones given --shutdown-timeout) happens before
-    # uvicorn's shutdown, which then only has stragglers to cancel.
+    # uvicorn's shutdown, which then only has stragglers to cancel. Not a timeout of 0: uvicorn
+    # waits for its tasks with asyncio.wait_for, which times out at 0 even with none left, and
+    # every shutdown logged "ERROR: Cancel 0 running task(s), timeout graceful shutdown exceeded"
     config = uvicorn_config(
         app,
         args.host,
@@ -754,7 +795,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level or args.log_level,
         header_timeout=args.timeout_header,
         keep_alive_timeout=args.timeout_keep_alive,
-        graceful_shutdown_timeout=0,
+        graceful_shutdown_timeout=STRAGGLERS_S,
     )
     server = draining_server(config, state.lifecycle, args.timeout_graceful_shutdown)
     # uvicorn re-raises the SIGTERM / SIGINT it handled once its shutdown is done; that shutdown

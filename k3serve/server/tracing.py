@@ -15,11 +15,19 @@ appended to a bare host:port). Needs `opentelemetry-sdk` and
 
 from __future__ import annotations
 
+import atexit
 import contextvars
+import logging
+import threading
 import time
 from urllib.parse import urlparse
 
 PIN = "opentelemetry-sdk==1.45.0 opentelemetry-exporter-otlp-proto-http==1.45.0"
+# flush and shutdown wait this long for the collector: the exporter retries a batch for its own
+# timeout (10 s), in the app's flush and again in the provider's shutdown at exit, so an
+# unreachable collector held every shutdown 13-19 s; spans it has not taken by then are dropped
+FLUSH_TIMEOUT_S = 2.0
+log = logging.getLogger("k3serve.tracing")
 REQUEST_SPAN, ROUTER_SPAN = "llm_request", "router_request"
 # the incoming request's headers, for the span made when it finishes (set by the app's middleware)
 HEADERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("k3serve_trace_headers", default=None)
@@ -46,7 +54,10 @@ class Tracing:
         except ImportError:
             raise ValueError(f"--otlp-traces-endpoint needs OpenTelemetry: pip install {PIN}") from None
         self.url = traces_url(endpoint)
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        self._gone = False  # a flush or shutdown timed out: the collector does not answer
+        # the SDK's own exit hook would shut down unbounded: ours bounds it
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service}), shutdown_on_exit=False)
+        atexit.register(self.shutdown)
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.url)))
         self.tracer = self.provider.get_tracer("k3serve")
         self.propagator = TraceContextTextMapPropagator()
@@ -111,11 +122,35 @@ class Tracing:
         self.propagator.inject(carrier, context=set_span_in_context(span))
         return span, carrier
 
-    def flush(self, timeout_ms: int = 10_000) -> bool:
-        return self.provider.force_flush(timeout_ms)
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Send the queued spans; False when the collector has not taken them in `timeout_s`."""
+        return self._bounded(self.provider.force_flush, timeout_s, "flush")
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        self._bounded(self.provider.shutdown, timeout_s, "shutdown")
+
+    def _bounded(self, call, timeout_s: float, what: str) -> bool:
+        """`call` on a daemon thread, waited for `timeout_s` at most: the batch processor ignores
+        force_flush's timeout and an export blocks on its socket, so no argument bounds them.
+        Once one call has timed out the collector is taken for gone: later ones (the shutdown
+        after the app's flush) are started, so the exporter stops retrying, and not waited for."""
+        done = threading.Event()
+
+        def run():
+            try:
+                call()
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"k3serve-tracing-{what}", daemon=True).start()
+        if done.wait(0 if self._gone else timeout_s):
+            return True
+        if not self._gone:
+            log.warning(
+                "tracing: the collector at %s took no spans in %.0f s (%s): dropping them", self.url, timeout_s, what
+            )
+        self._gone = True
+        return False
 
 
 class TraceHeaders:

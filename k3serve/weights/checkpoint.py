@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from k3serve.weights.errors import BadIndexError, CheckpointError, TruncatedShardError
 from k3serve.weights.schema import DTYPE_BYTES
@@ -113,6 +113,27 @@ def _tensor_info(name: str, meta: dict, path: Path, data_start: int, size: int) 
     return TensorInfo(name, path, dtype, shape, data_start + begin, want)
 
 
+def check_shard_name(fname, index_path: Path | str, tensor: str | None = None) -> None:
+    """A weight_map entry must name a file inside the checkpoint's folder: the index comes with
+    the checkpoint (a download, a hub repo), and `../x` or `/abs/x` would have the server read
+    and serve any safetensors file it can open. Checked on the name, not on the resolved path:
+    a hub snapshot's shards are symlinks into the cache's blobs folder, outside the snapshot.
+    Any `..` is refused, even one that looks as if it stayed inside: after a symlinked folder
+    (`sub/../x`) the system resolves it elsewhere than the string says."""
+    path = PurePosixPath(fname) if isinstance(fname, str) else None
+    if path is None or not fname or "\0" in fname:
+        raise BadIndexError(
+            f"weight_map names the shard {fname!r}: not a file name", tensor=tensor, file=str(index_path)
+        )
+    if path.is_absolute() or ".." in path.parts:
+        raise BadIndexError(
+            f"weight_map names the shard {fname!r}, outside the checkpoint's folder (absolute or through "
+            "'..'): refused; shards must sit in the checkpoint's folder",
+            tensor=tensor,
+            file=str(index_path),
+        )
+
+
 def _read_sharded(root: Path) -> dict[str, TensorInfo]:
     index_path = root / INDEX_NAME
     try:
@@ -124,6 +145,7 @@ def _read_sharded(root: Path) -> dict[str, TensorInfo]:
         raise BadIndexError(f"unreadable index: {e}", file=str(index_path)) from e
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
+        check_shard_name(fname, index_path, tensor=name)
         by_file.setdefault(fname, []).append(name)
     for fname, names in sorted(by_file.items()):
         if not (root / fname).is_file():

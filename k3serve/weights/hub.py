@@ -15,7 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import ssl
+import urllib.error
+import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 KINDS = ("kimi_k3", "kimi_linear")  # config.json model_type values the engine serves
 # what the engine reads besides the shards (missing ones are simply absent from the repo)
@@ -33,6 +37,7 @@ ENGINE_FILES = (
     "processor_config.json",
 )
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+TIMEOUT_S = 10.0  # huggingface_hub's default for HF_HUB_ETAG_TIMEOUT
 
 
 class ModelSourceError(ValueError):
@@ -79,6 +84,7 @@ def resolve_model(
                 f"model {model!r} is not in {where} and HF_HUB_OFFLINE is set: fetch it once "
                 f"online, or pass a local directory ({type(e).__name__})"
             ) from None
+    check_endpoint(model, revision)
     try:
         return _fetch(model, kw, draft, config_only, local=False)
     except RepositoryNotFoundError:
@@ -98,7 +104,44 @@ def resolve_model(
 def _hub_kw(revision: str | None, token: str | None, download_dir: str | None = None) -> dict:
     """huggingface_hub's arguments; its variables read per call (it reads them once, at import)."""
     cache = download_dir or os.environ.get("HF_HUB_CACHE") or None
-    return dict(revision=revision, cache_dir=cache, token=token, endpoint=os.environ.get("HF_ENDPOINT") or None)
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    return dict(revision=revision, cache_dir=cache, token=token, endpoint=endpoint, etag_timeout=hub_timeout())
+
+
+def hub_timeout() -> float:
+    """HF_HUB_ETAG_TIMEOUT, read per call: huggingface_hub reads it once, at its import."""
+    try:
+        return float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or TIMEOUT_S)
+    except ValueError:
+        return TIMEOUT_S
+
+
+def check_endpoint(repo: str, revision: str | None, what: str = "model") -> None:
+    """One HEAD of the repo's config.json, bounded by HF_HUB_ETAG_TIMEOUT, before huggingface_hub's
+    calls: it retries a request that times out five times with backoff (over a minute for
+    config.json alone, then again for the index and the snapshot), so an endpoint that accepted
+    connections and never answered held `serve` for many minutes without saying where."""
+    from huggingface_hub import constants
+
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    url = f"{endpoint}/{repo}/resolve/{quote(revision or 'main', safe='')}/config.json"
+    timeout = hub_timeout()
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return  # it answered (gated, no such repo ...): huggingface_hub says what that means
+    except OSError as e:  # urllib's URLError wraps the socket's error in .reason
+        why = getattr(e, "reason", e)
+        hint = "HF_ENDPOINT names the endpoint; HF_HUB_OFFLINE=1 reads the cache only"
+        if isinstance(why, TimeoutError):
+            raise ModelSourceError(
+                f"{what} {repo!r}: the hub endpoint {endpoint} did not answer within {timeout:g} s "
+                f"(HF_HUB_ETAG_TIMEOUT); {hint}"
+            ) from None
+        if isinstance(why, OSError) and not isinstance(why, ssl.SSLError):  # TLS and the rest: the hub's client says
+            raise ModelSourceError(
+                f"{what} {repo!r}: cannot reach the hub endpoint {endpoint} ({why}); {hint}"
+            ) from None
 
 
 class _Incomplete(Exception):
@@ -109,6 +152,8 @@ def _fetch(repo: str, kw: dict, draft: bool, config_only: bool, local: bool) -> 
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError
 
+    from k3serve.weights.checkpoint import check_shard_name
+
     config = Path(hf_hub_download(repo, "config.json", local_files_only=local, **kw))
     kind = json.loads(config.read_text()).get("model_type")
     if kind not in KINDS:
@@ -118,6 +163,8 @@ def _fetch(repo: str, kw: dict, draft: bool, config_only: bool, local: bool) -> 
     try:
         index = Path(hf_hub_download(repo, "model.safetensors.index.json", local_files_only=local, **kw))
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for shard in shards:  # before any is fetched, or looked for beside the snapshot
+            check_shard_name(shard, f"{repo}: {index}")
     except EntryNotFoundError:
         shards = ["model.safetensors"]
     patterns = [*ENGINE_FILES, *shards] + (["dspark/*"] if draft else [])
@@ -145,6 +192,7 @@ def resolve_tokenizer(repo: str, revision: str | None = None, token: str | None 
     except LocalEntryNotFoundError:
         if offline():
             raise ModelSourceError(f"tokenizer {repo!r} is not in the hub cache and HF_HUB_OFFLINE is set") from None
+    check_endpoint(repo, revision, "tokenizer")
     try:
         return snapshot_download(repo, **kw)
     except (HfHubHTTPError, OSError) as e:
