@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import types
+import weakref
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -244,29 +245,20 @@ class GraphSteps:
             return True
         if self._jobs is None:
             self._jobs = queue.Queue()
-            threading.Thread(target=self._compile_loop, daemon=True, name="k3serve-compile").start()
+            threading.Thread(target=_compile_loop, args=(self._jobs,), name="k3serve-compile").start()
+            weakref.finalize(self, self._jobs.put, None)  # the thread ends with its GraphSteps
         self._building[key] = Future()
-        self._jobs.put((key, self._building[key]))
+        self._jobs.put((self._warm, key, self._building[key]))
         return False
 
-    def _compile_loop(self) -> None:
-        """The compile thread: each bucket built and run once on padding rows (the compile and,
-        on CUDA, the capture happen there), while the engine's steps run eagerly."""
-        while True:
-            key, fut = self._jobs.get()
-            t0 = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    entry = self._build(*key)
-                    entry.buffers.fill_padding()
-                    entry.run()
-            except Exception as e:  # noqa: BLE001 - reported on the engine thread (`_ready`)
-                fut.set_exception(e)
-                continue
-            log.info(
-                "graph backend: bucket B=%d W=%d T=%d compiled in %.1f s", key.B, key.W, key.T, time.perf_counter() - t0
-            )
-            fut.set_result(entry)
+    def _warm(self, key: Bucket) -> _Entry:
+        """Build a bucket and run it once on padding rows (the compile and, on CUDA, the capture
+        happen there): on the compile thread, while the engine's steps run eagerly."""
+        with torch.inference_mode():
+            entry = self._build(*key)
+            entry.buffers.fill_padding()
+            entry.run()
+        return entry
 
     def decide(self, inp, taps: tuple[int, ...] = ()) -> int | None:
         """Whether this step runs static: None for the eager path, else its `ep_rows` (0 without
@@ -398,6 +390,32 @@ class GraphSteps:
             return out
 
         return replay
+
+
+def _compile_loop(jobs: queue.Queue) -> None:
+    """The compile thread: builds the buckets queued to it until its GraphSteps is gone (a None
+    job) or the interpreter exits. It is no daemon: a compile under way finishes before the
+    process exits (a daemon thread inside torch at exit aborted the process)."""
+    while threading.main_thread().is_alive():
+        try:
+            job = jobs.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if job is None:
+            return
+        (warm, key, fut), job = job, None
+        t0 = time.perf_counter()
+        try:
+            entry = warm(key)
+        except Exception as e:  # noqa: BLE001 - reported on the engine thread (GraphSteps._ready)
+            fut.set_exception(e)
+            continue
+        finally:
+            warm = None  # no reference to the GraphSteps while waiting: its finalizer ends the thread
+        log.info(
+            "graph backend: bucket B=%d W=%d T=%d compiled in %.1f s", key.B, key.W, key.T, time.perf_counter() - t0
+        )
+        fut.set_result(entry)
 
 
 def _pow2(n: int) -> int:

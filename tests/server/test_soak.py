@@ -2,7 +2,9 @@
 the client. Nothing may fail, every finished stream ends properly, and every pool is back at
 zero afterwards. `make test` runs it for 60 s; `make test-slow` runs the 10-minute version and a
 30-minute one at 48 streams that also holds the process's resident memory: under 1% growth over
-its last 25 minutes (`.venv/bin/python -m pytest -q -s -m slow -k thirty tests/server/test_soak.py`)."""
+its last 25 minutes (`.venv/bin/python -m pytest -q -s -m slow -k thirty tests/server/test_soak.py`),
+and issue 63's 30 minutes of 32 streams with DSpark, both tiers under write_back and the graph
+backend, whose greedy subset must equal a cache-off server's."""
 
 from __future__ import annotations
 
@@ -23,15 +25,12 @@ STREAMS = 64
 CANCEL = 0.3
 
 
-async def worker(base: str, deadline: float, rng: random.Random, stats: dict) -> None:
+async def worker(base: str, deadline: float, rng: random.Random, stats: dict, prefixes=("",)) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=120) as client:
         while time.monotonic() < deadline:
             chat = rng.random() < 0.5
-            body = (
-                {"messages": [{"role": "user", "content": f"soak {rng.random()}"}]}
-                if chat
-                else {"prompt": f"soak {rng.random()}"}
-            )
+            text = f"{rng.choice(prefixes)}soak {rng.random()}"  # a shared prefix: the prefix cache's tiers serve it
+            body = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
             body.update(
                 max_tokens=rng.randint(4, 40),
                 temperature=rng.choice([0, 0.7, 1.0]),
@@ -74,8 +73,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def soak(seconds: float, tiny_k3_dir, streams: int = STREAMS) -> dict:
-    app, state = make_app(tiny_k3_dir, "--max-num-seqs", "16")
+def soak(seconds: float, tiny_k3_dir, streams: int = STREAMS, flags=(), prefixes=("",), after=None) -> dict:
+    """`after(base)`: checks on the soaked server before it stops."""
+    app, state = make_app(tiny_k3_dir, "--max-num-seqs", "16", *flags)
     stats = {"errors": [], "cancelled": 0, "completed": 0, "rss": []}
     with serving(app) as base:
         start = time.monotonic()
@@ -90,7 +90,7 @@ def soak(seconds: float, tiny_k3_dir, streams: int = STREAMS) -> dict:
         sampler.start()
 
         async def main():
-            await asyncio.gather(*(worker(base, deadline, random.Random(i), stats) for i in range(streams)))
+            await asyncio.gather(*(worker(base, deadline, random.Random(i), stats, prefixes) for i in range(streams)))
 
         asyncio.run(main())
         stop.set()
@@ -107,6 +107,8 @@ def soak(seconds: float, tiny_k3_dir, streams: int = STREAMS) -> dict:
         ):
             assert time.monotonic() - t0 < 10, "pools did not return to zero"
             time.sleep(0.05)
+        if after is not None:
+            after(base)
         five = [
             line
             for line in httpx.get(base + "/metrics").text.splitlines()
@@ -148,3 +150,54 @@ def test_thirty_minute_soak(tiny_k3_dir):
         f"growth over the last 25 minutes {growth * 100:.2f}%"
     )
     assert growth < 0.01, stats["rss"][::12]
+
+
+# eight long shared prefixes (~100-450 tokens): the device pool below cannot hold them all
+PREFIXES = tuple(f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(20 + 10 * i)) + ". " for i in range(8))
+
+
+def greedy_replies(base: str) -> list[list[str]]:
+    """A fixed greedy subset: each prefix with a fixed question, as completions and chats."""
+    out = []
+    for p in PREFIXES:
+        body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        a = httpx.post(base + "/v1/completions", json={**body, "prompt": p + "fixed"}, timeout=120)
+        msgs = [{"role": "user", "content": p + "fixed"}]
+        b = httpx.post(base + "/v1/chat/completions", json={**body, "messages": msgs}, timeout=120)
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        out.append([a.json()["choices"][0]["text"], b.json()["choices"][0]["message"]["content"]])
+    return out
+
+
+def tiers_soak(seconds: float, tiny_k3_dir, drafter: str, tier_dir) -> dict:
+    """32 mixed streams with DSpark, both prefix-cache tiers under write_back (a host tier small
+    enough to evict) and the graph backend; the greedy subset equals a cache-off, speculation-off
+    server's."""
+    graph = ["--kernels", "graph", "--compilation-config", '{"backend": "eager"}']
+    spec = json.dumps({"method": "dspark", "model": drafter, "num_speculative_tokens": 4})
+    tiers = ["--kv-offloading-size", "0.002", "--kv-offloading-dir", str(tier_dir), "--kv-offloading-dir-size", "0.02"]
+    flags = [*graph, "--speculative-config", spec, *tiers, "--kv-offloading-write-policy", "write_back"]
+    ref_app, _ = make_app(tiny_k3_dir, *graph, "--no-enable-prefix-caching")
+    with serving(ref_app) as ref:
+        want = greedy_replies(ref)
+    got, hits = [], {}
+
+    def after(base: str) -> None:
+        got.append(greedy_replies(base))
+        for line in httpx.get(base + "/metrics").text.splitlines():  # what each tier served
+            if line.startswith("k3serve:prefix_cache_tier_hits_total{"):
+                hits[line.split('tier="')[1].split('"')[0]] = float(line.split()[-1])
+
+    stats = soak(seconds, tiny_k3_dir, 32, [*flags, "--cache-memory", "4MiB"], PREFIXES, after)
+    assert got == [want] and hits.get("cpu", 0) > 0, hits
+    print(f"soak: tier hits {hits}")
+    return stats
+
+
+@pytest.mark.slow
+def test_thirty_minute_soak_with_dspark_tiers_and_the_graph_backend(tiny_k3_dir, random_dspark, tmp_path):
+    """Issue 63's soak (`.venv/bin/python -m pytest -q -s -m slow -k dspark_tiers tests/server/test_soak.py`):
+    0 errors, the greedy subset equal to a cache-off server, resident memory flat."""
+    stats = tiers_soak(1800, tiny_k3_dir, random_dspark, tmp_path)
+    check(stats)
+    assert rss_growth(stats["rss"], after_s=300) < 0.01, stats["rss"][::12]
