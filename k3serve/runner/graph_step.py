@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import sys
 import threading
 import time
 import types
@@ -38,6 +39,7 @@ log = logging.getLogger("k3serve.graph")
 # DP-attention: how long a step's collectives wait while a peer compiles a new bucket (its first
 # call compiles the whole step: minutes for a large model on a few cores)
 COMPILE_TIMEOUT_S = 1800.0
+COMPILE_SWITCH_S = 2e-4  # the GIL switch interval while a bucket compiles on its thread (default 5 ms)
 
 
 def static_forward(model, step, cache, taps):
@@ -404,13 +406,17 @@ def _compile_loop(jobs: queue.Queue) -> None:
         if job is None:
             return
         (warm, key, fut), job = job, None
-        t0 = time.perf_counter()
+        t0, interval = time.perf_counter(), sys.getswitchinterval()
+        # tracing is Python that holds the GIL: each time the engine thread lets it go (inside a
+        # torch op) it waits a whole switch interval to get it back, hundreds of times a step
+        sys.setswitchinterval(COMPILE_SWITCH_S)
         try:
             entry = warm(key)
         except Exception as e:  # noqa: BLE001 - reported on the engine thread (GraphSteps._ready)
             fut.set_exception(e)
             continue
         finally:
+            sys.setswitchinterval(interval)
             warm = None  # no reference to the GraphSteps while waiting: its finalizer ends the thread
         log.info(
             "graph backend: bucket B=%d W=%d T=%d compiled in %.1f s", key.B, key.W, key.T, time.perf_counter() - t0

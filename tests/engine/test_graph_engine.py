@@ -223,7 +223,8 @@ def test_a_new_bucket_compiles_off_the_step_path_and_its_steps_run_eagerly(tiny_
 
     monkeypatch.setattr(llm.engine, "step", timed_step)
     assert tokens(llm, ps, sp) == want
-    assert g.eager_steps > 0 and max(gaps) < 1.0  # no step waited on the 1.5 s build
+    print(f"steps during the build: {g.eager_steps} eager, worst gap {max(gaps[1:]):.2f} s")
+    assert g.eager_steps > 0 and max(gaps[1:]) < 1.0  # no decode step waited on the 1.5 s build
     while g._building:  # what is still compiling lands; then the same traffic runs static
         time.sleep(0.1)
         g._ready(next(iter(g._building)))
