@@ -4,7 +4,8 @@ Streaming re-parses the accumulated text each time, cut back to its stable prefi
 half-received marker), and sends only what grew since the last delta. Because the parse of a
 stable prefix is always a prefix of the parse of any longer text, the concatenated deltas equal
 the non-streaming result for every way the token stream can be split (tested with hypothesis).
-Tool calls stream whole, once complete, as vLLM's K3 parser does.
+A tool call streams as OpenAI's deltas do: its id and name once it opens, then its arguments
+as they grow (CallDelta); a reply cut inside a call keeps the call with the arguments it had.
 """
 
 from __future__ import annotations
@@ -46,11 +47,23 @@ def json_calls(text: str) -> list[ParsedCall]:
     return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of one tool call: `name` and `id` on the call's first piece only, `arguments`
+    what its JSON text grew by; `done` once its close has arrived."""
+
+    index: int  # the call's place in the choice
+    name: str | None
+    id: str | None
+    arguments: str
+    done: bool
+
+
 @dataclass
 class Delta:
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[tuple[int, ParsedCall]] = field(default_factory=list)  # (index in the choice, call)
+    tool_calls: list[CallDelta] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -100,7 +113,7 @@ class OutputParser:
         elif not self.parallel:
             calls = calls[:1]
         calls = [
-            ParsedCall(c.name, c.arguments, c.id or f"functions.{c.name}:{self.history + i}")
+            ParsedCall(c.name, c.arguments, c.id or f"functions.{c.name}:{self.history + i}", c.complete)
             for i, c in enumerate(calls)
         ]
         return Parsed(reasoning, content, calls)
@@ -115,13 +128,27 @@ class OutputParser:
         if self.json_calls and not final and not now.tool_calls:  # an unfinished array is not content yet
             now = Parsed(now.reasoning, "", [])
         sent = self._sent
-        if not (now.reasoning.startswith(sent.reasoning) and now.content.startswith(sent.content)):
+        calls = _call_deltas(sent.tool_calls, now.tool_calls)
+        if calls is None or not (now.reasoning.startswith(sent.reasoning) and now.content.startswith(sent.content)):
             # cannot happen for stable prefixes; never resend or rewrite what a client holds
             return Delta()
-        out = Delta(
-            now.reasoning[len(sent.reasoning) :],
-            now.content[len(sent.content) :],
-            list(enumerate(now.tool_calls))[len(sent.tool_calls) :],
-        )
+        out = Delta(now.reasoning[len(sent.reasoning) :], now.content[len(sent.content) :], calls)
         self._sent = now
         return out
+
+
+def _call_deltas(sent: list[ParsedCall], now: list[ParsedCall]) -> list[CallDelta] | None:
+    """What the calls grew by since `sent`; None if `now` does not extend it."""
+    if len(now) < len(sent):
+        return None
+    out = []
+    for i, c in enumerate(now):
+        if i >= len(sent):
+            out.append(CallDelta(i, c.name, c.id, c.arguments, c.complete))
+            continue
+        old = sent[i]
+        if (c.name, c.id) != (old.name, old.id) or not c.arguments.startswith(old.arguments):
+            return None
+        if len(c.arguments) > len(old.arguments) or c.complete != old.complete:
+            out.append(CallDelta(i, None, None, c.arguments[len(old.arguments) :], c.complete))
+    return out

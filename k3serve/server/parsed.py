@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
-    arguments: str  # a JSON object as text
+    arguments: str  # a JSON object as text (its prefix so far while the call is open)
     id: str | None = None  # K2 carries ids in the output; K3 does not
+    complete: bool = True  # False: the call's close has not arrived (yet, or ever: a length cut)
 
 
 @dataclass

@@ -198,8 +198,8 @@ def output_items(p: Parsed, finished: bool = True) -> list[dict]:
         )
     if p.content or not (p.tool_calls or p.reasoning):  # an empty reply is still one (empty) message
         items.append(message_item(p.content, status))
-    for c in p.tool_calls:
-        items.append(call_item(c.id, c.name, c.arguments))
+    for c in p.tool_calls:  # a call cut off (max_output_tokens) keeps the arguments it had
+        items.append(call_item(c.id, c.name, c.arguments, status="completed" if c.complete else "incomplete"))
     return items
 
 
@@ -213,14 +213,14 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
     }
 
 
-def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict:
+def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None, status: str = "completed") -> dict:
     return {
         "type": "function_call",
         "id": item_id or new_id("fc"),
         "call_id": call_id,
         "name": name,
         "arguments": arguments,
-        "status": "completed",
+        "status": status,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +18,29 @@ from k3serve.sampling.structured import StructuredOutputs
 from k3serve.server.errors import APIError
 from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
 from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
-from k3serve.server.structured import k3_chat_span, k3_think_close, need_xgrammar, requested, to_spec, whole_output_span
-from k3serve.server.tool_choice import json_tool_choice, k2_tool_choice, k3_tool_choice
+from k3serve.server.structured import (
+    k3_chat_span,
+    k3_think_close,
+    need_xgrammar,
+    requested,
+    to_spec,
+    whole_output_span,
+    xgrammar_missing,
+)
+from k3serve.server.tool_choice import (
+    json_tool_choice,
+    k2_auto_applies,
+    k2_auto_tool_choice,
+    k2_tool_choice,
+    k3_auto_tool_choice,
+    k3_tool_choice,
+)
 from k3serve.server.output_parser import Delta, OutputParser
 from k3serve.server.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
 from k3serve.server.runs import ClientGone, Run, stream_error, unless_disconnected
 from k3serve.server.state import ServerState, new_id, sse, usage
+
+log = logging.getLogger("k3serve.server")
 
 
 def _tool_choice(req: ChatCompletionRequest, state: ServerState):
@@ -100,7 +118,8 @@ def _structured(
     state: ServerState, req: ChatCompletionRequest, start_channel: str | None, tools, choice, max_tokens: int
 ):
     """The output constraint: a required / named tool choice's call grammar, else what
-    response_format / structured_outputs / guided_* ask, else None. On K3 with thinking on,
+    response_format / structured_outputs / guided_* ask, else an auto tool choice's
+    declared-calls grammar (_declared_only), else None. On K3 with thinking on,
     a constrained reply must close its think channel first: within the request's thinking
     budget, or half of max_tokens when it gives none, so the constrained part has room."""
     want = requested(req, state.json_any_whitespace)
@@ -133,6 +152,8 @@ def _structured(
         # no tool-call markup to enforce: a JSON array of calls, as vLLM does for any model
         return json_tool_choice(tools, choice, req.parallel_tool_calls, state.eos_token_id)
     if want is None:
+        if tools and choice == "auto" and (auto := _declared_only(state, req, start_channel, tools, budget)):
+            return auto
         if budget is not None and state.renderer.xtml and start_channel == "think":  # a budget alone
             return StructuredOutputs("text", **k3_think_close(state.tokenizer, start_channel, budget, refuse=False))
         return None
@@ -142,6 +163,26 @@ def _structured(
         else whole_output_span(state.eos_token_id)
     )
     return to_spec(*want, **span)
+
+
+def _declared_only(state: ServerState, req: ChatCompletionRequest, start_channel: str | None, tools, budget):
+    """tool_choice "auto": a call, once opened, is to a declared tool with schema-valid
+    arguments; the rest of the reply stays free (a thinking budget still closes the think
+    channel, and the grammar starts after it). None leaves auto unconstrained, as it was: no
+    xgrammar, a format with no call markup (or, K2 family, free-text markers the grammar cannot
+    spell: k2_auto_applies), or a tool schema xgrammar cannot compile (a 400 for required; here
+    the request is served, and the output parser drops undeclared calls)."""
+    if xgrammar_missing() is not None:
+        return None
+    try:
+        if state.renderer.xtml:
+            think = k3_think_close(state.tokenizer, start_channel, budget, refuse=False) if budget is not None else {}
+            return k3_auto_tool_choice(tools, think, req.parallel_tool_calls, state.eos_token_id)
+        if state.tool_call_parser == "kimi_k2" and k2_auto_applies(state.tokenizer):
+            return k2_auto_tool_choice(tools, req.parallel_tool_calls, state.eos_token_id)
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:  # xgrammar's words for a bad schema
+        log.warning("tool_choice auto left unconstrained: %s", grammar_error_text(e))
+    return None
 
 
 def _named(choice) -> str:
@@ -274,9 +315,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     return JSONResponse(body)
 
 
-def _call_json(c, index: int | None = None) -> dict:
-    out = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-    return out if index is None else {"index": index, **out}
+def _call_json(c) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def _call_piece(c) -> dict:
+    """A streamed tool-call delta (OpenAI's shape): id, type and name on a call's first piece,
+    then only its index and what the arguments grew by."""
+    if c.name is None:
+        return {"index": c.index, "function": {"arguments": c.arguments}}
+    return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def _finish(reason: str | None, calls) -> str | None:
@@ -321,7 +369,7 @@ async def _stream(state, run: Run, head, make_parser, n, top_n, include_usage):
                     if d.reasoning:
                         delta["reasoning_content"] = delta["reasoning"] = d.reasoning
                     if d.tool_calls:
-                        delta["tool_calls"] = [_call_json(c, j) for j, c in d.tool_calls]
+                        delta["tool_calls"] = [_call_piece(c) for c in d.tool_calls]
                     yield sse(
                         {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}]}
                     )

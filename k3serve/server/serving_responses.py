@@ -217,6 +217,40 @@ async def _events(state: ServerState, req: ResponsesRequest, chat, rid: str, cre
             ev("response.content_part.added", item_id=open_item["id"], output_index=i, content_index=0, part=part),
         ]
 
+    calls: dict[int, int] = {}  # a tool call's index in the choice -> its output index
+
+    def call_events(c) -> list[str]:
+        """A call's item opens with its name, its arguments stream as deltas, it is done at its close."""
+        out = []
+        if c.name is not None:
+            out += close()
+            calls[c.index] = len(output)
+            output.append({**call_item(c.id, c.name, ""), "status": "in_progress"})
+            out.append(ev("response.output_item.added", output_index=calls[c.index], item=output[-1]))
+        i = calls[c.index]
+        item = output[i]
+        if c.arguments:
+            item["arguments"] += c.arguments
+            out.append(
+                ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=c.arguments)
+            )
+        return out + (call_done(i, "completed") if c.done else [])
+
+    def call_done(i: int, status: str) -> list[str]:
+        item = output[i]
+        item["status"] = status
+        args = item["arguments"]
+        return [
+            ev(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=i,
+                arguments=args,
+                name=item["name"],
+            ),
+            ev("response.output_item.done", output_index=i, item=item),
+        ]
+
     o = None
     try:
         async for out in chat.run.outputs():
@@ -232,29 +266,17 @@ async def _events(state: ServerState, req: ResponsesRequest, chat, rid: str, cre
                     yield ev(
                         name, item_id=open_item["id"], output_index=len(output), content_index=0, delta=piece, **extra
                     )
-            for _, c in d.tool_calls:
-                for e in close():
+            for c in d.tool_calls:
+                for e in call_events(c):
                     yield e
-                item, i = call_item(c.id, c.name, ""), len(output)
-                yield ev("response.output_item.added", output_index=i, item=item)
-                yield ev(
-                    "response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=c.arguments
-                )
-                yield ev(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=i,
-                    arguments=c.arguments,
-                    name=c.name,
-                )
-                item["arguments"] = c.arguments
-                output.append(item)
-                yield ev("response.output_item.done", output_index=i, item=item)
     except Exception as e:  # noqa: BLE001 - the request failed mid-stream: say so in-band
         yield ev("error", **stream_error(e)["error"])
         return
     for e in close():
         yield e
+    for i in [i for i in calls.values() if output[i]["status"] == "in_progress"]:  # cut inside a call
+        for e in call_done(i, "incomplete"):
+            yield e
     parsed = parser.parse(o.text) if o is not None else None
     if parsed is not None and not output:  # an empty reply is still one (empty) message
         for e in opened("message") + close():

@@ -3,8 +3,9 @@
 kimi_k3 (serving-notes.md §4.1): channels `response` (content) and `tools`; each
 `<|open|>call tool="N" index="i"<|sep|>` holds `argument key="K" type="T"` elements (string
 bodies raw, other types JSON) or one `json type="object"` element with the raw object.
-Attribute values are unescaped (&quot; &amp;). A call counts only once `<|close|>call<|sep|>`
-arrives; `<|close|>message<|sep|>` ends parsing, so it never reaches content. Markup never
+Attribute values are unescaped (&quot; &amp;). A call is complete once `<|close|>call<|sep|>`
+arrives (before, it comes back incomplete, with its arguments so far: `CallArguments`);
+`<|close|>message<|sep|>` ends parsing, so it never reaches content. Markup never
 reaches content, also when no tools were declared (sglang#39583): the tools channel is dropped.
 Malformed JSON values fall back to the raw string instead of failing (sglang#34604).
 kimi_k2 (§4.2): `<|tool_calls_section_begin|>` … `<|tool_call_begin|>ID<|tool_call_argument_begin|>
@@ -14,7 +15,7 @@ the last '.' and ':'.
 
 from __future__ import annotations
 
-from k3serve.chat.markers import K2_ARGUMENT_BEGIN, K2_CALL_BEGIN, K2_CALL_END, K2_SECTION_END
+from k3serve.chat.markers import K2_SECTION_END
 
 import json
 import re
@@ -33,28 +34,86 @@ def typed_value(text: str, kind: str):
         return text
 
 
+class CallArguments:
+    """One call's arguments as JSON text, built element by element as they arrive, so the text of
+    a call still open is always a prefix of its final text (streamed as OpenAI's argument
+    deltas). `argument` elements make an object: a string value streams as it comes (escaped a
+    character at a time, which is how json.dumps escapes the whole), any other value goes out
+    whole once its element closes. A `json` element is the object itself, stripped of the
+    whitespace around it. Whichever kind comes first is the call's; the other is ignored.
+    A well-formed call's text equals json.dumps of its {key: typed value}."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+        self.mode: str | None = None  # "kv" (argument elements) | "raw" (a json element)
+        self.held = ""  # raw mode: whitespace that is dropped if nothing follows it
+
+    def open_argument(self, key: str, kind: str) -> bool:
+        if self.mode == "raw":
+            return False
+        self.parts.append(("{" if self.mode is None else ", ") + json.dumps(key, ensure_ascii=False) + ": ")
+        self.mode = "kv"
+        if kind == "string":
+            self.parts.append('"')
+        return True
+
+    def string_text(self, text: str) -> None:
+        self.parts.append(json.dumps(text, ensure_ascii=False)[1:-1])
+
+    def close_argument(self, kind: str, text: str) -> None:
+        self.parts.append('"' if kind == "string" else json.dumps(typed_value(text, kind), ensure_ascii=False))
+
+    def open_raw(self) -> bool:
+        if self.mode is not None:
+            return False
+        self.mode = "raw"
+        return True
+
+    def raw_text(self, text: str) -> None:
+        text = self.held + text
+        if not self.parts:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        if body:
+            self.parts.append(body)
+
+    def text(self, closed: bool) -> str:
+        out = "".join(self.parts)
+        if not closed:
+            return out
+        if self.mode == "kv":
+            return out + "}"
+        return out or "{}"
+
+
 class KimiK3ToolParser:
     name = "kimi_k3"
 
     def parse(
         self, text: str, start_channel: str | None, declared: frozenset[str] | None = None
     ) -> tuple[str, list[ParsedCall]]:
-        """(content, calls). A call to a tool not in `declared` stays content, in K3 markup, where
-        it stood: later text follows it, so a streamed content stays a prefix of the final one."""
+        """(content, calls). A call whose close has not arrived comes last, incomplete, with its
+        arguments so far. A call to a tool not in `declared` is dropped: neither a call nor
+        content (the auto grammar keeps the model from writing one when xgrammar is there)."""
         content: list[str] = []
         calls: list[ParsedCall] = []
         in_tools = False
-        call: dict | None = None
-        arg: tuple[str, str, list[str]] | None = None
-        raw: list[str] | None = None
+        call: tuple[str, CallArguments] | None = None  # the open call: name, arguments
+        skip = False  # the open call is to an undeclared tool
+        arg: tuple[str, list[str]] | None = None  # the open argument: type, text (non-string types)
+        raw = False  # inside the open call's json element
         for e in lex(text):
             if e.kind == "text":
-                if arg is not None:
-                    arg[2].append(e.value)
-                elif raw is not None:
-                    raw.append(e.value)
-                elif not in_tools:
-                    content.append(e.value)
+                if call is None:
+                    if not in_tools:
+                        content.append(e.value)
+                elif arg is not None and arg[0] == "string":
+                    call[1].string_text(e.value)  # streams as it comes
+                elif arg is not None:
+                    arg[1].append(e.value)  # a typed value goes out whole at its close
+                elif raw:
+                    call[1].raw_text(e.value)
             elif e.kind == "open":
                 if e.value == "message":
                     break  # the model started another message: the turn is over
@@ -62,44 +121,34 @@ class KimiK3ToolParser:
                     in_tools = False
                 elif e.value == "tools":
                     in_tools = True
-                elif e.value == "call" and in_tools:
-                    call = {"name": e.attr("tool") or "", "args": {}, "raw": None}
-                elif e.value == "argument" and call is not None:
-                    arg = (e.attr("key") or "", e.attr("type") or "string", [])
-                elif e.value == "json" and call is not None:
-                    raw = []
+                elif e.value == "call" and in_tools and call is None:
+                    call, arg, raw = (e.attr("tool") or "", CallArguments()), None, False
+                    skip = declared is not None and call[0] not in declared
+                elif e.value == "argument" and call is not None and arg is None and not raw:
+                    kind = e.attr("type") or "string"
+                    if call[1].open_argument(e.attr("key") or "", kind):
+                        arg = (kind, [])
+                elif e.value == "json" and call is not None and arg is None:
+                    raw = call[1].open_raw()
             else:
                 if e.value == "message":
                     break
-                if e.value == "argument" and arg is not None and call is not None:
-                    call["args"][arg[0]] = typed_value("".join(arg[2]), arg[1])
+                if e.value == "argument" and arg is not None:
+                    call[1].close_argument(arg[0], "".join(arg[1]))
                     arg = None
-                elif e.value == "json" and raw is not None and call is not None:
-                    call["raw"], raw = "".join(raw), None
+                elif e.value == "json":
+                    raw = False
                 elif e.value == "call" and call is not None:
-                    done = self._finish(call)
-                    if declared is not None and done.name not in declared:
-                        content.append(self.render(done))
-                    else:
-                        calls.append(done)
-                    call, arg, raw = None, None, None
+                    if arg is not None:  # a call closed inside an argument: the argument ends with it
+                        call[1].close_argument(arg[0], "".join(arg[1]))
+                    if not skip:
+                        calls.append(ParsedCall(call[0], call[1].text(closed=True)))
+                    call, arg, raw = None, None, False
                 elif e.value == "tools":
                     in_tools = False
+        if call is not None and not skip:
+            calls.append(ParsedCall(call[0], call[1].text(closed=False), complete=False))
         return "".join(content), calls
-
-    @staticmethod
-    def render(call: ParsedCall) -> str:
-        """The call in K3 markup again (for a call that stays content)."""
-        from k3serve.chat.k3_xtml import segments_text, tool_calls_body
-        from k3serve.chat.messages import ToolCall
-
-        return segments_text(tool_calls_body([ToolCall(call.id or "", call.name, call.arguments)]))
-
-    @staticmethod
-    def _finish(call: dict) -> ParsedCall:
-        if call["raw"] is not None:
-            return ParsedCall(call["name"], call["raw"].strip() or "{}")
-        return ParsedCall(call["name"], json.dumps(call["args"], ensure_ascii=False))
 
 
 class KimiK2ToolParser:
@@ -111,11 +160,15 @@ class KimiK2ToolParser:
         r"(?P<args>.*?)<\|tool_call_end\|>",
         re.S,
     )
+    # a call whose id is whole but whose end has not arrived: the rest of the section is its arguments
+    _OPEN = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*)\Z", re.S)
 
     def parse(
         self, text: str, start_channel: str | None, declared: frozenset[str] | None = None
     ) -> tuple[str, list[ParsedCall]]:
-        """(content, calls); a call to a tool not in `declared` stays content where it stood."""
+        """(content, calls); a call whose end has not arrived comes last, incomplete, with its
+        arguments so far (stripped as the final ones are); a call to a tool not in `declared`
+        is dropped."""
         begins = [(text.find(m), len(m)) for m in K2_SECTION_BEGIN if m in text]
         if not begins:
             return text, []
@@ -125,15 +178,15 @@ class KimiK2ToolParser:
         if ends:
             j, m = min(ends)
             section, after = section[:j], section[j + m :]
-        calls = [
-            ParsedCall(self._name(c["id"]), c["args"].strip() or "{}", c["id"]) for c in self._CALL.finditer(section)
-        ]
-        kept = "".join(self.render(c) for c in calls if declared is not None and c.name not in declared)
-        return text[:i] + kept + after, [c for c in calls if declared is None or c.name in declared]
-
-    @staticmethod
-    def render(call: ParsedCall) -> str:
-        return f"{K2_CALL_BEGIN}{call.id or f'functions.{call.name}:0'}{K2_ARGUMENT_BEGIN}{call.arguments}{K2_CALL_END}"
+        calls, last = [], 0
+        for c in self._CALL.finditer(section):
+            calls.append(ParsedCall(self._name(c["id"]), c["args"].strip() or "{}", c["id"]))
+            last = c.end()
+        open_call = self._OPEN.search(section, last)
+        if open_call is not None:
+            args = open_call["args"].lstrip()
+            calls.append(ParsedCall(self._name(open_call["id"]), args.rstrip(), open_call["id"], complete=False))
+        return text[:i] + after, [c for c in calls if declared is None or c.name in declared]
 
     @staticmethod
     def _name(call_id: str) -> str:

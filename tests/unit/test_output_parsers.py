@@ -13,6 +13,7 @@ from k3serve.chat.messages import ToolCall
 from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from k3serve.sampling_params import SamplingParams
 from k3serve.server.output_parser import OutputParser
+from k3serve.server.parsed import ParsedCall
 
 
 def xtml_calls(calls: list[tuple[str, object]]) -> str:
@@ -112,11 +113,14 @@ def test_k3_thinking_off_and_unprefilled_think():
     assert (p.reasoning, p.content) == ("deep", "ok")
 
 
-def test_k3_incomplete_call_at_length_cutoff_is_not_emitted():
-    text = k3_output("r", "c", [("f", {"x": 1})], close_message=False)
-    cut = text[: text.index("<|close|>call")]
+def test_k3_a_call_cut_at_length_keeps_the_arguments_it_had():
+    """Its name and arguments so far have streamed out already (as OpenAI does at a length cut,
+    the call comes back incomplete); before, it was dropped and the stream said more than the
+    final reply."""
+    text = k3_output("r", "c", [("f", {"x": 1, "s": "ab"})], close_message=False)
+    cut = text[: text.index("ab") + 1]
     p = OutputParser("kimi_k3", "think", tools_enabled=True).parse(cut)
-    assert p.tool_calls == [] and p.content == "c"
+    assert p.content == "c" and p.tool_calls == [ParsedCall("f", '{"x": 1, "s": "a', "functions.f:0", False)]
 
 
 def test_k2_sections_ids_and_reasoning():
@@ -177,16 +181,28 @@ def stream_pieces(tok, text: str, cuts: list[int]) -> list[str]:
     return out + [d.text]
 
 
-def check_streaming(make, full: str, prefixes: list[str]) -> None:
+def check_streaming(make, full: str, prefixes: list[str]) -> list[int]:
+    """The deltas, joined as an OpenAI client joins them (a call's name and id from its first
+    piece, its arguments concatenated), equal the final parse; returns how many pieces each
+    call came in."""
     ref = make().parse(full)
     p = make()
-    got_r, got_c, got_calls = "", "", []
+    got_r, got_c, got_calls, pieces = "", "", [], []
     for i, text in enumerate(prefixes):
         d = p.delta(text, final=i == len(prefixes) - 1)
         got_r, got_c = got_r + d.reasoning, got_c + d.content
-        assert [j for j, _ in d.tool_calls] == list(range(len(got_calls), len(got_calls) + len(d.tool_calls)))
-        got_calls += [c for _, c in d.tool_calls]
-    assert (got_r, got_c, got_calls) == (ref.reasoning, ref.content, ref.tool_calls)
+        for c in d.tool_calls:
+            if c.name is not None:  # a new call: the next index, name and id with it
+                assert c.index == len(got_calls) and c.id is not None
+                got_calls.append([c.name, "", c.id, False])
+                pieces.append(0)
+            call = got_calls[c.index]
+            assert not call[3], "a piece after the call was done"
+            call[1], call[3] = call[1] + c.arguments, c.done
+            pieces[c.index] += 1
+    want = [[c.name, c.arguments, c.id, c.complete] for c in ref.tool_calls]
+    assert (got_r, got_c, got_calls) == (ref.reasoning, ref.content, want)
+    return pieces
 
 
 @settings(max_examples=150, deadline=None)
@@ -260,10 +276,10 @@ DECLARED = frozenset({"get_weather"})
 
 @settings(max_examples=80, deadline=None)
 @given(reasoning=st.one_of(st.none(), TEXT), content=TEXT, calls=CALLS, after=TEXT, data=st.data())
-def test_k3_undeclared_calls_stay_in_place_and_stream_as_final(k3_tok, reasoning, content, calls, after, data):
-    """A call to a tool the request did not declare stays content, where it stood: text after
-    it (another response channel) follows it, so the streamed content stays a prefix of the
-    final one (before, the re-rendered call went to the end and every later delta was lost)."""
+def test_k3_undeclared_calls_are_dropped_and_stream_as_final(k3_tok, reasoning, content, calls, after, data):
+    """A call to a tool the request did not declare is neither a call nor content (issue 63
+    item 11: it came back as raw markup in content); text after it (another response channel)
+    still streams as the final reply has it."""
     full = k3_output(reasoning, content, calls, close_message=False)
     full += segments_text(open_tag("response")) + after + segments_text(close_tag("response") + close_tag("message"))
     n = len(k3_tok.encode(full, allow_special=True))
@@ -274,12 +290,12 @@ def test_k3_undeclared_calls_stay_in_place_and_stream_as_final(k3_tok, reasoning
     check_streaming(make, prefixes[-1], prefixes)
     final = make().parse(prefixes[-1])
     assert [c.name for c in final.tool_calls] == [n_ for n_, _ in calls if n_ in DECLARED]
-    assert final.content.endswith(after)  # the later text comes after the undeclared calls' markup
+    assert final.content == content + after and "<|" not in final.content.replace(content + after, "")
 
 
 @settings(max_examples=80, deadline=None)
 @given(before=TEXT, calls=CALLS, after=TEXT, split=st.lists(st.integers(1, 300), max_size=8))
-def test_k2_undeclared_calls_stay_in_place_and_stream_as_final(before, calls, after, split):
+def test_k2_undeclared_calls_are_dropped_and_stream_as_final(before, calls, after, split):
     full = (
         before
         + "<|tool_calls_section_begin|>"
@@ -294,4 +310,32 @@ def test_k2_undeclared_calls_stay_in_place_and_stream_as_final(before, calls, af
     prefixes = [full[:c] for c in cuts] + [full]
     make = lambda: OutputParser("kimi_k2", None, tools_enabled=True, declared=DECLARED)  # noqa: E731
     check_streaming(make, full, prefixes)
-    assert make().parse(full).content.endswith(after)
+    final = make().parse(full)
+    assert final.content == before + after and [c.name for c in final.tool_calls] == [
+        n for n, _ in calls if n in DECLARED
+    ]
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "kimi_k2"])
+def test_tool_call_arguments_stream_as_they_are_generated(k3_tok, family):
+    """Issue 63 item 10: a long call's name goes out when it opens and its arguments in pieces
+    as tokens arrive (before: nothing until the call closed, and long file-writing calls tripped
+    client idle timeouts); joined, they are the final call."""
+    body = "line of the file\n" * 40
+    if family == "kimi_k3":
+        full = k3_output(None, "Writing.", [("write_file", {"path": "a.txt", "content": body, "mode": 420})])
+        pieces = stream_pieces(k3_tok, full, list(range(len(k3_tok.encode(full, allow_special=True)))))
+        make = lambda: OutputParser("kimi_k3", "response", tools_enabled=True)  # noqa: E731
+    else:
+        args = json.dumps({"path": "a.txt", "content": body, "mode": 420})
+        full = f"Writing.<|tool_calls_section_begin|><|tool_call_begin|>functions.write_file:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"
+        pieces = [full[:i] for i in range(1, len(full), 7)] + [full]
+        make = lambda: OutputParser("kimi_k2", None, tools_enabled=True)  # noqa: E731
+    assert check_streaming(make, full if family == "kimi_k2" else pieces[-1], pieces)[0] > 20
+    p, first = make(), None
+    for i, text in enumerate(pieces):
+        if p.delta(text, final=False).tool_calls and first is None:
+            first = i
+    assert first is not None and first < len(pieces) // 4  # the name went out near the call's start
+    (call,) = make().parse(pieces[-1]).tool_calls
+    assert json.loads(call.arguments) == {"path": "a.txt", "content": body, "mode": 420} and call.complete
