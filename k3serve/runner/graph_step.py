@@ -250,7 +250,7 @@ class GraphSteps:
             threading.Thread(target=_compile_loop, args=(self._jobs,), name="k3serve-compile").start()
             weakref.finalize(self, self._jobs.put, None)  # the thread ends with its GraphSteps
         self._building[key] = Future()
-        self._jobs.put((self._warm, key, self._building[key]))
+        self._jobs.put((weakref.WeakMethod(self._warm), key, self._building[key]))  # dropped with its GraphSteps
         return False
 
     def _warm(self, key: Bucket) -> _Entry:
@@ -406,6 +406,9 @@ def _compile_loop(jobs: queue.Queue) -> None:
         if job is None:
             return
         (warm, key, fut), job = job, None
+        warm = warm()  # None: its engine is gone, the job with it
+        if warm is None:
+            continue
         t0, interval = time.perf_counter(), sys.getswitchinterval()
         # tracing is Python that holds the GIL: each time the engine thread lets it go (inside a
         # torch op) it waits a whole switch interval to get it back, hundreds of times a step
