@@ -383,7 +383,10 @@ class GraphSteps:
                 call()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # on the compile thread the engine's thread launches work meanwhile: only this thread's
+        # calls are checked for capture safety (the default, "global", fails the other thread's)
+        mode = "thread_local" if self.background else "global"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             out = call()
         self.pool = graph.pool()
 
