@@ -33,6 +33,10 @@ class Backend:
     def prepare(self, model) -> None:
         """Weights in the backend's own form, once the model is loaded and placed (none here)."""
 
+    def experts_moved(self, layer) -> None:
+        """EPLB rewrote a MoE layer's expert weights in place (runner/eplb.py): forms derived
+        from them are rebuilt (none here)."""
+
     def kda(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
         return layer.reference(x, batch, cache)
 

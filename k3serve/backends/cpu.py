@@ -46,6 +46,12 @@ class CpuKernels(Backend):
         self._stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.stack_enabled = True  # False: every step layer by layer (the stack's reference in tests)
 
+    def experts_moved(self, layer) -> None:
+        """The MoE layer's kernel arguments (kernel_experts may re-lay its experts out) and the
+        decode stacks built from them are made again when next met."""
+        self._packs.pop(layer, None)
+        self._stacks.clear()
+
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and not torch.is_grad_enabled()

@@ -67,6 +67,12 @@ class GraphBackend(Backend):
         # not the shared table cache: prepare may run on fake tensors (the sync audit)
         self.luts = decode_tables(model.head.device, model.dtype)
 
+    @torch.no_grad()
+    def experts_moved(self, layer) -> None:
+        """NVFP4 tables follow their experts; in place: a captured step reads them by address."""
+        if layer in self.nv_tables:
+            self.nv_tables[layer].copy_(torch.stack([w.tables for w in (layer.w1, layer.w2, layer.w3)]))
+
     # ---- attention: static steps here, everything else the reference
     def kda(self, layer, x, batch, cache):
         if not batch.static:

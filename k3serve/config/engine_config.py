@@ -70,6 +70,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
     all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
+    # the expert-parallel load balancer (runner/eplb.py): rebalance experts over the ranks from
+    # their measured load; its window, interval and redundant slots in vLLM's --eplb-config JSON
+    enable_eplb: bool = False
+    eplb_config: Any = None
     # DP-attention replicas' models: mp = one worker process each (distributed/dp_workers.py),
     # threads = in this process (engine/lockstep.py threads; no process start-up, the GIL shared)
     data_parallel_backend: str = "mp"
@@ -80,6 +84,11 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # node 0's address: the rendezvous store
     master_port: int = 0  # its port (required with nnodes > 1; 0 = any, one node)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def redundant_experts(self) -> int | None:
+        """EPLB's redundant expert slots for the expert group (parallel/group.py), None: EPLB off."""
+        return self.eplb_config.num_redundant_experts if self.enable_eplb else None
 
     @property
     def ssm_dtype(self) -> str:
@@ -142,6 +151,14 @@ class EngineConfig:
             )
         if self.all2all_backend not in ALL2ALL_BACKENDS:
             raise ValueError(f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
+        from k3serve.config.eplb import EPLBConfig
+
+        self.eplb_config = EPLBConfig.parse(self.eplb_config)
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError(
+                "enable_eplb balances experts split by id over ranks: add enable_expert_parallel "
+                "(--enable-expert-parallel) with --tensor-parallel-size or --data-parallel-size > 1"
+            )
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be 'mp' (worker processes started here) or "

@@ -118,6 +118,7 @@ def start_dp_workers(config, m: int, model_path: str, where) -> list[DPWorkerExe
         timeout_s=config.distributed_timeout,
         tp_size=n,
         nodes=NodeLayout(config.nnodes, config.node_rank, config.master_addr, config.master_port),
+        redundant_experts=config.redundant_experts,
     )
     try:
         workers.wait_ready()
@@ -131,7 +132,14 @@ def start_dp_workers(config, m: int, model_path: str, where) -> list[DPWorkerExe
             model_path,
             r,
             ModelInfo(cfg, where.dtype, workers.weight_bytes(r * n)),
-            TPGroup(r, m, True, size_flag="--data-parallel-size", all2all=config.all2all_backend),
+            TPGroup(
+                r,
+                m,
+                True,
+                size_flag="--data-parallel-size",
+                all2all=config.all2all_backend,
+                redundant_experts=config.redundant_experts,
+            ),
         )
         for r in range(m)
     ]
@@ -166,5 +174,5 @@ def replica_executors(config, dp: int, dp_attention: bool, where) -> list[Execut
         UniProcExecutor.load(
             model_path, where, load_format=config.load_format, progress=config.load_progress, ep=g, threads=threads
         )
-        for g in expert_groups(dp, config.distributed_timeout, config.all2all_backend)
+        for g in expert_groups(dp, config.distributed_timeout, config.all2all_backend, config.redundant_experts)
     ]

@@ -56,6 +56,7 @@ class DPAttentionWorkers(WorkerGroup):
         timeout_s: float = 120.0,
         tp_size: int = 1,
         nodes: NodeLayout = NodeLayout(),
+        redundant_experts: int | None = None,
     ):
         world = dp_size * tp_size
         check_dp_nodes(nodes, world, tp_size)
@@ -80,6 +81,7 @@ class DPAttentionWorkers(WorkerGroup):
             device=device,
             timeout_s=timeout_s,
             shm_path=self._shm_path,
+            redundant_experts=redundant_experts,
         )
         base.update(dp_attention=True, all2all=all2all, tp_size=tp_size, tp_shm_paths=self._tp_shm)
         self._listener = CommandListener(self._store, base["prefix"], host, world) if nodes.multi else None

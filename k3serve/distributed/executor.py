@@ -61,6 +61,7 @@ def worker_base(
     device: torch.device,
     timeout_s: float,
     shm_path: str | None,
+    redundant_experts: int | None = None,
 ) -> dict:
     """The WorkerSpec fields every rank of one engine shares (all but `rank`)."""
     threads = max(1, (os.cpu_count() or 1) // len(nodes.ranks(tp_size)))  # this node's share of its cores
@@ -78,6 +79,7 @@ def worker_base(
         kernels=kernels,
         device=torch.device(device).type,  # each rank's own device: WorkerSpec.rank_device
         threads=threads,
+        redundant_experts=redundant_experts,
         master_addr=nodes.master_addr if nodes.multi else "127.0.0.1",
         control=nodes.multi,
         per_node=tp_size // nodes.nnodes,
@@ -137,7 +139,9 @@ class WorkerGroup:
         device: torch.device,
         timeout_s: float = 120.0,
         nodes: NodeLayout = NodeLayout(),
+        redundant_experts: int | None = None,
     ):
+        """`redundant_experts`: EPLB's extra expert slots (parallel/group.py), None: EPLB off."""
         nodes.check(tp_size)
         self.size, self.timeout_s, self.nodes = tp_size, timeout_s, nodes
         self.error: str | None = None
@@ -160,6 +164,7 @@ class WorkerGroup:
             device=device,
             timeout_s=timeout_s,
             shm_path=self._shm_path,
+            redundant_experts=redundant_experts,
         )
         # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
         # spinning on a core a peer needs makes every collective wait for the scheduler

@@ -21,9 +21,13 @@ def start_executor(config, where) -> Executor:
     if config.tensor_parallel_size == 1:
         return UniProcExecutor.load(model_path, where, load_format=config.load_format, progress=config.load_progress)
     check_multi_rank(where, "--tensor-parallel-size")
-    check_layout(model_path, TPGroup(0, config.tensor_parallel_size, config.enable_expert_parallel))
+    group = TPGroup(
+        0, config.tensor_parallel_size, config.enable_expert_parallel, redundant_experts=config.redundant_experts
+    )
+    check_layout(model_path, group)
     kw = dict(
         expert_parallel=config.enable_expert_parallel,
+        redundant_experts=config.redundant_experts,
         load_format=config.load_format,
         kernels=config.kernels,
         timeout_s=config.distributed_timeout,

@@ -46,6 +46,7 @@ class WorkerSpec:
     control: bool = False  # commands over the control group (multi-node), not a pipe
     dp_attention: bool = False  # a DP-attention rank: a replica's model, experts by id over `world`
     all2all: str = "auto"  # its MoE layers' token exchange (layers/moe_dispatch.py)
+    redundant_experts: int | None = None  # EPLB's extra expert slots over the expert group; None: off
     tp_size: int = 1  # DP-attention: TP ranks per DP rank (rank = dp rank * tp_size + tp rank)
     tp_shm_paths: tuple[str, ...] = ()  # DP-attention with TP: each DP rank's TP segment by DP rank ("": none here)
     per_node: int = 0  # ranks on each node (0: all `world`): rank r is local rank r % per_node
@@ -71,7 +72,16 @@ def make_group(spec: WorkerSpec, store, rank: int):
 
     pg, shm = _process_group(spec, store, spec.prefix, rank, spec.world, spec.shm_path)
     dp = dict(size_flag="--data-parallel-size", all2all=spec.all2all) if spec.dp_attention else {}
-    return TPGroup(rank, spec.world, spec.expert_parallel, pg, shm, device_type=spec.rank_device.type, **dp)
+    return TPGroup(
+        rank,
+        spec.world,
+        spec.expert_parallel,
+        pg,
+        shm,
+        device_type=spec.rank_device.type,
+        redundant_experts=spec.redundant_experts,
+        **dp,
+    )
 
 
 def make_dp_tp_group(spec: WorkerSpec, store):

@@ -90,7 +90,8 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
         cache.use_draft_slots(DraftSlots(plan.num_slots, k, first_spare(plan.num_slots, plan.num_checkpoints)))
     kv_name = str(where.kv_dtype).removeprefix("torch.")
     # every rank allocates its share of the same plan and runs the same backend
-    ex.allocate(Allocation(plan, kv_name, mode, graph, config.calculate_kv_scales, tuple(unmapped)))
+    eplb = config.eplb_config if config.enable_eplb else None
+    ex.allocate(Allocation(plan, kv_name, mode, graph, config.calculate_kv_scales, tuple(unmapped), eplb))
     runner = ModelRunner(
         info.cfg.vocab_size,
         plan,

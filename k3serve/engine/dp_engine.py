@@ -150,8 +150,8 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
     for f in dataclasses.fields(EngineStats):
         if f.name == "taken_at":
             values[f.name] = min(s.taken_at for s in stats)
-        elif f.name == "tp_collectives":
-            values[f.name] = stats[0].tp_collectives
+        elif f.name in ("tp_collectives", "eplb_rebalances", "eplb_balance"):  # rank 0's, one group's
+            values[f.name] = getattr(stats[0], f.name)
         elif f.name in (
             "spec_accepted_per_position",
             "spec_draft_lengths",

@@ -38,6 +38,8 @@ class EngineStats:
     spec_skipped_steps: int = 0  # adaptive drafting: steps whose drafter did not run (it could not pay)
     expert_tokens_per_rank: tuple[int, ...] = ()  # expert parallelism: assignments routed to each rank
     tp_collectives: tuple[tuple[str, int, int, float], ...] = ()  # rank 0's (kind, calls, bytes, seconds)
+    eplb_rebalances: int = 0  # --enable-eplb: expert rebalances run (runner/eplb.py)
+    eplb_balance: tuple[float, ...] = ()  # the last one's max/mean tokens per rank: (before, after)
     # tokens a step scheduled: cumulative counts per ITERATION_BUCKETS upper bound (+inf last), and their sum
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0

@@ -45,7 +45,7 @@ class Allocation:
     """What every rank builds its cache and backend from, once, after the engine planned the
     cache: the plan, the latent dtype's name, the backend mode, the graph backend's settings
     (runner/graph_step.py GraphSettings, or None), fp8 scale calibration, and the vocabulary ids
-    never sampled (a rank that samples on the device masks them)."""
+    never sampled (a rank that samples on the device masks them), the load balancer's settings."""
 
     plan: CachePlan
     kv_dtype: str
@@ -53,6 +53,7 @@ class Allocation:
     graph: object = None
     calculate_kv_scales: bool = False
     masked_ids: tuple[int, ...] = field(default=())
+    eplb: object = None  # config/eplb.py EPLBConfig when --enable-eplb (each rank's runner/eplb.py)
 
 
 class Executor(ABC):

@@ -17,6 +17,7 @@ from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
 from k3serve.backends import TORCH
 from k3serve.layers.common import RMSNorm, WeightOnly, linear
+from k3serve.layers.expert_map import ExpertMap
 from k3serve.layers.expert_weights import ExpertWeights
 from k3serve.layers.moe_dispatch import all_to_all_routed, fixed_gather_routed, gather_form, gather_routed
 from k3serve.layers.router import route
@@ -113,15 +114,35 @@ class SparseMoE(nn.Module):
                 self.routed_expert_norm = RMSNorm(inner, cfg.rms_norm_eps)
         # stacked routed experts [E, out, in] as buffers (dense, or packed MXFP4 for K3)
         inter, experts = m.expert_intermediate_size, m.num_experts
+        # EPLB (--enable-eplb): the experts in E + R physical slots, a logical expert's replicas
+        # chosen per token by the map (layers/expert_map.py); without it slot = expert id
+        self.expert_map = None
+        if xg.expert_parallel and xg.redundant_experts is not None:
+            slots = m.num_experts + xg.redundant_experts
+            if slots % xg.size:
+                raise ValueError(
+                    f"num_experts {m.num_experts} + num_redundant_experts {xg.redundant_experts} (--eplb-config) "
+                    f"= {slots} physical experts are not divisible by {xg.size_flag} {xg.size}"
+                )
+            if slots // xg.size > m.num_experts:
+                raise ValueError(
+                    f"num_redundant_experts {xg.redundant_experts} (--eplb-config) gives each rank "
+                    f"{slots // xg.size} expert slots, more than the {m.num_experts} experts"
+                )
+            self.expert_map = ExpertMap(m.num_experts, slots)
+            experts = slots
         if xg.expert_parallel:
             experts = xg.split(experts, "num_experts")
         else:
             inter = xg.split(inter, "moe_intermediate_size")
-        self.first_expert = xg.rank * experts if xg.expert_parallel else 0  # global id of local expert 0
-        # with expert parallelism: (token, slot) assignments per global expert since start, [E] (the
-        # router runs on every rank, so rank 0 sees every rank's load: /metrics shows imbalance)
-        # a counter, not a weight: real even in a model built on the meta device (models/registry.py)
-        self.expert_load = torch.zeros(m.num_experts, dtype=torch.long, device="cpu") if xg.expert_parallel else None
+        self.first_expert = xg.rank * experts if xg.expert_parallel else 0  # global slot of local expert 0
+        # with expert parallelism: (token, slot) assignments per physical slot since start, [E] or
+        # [E + R] under EPLB (the router runs on every rank, so rank 0 sees every rank's load:
+        # /metrics shows imbalance; EPLB rebalances from it); a counter, not a weight: real even
+        # in a model built on the meta device (models/registry.py)
+        self.expert_load = (
+            torch.zeros(experts * xg.size, dtype=torch.long, device="cpu") if xg.expert_parallel else None
+        )
         self.w1 = ExpertWeights(experts, inter, inner)
         self.w3 = ExpertWeights(experts, inter, inner)
         self.w2 = ExpertWeights(experts, inner, inter)
@@ -164,6 +185,7 @@ class SparseMoE(nn.Module):
         add no expert load), None: every row."""
         m = self.cfg
         ids, weights = ops.moe_route(self, x)  # [N, k], on every rank
+        ids = self.physical(ids)
         z = self.routed_expert_down_proj(x) if m.latent_size is not None else x
         counted = slice(None) if live is None else live
         routed = self.local_experts(z, ids, weights, ops, counted)  # [N, L] fp32, this rank's experts / channels
@@ -214,6 +236,11 @@ class SparseMoE(nn.Module):
         if m.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
+
+    def physical(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routed expert ids [N, k] -> the physical slots that serve them (the ids themselves
+        without EPLB). Expert-parallel paths count load and pick ranks by slot."""
+        return ids if self.expert_map is None else self.expert_map.physical(ids)
 
     def big_experts(self) -> bool:
         return self.w1.shape[1] * self.w1.shape[2] >= DENSE_GEMM_ELEMS

@@ -55,6 +55,7 @@ def gather_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
         return None
     xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
     ids, weights = ops.moe_route(moe, xs)
+    ids = moe.physical(ids)  # EPLB: the replica serving each choice (every rank picks alike)
     z = ops.moe_down(moe, xs)
     start = sum(counts[: ep.rank])
     routed = moe.local_experts(z, ids, weights, ops, counted=slice(start, start + n))  # [sum n, L]
@@ -77,6 +78,7 @@ def fixed_gather_routed(moe, x: torch.Tensor, rows: int, live: torch.Tensor, ops
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, rows - n))  # [rows, d] fp32, as gather_routed sends
     every = ep.all_gather(padded.reshape(-1)).view(ep.size * rows, -1).to(x.dtype)  # [M * rows, d], rank-major
     ids, weights = ops.moe_route(moe, every)
+    ids = moe.physical(ids)
     z = ops.moe_down(moe, every)
     mine = slice(ep.rank * rows, ep.rank * rows + n)
     moe.count_load(ids[mine], live)
@@ -90,6 +92,7 @@ def all_to_all_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     per = moe.w1.shape[0]  # experts per rank: rank r owns global ids [r * per, (r + 1) * per)
     if n:
         ids, weights = ops.moe_route(moe, x)  # [n, k]
+        ids = moe.physical(ids)  # slots: rank d owns [d * per, (d + 1) * per)
         moe.count_load(ids)
         z = ops.moe_down(moe, x)  # [n, L]
         to = torch.zeros(n, ep.size, dtype=torch.bool, device=x.device).scatter_(1, ids // per, True)  # [n, M]

@@ -50,9 +50,11 @@ def thread_process_groups(world: int, timeout_s: float = 120.0) -> list:
     return pgs
 
 
-def expert_groups(world: int, timeout_s: float = 120.0, all2all: str = "auto") -> list[TPGroup]:
+def expert_groups(
+    world: int, timeout_s: float = 120.0, all2all: str = "auto", redundant_experts: int | None = None
+) -> list[TPGroup]:
     """One TPGroup (expert-parallel, size `world`) per replica, rank r for replica r; `all2all`:
-    how their MoE layers exchange tokens (layers/moe_dispatch.py)."""
+    how their MoE layers exchange tokens (layers/moe_dispatch.py); `redundant_experts`: EPLB's."""
     from k3serve import kernels
     from k3serve.parallel.shm import ShmComm, create_segment
 
@@ -66,6 +68,15 @@ def expert_groups(world: int, timeout_s: float = 120.0, all2all: str = "auto") -
         finally:
             Path(path).unlink(missing_ok=True)  # the mappings stay
     return [
-        TPGroup(r, world, True, pgs[r], shms[r], size_flag="--data-parallel-size", all2all=all2all)
+        TPGroup(
+            r,
+            world,
+            True,
+            pgs[r],
+            shms[r],
+            size_flag="--data-parallel-size",
+            all2all=all2all,
+            redundant_experts=redundant_experts,
+        )
         for r in range(world)
     ]

@@ -85,6 +85,9 @@ class TPGroup:
     stats: CommStats = field(default_factory=CommStats, compare=False)
     size_flag: str = "--tensor-parallel-size"  # what sets `size` (DP-attention's expert group: the DP size)
     all2all: str = "auto"  # DP-attention's token exchange for the experts (layers/moe_dispatch.py)
+    # EPLB's redundant expert slots over the group (--eplb-config num_redundant_experts): the routed
+    # experts occupy E + R physical slots, (E + R) / size per rank (layers/expert_map.py)
+    redundant_experts: int = 0
     functional: str | None = field(default=None, compare=False)  # the group's name for compiled steps
     device_type: str = "cpu"  # where its tensors live: "cpu" (gloo) or "cuda" (NCCL, `nccl_group`)
 

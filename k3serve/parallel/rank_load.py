@@ -23,6 +23,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from k3serve.config.model_config import ModelConfig
+from k3serve.parallel.eplb_policy import expert_slots, initial_slot
 from k3serve.parallel.group import TPGroup, vocab_shard
 from k3serve.parallel.shard import _COLUMNS, _ROWS, _VOCAB, Weight, check_expert_split, shard_weights
 from k3serve.weights.checkpoint import CheckpointIndex
@@ -102,11 +103,10 @@ def _plan(canon: str, cfg: ModelConfig, tp: TPGroup, ep: TPGroup | None) -> _Kee
         if group.size == 1:
             return _Keep(canon)
         e, which = int(m[2]), m[3]
-        if group.expert_parallel:
-            per = group.split(cfg.moe.num_experts, "num_experts")
-            if not group.rank * per <= e < (group.rank + 1) * per:
-                return None
-            return _Keep(f"{m[1]}{e - group.rank * per}{which}")
+        if group.expert_parallel:  # whole experts, into the slot the (initial EPLB) placement gives
+            E = cfg.moe.num_experts
+            j = initial_slot(e, group.rank, expert_slots(E, group), E)
+            return None if j is None else _Keep(f"{m[1]}{j}{which}")
         n = group.split(cfg.moe.expert_intermediate_size, "moe_intermediate_size")
         dim = 1 if which == ".w2.weight" else 0  # w2 [L, I] splits its input channels
         if dim == 1:

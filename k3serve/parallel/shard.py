@@ -23,6 +23,7 @@ import re
 import torch
 
 from k3serve.config.model_config import ModelConfig
+from k3serve.parallel.eplb_policy import expert_slots, initial_slot
 from k3serve.parallel.group import TPGroup, vocab_shard
 from k3serve.weights.mxfp4 import GROUP, PackedMXFP4
 from k3serve.weights.nvfp4 import PackedNVFP4
@@ -112,11 +113,10 @@ def _vocab(w: torch.Tensor, vocab: int, tp: TPGroup) -> torch.Tensor:
 
 def _expert(name: str, m: re.Match, w: Weight, cfg: ModelConfig, tp: TPGroup) -> tuple[str, Weight] | None:
     e, which = int(m[2]), m[3]
-    if tp.expert_parallel:
-        per = tp.split(cfg.moe.num_experts, "num_experts")
-        if not tp.rank * per <= e < (tp.rank + 1) * per:
-            return None
-        return f"{m[1]}{e - tp.rank * per}{which}", w
+    if tp.expert_parallel:  # whole experts, into the slot the (initial EPLB) placement gives
+        E = cfg.moe.num_experts
+        j = initial_slot(e, tp.rank, expert_slots(E, tp), E)
+        return None if j is None else (f"{m[1]}{j}{which}", w)
     dim = 1 if which == ".w2.weight" else 0  # w2 [L, I] splits its input channels
     inter = cfg.moe.expert_intermediate_size
     n = tp.split(inter, "moe_intermediate_size")

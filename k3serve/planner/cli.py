@@ -50,6 +50,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="the KDA recurrent state's dtype (auto: float32)",
     )
+    p.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="EPLB's extra expert slots over an expert-parallel layout's ranks: their bytes are counted "
+        "and the launch lines turn on --enable-eplb",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--memory-fraction", type=float, default=0.92, help="of total HBM (vLLM semantics)")
@@ -179,6 +186,7 @@ def run_plan(args: argparse.Namespace) -> int:
         **_draft(args),
         encoder_cache_bytes=parse_bytes(args.mm_encoder_cache),
         state_dtype="float32" if args.mamba_ssm_cache_dtype == "auto" else args.mamba_ssm_cache_dtype,
+        redundant_experts=args.num_redundant_experts,
     )
     report = plan(
         cfg,

@@ -17,6 +17,7 @@ def launch_commands(
     sglang_static: float,
     kv_dtype: str,
     scaleup_domain: int = 8,
+    redundant_experts: int = 0,
 ) -> dict[str, str]:
     """One line per engine; a multi-node layout names the node count (vLLM runs it on a Ray
     cluster, SGLang once per node with --node-rank)."""
@@ -31,8 +32,12 @@ def launch_commands(
         vllm += f" --pipeline-parallel-size {layout.pp}"
     if layout.dp > 1:
         vllm += f" --data-parallel-size {layout.dp}"
+    eplb = ""
     if layout.ep > 1:
         vllm += " --enable-expert-parallel"
+        if redundant_experts:
+            eplb = f""" --enable-eplb --eplb-config '{{"num_redundant_experts": {redundant_experts}}}'"""
+            vllm += eplb
     vllm += (
         f" --gpu-memory-utilization {fraction:.2f} --max-model-len {context} --max-num-seqs {max_num_seqs}"
         f"{' --kv-cache-dtype fp8' if fp8 else ''} --trust-remote-code {TOOLS}"
@@ -46,6 +51,8 @@ def launch_commands(
         sgl += f" --dp {layout.dp} --enable-dp-attention"
     if layout.ep > 1:
         sgl += f" --ep-size {layout.ep}"
+        if redundant_experts:
+            sgl += f" --enable-eplb --ep-num-redundant-experts {redundant_experts}"
     sgl += (
         f" --mem-fraction-static {sglang_static:.2f} --context-length {context}"
         f"{' --kv-cache-dtype fp8_e4m3' if fp8 else ''} --trust-remote-code --tool-call-parser kimi_k3 "
@@ -56,7 +63,7 @@ def launch_commands(
     if layout.dp > 1:
         k3 += f" --data-parallel-size {layout.dp}"
     if layout.ep > 1:
-        k3 += " --enable-expert-parallel"
+        k3 += " --enable-expert-parallel" + eplb
     if nodes > 1:
         k3 += f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $HEAD_IP --master-port 29500"
     if layout.pp > 1:

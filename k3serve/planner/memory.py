@@ -48,6 +48,8 @@ class Workload:
     draft_cache_bytes: int = 0  # a draft_model drafter's own cache (cache/sizing.py draft_cache_bytes)
     encoder_cache_bytes: int = 256 * 2**20  # vision-tower rows by image digest (models with a tower)
     state_dtype: str = "float32"  # the KDA recurrent state's (--mamba-ssm-cache-dtype)
+    # EPLB (--enable-eplb): extra physical expert slots over an expert-parallel layout's ranks
+    redundant_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ def rank_memory(
     """One rank's budget; `cache_bytes` skips the GPU arithmetic (what `--cache-memory` does)."""
     tp = layout.tp
     share = stage_shares(cfg, layout.pp)
-    wbytes = weights.per_rank(tp, layout.ep, share.moe, share.layers)
+    redundant = w.redundant_experts if layout.ep > 1 else 0
+    wbytes = weights.per_rank(tp, layout.ep, share.moe, share.layers, redundant)
     act = activation_bytes(cfg, w, layout)
     usable = int(gpu.hbm_bytes * w.memory_fraction)
     encoder = w.encoder_cache_bytes if cfg.vision is not None else 0

@@ -121,6 +121,9 @@ def evaluate(
     cache_bytes: int | None = None,
 ) -> LayoutResult:
     problems = layout.problems(cfg, gpu.scaleup_domain)
+    E, R = cfg.moe.num_experts, w.redundant_experts
+    if R and layout.ep > 1 and (E + R) % layout.ep:
+        problems.append(f"{E} experts + {R} redundant do not divide by EP {layout.ep}")
     rank = rank_memory(cfg, gpu, layout, weights, w, cache_bytes)
     capacity = layout.dp * rank.plan.max_concurrency(w.context) if rank.plan else 0
     max_ctx = max_context_one_request(cfg, rank, layout, w.kv_dtype, w.state_dtype)
@@ -140,6 +143,7 @@ def evaluate(
         static,
         w.kv_dtype,
         gpu.scaleup_domain,
+        w.redundant_experts,
     )
     return LayoutResult(
         gpu, layout, rank, problems, layout.warnings(gpu.scaleup_domain), capacity, max_ctx, perf, w.concurrency, cmds

@@ -53,6 +53,7 @@ class WeightSplit:
     replicated: int
     params: int
     active_params: int
+    num_experts: int = 0  # routed experts per MoE layer (the redundant slots' unit)
 
     @property
     def total(self) -> int:
@@ -62,10 +63,16 @@ class WeightSplit:
     def non_expert(self) -> int:
         return self.tp_sharded + self.replicated
 
-    def per_rank(self, tp: int, ep: int, expert_share: float = 1.0, layer_share: float = 1.0) -> int:
+    def per_rank(
+        self, tp: int, ep: int, expert_share: float = 1.0, layer_share: float = 1.0, redundant: int = 0
+    ) -> int:
         """One rank's bytes; with PP a stage holds `expert_share` of the MoE layers' experts
-        and `layer_share` of everything else (embeddings and LM head counted by layer share)."""
-        expert = -(-self.expert // ep) if expert_share == 1.0 else int(self.expert * expert_share / ep) + 1
+        and `layer_share` of everything else (embeddings and LM head counted by layer share).
+        `redundant`: EPLB's extra expert slots over the `ep` ranks, (E + R) / ep experts a rank."""
+        expert = self.expert
+        if redundant and self.num_experts:  # whole experts: every MoE layer's slots hold E + R of them
+            expert = self.expert // self.num_experts * (self.num_experts + redundant)
+        expert = -(-expert // ep) if expert_share == 1.0 else int(expert * expert_share / ep) + 1
         dense = -(-self.tp_sharded // tp) + self.replicated
         return expert + (dense if layer_share == 1.0 else int(dense * layer_share) + 1)
 
@@ -100,4 +107,4 @@ def weight_split(cfg: ModelConfig, checkpoint: str | Path | None = None) -> Weig
     m = cfg.moe
     active = params - expert_params + (expert_params * m.top_k // m.num_experts if m.num_experts else 0)
     embed = cfg.vocab_size * cfg.hidden_size
-    return WeightSplit(sums["expert"], sums["tp"], sums["replicated"], params, active - embed)
+    return WeightSplit(sums["expert"], sums["tp"], sums["replicated"], params, active - embed, m.num_experts)

@@ -76,17 +76,26 @@ class RankRunner:
             graphs = GraphSteps(
                 model, cache, device, graph.config, graph.max_num_seqs, graph.eager, alloc.masked_ids, k
             )
-        return cls(model, cache, device, graphs)
+        balancer = None
+        if alloc.eplb is not None:
+            from k3serve.runner.eplb import ExpertBalancer
 
-    def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device, graphs=None):
-        """`graphs`: runner/graph_step.py GraphSteps, which run pure decode steps (graph backend)."""
+            balancer = ExpertBalancer(model, alloc.eplb)
+        return cls(model, cache, device, graphs, balancer)
+
+    def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device, graphs=None, balancer=None):
+        """`graphs`: runner/graph_step.py GraphSteps, which run pure decode steps (graph backend);
+        `balancer`: runner/eplb.py ExpertBalancer (--enable-eplb), stepped before each forward."""
         self.model, self.cache, self.device, self.graphs = model, cache, device, graphs
+        self.balancer = balancer
         # the last verify pass's per-position KDA states, until its rollback command (which
         # arrives after the driver sampled: a second, small command under tensor parallelism)
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> StepResult:
+        if self.balancer is not None:  # every rank, every step: a due rebalance runs between steps
+            self.balancer.step()
         ep_rows = self.graphs.decide(inp, taps) if self.graphs is not None else None
         if ep_rows is not None:
             self.copy_states(inp.restore)
@@ -136,6 +145,8 @@ class RankRunner:
     def idle(self) -> None:
         """DP-attention + EP with nothing scheduled: no tokens, but every MoE layer's collectives
         (a padding static step when the other ranks run static, runner/graph_step.py)."""
+        if self.balancer is not None:
+            self.balancer.step()
         ep_rows = self.graphs.decide(None) if self.graphs is not None else None
         if ep_rows is not None:
             self.graphs.run_padding(ep_rows)
@@ -164,6 +175,8 @@ class RankRunner:
         if loads:
             total = sum(loads)  # [E] over the MoE layers
             out["expert_tokens_per_rank"] = tuple(total.view(group.size, -1).sum(1).tolist())
+        if self.balancer is not None:
+            out.update(self.balancer.stats())
         return out
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:

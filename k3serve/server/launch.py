@@ -155,6 +155,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "allgather_reducescatter (or naive) sends every rank's rows to every rank",
     )
     p.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="expert-parallel load balancing: move (and replicate) experts between the ranks from their "
+        "measured load (runner/eplb.py); needs --enable-expert-parallel",
+    )
+    p.add_argument(
+        "--eplb-config",
+        default=None,
+        help='EPLB as JSON, vLLM\'s keys: {"window_size": 1000, "step_interval": 3000, '
+        '"num_redundant_experts": 0, "log_balancedness": false}',
+    )
+    p.add_argument(
         "--distributed-executor-backend",
         default="mp",
         choices=("mp", "ray", "uni"),
@@ -558,6 +570,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout=args.distributed_timeout,
         all2all_backend=args.all2all_backend,
+        enable_eplb=args.enable_eplb,
+        eplb_config=args.eplb_config,
         data_parallel_backend=args.data_parallel_backend,
         distributed_executor_backend="ray" if args.distributed_executor_backend == "ray" else "mp",
         nnodes=args.nnodes,
@@ -713,6 +727,7 @@ def headless(args: argparse.Namespace) -> int | None:
     where = placement(config)
     kw = dict(
         expert_parallel=config.enable_expert_parallel,
+        redundant_experts=config.redundant_experts,
         dtype=where.dtype,
         load_format=config.load_format,
         kernels=config.kernels,

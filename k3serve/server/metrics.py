@@ -244,6 +244,18 @@ class _EngineCollector:
                 "Busiest expert-parallel rank's assignments / the mean (1 = balanced)",
                 max(s.expert_tokens_per_rank) / mean if mean else 1.0,
             )
+        if s.eplb_rebalances:
+            yield counter(
+                "k3serve:eplb_rebalances", "Expert-parallel load rebalances run (--enable-eplb)", s.eplb_rebalances
+            )
+            g = GaugeMetricFamily(
+                "k3serve:eplb_imbalance",
+                "The last rebalance's window: busiest rank's assignments / the mean, as run and as placed now",
+                labels=[*LABELS, "placement"],
+            )
+            for which, v in zip(("before", "after"), s.eplb_balance):
+                g.add_metric([*self.lv, which], v)
+            yield g
         if s.tp_collectives:
             secs = CounterMetricFamily(
                 "k3serve:tp_collective_seconds",

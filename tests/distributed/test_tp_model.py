@@ -43,6 +43,11 @@ def greedy_logits(path, tp=None, kernels="auto", steps=3, dtype=torch.float32, p
     kw = {} if tp is None else {"tp": tp}
     model = load_model(path, dtype=dtype, progress=False, ep=ep, **kw)
     model.use_kernels(kernels)
+    return decode(model, prompt, steps)
+
+
+def decode(model, prompt, steps=3) -> torch.Tensor:
+    """Prefill then greedy decode steps on a fresh cache: [len(prompt) + steps, V] logits."""
     cache = CacheTensors.allocate(model.cfg, 2, 8, BLOCK, tp_size=model.tp.size)
     table = list(range(8))
     fb = ForwardBatch(torch.tensor(prompt), [len(prompt)], [0], [1], [table], BLOCK)
