@@ -68,6 +68,7 @@ class EngineConfig:
     enforce_eager: bool = False  # vLLM's flag: no torch.compile, no CUDA graphs
     compilation_config: Any = None  # vLLM's --compilation-config JSON (config/compilation.py)
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
+    pipeline_parallel_size: int = 1  # stages the layers are split over, TP ranks each (parallel/stages.py)
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
     all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
     # the expert-parallel load balancer (runner/eplb.py): rebalance experts over the ranks from
@@ -144,6 +145,10 @@ class EngineConfig:
             raise ValueError("kv_offloading_size and kv_offloading_dir_size are GiB and must be > 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
         if self.data_parallel_backend not in ("mp", "threads"):
             raise ValueError(
                 f"data_parallel_backend must be 'mp' (a worker process per DP-attention rank) or "
@@ -170,6 +175,19 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
         if self.extra:
             raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline stages do not run yet, refused by the flag that asks for it."""
+        if self.kernels in ("graph", "triton"):
+            raise ValueError(
+                f"--kernels {self.kernels} with --pipeline-parallel-size: the static graph step is not built "
+                "across pipeline stages; use --kernels auto (CPU) / cpp / torch"
+            )
+        if self.kv_offloading_size is not None or self.kv_offloading_dir is not None:
+            raise ValueError(
+                "--kv-offloading-size / --kv-offloading-dir with --pipeline-parallel-size: the prefix-cache "
+                "tiers do not read state from several stages yet; the device prefix cache works"
+            )
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":

@@ -30,7 +30,7 @@ from k3serve.executor.uniproc import UniProcExecutor
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import ControlChannel, NodeLayout, control_group
 from k3serve.parallel.shm import create_segment
-from k3serve.distributed.worker import WorkerSpec, make_group, worker_main
+from k3serve.distributed.worker import WorkerSpec, rank_groups, worker_main
 
 log = logging.getLogger("k3serve.distributed")
 
@@ -62,8 +62,10 @@ def worker_base(
     timeout_s: float,
     shm_path: str | None,
     redundant_experts: int | None = None,
+    pp_size: int = 1,
 ) -> dict:
-    """The WorkerSpec fields every rank of one engine shares (all but `rank`)."""
+    """The WorkerSpec fields every rank of one engine shares (all but `rank`); `tp_size`: every
+    rank (TP x PP with `pp_size` pipeline stages: rank g = stage * TP + t)."""
     threads = max(1, (os.cpu_count() or 1) // len(nodes.ranks(tp_size)))  # this node's share of its cores
     prefix = f"k3serve-tp-{port}" if nodes.multi else f"k3serve-{uuid.uuid4().hex}"  # nodes must agree
     return dict(
@@ -80,6 +82,7 @@ def worker_base(
         device=torch.device(device).type,  # each rank's own device: WorkerSpec.rank_device
         threads=threads,
         redundant_experts=redundant_experts,
+        **(dict(pp_size=pp_size, tp_size=tp_size // pp_size) if pp_size > 1 else {}),
         master_addr=nodes.master_addr if nodes.multi else "127.0.0.1",
         control=nodes.multi,
         per_node=tp_size // nodes.nnodes,
@@ -140,8 +143,10 @@ class WorkerGroup:
         timeout_s: float = 120.0,
         nodes: NodeLayout = NodeLayout(),
         redundant_experts: int | None = None,
+        pp_size: int = 1,
     ):
-        """`redundant_experts`: EPLB's extra expert slots (parallel/group.py), None: EPLB off."""
+        """`tp_size`: every rank (TP x PP with pipeline stages); `redundant_experts`: EPLB's
+        extra expert slots (parallel/group.py), None: EPLB off; `pp_size`: pipeline stages."""
         nodes.check(tp_size)
         self.size, self.timeout_s, self.nodes = tp_size, timeout_s, nodes
         self.error: str | None = None
@@ -165,6 +170,7 @@ class WorkerGroup:
             timeout_s=timeout_s,
             shm_path=self._shm_path,
             redundant_experts=redundant_experts,
+            pp_size=pp_size,
         )
         # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
         # spinning on a core a peer needs makes every collective wait for the scheduler
@@ -180,14 +186,15 @@ class WorkerGroup:
     def _start_workers(self, base: dict, ranks: list[int], pipes: bool) -> tuple[list, list]:
         return spawn_workers(base, ranks, pipes)
 
-    def join_group(self) -> TPGroup:
-        """Rank 0's group: a rendezvous with every worker, bounded by timeout_s, that gives up as
-        soon as a worker reports an error or exits (the rendezvous itself cannot see that)."""
+    def join_group(self) -> dict:
+        """Rank 0's groups (distributed/worker.py rank_groups): a rendezvous with every worker,
+        bounded by timeout_s, that gives up as soon as a worker reports an error or exits (the
+        rendezvous itself cannot see that)."""
         box: dict = {}
 
         def rendezvous():
             try:
-                box["tp"] = make_group(self._spec, self._store, 0)
+                box["groups"] = rank_groups(self._spec, self._store, 0)
                 if self.nodes.multi:
                     self._channel = ControlChannel(control_group(self._store, self._spec.prefix, 0, self.size), 0)
             except BaseException as e:  # noqa: BLE001 - re-raised below
@@ -201,7 +208,7 @@ class WorkerGroup:
         if "error" in box:
             self.shutdown()
             raise WorkerDied(f"{self.kind} group did not form: {box['error']}")
-        return box["tp"]
+        return box["groups"]
 
     def _check_start(self) -> None:
         """Raise a worker's start-up error or exit, if there is one."""
@@ -360,13 +367,14 @@ class MultiprocExecutor(WorkerGroup, Executor):
     """Tensor-parallel ranks: rank 0 a UniProcExecutor in this process, ranks 1..N-1 workers that
     run every command rank 0 runs, in the same order (their collectives pair with its)."""
 
-    def __init__(self, model_path: str, tp_size: int, *, where, progress: bool = True, **kw):
-        super().__init__(model_path, tp_size, dtype=where.dtype, device=where.device, **kw)
+    def __init__(self, model_path: str, tp_size: int, *, where, progress: bool = True, pp_size: int = 1, **kw):
+        """`tp_size` ranks per pipeline stage, `pp_size` stages (rank 0, the driver's, on stage 0)."""
+        super().__init__(model_path, tp_size * pp_size, dtype=where.dtype, device=where.device, pp_size=pp_size, **kw)
         self.model_path = model_path
         try:
-            tp = self.join_group()
+            groups = self.join_group()
             self.rank0 = UniProcExecutor.load(
-                model_path, where, load_format=kw["load_format"], progress=progress, tp=tp
+                model_path, where, load_format=kw["load_format"], progress=progress, **groups
             )
             self.wait_ready()
         except BaseException:  # no worker outlives an executor that failed to start
@@ -399,7 +407,7 @@ class MultiprocExecutor(WorkerGroup, Executor):
         self.rank0.allocate(alloc)
 
     def execute(self, inputs, taps: tuple[int, ...] = ()):
-        self.send("forward", inputs)
+        self.send("forward", inputs, taps)  # a later pipeline stage captures the tap layers it holds
         return self.rank0.execute(inputs, taps)
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:

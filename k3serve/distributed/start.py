@@ -18,9 +18,11 @@ def start_executor(config, where) -> Executor:
     """The ranks of `config.tensor_parallel_size`, loaded and ready (the checkpoint fetched first
     when `config.model` is a hub id)."""
     model_path = model_source(config)
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
         return UniProcExecutor.load(model_path, where, load_format=config.load_format, progress=config.load_progress)
-    check_multi_rank(where, "--tensor-parallel-size")
+    check_multi_rank(
+        where, "--tensor-parallel-size" if config.pipeline_parallel_size == 1 else "--pipeline-parallel-size"
+    )
     group = TPGroup(
         0, config.tensor_parallel_size, config.enable_expert_parallel, redundant_experts=config.redundant_experts
     )
@@ -33,6 +35,7 @@ def start_executor(config, where) -> Executor:
         timeout_s=config.distributed_timeout,
         where=where,
         progress=config.load_progress,
+        pp_size=config.pipeline_parallel_size,
     )
     if config.distributed_executor_backend == "ray":
         from k3serve.distributed.ray_executor import RayExecutor, ray_layout
@@ -47,10 +50,11 @@ def node_layout(config) -> NodeLayout:
 
     if torchrun_rank() is not None:
         rank, world = torchrun_rank()
-        if world != config.tensor_parallel_size:
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        if world != ranks:
             raise ValueError(
-                f"torchrun started {world} processes; --tensor-parallel-size is "
-                f"{config.tensor_parallel_size}: they must be equal (one process per rank)"
+                f"torchrun started {world} processes; --tensor-parallel-size x --pipeline-parallel-size is "
+                f"{ranks}: they must be equal (one process per rank)"
             )
         return torchrun_layout()
     return NodeLayout(config.nnodes, config.node_rank, config.master_addr, config.master_port)

@@ -47,7 +47,8 @@ class WorkerSpec:
     dp_attention: bool = False  # a DP-attention rank: a replica's model, experts by id over `world`
     all2all: str = "auto"  # its MoE layers' token exchange (layers/moe_dispatch.py)
     redundant_experts: int | None = None  # EPLB's extra expert slots over the expert group; None: off
-    tp_size: int = 1  # DP-attention: TP ranks per DP rank (rank = dp rank * tp_size + tp rank)
+    tp_size: int = 1  # DP-attention / pipeline stages: TP ranks per DP rank or stage (rank = block * tp_size + tp rank)
+    pp_size: int = 1  # pipeline stages (rank // tp_size: this rank's stage)
     tp_shm_paths: tuple[str, ...] = ()  # DP-attention with TP: each DP rank's TP segment by DP rank ("": none here)
     per_node: int = 0  # ranks on each node (0: all `world`): rank r is local rank r % per_node
     ray: bool = False  # a Ray actor: on CUDA it sees only the GPU Ray gave it
@@ -85,7 +86,8 @@ def make_group(spec: WorkerSpec, store, rank: int):
 
 
 def make_dp_tp_group(spec: WorkerSpec, store):
-    """A DP-attention rank's TP group: the tp_size ranks of its DP rank (NO_TP for TP 1)."""
+    """A DP-attention rank's TP group: the tp_size ranks of its DP rank (NO_TP for TP 1); a
+    pipeline stage's likewise (with its experts split by id under --enable-expert-parallel)."""
     from k3serve.parallel.group import NO_TP, TPGroup
 
     if spec.tp_size == 1:
@@ -95,7 +97,33 @@ def make_dp_tp_group(spec: WorkerSpec, store):
     pg, shm = _process_group(
         spec, store, f"{spec.prefix}/tp{replica}", t, spec.tp_size, paths[replica] or None if paths else None
     )
-    return TPGroup(t, spec.tp_size, False, pg, shm, device_type=spec.rank_device.type)
+    ep = spec.expert_parallel and not spec.dp_attention
+    return TPGroup(
+        t,
+        spec.tp_size,
+        ep,
+        pg,
+        shm,
+        device_type=spec.rank_device.type,
+        redundant_experts=spec.redundant_experts if ep else None,
+    )
+
+
+def rank_groups(spec: WorkerSpec, store, rank: int) -> dict:
+    """This rank's groups as load_model takes them: {"tp"} (TP), {"ep", "tp"} (DP-attention:
+    the expert group of every rank, the TP group of its DP rank), {"tp", "pipe"} (pipeline
+    stages: the TP group of its stage, and its links over the group of every rank)."""
+    world = make_group(spec, store, rank)
+    if spec.dp_attention:
+        return {"ep": world, "tp": make_dp_tp_group(spec, store)}
+    if spec.pp_size > 1:
+        from k3serve.config.bundled import load_model_config
+        from k3serve.parallel.pipe import stage_pipe
+
+        cfg = load_model_config(spec.model_path)
+        pipe = stage_pipe(cfg, spec.pp_size, spec.tp_size, rank, world.pg, spec.rank_device)
+        return {"tp": make_dp_tp_group(spec, store), "pipe": pipe}
+    return {"tp": world}
 
 
 def _process_group(spec: WorkerSpec, store, prefix: str, rank: int, world: int, shm_path: str | None):
@@ -159,10 +187,9 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         )
         if conn is None and spec.dp_attention:  # DP-attention across nodes: a connection to the driver
             conn = dial_driver(store, spec.prefix, spec.rank)
-        tp = make_group(spec, store, spec.rank)
+        groups = rank_groups(spec, store, spec.rank)
         if conn is None:
             channel = ControlChannel(control_group(store, spec.prefix, spec.rank, spec.world), spec.rank)
-        groups = {"ep": tp, "tp": make_dp_tp_group(spec, store)} if spec.dp_attention else {"tp": tp}
         device = spec.rank_device
         model = load_model(
             spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format, progress=False, **groups

@@ -155,6 +155,11 @@ def build_replicas(config: EngineConfig, dp: int, dp_attention: bool) -> list:
     from k3serve.distributed.dp_replicas import replica_executors
     from k3serve.engine.llm_engine import LLMEngine
 
+    if dp_attention and config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "--pipeline-parallel-size with DP-attention (--data-parallel-size and --enable-expert-parallel): "
+            "the lockstep replicas do not run pipeline stages yet; use TP x PP, or DP-attention without stages"
+        )
     executors = replica_executors(config, dp, dp_attention, placement(config))
     replicas: list[LLMEngine] = []
     try:

@@ -38,11 +38,15 @@ class UniProcExecutor(Executor):
         tp: TPGroup = NO_TP,
         ep: TPGroup | None = None,
         threads: int | None = None,
+        pipe=None,
     ) -> "UniProcExecutor":
-        """Load the checkpoint's share for (`tp`, `ep`) onto `where.device` (engine/setup.py Placement)."""
+        """Load the checkpoint's share for (`tp`, `ep`, pipeline stage `pipe`) onto `where.device`
+        (engine/setup.py Placement)."""
         from k3serve.models.registry import load_model
 
-        model = load_model(model_path, dtype=where.dtype, load_format=load_format, progress=progress, tp=tp, ep=ep)
+        model = load_model(
+            model_path, dtype=where.dtype, load_format=load_format, progress=progress, tp=tp, ep=ep, pipe=pipe
+        )
         return cls(model.to(where.device), where.device, threads, str(model_path))
 
     @property

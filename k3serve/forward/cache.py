@@ -85,17 +85,23 @@ class CacheTensors:
         scratch: bool = False,
         state_dtype: torch.dtype = torch.float32,
         spare: int = 0,
+        layers: range | None = None,
     ) -> "CacheTensors":
         """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole.
         `scratch`: one more slot and block for the static step's padding rows. `spare`: state
-        slots after those for slot-per-draft rollback (cache/draft_slots.py)."""
+        slots after those for slot-per-draft rollback (cache/draft_slots.py). `layers`: a
+        pipeline stage's (the others None here), None: all."""
         k, m = cfg.kda, cfg.mla
         live, num_blocks = num_slots + scratch, num_blocks + scratch
         num_slots = live + spare
         heads = k.num_heads // tp_size
         rec, conv, lat = [], [], []
-        for kind in cfg.layer_kinds:
-            if kind is LayerKind.KDA:
+        for i, kind in enumerate(cfg.layer_kinds):
+            if layers is not None and i not in layers:
+                rec.append(None)
+                conv.append(None)
+                lat.append(None)
+            elif kind is LayerKind.KDA:
                 rec.append(torch.zeros(num_slots, heads, k.head_dim, k.head_dim, dtype=state_dtype, device=device))
                 conv.append(torch.zeros(num_slots, k.conv_kernel - 1, 3 * heads * k.head_dim, device=device))
                 lat.append(None)

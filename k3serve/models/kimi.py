@@ -15,6 +15,8 @@ from k3serve import backends
 from k3serve.backends import TORCH
 from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.parallel.group import NO_TP, TPGroup, vocab_shard
+from k3serve.parallel.pipe import StagePipe
+from k3serve.parallel.stages import Stage
 from k3serve.layers.attnres import attnres_vector
 from k3serve.layers.common import RMSNorm, WeightOnly
 from k3serve.layers.kda import KimiDeltaAttention
@@ -52,16 +54,29 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(y)
 
 
+class OtherStage(nn.Module):
+    """A layer another pipeline stage holds (no parameters; its index keeps the names)."""
+
+
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None, pipe: StagePipe | None = None):
+        """`pipe`: this rank's pipeline stage and its links to the neighbours (parallel/pipe.py):
+        only the stage's layers are built; the first stage embeds, the last holds the final
+        norm and output mix."""
         super().__init__()
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.pipe = cfg, tp, pipe
+        stage = pipe.stage if pipe is not None else Stage(0, 1, range(cfg.num_layers))
+        self.stage = stage
         self.vocab_start, rows = vocab_shard(cfg.vocab_size, tp)  # vocab-parallel under TP
-        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ep) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if stage.first or (stage.last and cfg.tie_word_embeddings):
+            self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, ep) if stage.holds(i) else OtherStage() for i in range(cfg.num_layers)
+        )
+        if stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = TORCH  # the decode stack, AttnRes mix and vectors (k3serve/backends), chosen once
-        if cfg.use_attnres:
+        if cfg.use_attnres and stage.last:
             self.output_attn_res_norm = WeightOnly(cfg.hidden_size)
             self.output_attn_res_proj = WeightOnly(1, cfg.hidden_size)
 
@@ -69,26 +84,42 @@ class KimiModel(nn.Module):
         self, batch: ForwardBatch, cache: CacheTensors, capture: dict[int, torch.Tensor | None] | None = None
     ) -> torch.Tensor:
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
-        [N, d] (the tap layers a DSpark drafter reads)."""
-        h = self.embed(batch.input_ids)  # [N, d]
+        [N, d] (the tap layers a DSpark drafter reads). Under pipeline stages a stage before the
+        last sends its hidden state (and the AttnRes bank) on and returns None."""
         if batch.fresh is not None and batch.fresh.numel():  # new sequences start from zero KDA state
             for t in cache.recurrent + cache.conv:
                 if t is not None:
                     t[batch.fresh] = 0.0
-        if batch.media_rows is not None:  # media pads take the vision tower's rows
-            h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
+        bank: list[torch.Tensor] = []
+        if self.stage.first:
+            h = self.embed(batch.input_ids)  # [N, d]
+            if batch.media_rows is not None:  # media pads take the vision tower's rows
+                h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
+        else:  # the previous stage's hidden state [N, d] and AttnRes block vectors
+            h, bank = self.pipe.receive(len(batch.input_ids), self.dtype)
         # the stack's MLA blocks write fp8 rows at unit scale: a cache with scales runs layer by layer
-        stack = self.backend.decode_stack(self, batch, h) if cache.latent_scale is None else None
+        whole = self.stage.first and self.stage.last
+        stack = self.backend.decode_stack(self, batch, h) if cache.latent_scale is None and whole else None
         if stack is not None:  # a decode / verify step: the whole stack in one compiled call
             return self.backend.run_stack(self, stack, h, batch, cache, capture)  # the last norm inside
         if not self.cfg.use_attnres:
-            for i, layer in enumerate(self.layers):
+            for i in self.stage.layers:
+                layer = self.layers[i]
                 h = h + layer.attn(h, batch, cache)
                 h = h + layer.ffn(h, batch)
                 if capture is not None and i in capture:
                     capture[i] = h
-            return self.norm(h)
-        return self.norm(self._attnres_forward(h, batch, cache, capture))
+        else:
+            h = self._attnres_forward(h, bank, batch, cache, capture)
+        if not self.stage.last:
+            self.pipe.send(h, bank)
+            return None
+        return self.norm(h)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The serving dtype (a stage's first layer norm: every stage holds one)."""
+        return self.layers[self.stage.layers.start].input_layernorm.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[N] -> [N, d]. Vocab-parallel: each rank looks up the ids in its shard, zeros the
@@ -101,13 +132,16 @@ class KimiModel(nn.Module):
         return self.tp.all_reduce(h.masked_fill(~inside[:, None], 0))
 
     def _attnres_forward(
-        self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, capture: dict | None = None
+        self, h: torch.Tensor, bank: list, batch: ForwardBatch, cache: CacheTensors, capture: dict | None = None
     ) -> torch.Tensor:
-        """Spec §6.3: B holds banked block vectors; P is the running intra-block partial sum."""
-        eps, bank = self.cfg.rms_norm_eps, []
+        """Spec §6.3: B holds banked block vectors; P is the running intra-block partial sum.
+        `bank`: the blocks before this stage (a stage starts at a block start: no partial sum
+        crosses it). The last stage returns the output mix, the others h (the bank grown in place)."""
+        eps = self.cfg.rms_norm_eps
         mix = self.backend.attnres_mix
         vectors = self.backend.attnres_vectors(self)
-        for i, layer in enumerate(self.layers):
+        for i in self.stage.layers:
+            layer = self.layers[i]
             w_attn, w_mlp = vectors[2 * i], vectors[2 * i + 1]
             a_in = mix(bank + [h], w_attn, eps) if bank else h
             if i % self.cfg.attn_res_block_size == 0:
@@ -119,36 +153,42 @@ class KimiModel(nn.Module):
             h = partial + layer.ffn(m_in, batch)
             if capture is not None and i in capture:
                 capture[i] = h
-        return mix(bank + [h], vectors[-1], eps)
+        return mix(bank + [h], vectors[-1], eps) if self.stage.last else h
 
     def attnres_vectors(self) -> list[torch.Tensor]:
         """Fused score vectors [d] fp32 (attn, mlp per layer, then output), computed from the
         weights (a kernel backend keeps them; the reference recomputes them every forward, so
         training sees its updates)."""
-        pairs = [
-            (l.self_attention_res_norm, l.self_attention_res_proj, l.mlp_res_norm, l.mlp_res_proj) for l in self.layers
-        ]
-        mods = [w for p in pairs for w in p] + [self.output_attn_res_norm, self.output_attn_res_proj]
-        return [attnres_vector(mods[j].weight, mods[j + 1].weight) for j in range(0, len(mods), 2)]
+        out: list = []
+        for i, l in enumerate(self.layers):  # a layer of another pipeline stage: None, None
+            held = self.stage.holds(i)
+            out += [
+                attnres_vector(l.self_attention_res_norm.weight, l.self_attention_res_proj.weight) if held else None
+            ]
+            out += [attnres_vector(l.mlp_res_norm.weight, l.mlp_res_proj.weight) if held else None]
+        if self.stage.last:
+            out.append(attnres_vector(self.output_attn_res_norm.weight, self.output_attn_res_proj.weight))
+        return out
 
 
 class KimiForCausalLM(nn.Module):
     """`KimiK3ForConditionalGeneration` / `KimiK3ForCausalLM` / `KimiLinearForCausalLM` (text)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = NO_TP, ep: TPGroup | None = None, pipe=None):
         """`tp`: the tensor-parallel group of this rank's attention, MLPs and vocabulary; `ep`:
         DP-attention's expert group (every data-parallel rank's tokens meet each MoE layer's
-        experts there, layers/moe.py), None when experts follow `tp`."""
+        experts there, layers/moe.py), None when experts follow `tp`; `pipe`: this rank's
+        pipeline stage (parallel/pipe.py StagePipe), None: every layer."""
         super().__init__()
-        self.cfg, self.tp, self.ep = cfg, tp, ep
-        self.model = KimiModel(cfg, tp, ep)
-        if not cfg.tie_word_embeddings:
+        self.cfg, self.tp, self.ep, self.pipe = cfg, tp, ep, pipe
+        self.model = KimiModel(cfg, tp, ep, pipe)
+        if not cfg.tie_word_embeddings and self.model.stage.last:
             self.lm_head = WeightOnly(vocab_shard(cfg.vocab_size, tp)[1], cfg.hidden_size)
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors, taps: tuple[int, ...] = ()) -> ForwardOut:
         """Final hidden states [N, d], the `taps` layers' outputs and a verify pass's KDA records."""
         capture = dict.fromkeys(taps) if taps else None
-        hidden = self.model(batch, cache, capture)
+        hidden = self.model(batch, cache, capture)  # None on a pipeline stage before the last
         return ForwardOut(hidden, capture or {}, batch.kda_records)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -167,8 +207,8 @@ class KimiForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The serving dtype (of the embeddings; a few KDA tensors stay FP32 by the spec)."""
-        return self.model.embed_tokens.weight.dtype
+        """The serving dtype (a few KDA tensors stay FP32 by the spec)."""
+        return self.model.dtype
 
     def use_kernels(self, mode: str = "auto"):
         """Choose the backend once (k3serve/backends: "torch", "cpp", "graph", "auto"): every layer, norm,

@@ -20,15 +20,16 @@ MODEL_REGISTRY = {
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = NO_TP, ep: TPGroup | None = None
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = NO_TP, ep: TPGroup | None = None, pipe=None
 ) -> KimiForCausalLM:
     """`tp`: the tensor-parallel group this rank's model is built for (its share of the heads,
     channels or experts); `ep`: DP-attention's expert group (routed experts by id over the
-    data-parallel ranks); the default is the whole single-process model."""
+    data-parallel ranks); `pipe`: its pipeline stage (parallel/pipe.py); the default is the
+    whole single-process model."""
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ConfigError("architectures", f"{cfg.architecture!r} is not supported; known: {sorted(MODEL_REGISTRY)}")
-    return cls(cfg, tp, ep).to(dtype).eval()
+    return cls(cfg, tp, ep, pipe).to(dtype).eval()
 
 
 def load_model(
@@ -40,6 +41,7 @@ def load_model(
     ep: TPGroup | None = None,
     device: str | torch.device = "cpu",
     stats=None,
+    pipe=None,
 ) -> KimiForCausalLM:
     """This rank's model for (`tp`, `ep`) on `device`. The model is built on the meta device
     (nothing allocated) and each weight it keeps is read from the files' mmap, only its slice,
@@ -47,18 +49,21 @@ def load_model(
     `load_format` fastsafetensors reads whole files through that library instead, then keeps
     this rank's share."""
     from k3serve.parallel.rank_load import rank_weights
+    from k3serve.parallel.stages import on_stage
     from k3serve.parallel.shard import shard_weights
     from k3serve.weights.loader import LOAD_FORMATS, load_weights
 
     cfg = load_model_config(path)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    stage = pipe.stage if pipe is not None else None
     if load_format == "fastsafetensors":
-        model = build_model(cfg, dtype, tp, ep)  # first: its layers name a dimension the TP size does not divide
+        model = build_model(cfg, dtype, tp, ep, pipe)  # first: its layers name a dimension the TP size does not divide
         weights = load_weights(path, cfg, load_format=load_format, progress=progress)
+        weights = {k: w for k, w in weights.items() if on_stage(k, cfg, stage)}
         model.load_weights(shard_weights(weights, cfg, tp, ep))
         return model.to(device)
     with torch.device("meta"):
-        model = build_model(cfg, dtype, tp, ep)
-    model.load_weights(rank_weights(path, cfg, tp, ep, torch.device(device), stats, progress))
+        model = build_model(cfg, dtype, tp, ep, pipe)
+    model.load_weights(rank_weights(path, cfg, tp, ep, torch.device(device), stats, progress, stage))
     return model

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from k3serve.config.model_config import ModelConfig
 from k3serve.parallel.eplb_policy import expert_slots, initial_slot
 from k3serve.parallel.group import TPGroup, vocab_shard
+from k3serve.parallel.stages import Stage, on_stage
 from k3serve.parallel.shard import _COLUMNS, _ROWS, _VOCAB, Weight, check_expert_split, shard_weights
 from k3serve.weights.checkpoint import CheckpointIndex
 from k3serve.weights.loader import canonicalize, check_finite, validate_checkpoint
@@ -48,8 +49,10 @@ def rank_weights(
     device,
     stats: ReadStats | None = None,
     progress: bool = False,
+    stage: Stage | None = None,
 ) -> Iterator[tuple[str, Weight]]:
-    """(canonical name on this rank, weight on `device`) for every text-model weight it keeps."""
+    """(canonical name on this rank, weight on `device`) for every text-model weight it keeps
+    (`stage`: of its pipeline stage's layers only)."""
     index = CheckpointIndex.open(path)
     specs = [s for s in validate_checkpoint(index, cfg) if not s.vision]
     prefix = cfg.tensor_prefix
@@ -62,7 +65,7 @@ def rank_weights(
     handles: dict[Path, object] = {}
     stats = stats if stats is not None else ReadStats()
     for canon in tqdm(order, desc="loading weights", unit="tensor", disable=not progress):
-        keep = _plan(canon, cfg, tp, ep)
+        keep = _plan(canon, cfg, tp, ep) if on_stage(canon, cfg, stage) else None
         if keep is None:
             continue  # another rank's expert: not read
         raw, whole = {}, False

@@ -67,7 +67,9 @@ def launch_commands(
     if nodes > 1:
         k3 += f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $HEAD_IP --master-port 29500"
     if layout.pp > 1:
-        k3 += f" --pipeline-parallel-size {layout.pp}  # waits for k3serve's pipeline stages: serve it with vLLM or SGLang"
+        k3 += f" --pipeline-parallel-size {layout.pp}"
+        if layout.dp > 1:
+            k3 += "  # DP-attention inside pipeline stages waits for k3serve's lockstep stages: use TP x PP"
     elif nodes > 1 and layout.dp > 1 and layout.ep == 1:
         k3 += "  # plain replicas span one node each: start one server per node behind a load balancer"
     return {"k3serve": k3, "vllm": vllm, "sglang": sgl}

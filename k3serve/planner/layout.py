@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3serve.config.model_config import ModelConfig
+from k3serve.parallel.stages import stage_layers
 
 NVLINK, NIC = "scale-up", "NIC"
 
@@ -55,6 +56,8 @@ class Layout:
             out.append(f"{E} routed experts do not divide by EP {self.ep}")
         if self.pp > cfg.num_layers:
             out.append(f"PP {self.pp} exceeds the {cfg.num_layers} layers")
+        elif cfg.use_attnres and self.pp > len(cfg.attnres_block_starts):
+            out.append(f"PP {self.pp} exceeds the {len(cfg.attnres_block_starts)} AttnRes blocks a stage starts at")
         return out
 
     def links(self, scaleup_domain: int) -> dict[str, str]:
@@ -91,17 +94,6 @@ class Layout:
         return "scale-up" if links else "-"
 
 
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """Contiguous layer ranges, the first stages one layer longer when it does not divide."""
-    base, extra = divmod(num_layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        n = base + (s < extra)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
 @dataclass(frozen=True)
 class StageShares:
     """Layer shares of the most loaded pipeline stage: what one rank's caches and weights hold."""
@@ -117,7 +109,10 @@ def stage_shares(cfg: ModelConfig, pp: int) -> StageShares:
         return StageShares()
     kda, mla = set(cfg.kda_layers), set(cfg.mla_layers)
     moe = {i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)}
-    stages = stage_layers(cfg.num_layers, pp)
+    try:
+        stages = stage_layers(cfg, pp)  # the engine's split (parallel/stages.py)
+    except ValueError:  # more stages than places to cut: `problems` refuses the layout
+        return StageShares()
 
     def share(kind: set[int]) -> float:
         return max(len(kind & set(s)) for s in stages) / len(kind) if kind else 0.0

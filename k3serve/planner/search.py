@@ -85,19 +85,20 @@ class PlanReport:
         return next((r for r in self.results if r.fits), None)
 
     def launch(self) -> dict[str, str]:
-        """The best layout's launch lines; where it has pipeline stages, which k3serve does not
-        run yet, k3serve's line is that of the best-ranked fitting layout without them."""
+        """The best layout's launch lines; where it puts DP-attention inside pipeline stages,
+        which k3serve does not run yet, k3serve's line is that of the best-ranked fitting
+        layout it runs (TP x PP, or DP-attention without stages)."""
         best = self.best()
         if best is None:
             return {}
         out = dict(best.commands)
-        if best.layout.pp > 1:
-            flat = next((r for r in self.results if r.fits and r.layout.pp == 1), None)
-            if flat is not None:
+        if best.layout.pp > 1 and best.layout.dp > 1:
+            runs = next((r for r in self.results if r.fits and (r.layout.pp == 1 or r.layout.dp == 1)), None)
+            if runs is not None:
                 out["k3serve"] = (
-                    f"{flat.commands['k3serve'].split('  #')[0]}  # {flat.gpu.name} "
-                    f"{flat.layout.label}: the best layout here without pipeline stages, which "
-                    f"k3serve does not run yet"
+                    f"{runs.commands['k3serve'].split('  #')[0]}  # {runs.gpu.name} "
+                    f"{runs.layout.label}: the best layout here k3serve runs (DP-attention inside "
+                    f"pipeline stages is not built yet)"
                 )
         return out
 

@@ -116,15 +116,46 @@ class RankRunner:
             fb.media_rows, fb.media_embeds = inp.media_rows.to(self.device), inp.media_embeds.to(self.device)
         self.copy_states(inp.restore)  # a prefix hit resumes from its checkpoint
         out = self.model(fb, self.cache, taps)
-        hidden, self.records = out.hidden, out.kda_records  # [N, d]
+        hidden, self.records = out.hidden, out.kda_records  # [N, d]; None on a stage before the last
         self.copy_states(inp.save)  # states exactly at chunk ends become checkpoints
-        prompt = [self.model.compute_logits(hidden[b : b + n]).float().cpu() for b, n in inp.prompt_rows]
-        logits = None
-        if inp.logit_rows:  # a pure decode step asks every row in order: no gather
-            every = inp.logit_rows == list(range(hidden.shape[0]))
-            rows = hidden if every else hidden[torch.tensor(inp.logit_rows, device=self.device)]
-            logits = self.model.compute_logits(rows).float().cpu()
+        prompt, logits = [], None
+        if hidden is not None:
+            prompt = [self.model.compute_logits(hidden[b : b + n]).float().cpu() for b, n in inp.prompt_rows]
+            if inp.logit_rows:  # a pure decode step asks every row in order: no gather
+                every = inp.logit_rows == list(range(hidden.shape[0]))
+                rows = hidden if every else hidden[torch.tensor(inp.logit_rows, device=self.device)]
+                logits = self.model.compute_logits(rows).float().cpu()
+        if self.model.pipe is not None:
+            return self._pipeline_result(inp, self.model.pipe, logits, prompt, out.taps, taps)
         return StepResult(logits, prompt, out.taps)
+
+    def _pipeline_result(self, inp: StepInputs, pipe, logits, prompt, captured: dict, taps) -> StepResult:
+        """Pipeline stages: each later stage's TP rank 0 sends the driver (rank 0) the tap layers'
+        states it captured, the last one also the logits; the driver returns all of it."""
+        n, d, vocab = len(inp.input_ids), self.model.cfg.hidden_size, self.model.cfg.vocab_size
+        captured = {i: t for i, t in captured.items() if pipe.stage.holds(i)}  # the taps of this stage
+        if pipe.reports:
+            out = [captured[i] for i in sorted(captured)]
+            if pipe.stage.last:
+                out += ([logits] if logits is not None else []) + prompt
+            pipe.to_driver(out)
+        if pipe.rank != 0:
+            return StepResult(None, [])
+        got = dict(captured)
+        for s in range(1, pipe.stage.count):
+            here = sorted(i for i in taps if i in pipe.stages[s])
+            specs = [((n, d), self.model.dtype)] * len(here)
+            last = s == pipe.stage.count - 1
+            if last:
+                specs += [((len(inp.logit_rows), vocab), torch.float32)] if inp.logit_rows else []
+                specs += [((c, vocab), torch.float32) for _, c in inp.prompt_rows]
+            received = pipe.from_rank(s * pipe.tp_size, specs)
+            got.update(zip(here, received))
+            if last:
+                rest = received[len(here) :]
+                logits = rest.pop(0).cpu() if inp.logit_rows else None
+                prompt = [t.cpu() for t in rest]
+        return StepResult(logits, prompt, got)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -249,6 +280,7 @@ def allocate_cache(
         scratch=scratch,
         state_dtype=getattr(torch, plan.state_dtype),
         spare=plan.num_slots * draft_positions if scratch else 0,
+        layers=model.model.stage.layers,
     )
     scales = getattr(model, "kv_scales", {})
     if kv_dtype == torch.float8_e4m3fn and (scales or calculate_kv_scales):

@@ -127,6 +127,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="ranks the attention heads and MLP channels are split over (one local process each)",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages the layers are split over (AttnRes blocks kept whole), each of "
+        "--tensor-parallel-size ranks: TP x PP local worker processes",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="split the routed experts over those ranks by expert id instead of by channel",
@@ -567,6 +575,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         mm_encoder_cache=args.mm_encoder_cache,
         max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout=args.distributed_timeout,
         all2all_backend=args.all2all_backend,
@@ -728,6 +737,7 @@ def headless(args: argparse.Namespace) -> int | None:
     kw = dict(
         expert_parallel=config.enable_expert_parallel,
         redundant_experts=config.redundant_experts,
+        pp_size=config.pipeline_parallel_size,
         dtype=where.dtype,
         load_format=config.load_format,
         kernels=config.kernels,
@@ -758,11 +768,11 @@ def headless(args: argparse.Namespace) -> int | None:
         "node %d of %d: tensor-parallel ranks %s, driver at %s:%d",
         args.node_rank,
         args.nnodes,
-        nodes.ranks(tp),
+        nodes.ranks(tp * config.pipeline_parallel_size),
         args.master_addr,
         args.master_port,
     )
-    return run_headless(path, tp, nodes, **kw)
+    return run_headless(path, tp * config.pipeline_parallel_size, nodes, **kw)
 
 
 def start_line(args: argparse.Namespace) -> str:

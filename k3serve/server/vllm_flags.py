@@ -32,7 +32,6 @@ FLAGS = [
     ),
     VllmFlag("--swap-space", True, "k3serve preempts by recompute and never swaps to CPU"),
     VllmFlag("--cpu-offload-gb", True, "weight offloading is not built", refuse=True, allowed=("0",)),
-    VllmFlag("--pipeline-parallel-size", True, "pipeline parallelism is not built", refuse=True, allowed=("1",)),
     VllmFlag(
         "--mm-processor-kwargs",
         True,

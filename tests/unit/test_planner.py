@@ -487,17 +487,17 @@ def test_plan_cli_reports_the_pd_layout(capsys):
 
 
 def test_k3serves_launch_line_is_a_layout_it_runs(capsys):
-    """16 x B200 ranks pipeline layouts first; k3serve runs no pipeline stages yet, so its launch
-    line is the best fitting layout without them (TP inside DP-attention ranks over two nodes),
-    and vLLM's and SGLang's lines stay the best layout's."""
+    """16 x B200 ranks DP-attention inside pipeline stages first; k3serve runs TP x PP stages but
+    not DP-attention inside them yet, so its launch line is the best fitting layout it runs (TP8
+    stages over two nodes), and vLLM's and SGLang's lines stay the best layout's."""
     cfg = load_model_config(K3)
     rep = plan(cfg, K3, "bundled", [get_gpu("B200")], weight_split(cfg), Workload(context=32768), num_gpus=16)
     best = rep.best()
-    assert best.layout.pp == 2
+    assert best.layout.pp == 2 and best.layout.dp > 1
     line = rep.launch()["k3serve"]
-    assert "--pipeline-parallel-size" not in line and "pipeline stages" in line
-    flat = next(r for r in rep.results if r.fits and r.layout.pp == 1)
-    assert line.split("  #")[0] == flat.commands["k3serve"].split("  #")[0]
+    runs = next(r for r in rep.results if r.fits and (r.layout.pp == 1 or r.layout.dp == 1))
+    assert line.split("  #")[0] == runs.commands["k3serve"].split("  #")[0]
+    assert "--pipeline-parallel-size 2" in line and "DP-attention inside pipeline stages" in line
     assert "--enable-expert-parallel" in line and "--nnodes 2" in line
     assert rep.launch()["vllm"] == best.commands["vllm"]
 

@@ -1,0 +1,173 @@
+"""Pipeline stages (issue 62 item 1): `--pipeline-parallel-size 2` splits the layers over two
+worker ranks (AttnRes blocks kept whole, parallel/stages.py); each holds only its layers'
+weights, KDA states and latent rows, and hands its hidden state and block vectors to the next.
+The reference is the single-process engine: greedy tokens equal, on both tiny architectures,
+with the kernels and torch, prefix-cache hits, ngram and DSpark speculation (the tap layers'
+states come back from the stage holding them), and TP inside the stages with experts split by
+id (slow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3serve import LLM, SamplingParams
+from k3serve.config.bundled import load_model_config
+from k3serve.parallel.stages import stage_layers
+
+KW = dict(cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, seed=0)
+SHARED = "A shared system prompt about foxes and dogs, long enough to fill blocks. " * 3
+PROMPTS = [SHARED + f"request {i}: " + "the quick brown fox " * (i % 4) for i in range(6)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def twice(path, **kw):
+    """The prompts twice (the second pass hits the prefix cache): both passes' tokens."""
+    llm = LLM(path, **KW, **kw)
+    try:
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        return first, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_k3_dir, tiny_kl_dir):
+    return {kind: twice(path, kernels="torch") for kind, path in (("k3", tiny_k3_dir), ("kl", tiny_kl_dir))}
+
+
+def _path(kind, tiny_k3_dir, tiny_kl_dir):
+    return tiny_k3_dir if kind == "k3" else tiny_kl_dir
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_pp2_equals_one_process_with_prefix_hits(kind, kernels, references, tiny_k3_dir, tiny_kl_dir):
+    first, second = twice(_path(kind, tiny_k3_dir, tiny_kl_dir), pipeline_parallel_size=2, kernels=kernels)
+    assert (first, second) == references[kind]
+
+
+def test_pp2_prefix_cache_hits_and_stage_caches(tiny_k3_dir):
+    """The second pass is served from the prefix cache; each stage's cache holds its layers only."""
+    from k3serve.engine.stats import snapshot
+
+    llm = LLM(tiny_k3_dir, pipeline_parallel_size=2, **KW)
+    try:
+        llm.generate(PROMPTS, GREEDY)
+        before = snapshot(llm.engine).prefix_hits
+        llm.generate(PROMPTS, GREEDY)
+        assert snapshot(llm.engine).prefix_hits > before
+        cache = llm.engine.executor.cache  # rank 0: stage 0
+        held = [i for i, t in enumerate(cache.recurrent) if t is not None] + [
+            i for i, t in enumerate(cache.latent) if t is not None
+        ]
+        cfg = load_model_config(tiny_k3_dir)
+        assert sorted(held) == list(stage_layers(cfg, 2)[0])
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("spec", ["ngram", "dspark"])
+def test_pp2_with_speculation_equals_one_process(spec, references, tiny_k3_dir, random_dspark):
+    config = NGRAM if spec == "ngram" else {"method": "dspark", "model": random_dspark, "num_speculative_tokens": 4}
+    first, second = twice(tiny_k3_dir, pipeline_parallel_size=2, speculative_config=config)
+    assert (first, second) == references["k3"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_tp2_x_pp2_with_expert_parallel_and_ngram_equals_one_process(kind, references, tiny_k3_dir, tiny_kl_dir):
+    path = _path(kind, tiny_k3_dir, tiny_kl_dir)
+    got = twice(path, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert got == references[kind]
+    got = twice(
+        path, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, speculative_config=NGRAM
+    )
+    assert got == references[kind]
+
+
+def test_pp2_with_expert_parallel_equals_one_process(references, tiny_kl_dir):
+    """PP2 x TP2 with the experts split by id inside each stage (4 ranks)."""
+    got = twice(tiny_kl_dir, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert got == references["kl"]
+
+
+def test_what_stages_do_not_run_yet_is_refused_by_name(tiny_k3_dir, tmp_path):
+    with pytest.raises(ValueError, match="--kernels graph with --pipeline-parallel-size"):
+        LLM(tiny_k3_dir, pipeline_parallel_size=2, kernels="graph", **KW)
+    with pytest.raises(ValueError, match="--kv-offloading-size / --kv-offloading-dir with --pipeline-parallel-size"):
+        LLM(tiny_k3_dir, pipeline_parallel_size=2, kv_offloading_dir=str(tmp_path), **KW)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size with DP-attention"):
+        LLM(tiny_k3_dir, pipeline_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, **KW)
+
+
+def test_stages_keep_attnres_blocks_whole_and_balance_weight():
+    k3 = load_model_config("moonshotai/Kimi-K3")
+    for pp in (2, 4, 8):
+        stages = stage_layers(k3, pp)
+        assert [s.start for s in stages][0] == 0 and stages[-1].stop == k3.num_layers
+        assert all(s.start % k3.attn_res_block_size == 0 for s in stages)
+    kl = load_model_config("moonshotai/Kimi-Linear-48B-A3B-Instruct")
+    sizes = [len(s) for s in stage_layers(kl, 4)]
+    assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 16 exceeds the 8 AttnRes blocks"):
+        stage_layers(k3, 16)
+
+
+@pytest.mark.slow  # 16 ranks on two "nodes" of this machine
+def test_the_planners_16_h200_k3_line_with_stages_starts(tmp_path):
+    """`k3serve plan` for K3 on 16 x H200 prints a TP8 x PP2 line over two nodes; pointed at a
+    tiny K3 with 8 heads (the same layout flags; cache and length sized for this CPU), node 1 runs
+    headless and node 0's engine serves the single-process tokens."""
+    import shlex
+    import subprocess
+    import sys
+
+    from k3serve.cli import build_parser
+    from k3serve.planner.hardware import get_gpu
+    from k3serve.planner.memory import Workload
+    from k3serve.planner.search import plan
+    from k3serve.planner.weights import weight_split
+    from k3serve.server.launch import engine_kwargs
+    from k3serve.testing.builder import build_tiny_checkpoint
+    from k3serve.testing.tiny_configs import tiny_k3_config
+    from tests.live import free_port
+
+    k3 = load_model_config("moonshotai/Kimi-K3")
+    rep = plan(k3, "moonshotai/Kimi-K3", "bundled", [get_gpu("H200")], weight_split(k3), Workload(), num_gpus=16)
+    line = rep.launch()["k3serve"].split("  #")[0]
+    assert "--pipeline-parallel-size 2" in line and "--tensor-parallel-size 8" in line, line
+    raw = tiny_k3_config()
+    raw["text_config"].update(num_attention_heads=8, num_key_value_heads=8)
+    raw["text_config"]["linear_attn_config"].update(num_heads=8)
+    path = build_tiny_checkpoint(tmp_path / "k3h8", config=raw)
+    port = free_port()
+    cmd = shlex.split(line.replace("moonshotai/Kimi-K3", str(path)))
+    cmd = [c.replace("$HEAD_IP", "127.0.0.1").replace("29500", str(port)) for c in cmd]
+    small = ["--cache-memory", "16MiB", "--max-model-len", "256", "--max-num-seqs", "4"]
+    node1 = [c if c != "$NODE_RANK" else "1" for c in cmd[1:]] + small
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "k3serve", *node1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        args = build_parser().parse_args([c if c != "$NODE_RANK" else "0" for c in cmd[1:]] + small)
+        llm = LLM(str(path), **engine_kwargs(args))
+        try:
+            ref = LLM(
+                str(path),
+                **{
+                    **engine_kwargs(args),
+                    **dict(tensor_parallel_size=1, pipeline_parallel_size=1, nnodes=1, master_port=0),
+                },
+            )
+            try:
+                want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:2], GREEDY)]
+            finally:
+                ref.engine.shutdown()
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == want
+        finally:
+            llm.engine.shutdown()
+        assert headless.wait(60) == 0, headless.stderr.read()[-2000:]
+    finally:
+        if headless.poll() is None:
+            headless.kill()
