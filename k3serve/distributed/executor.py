@@ -436,6 +436,10 @@ class MultiprocExecutor(WorkerGroup, Executor):
     def parallel_stats(self) -> dict:
         return self.rank0.parallel_stats()
 
+    def pipe_stats(self) -> list[tuple[int, float]]:
+        """Every local rank's (pipeline stage, seconds waited for another stage), rank order."""
+        return [self.rank0.rank_runner.pipe_stats()] + self.call("pipe_stats")
+
     def rank_weight_bytes(self) -> list[int]:
         """Rank 0's and each worker of this host's (ranks on other nodes report none here)."""
         local = [] if self.nodes.multi else self.nodes.ranks(self.size)[1:]

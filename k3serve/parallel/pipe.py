@@ -10,6 +10,7 @@ Shapes are known on both sides from the step's inputs, so nothing but the tensor
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ class StagePipe:
     hidden: int  # d
     bank_size: int = 0  # AttnRes block vectors that arrive with the hidden state
     device: torch.device = torch.device("cpu")
+    waited_s: float = 0.0  # seconds spent waiting for another stage (bench/pp_overlap.py)
 
     @property
     def tp_rank(self) -> int:
@@ -38,7 +40,9 @@ class StagePipe:
 
     def _recv(self, shape, dtype, src: int, tag: int = 0) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.device)
+        t0 = time.perf_counter()
         self.pg.recv([t], src, tag).wait()
+        self.waited_s += time.perf_counter() - t0
         return t
 
     def send(self, h: torch.Tensor, bank: list[torch.Tensor]) -> None:

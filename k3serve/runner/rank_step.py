@@ -195,6 +195,11 @@ class RankRunner:
         result = self.forward(inp, taps)
         return (result, self.parallel_stats()) if leader else (None, self.parallel_stats())
 
+    def pipe_stats(self) -> tuple[int, float]:
+        """(this rank's pipeline stage, seconds it has waited for another stage)."""
+        pipe = self.model.pipe
+        return (pipe.stage.index, pipe.waited_s) if pipe is not None else (0, 0.0)
+
     def parallel_stats(self) -> dict:
         """This rank's collective totals and the expert load it counted, for /metrics (engine/stats.py)."""
         group = self.model.ep or self.model.tp
