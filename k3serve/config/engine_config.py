@@ -183,11 +183,6 @@ class EngineConfig:
                 f"--kernels {self.kernels} with --pipeline-parallel-size: the static graph step is not built "
                 "across pipeline stages; use --kernels auto (CPU) / cpp / torch"
             )
-        if self.kv_offloading_size is not None or self.kv_offloading_dir is not None:
-            raise ValueError(
-                "--kv-offloading-size / --kv-offloading-dir with --pipeline-parallel-size: the prefix-cache "
-                "tiers do not read state from several stages yet; the device prefix cache works"
-            )
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":

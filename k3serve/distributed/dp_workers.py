@@ -60,7 +60,8 @@ class DPAttentionWorkers(WorkerGroup):
     ):
         world = dp_size * tp_size
         check_dp_nodes(nodes, world, tp_size)
-        self.size, self.tp_size, self.timeout_s, self.nodes = world, tp_size, timeout_s, nodes
+        self.size = self.world = world
+        self.tp_size, self.timeout_s, self.nodes = tp_size, timeout_s, nodes
         self.error: str | None = None
         host, port = (nodes.master_addr, nodes.master_port) if nodes.multi else ("127.0.0.1", 0)
         self._store = dist.TCPStore(

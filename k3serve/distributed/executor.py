@@ -148,7 +148,10 @@ class WorkerGroup:
         """`tp_size`: every rank (TP x PP with pipeline stages); `redundant_experts`: EPLB's
         extra expert slots (parallel/group.py), None: EPLB off; `pp_size`: pipeline stages."""
         nodes.check(tp_size)
-        self.size, self.timeout_s, self.nodes = tp_size, timeout_s, nodes
+        # `world`: every process of the group; `size` (executor/base.py): the ranks whose KDA heads
+        # make up one state, the TP ranks of a stage (all of them without stages)
+        self.world, self.size, self.timeout_s, self.nodes = tp_size, tp_size // pp_size, timeout_s, nodes
+        self.pp = pp_size
         self.error: str | None = None
         timeout = datetime.timedelta(seconds=timeout_s)
         if nodes.agent_store:  # torchrun's agent hosts it
@@ -196,7 +199,7 @@ class WorkerGroup:
             try:
                 box["groups"] = rank_groups(self._spec, self._store, 0)
                 if self.nodes.multi:
-                    self._channel = ControlChannel(control_group(self._store, self._spec.prefix, 0, self.size), 0)
+                    self._channel = ControlChannel(control_group(self._store, self._spec.prefix, 0, self.world), 0)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 box["error"] = e
 
@@ -259,9 +262,9 @@ class WorkerGroup:
     def _wait_ready_control(self) -> None:
         """Multi-node: a barrier where each rank says whether its shard loaded; the errors of
         those that did not are in the store."""
-        if self._channel.ready(True) == self.size:
+        if self._channel.ready(True) == self.world:
             return
-        keys = [f"{self._spec.prefix}/error/{r}" for r in range(1, self.size)]
+        keys = [f"{self._spec.prefix}/error/{r}" for r in range(1, self.world)]
         why = [self._store.get(k).decode() for k in keys if self._store.check([k])]
         self.shutdown()
         raise RuntimeError(f"{self.kind} worker failed to start: {why[0] if why else 'no reason given'}")
@@ -419,15 +422,28 @@ class MultiprocExecutor(WorkerGroup, Executor):
         self.rank0.idle()
 
     def read_state(self, slot: int) -> list[tuple[dict, dict]]:
-        """Rank 0's heads, then each worker's (over the pipes)."""
-        return self.rank0.read_state(slot) + self.call("read_state", slot)
+        """Each TP rank's heads, rank 0's first (over the pipes); with pipeline stages each TP
+        rank's share joins the layers of every stage (rank g = stage x TP + t)."""
+        every = self.rank0.read_state(slot) + self.call("read_state", slot)
+        shares = [({}, {}) for _ in range(self.size)]
+        for g, (rec, conv) in enumerate(every):
+            shares[g % self.size][0].update(rec)
+            shares[g % self.size][1].update(conv)
+        return shares
 
     def write_state(self, slot: int, shares: list[tuple[dict, dict]], non_blocking: bool = False) -> None:
-        self.send_each("write_state", [(slot, *share) for share in shares[1:]])
+        """TP rank t's share to every stage's rank t (each writes the layers it holds)."""
+        self.send_each("write_state", [(slot, *shares[g % self.size]) for g in range(1, self.world)])
         self.rank0.write_state(slot, shares[:1], non_blocking)
 
     def read_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
-        return self.rank0.read_rows(rows)
+        """Every MLA layer's rows: rank 0's, and with pipeline stages the other stages' too."""
+        if self.pp == 1:
+            return self.rank0.read_rows(rows)
+        out = self.rank0.read_rows(rows)
+        for part in self.call("read_rows", rows):
+            out.update({i: t.to(rows.device) for i, t in part.items()})
+        return out
 
     def write_rows(self, rows: torch.Tensor, latent: dict[int, torch.Tensor], non_blocking: bool = False) -> None:
         self.send("write_state", -1, {}, {}, rows, {i: t.cpu() for i, t in latent.items()})
@@ -442,7 +458,7 @@ class MultiprocExecutor(WorkerGroup, Executor):
 
     def rank_weight_bytes(self) -> list[int]:
         """Rank 0's and each worker of this host's (ranks on other nodes report none here)."""
-        local = [] if self.nodes.multi else self.nodes.ranks(self.size)[1:]
+        local = [] if self.nodes.multi else self.nodes.ranks(self.world)[1:]
         return [self.rank0.info.weight_bytes] + [self.weight_bytes(r) for r in local]
 
     @property

@@ -15,10 +15,12 @@ def make_tiers(config, engine):
     if not config.enable_prefix_caching:
         raise ValueError("kv offloading tiers hold prefix-cache entries: enable prefix caching")
     executor = engine.executor
-    if executor.cache is None and config.calculate_kv_scales:  # a DP-attention replica's cache is in its workers
+    # a DP-attention replica's cache is in its workers; pipeline stages hold some layers each
+    remote = executor.cache is None or config.pipeline_parallel_size > 1
+    if remote and config.calculate_kv_scales:
         raise ValueError(
-            "kv offloading tiers with DP-attention worker processes keep the checkpoint's fp8 "
-            "latent scales; --calculate-kv-scales calibrates them inside the workers: drop one"
+            "kv offloading tiers with DP-attention worker processes or pipeline stages keep the "
+            "checkpoint's fp8 latent scales; --calculate-kv-scales calibrates them inside the workers: drop one"
         )
     if executor.lockstep and config.nnodes > 1:
         raise ValueError("kv offloading tiers with DP-attention ranks on several nodes are not built yet: one node")
@@ -30,7 +32,7 @@ def make_tiers(config, engine):
     from k3serve.offload.entry import model_fingerprint
     from k3serve.offload.store import PrefixTiers
 
-    cache = executor.cache if executor.cache is not None else meta_cache(engine)
+    cache = meta_cache(engine) if remote else executor.cache
     gib = config.kv_offloading_size if config.kv_offloading_size is not None else HOST_DEFAULT_GIB
     fp = model_fingerprint(
         engine.model_path,

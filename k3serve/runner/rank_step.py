@@ -251,13 +251,16 @@ class RankRunner:
         encoding (whole on every rank). `non_blocking`: host tensors in pinned memory copy in
         stream order (the prefix tiers' loads)."""
         for i, t in recurrent.items():
+            if self.cache.recurrent[i] is None:  # another pipeline stage's layer
+                continue
             self.cache.recurrent[i][slot].copy_(t, non_blocking=non_blocking)
             self.cache.conv[i][slot].copy_(conv[i], non_blocking=non_blocking)
         if latent:  # rows and their values may arrive on the CPU (pickled)
             rows = rows.to(self.cache.device)
         for i, t in (latent or {}).items():
             dst = self.cache.latent[i]
-            dst[rows] = t.to(dst.device, dst.dtype, non_blocking=non_blocking)
+            if dst is not None:
+                dst[rows] = t.to(dst.device, dst.dtype, non_blocking=non_blocking)
 
 
 def allocate_cache(

@@ -92,11 +92,9 @@ def test_pp2_with_expert_parallel_equals_one_process(references, tiny_kl_dir):
     assert got == references["kl"]
 
 
-def test_what_stages_do_not_run_yet_is_refused_by_name(tiny_k3_dir, tmp_path):
+def test_what_stages_do_not_run_yet_is_refused_by_name(tiny_k3_dir):
     with pytest.raises(ValueError, match="--kernels graph with --pipeline-parallel-size"):
         LLM(tiny_k3_dir, pipeline_parallel_size=2, kernels="graph", **KW)
-    with pytest.raises(ValueError, match="--kv-offloading-size / --kv-offloading-dir with --pipeline-parallel-size"):
-        LLM(tiny_k3_dir, pipeline_parallel_size=2, kv_offloading_dir=str(tmp_path), **KW)
     with pytest.raises(ValueError, match="--pipeline-parallel-size with DP-attention"):
         LLM(tiny_k3_dir, pipeline_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, **KW)
 
@@ -171,3 +169,60 @@ def test_the_planners_16_h200_k3_line_with_stages_starts(tmp_path):
     finally:
         if headless.poll() is None:
             headless.kill()
+
+
+def test_pp2_tiers_across_a_restart_equal_a_cold_recompute(tiny_k3_dir, tmp_path):
+    """Both prefix-cache tiers under stages: a state entry holds every stage's layers (read from
+    each stage's rank and joined), a block entry every MLA layer's rows; a restarted PP2 engine
+    on the same directory loads the prefix into both stages and decodes the cold tokens."""
+    import torch
+
+    prefix = torch.randint(1, 500, (80,), generator=torch.Generator().manual_seed(41)).tolist()
+    suffix = [7, 8, 9, 10, 11]
+    kw = dict(cache_memory="32MiB", max_model_len=512, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(llm, ids):
+        out = llm.generate([{"prompt_token_ids": ids}], params)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    cold = LLM(tiny_k3_dir, enable_prefix_caching=False, **kw)
+    want, _ = run(cold, prefix + suffix)
+    disk = str(tmp_path / "tiers")
+    first = LLM(tiny_k3_dir, pipeline_parallel_size=2, kv_offloading_dir=disk, **kw)
+    try:
+        run(first, prefix)
+    finally:
+        first.engine.shutdown()
+    again = LLM(tiny_k3_dir, pipeline_parallel_size=2, kv_offloading_dir=disk, **kw)
+    try:
+        got, cached = run(again, prefix + suffix)
+        assert cached == 80 and got == want
+        assert again.engine.tiers.index.stats["disk"].hits >= 6
+    finally:
+        again.engine.shutdown()
+
+
+def test_pp2_prefill_hands_off_to_one_process_decode_and_back(tiny_k3_dir):
+    """A hand-off from a PP2 engine carries every stage's layers (state and latent rows), and
+    one into a PP2 engine reaches every stage: both decode the colocated engine's tokens."""
+    import torch
+
+    from tests.engine.test_handoff import disaggregated
+
+    kw = dict(cache_memory="32MiB", max_model_len=512, block_size=16)
+    colocated, one, pp2 = (
+        LLM(tiny_k3_dir, **kw),
+        LLM(tiny_k3_dir, **kw),
+        LLM(tiny_k3_dir, pipeline_parallel_size=2, **kw),
+    )
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        g = torch.Generator().manual_seed(3)
+        for i, (prefill, decode) in enumerate([(pp2, one), (one, pp2)]):
+            prompt = torch.randint(1, 500, (37,), generator=g).tolist()  # crosses two block boundaries
+            want = colocated.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
+            got, _, _ = disaggregated(prefill.engine, decode.engine, f"pp{i}", prompt)
+            assert got == want, (i, got, want)
+    finally:
+        pp2.engine.shutdown()
