@@ -68,7 +68,7 @@ class EngineConfig:
     enforce_eager: bool = False  # vLLM's flag: no torch.compile, no CUDA graphs
     compilation_config: Any = None  # vLLM's --compilation-config JSON (config/compilation.py)
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
-    pipeline_parallel_size: int = 1  # stages the layers are split over, TP ranks each (parallel/stages.py)
+    pipeline_parallel_size: int = 1  # stages the layers are split over, TP ranks each (config/stages.py)
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
     all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
     # the expert-parallel load balancer (runner/eplb.py): rebalance experts over the ranks from

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from k3serve.config.stages import stage_shares
 from k3serve.cache.sizing import (
     CachePlan,
     draft_cache_bytes,
@@ -149,6 +150,7 @@ def make_plan(config: EngineConfig, model: ModelInfo, where: Placement, max_mode
         full = full_request_bytes(model.cfg, max_model_len, config.block_size, kv_name, config.ssm_dtype)
         # ... plus the checkpoint share taken off the top, or one slot of max_num_seqs goes missing
         budget = min(budget, math.ceil(config.max_num_seqs * full / (1.0 - frac)))
+    share = stage_shares(model.cfg, config.pipeline_parallel_size)  # a stage caches its layers only
     return plan_cache(
         model.cfg,
         budget,
@@ -159,6 +161,8 @@ def make_plan(config: EngineConfig, model: ModelInfo, where: Placement, max_mode
         num_slots=config.num_state_slots,
         checkpoint_fraction=frac,
         state_shards=config.tensor_parallel_size,
+        kda_share=share.kda,
+        mla_share=share.mla,
         state_dtype=config.ssm_dtype,
     )
 

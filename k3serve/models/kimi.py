@@ -16,7 +16,7 @@ from k3serve.backends import TORCH
 from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.parallel.group import NO_TP, TPGroup, vocab_shard
 from k3serve.parallel.pipe import StagePipe
-from k3serve.parallel.stages import Stage
+from k3serve.config.stages import Stage
 from k3serve.layers.attnres import attnres_vector
 from k3serve.layers.common import RMSNorm, WeightOnly
 from k3serve.layers.kda import KimiDeltaAttention

@@ -49,7 +49,7 @@ def load_model(
     `load_format` fastsafetensors reads whole files through that library instead, then keeps
     this rank's share."""
     from k3serve.parallel.rank_load import rank_weights
-    from k3serve.parallel.stages import on_stage
+    from k3serve.config.stages import on_stage
     from k3serve.parallel.shard import shard_weights
     from k3serve.weights.loader import LOAD_FORMATS, load_weights
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from k3serve.parallel.stages import Stage
+from k3serve.config.stages import Stage
 
 
 @dataclass
@@ -70,8 +70,8 @@ class StagePipe:
 
 
 def stage_pipe(cfg, pp: int, tp: int, rank: int, pg, device: torch.device | str = "cpu") -> StagePipe:
-    """Rank `rank` (of pp x tp, stage-major) its stage and links: the split of parallel/stages.py."""
-    from k3serve.parallel.stages import Stage, stage_layers
+    """Rank `rank` (of pp x tp, stage-major) its stage and links: the split of config/stages.py."""
+    from k3serve.config.stages import Stage, stage_layers
 
     stages = tuple(stage_layers(cfg, pp))
     s = rank // tp

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from k3serve.config.model_config import ModelConfig
 from k3serve.parallel.eplb_policy import expert_slots, initial_slot
 from k3serve.parallel.group import TPGroup, vocab_shard
-from k3serve.parallel.stages import Stage, on_stage
+from k3serve.config.stages import Stage, on_stage
 from k3serve.parallel.shard import _COLUMNS, _ROWS, _VOCAB, Weight, check_expert_split, shard_weights
 from k3serve.weights.checkpoint import CheckpointIndex
 from k3serve.weights.loader import canonicalize, check_finite, validate_checkpoint

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3serve.config.model_config import ModelConfig
-from k3serve.parallel.stages import stage_layers
 
 NVLINK, NIC = "scale-up", "NIC"
 
@@ -92,32 +91,6 @@ class Layout:
         if nic:
             return "NIC: " + ", ".join(nic)
         return "scale-up" if links else "-"
-
-
-@dataclass(frozen=True)
-class StageShares:
-    """Layer shares of the most loaded pipeline stage: what one rank's caches and weights hold."""
-
-    kda: float = 1.0
-    mla: float = 1.0
-    moe: float = 1.0
-    layers: float = 1.0  # of all layers (dense weights; embeddings and LM head counted in it)
-
-
-def stage_shares(cfg: ModelConfig, pp: int) -> StageShares:
-    if pp <= 1:
-        return StageShares()
-    kda, mla = set(cfg.kda_layers), set(cfg.mla_layers)
-    moe = {i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)}
-    try:
-        stages = stage_layers(cfg, pp)  # the engine's split (parallel/stages.py)
-    except ValueError:  # more stages than places to cut: `problems` refuses the layout
-        return StageShares()
-
-    def share(kind: set[int]) -> float:
-        return max(len(kind & set(s)) for s in stages) / len(kind) if kind else 0.0
-
-    return StageShares(share(kda), share(mla), share(moe), max(map(len, stages)) / cfg.num_layers)
 
 
 def candidate_layouts(num_gpus: int, max_pp: int = 8) -> list[Layout]:

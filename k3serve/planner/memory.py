@@ -26,7 +26,8 @@ from k3serve.cache.sizing import (
 )
 from k3serve.config.model_config import ModelConfig
 from k3serve.planner.hardware import GPU
-from k3serve.planner.layout import Layout, stage_shares
+from k3serve.config.stages import stage_shares
+from k3serve.planner.layout import Layout
 from k3serve.planner.weights import WeightSplit
 
 GiB = 2**30

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from k3serve.cache.sizing import kda_state_bytes_per_request, mla_cache_bytes_per_token
 from k3serve.config.model_config import ModelConfig
 from k3serve.planner.hardware import GPU
-from k3serve.planner.layout import NIC, NVLINK, Layout, stage_shares
+from k3serve.config.stages import stage_shares
+from k3serve.planner.layout import NIC, NVLINK, Layout
 from k3serve.planner.weights import WeightSplit
 
 BW_EFF, MFU_DECODE, MFU_PREFILL, LINK_EFF, STEP_OVERHEAD = 0.8, 0.5, 0.4, 0.7, 1e-3

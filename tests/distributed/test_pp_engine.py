@@ -1,5 +1,5 @@
 """Pipeline stages (issue 62 item 1): `--pipeline-parallel-size 2` splits the layers over two
-worker ranks (AttnRes blocks kept whole, parallel/stages.py); each holds only its layers'
+worker ranks (AttnRes blocks kept whole, config/stages.py); each holds only its layers'
 weights, KDA states and latent rows, and hands its hidden state and block vectors to the next.
 The reference is the single-process engine: greedy tokens equal, on both tiny architectures,
 with the kernels and torch, prefix-cache hits, ngram and DSpark speculation (the tap layers'
@@ -12,7 +12,7 @@ import pytest
 
 from k3serve import LLM, SamplingParams
 from k3serve.config.bundled import load_model_config
-from k3serve.parallel.stages import stage_layers
+from k3serve.config.stages import stage_layers
 
 KW = dict(cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, seed=0)
 SHARED = "A shared system prompt about foxes and dogs, long enough to fill blocks. " * 3
@@ -226,3 +226,36 @@ def test_pp2_prefill_hands_off_to_one_process_decode_and_back(tiny_k3_dir):
             assert got == want, (i, got, want)
     finally:
         pp2.engine.shutdown()
+
+
+def test_pp2_engine_and_planner_agree_on_a_stage_cache(tiny_k3_dir):
+    """A stage caches only its layers, so the same budget holds more requests: the engine's
+    plan under PP2 is the planner's for a PP2 layout (the busiest stage's shares), each
+    stage's allocated bytes fit in it, and it holds more slots or tokens than PP1's."""
+    from k3serve.planner.hardware import get_gpu
+    from k3serve.planner.memory import Workload
+    from k3serve.planner.search import plan
+    from k3serve.planner.weights import weight_split
+
+    kw = dict(cache_memory="8MiB", max_model_len=1024, max_num_seqs=16)
+    llm = LLM(tiny_k3_dir, pipeline_parallel_size=2, **kw)
+    try:
+        cfg = llm.engine.model.cfg
+        w = Workload(context=1024, max_num_seqs=16, kv_dtype="float32", memory_fraction=0.92)
+        rep = plan(
+            cfg, str(tiny_k3_dir), "schema", [get_gpu("H100")], weight_split(cfg, tiny_k3_dir), w,
+            num_gpus=2, tp=1, pp=2, cache_bytes=8 * 2**20,
+        )  # fmt: skip
+        got, want = rep.results[0].rank.plan, llm.engine.plan
+        assert (got.num_slots, got.kv_tokens, got.num_checkpoints) == (
+            want.num_slots,
+            want.kv_tokens,
+            want.num_checkpoints,
+        )
+        cache = llm.engine.executor.cache  # stage 0's tensors
+        held = sum(t.nbytes for t in cache.recurrent + cache.conv + cache.latent if t is not None)
+        assert held <= 8 * 2**20
+    finally:
+        llm.engine.shutdown()
+    one = LLM(tiny_k3_dir, **kw).engine.plan
+    assert (want.num_slots, want.kv_tokens) > (one.num_slots, one.kv_tokens)

@@ -100,3 +100,31 @@ def on_stage(name: str, cfg: ModelConfig, stage: Stage | None) -> bool:
 
 def stage_of(cfg: ModelConfig, pp: int, index: int) -> Stage:
     return Stage(index, pp, stage_layers(cfg, pp)[index])
+
+
+@dataclass(frozen=True)
+class StageShares:
+    """Layer shares of the most loaded pipeline stage: what one rank's caches and weights hold."""
+
+    kda: float = 1.0
+    mla: float = 1.0
+    moe: float = 1.0
+    layers: float = 1.0  # of all layers (dense weights; embeddings and LM head counted in it)
+
+
+def stage_shares(cfg: ModelConfig, pp: int) -> StageShares:
+    """The busiest stage's shares of each kind of layer (the engine's cache plan and the
+    planner's per-rank figures size a stage by them)."""
+    if pp <= 1:
+        return StageShares()
+    kda, mla = set(cfg.kda_layers), set(cfg.mla_layers)
+    moe = {i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)}
+    try:
+        stages = stage_layers(cfg, pp)
+    except ValueError:  # more stages than places to cut: the planner's `problems` refuse the layout
+        return StageShares()
+
+    def share(kind: set[int]) -> float:
+        return max(len(kind & set(s)) for s in stages) / len(kind) if kind else 0.0
+
+    return StageShares(share(kda), share(mla), share(moe), max(map(len, stages)) / cfg.num_layers)
