@@ -21,6 +21,7 @@ from k3serve.chat.messages import ChatInputError
 from k3serve.chat.render import ChatOptions
 from k3serve.server.errors import APIError, install_error_handlers
 from k3serve.server.guard import GuardConfig, GuardMiddleware
+from k3serve.server.heap import trim_forever
 from k3serve.server.kv_endpoints import HeldRequest, PullRequest, ReleaseRequest, held, pull, release
 from k3serve.server.protocol import (
     ChatCompletionRequest,
@@ -71,7 +72,9 @@ def build_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(log_stats_forever(state.engine, stats_interval_s)) if stats_interval_s > 0 else None
+        trim = asyncio.create_task(trim_forever())  # freed heap back to the OS: RSS stays flat (server/heap.py)
         yield
+        trim.cancel()
         if task is not None:
             task.cancel()
         if state.tracing is not None:  # the last spans leave before the process does
