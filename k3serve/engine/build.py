@@ -91,7 +91,18 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
     kv_name = str(where.kv_dtype).removeprefix("torch.")
     # every rank allocates its share of the same plan and runs the same backend
     eplb = config.eplb_config if config.enable_eplb else None
-    ex.allocate(Allocation(plan, kv_name, mode, graph, config.calculate_kv_scales, tuple(unmapped), eplb))
+    ex.allocate(
+        Allocation(
+            plan,
+            kv_name,
+            mode,
+            graph,
+            config.calculate_kv_scales,
+            tuple(unmapped),
+            eplb,
+            max(1, config.nnodes // config.pipeline_parallel_size),  # the nodes one stage's ranks span
+        )  # fmt: skip
+    )
     runner = ModelRunner(
         info.cfg.vocab_size,
         plan,

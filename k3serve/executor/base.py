@@ -54,6 +54,7 @@ class Allocation:
     calculate_kv_scales: bool = False
     masked_ids: tuple[int, ...] = field(default=())
     eplb: object = None  # config/eplb.py EPLBConfig when --enable-eplb (each rank's runner/eplb.py)
+    nodes: int = 1  # the nodes the ranks span (--nnodes): EPLB keeps expert groups on one node
 
 
 class Executor(ABC):

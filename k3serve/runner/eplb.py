@@ -42,9 +42,12 @@ class Rebalance:
 
 
 class ExpertBalancer:
-    def __init__(self, model, config: EPLBConfig):
+    def __init__(self, model, config: EPLBConfig, nodes: int = 1):
+        """`nodes`: the nodes the expert group's ranks span, node-major (--nnodes): the policy
+        keeps each expert group's experts on one node where the groups divide over them."""
         self.layers = [m for m in model.moe_layers() if m.expert_map is not None]
         self.group = model.ep if model.ep is not None else model.tp
+        self.nodes = nodes if self.group.size % nodes == 0 else 1
         self.summed = model.ep is not None  # DP-attention: each rank counted its own rows
         self.config, self.steps = config, 0
         self.base = self._counts()  # [layers, P]: the counts at the window's start
@@ -86,7 +89,7 @@ class ExpertBalancer:
             logical = [0.0] * emap.experts
             for p, e in enumerate(old):
                 logical[e] += float(phys[p])
-            new = settle(old, rebalance(logical, P, M, layer.cfg.num_expert_group))
+            new = settle(old, rebalance(logical, P, M, layer.cfg.num_expert_group, self.nodes))
             after = [a + b for a, b in zip(after, rank_loads(logical, new, M))]
             if new != old:
                 moved += move_experts(layer, old, new, self.group)

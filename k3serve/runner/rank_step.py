@@ -80,7 +80,7 @@ class RankRunner:
         if alloc.eplb is not None:
             from k3serve.runner.eplb import ExpertBalancer
 
-            balancer = ExpertBalancer(model, alloc.eplb)
+            balancer = ExpertBalancer(model, alloc.eplb, alloc.nodes)
         return cls(model, cache, device, graphs, balancer)
 
     def __init__(self, model: KimiForCausalLM, cache: CacheTensors, device: torch.device, graphs=None, balancer=None):
