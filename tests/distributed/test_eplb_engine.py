@@ -36,14 +36,16 @@ def reference(skewed_dir):  # noqa: F811
     return generate(skewed_dir, kernels="torch")[0]
 
 
-@pytest.mark.parametrize("kernels", ["auto", "graph"])
-def test_dp2_ep2_engine_rebalancing_under_load_equals_one_process(skewed_dir, reference, kernels):  # noqa: F811
+@pytest.mark.parametrize("backend,kernels", [("threads", "auto"), ("threads", "graph"), ("mp", "auto")])
+def test_dp2_ep2_engine_rebalancing_under_load_equals_one_process(skewed_dir, reference, backend, kernels):  # noqa: F811
+    """Threads (in this process) and mp (worker processes: the redundant slots reach them in
+    their WorkerSpec, the rebalances run in each worker)."""
     extra = {"compilation_config": COMPILE} if kernels == "graph" else {}
     got, finish, stats = generate(
         skewed_dir,
         data_parallel_size=2,
         enable_expert_parallel=True,
-        data_parallel_backend="threads",
+        data_parallel_backend=backend,
         kernels=kernels,
         enable_eplb=True,
         eplb_config=EPLB,
@@ -53,7 +55,9 @@ def test_dp2_ep2_engine_rebalancing_under_load_equals_one_process(skewed_dir, re
     assert got == reference
     assert stats["eplb_rebalances"] >= 3, stats
     before, after = stats["eplb_balance"]
-    print(f"EPLB DP2+EP2 ({kernels}): {stats['eplb_rebalances']} rebalances, last window {before:.3f} -> {after:.3f}")
+    print(
+        f"EPLB DP2+EP2 {backend} ({kernels}): {stats['eplb_rebalances']} rebalances, window {before:.3f} -> {after:.3f}"
+    )
 
 
 def test_tp2_ep_engine_rebalancing_under_load_with_ngram_equals_one_process(skewed_dir, reference):  # noqa: F811
