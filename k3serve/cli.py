@@ -58,7 +58,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from k3serve import LLM, SamplingParams
-    from k3serve.server.launch import backend_kwargs, source_kwargs
+    from k3serve.server.flags import backend_kwargs, source_kwargs
 
     if not args.json:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -218,7 +218,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from k3serve.bench.cli import add_bench_args
     from k3serve.planner.cli import add_plan_args
-    from k3serve.server.launch import add_backend_args, add_serve_args, add_source_args
+    from k3serve.server.flags import add_backend_args, add_serve_args, add_source_args
 
     # no abbreviations: vLLM's `--tokenizer PATH` was read as `--tokenizer-mode` by prefix
     parser = argparse.ArgumentParser(prog="k3serve", description=__doc__, allow_abbrev=False)
@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from k3serve.server.launch import apply_config_file
+    from k3serve.server.config_file import apply_config_file
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from k3serve.cli import build_parser, main
-from k3serve.server.launch import apply_config_file, engine_kwargs, resolve_args
+from k3serve.server.config_file import apply_config_file
+from k3serve.server.launch import engine_kwargs, resolve_args
 from k3serve.server.protocol import ChatCompletionRequest
 from k3serve.server.structured import requested
 from tests.live import serving
@@ -98,7 +99,7 @@ def test_flags_accepted_because_they_hold():
     assert not any("hf_x" in n for n in notes)  # the token is used now (weights/hub.py), never printed
     assert any("--async-scheduling" in n and "changes nothing" in n for n in notes)
     from k3serve.config.engine_config import EngineConfig
-    from k3serve.server.launch import source_kwargs
+    from k3serve.server.flags import source_kwargs
 
     cfg = EngineConfig(model="org/name", **source_kwargs(args))
     assert (cfg.revision, cfg.download_dir, cfg.hf_token) == ("v2", "/d", "hf_x") and "hf_x" not in repr(cfg)

@@ -166,7 +166,7 @@ def test_a_refused_hub_endpoint_fails_fast_naming_it(tmp_path, hub_env):
 # ---- --config: false, 0 and "" apply ----------------------------------------------------------
 def _parse_with_config(tmp_path, text: str, *cli: str):
     from k3serve.cli import build_parser
-    from k3serve.server.launch import apply_config_file
+    from k3serve.server.config_file import apply_config_file
 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(text)
