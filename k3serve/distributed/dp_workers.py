@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from k3serve.distributed.executor import WorkerGroup, spawn_workers, worker_base
+from k3serve.distributed.worker_group import WorkerGroup, spawn_workers, worker_base
 from k3serve.executor.base import WorkerDied
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import CommandListener, NodeLayout

@@ -293,7 +293,7 @@ def headless(args: argparse.Namespace) -> int | None:
     """On a node other than 0 (or a torchrun rank other than 0): run this node's tensor-parallel
     ranks until the driver shuts down, and return their exit status; None on the serving node."""
     from k3serve.config.engine_config import EngineConfig
-    from k3serve.distributed.executor import run_headless, worker_base
+    from k3serve.distributed.worker_group import run_headless, worker_base
     from k3serve.distributed.multinode import NodeLayout, torchrun_layout, torchrun_rank
     from k3serve.distributed.worker import WorkerSpec, worker_main
     from k3serve.demo import default_model

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3serve.distributed.executor import worker_base
+from k3serve.distributed.worker_group import worker_base
 from k3serve.distributed.multinode import NodeLayout
 from k3serve.distributed.worker import WorkerSpec, make_dp_tp_group, make_group
 from k3serve.executor.placement import check_multi_rank, kernel_mode, placement
