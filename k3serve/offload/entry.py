@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from k3serve.cache.tiers import Key
+
 FORMAT = "k3serve-prefix-pack-1"
 
 
@@ -136,3 +138,18 @@ def model_fingerprint(model_dir: str | Path, **layout) -> str:
                 f.seek(max(0, int((size - 65536) * at)))
                 h.update(f.read(65536))
     return h.hexdigest()[:16]
+
+
+def pack_index_keys(path: Path, kind: str) -> list[Key]:
+    """The keys a pack's header names; a pack whose header cannot be read is indexed under its
+    name (its first key), so the lookup that reaches it rejects and deletes it; a file that is
+    neither is not ours: []."""
+    got, keys = pack_keys(path)
+    for names in (keys if got == kind else [], [path.stem]):
+        try:
+            out = [(kind, bytes.fromhex(k)) for k in names]
+        except ValueError:
+            continue
+        if out and all(len(h) == 16 for _, h in out):
+            return out
+    return []

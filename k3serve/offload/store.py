@@ -27,10 +27,7 @@ state entry `recurrent.{l}` [H, D, D] and `conv.{l}` [K-1, 3P] per KDA layer (th
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -41,13 +38,13 @@ from pathlib import Path
 import torch
 
 from k3serve.cache.tiers import Key, TierIndex, TierLRU
-from k3serve.offload.entry import EntryError, pack_bytes, pack_keys, read_pack, write_pack
+from k3serve.offload.entry import EntryError, pack_bytes, pack_index_keys, read_pack, write_pack
 from k3serve.offload.ports import ExecutorPort
+from k3serve.offload.scales import save_scales, saved_scales, scales_folder
 
 log = logging.getLogger("k3serve.offload")
 READERS = 8  # threads reading disk entries
 ABSENT_S = 1.0  # how long a key not found in a shared directory is not looked for again
-SCALES_FILE = "kv_scales.json"  # calibrated fp8 latent scales, layer -> s, beside the entries
 
 
 class PrefixTiers:
@@ -129,40 +126,25 @@ class PrefixTiers:
         """--calculate-kv-scales with a directory: a restarted engine takes the scales saved there
         (the first engine's) instead of calibrating anew, so it reads what that engine wrote.
         None saved yet (or unreadable): this engine calibrates on its first rows."""
-        path = self.root / SCALES_FILE
-        try:
-            saved = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        except (OSError, ValueError, AttributeError) as e:
-            log.warning("prefix tier: %s is unreadable (%s): calibrating anew", path, e)
+        saved = saved_scales(self.root)
+        if saved is None:
             return
         cache.use_scales(saved, calibrate=False)
-        self.dir = self.root / f"scales-{_scales_digest(saved)}"
-        log.info("fp8 latent scales of %d layers from %s (the entries there were written under them)", len(saved), path)
+        self.dir = scales_folder(self.root, saved)
+        log.info(
+            "fp8 latent scales of %d layers from %s (the entries there were written under them)", len(saved), self.root
+        )
 
     def _open_scales(self, cache) -> None:
-        """This engine's scales are known (its first rows set them): its entries live in a folder
-        named after them, so engines that calibrated other scales on the same directory (started
-        together) never read each other's latents; the first saved set is what later engines
-        adopt. A directory this engine cannot write to is left alone: the disk tier is off."""
-        scales = {i: float(s) for i, s in cache.latent_scale.items()}
-        folder = self.root / f"scales-{_scales_digest(scales)}"
+        """This engine's scales are known (its first rows set them): its entries live in their
+        folder (offload/scales.py), and the first saved set is what later engines adopt. A
+        directory this engine cannot write to is left alone: the disk tier is off."""
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / f"{SCALES_FILE}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({str(i): s for i, s in scales.items()}))
-            try:
-                os.link(tmp, self.root / SCALES_FILE)  # only if none is there: the first set stays
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink(missing_ok=True)
+            self.dir = save_scales(self.root, {i: float(s) for i, s in cache.latent_scale.items()})
         except OSError as e:
             log.warning("prefix cache: the directory %s cannot be written (%s): the disk tier is off", self.root, e)
             self.root, self.index.disk = None, None
             return
-        self.dir = folder
         self._scan()
         self.index.discover = self.discover
 
@@ -185,7 +167,7 @@ class PrefixTiers:
                 for k in sorted(self._absent, key=self._absent.get)[:32768]:
                     del self._absent[k]
             return False
-        keys = _pack_index_keys(path, key[0])
+        keys = pack_index_keys(path, key[0])
         if key not in keys:
             self._absent[key] = now
             return False
@@ -206,7 +188,7 @@ class PrefixTiers:
             for p in (self.dir / kind).glob("*/*"):
                 if p.name.endswith(".tmp"):
                     p.unlink(missing_ok=True)
-                elif p.suffix == ".safetensors" and (keys := _pack_index_keys(p, kind)):
+                elif p.suffix == ".safetensors" and (keys := pack_index_keys(p, kind)):
                     st = p.stat()
                     found.append((st.st_mtime, p, keys, st.st_size))
         for _, path, keys, size in sorted(found, key=lambda f: f[0]):
@@ -444,21 +426,6 @@ class PrefixTiers:
         self._finalizer()
 
 
-def _pack_index_keys(path: Path, kind: str) -> list[Key]:
-    """The keys a pack's header names; a pack whose header cannot be read is indexed under its
-    name (its first key), so the lookup that reaches it rejects and deletes it; a file that is
-    neither is not ours: []."""
-    got, keys = pack_keys(path)
-    for names in (keys if got == kind else [], [path.stem]):
-        try:
-            out = [(kind, bytes.fromhex(k)) for k in names]
-        except ValueError:
-            continue
-        if out and all(len(h) == 16 for _, h in out):
-            return out
-    return []
-
-
 def _stop(readers: ThreadPoolExecutor | None, writes: queue.Queue, threads: list, timeout: float = 30.0) -> None:
     if readers is not None:
         readers.shutdown(wait=True)
@@ -467,12 +434,6 @@ def _stop(readers: ThreadPoolExecutor | None, writes: queue.Queue, threads: list
         for t in threads:
             t.join(timeout)
         threads.clear()
-
-
-def _scales_digest(scales: dict[int, float]) -> str:
-    """16 hex digits naming one set of calibrated scales (layer -> s)."""
-    text = json.dumps({str(i): float(s).hex() for i, s in sorted(scales.items())})
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def cache_device(cache) -> torch.device:
