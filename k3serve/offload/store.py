@@ -163,9 +163,8 @@ class PrefixTiers:
             size = path.stat().st_size
         except OSError:
             self._absent[key] = now
-            if len(self._absent) > 65536:  # forget the oldest half
-                for k in sorted(self._absent, key=self._absent.get)[:32768]:
-                    del self._absent[k]
+            if len(self._absent) > 4096:  # only the last ABSENT_S's misses matter: forget the rest
+                self._absent = {k: t for k, t in self._absent.items() if now - t < ABSENT_S}
             return False
         keys = pack_index_keys(path, key[0])
         if key not in keys:
