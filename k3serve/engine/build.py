@@ -41,6 +41,9 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
     info = ex.info  # the model's config, dtype and weight bytes; the weights are the executor's
     check_quantization(config, info)
     mode = kernel_mode(config.kernels, where.device, config.enforce_eager, config.ssm_dtype)
+    if config.pipeline_parallel_size > 1 and mode in ("graph", "triton"):  # "auto" on a GPU
+        log.info("pipeline stages run their layers eagerly (torch): the graph step across stages is not built")
+        mode = "torch"
     kernels = ex.use_kernels(mode)
     tokenizer = Tokenizer.from_dir(config.tokenizer or model_path)
     max_model_len = resolve_max_model_len(config, info)
