@@ -160,30 +160,3 @@ def _draft_policy(spec, runner, ex: Executor, cache, config: EngineConfig, graph
         f"speculation: adaptive draft lengths 0..{k}, step costs profiled in {seconds:.2f} s "
         f"('\"adaptive\": false' in --speculative-config pins {k})"
     )
-
-
-def build_replicas(config: EngineConfig, dp: int, dp_attention: bool) -> list:
-    """`dp` LLMEngine replicas of `config`: plain ones each start their own executor; under
-    DP-attention + EP each takes its rank of one expert group (engine/lockstep.py). If one fails
-    to start, the ones already built and every executor started for them are shut down."""
-    from k3serve.distributed.dp_replicas import replica_executors
-    from k3serve.engine.llm_engine import LLMEngine
-
-    if dp_attention and config.pipeline_parallel_size > 1:
-        raise ValueError(
-            "--pipeline-parallel-size with DP-attention (--data-parallel-size and --enable-expert-parallel): "
-            "the lockstep replicas do not run pipeline stages yet; use TP x PP, or DP-attention without stages"
-        )
-    executors = replica_executors(config, dp, dp_attention, placement(config))
-    replicas: list[LLMEngine] = []
-    try:
-        for ex in executors:
-            replicas.append(LLMEngine(config, ex))
-    except BaseException:
-        for r in replicas:
-            r.shutdown()
-        for ex in executors[len(replicas) :]:  # executors no replica took yet
-            if ex is not None:
-                ex.shutdown()
-        raise
-    return replicas

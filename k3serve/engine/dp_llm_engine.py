@@ -5,6 +5,7 @@ M `LLMEngine` replicas in this process, each with its own scheduler and cache, s
 longest prompt prefix, else the least loaded, as the server's DPEngine routes. With
 `enable_expert_parallel=True` the replicas are DP-attention ranks sharing one expert group
 (engine/lockstep.py explains): then every replica steps every time, idle ones included.
+`build_replicas` starts the replicas for this class and for the server's DPEngine.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from k3serve.config.engine_config import EngineConfig
+from k3serve.executor.placement import placement
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
 from k3serve.engine.outputs import RequestOutput
 from k3serve.sampling_params import SamplingParams
@@ -21,8 +23,6 @@ class DataParallelEngine:
     def __init__(self, model: str | None, data_parallel_size: int, **kwargs):
         dp = data_parallel_size
         self.lockstep = dp > 1 and bool(kwargs.get("enable_expert_parallel"))
-        from k3serve.engine.build import build_replicas
-
         self.replicas: list[LLMEngine] = build_replicas(EngineConfig.from_kwargs(model, **kwargs), dp, self.lockstep)
         self._pool = ThreadPoolExecutor(dp, thread_name_prefix="k3serve-dp")
         self._owner: dict[str, LLMEngine] = {}
@@ -67,3 +67,29 @@ class DataParallelEngine:
     def shutdown(self) -> None:
         for r in self.replicas:
             r.shutdown()
+
+
+def build_replicas(config: EngineConfig, dp: int, dp_attention: bool) -> list:
+    """`dp` LLMEngine replicas of `config`: plain ones each start their own executor; under
+    DP-attention + EP each takes its rank of one expert group (engine/lockstep.py). If one fails
+    to start, the ones already built and every executor started for them are shut down."""
+    from k3serve.distributed.dp_replicas import replica_executors
+
+    if dp_attention and config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "--pipeline-parallel-size with DP-attention (--data-parallel-size and --enable-expert-parallel): "
+            "the lockstep replicas do not run pipeline stages yet; use TP x PP, or DP-attention without stages"
+        )
+    executors = replica_executors(config, dp, dp_attention, placement(config))
+    replicas: list[LLMEngine] = []
+    try:
+        for ex in executors:
+            replicas.append(LLMEngine(config, ex))
+    except BaseException:
+        for r in replicas:
+            r.shutdown()
+        for ex in executors[len(replicas) :]:  # executors no replica took yet
+            if ex is not None:
+                ex.shutdown()
+        raise
+    return replicas

@@ -171,7 +171,7 @@ def start_engines(args: argparse.Namespace):
     kwargs = engine_kwargs(args)
     dp = args.data_parallel_size
     dp_attention = dp > 1 and args.enable_expert_parallel  # experts over the DP ranks (engine/lockstep.py)
-    from k3serve.engine.build import build_replicas
+    from k3serve.engine.dp_llm_engine import build_replicas
 
     config = EngineConfig.from_kwargs(args.model, **kwargs)
     replicas = [AsyncEngine(e, max_waiting=args.max_waiting) for e in build_replicas(config, dp, dp_attention)]
