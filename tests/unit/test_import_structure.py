@@ -115,9 +115,11 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_circles_in_server_or_distributed():
+def test_no_import_circles_in_server_distributed_engine_or_the_stage_code():
     assert cycles("k3serve.server") == []
     assert cycles("k3serve.distributed") == []
+    assert cycles("k3serve.engine") == []  # build_core <-> LLMEngine was one (issue 65)
+    assert cycles("k3serve.parallel") == [] and cycles("k3serve.config") == []
 
 
 def test_the_checker_sees_a_circle():
