@@ -10,7 +10,17 @@ from __future__ import annotations
 import pytest
 
 from k3serve import LLM, SamplingParams
-from tests.distributed.test_eplb import skewed_dir  # noqa: F401 - the fixture
+from k3serve.testing.builder import build_tiny_checkpoint
+from tests.distributed.test_eplb import skew
+
+
+@pytest.fixture(scope="module")
+def skewed_dir(tmp_path_factory):
+    """Tiny K3 with the skewed router (test_eplb.py runs both architectures at the model level)."""
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("skewed_k3_engine"), kind="k3", seed=0)
+    skew(path)
+    return path
+
 
 KW = dict(cache_memory="32MiB", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, seed=0)
 PROMPTS = [f"request {i}: " + "the quick brown fox " * (i % 4) for i in range(12)]
@@ -32,12 +42,12 @@ def generate(path, **kw):
 
 
 @pytest.fixture(scope="module")
-def reference(skewed_dir):  # noqa: F811
+def reference(skewed_dir):
     return generate(skewed_dir, kernels="torch")[0]
 
 
 @pytest.mark.parametrize("backend,kernels", [("threads", "auto"), ("threads", "graph"), ("mp", "auto")])
-def test_dp2_ep2_engine_rebalancing_under_load_equals_one_process(skewed_dir, reference, backend, kernels):  # noqa: F811
+def test_dp2_ep2_engine_rebalancing_under_load_equals_one_process(skewed_dir, reference, backend, kernels):
     """Threads (in this process) and mp (worker processes: the redundant slots reach them in
     their WorkerSpec, the rebalances run in each worker)."""
     extra = {"compilation_config": COMPILE} if kernels == "graph" else {}
@@ -60,7 +70,7 @@ def test_dp2_ep2_engine_rebalancing_under_load_equals_one_process(skewed_dir, re
     )
 
 
-def test_tp2_ep_engine_rebalancing_under_load_with_ngram_equals_one_process(skewed_dir, reference):  # noqa: F811
+def test_tp2_ep_engine_rebalancing_under_load_with_ngram_equals_one_process(skewed_dir, reference):
     got, finish, stats = generate(
         skewed_dir,
         tensor_parallel_size=2,
