@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 
 from k3serve.config.model_config import LayerKind, ModelConfig
 
@@ -45,15 +46,12 @@ def stage_layers(cfg: ModelConfig, pp: int) -> list[range]:
             f"--pipeline-parallel-size {pp} exceeds the {len(cuts)} "
             f"{'AttnRes blocks' if cfg.use_attnres else 'layers'} that stages can start at"
         )
-    w = layer_weights(cfg)
-    total, before = sum(w), [0.0]
-    for x in w:
-        before.append(before[-1] + x)
+    before = [0.0, *accumulate(layer_weights(cfg))]  # weight of the layers before each index
     starts = [0]
     for s in range(1, pp):
-        target = total * s / pp
+        target = before[-1] * s / pp
         # the cut nearest the target that leaves room for the stages still to come
-        allowed = [c for c in cuts if c > starts[-1] and cuts.index(c) <= len(cuts) - (pp - s)]
+        allowed = [c for i, c in enumerate(cuts) if c > starts[-1] and i <= len(cuts) - (pp - s)]
         starts.append(min(allowed, key=lambda c: (abs(before[c] - target), c)))
     starts.append(n)
     return [range(a, b) for a, b in zip(starts, starts[1:])]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from k3serve.config.stages import Stage
+from k3serve.config.stages import Stage, stage_layers
 
 
 @dataclass
@@ -51,8 +51,7 @@ class StagePipe:
 
     def receive(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """From the previous stage: h [N, d] and the bank of block vectors."""
-        d = self.hidden
-        got = self._recv((self.bank_size + 1, n, d), dtype, self.rank - self.tp_size)
+        got = self._recv((self.bank_size + 1, n, self.hidden), dtype, self.rank - self.tp_size)
         return got[-1], list(got[:-1])
 
     @property
@@ -71,8 +70,6 @@ class StagePipe:
 
 def stage_pipe(cfg, pp: int, tp: int, rank: int, pg, device: torch.device | str = "cpu") -> StagePipe:
     """Rank `rank` (of pp x tp, stage-major) its stage and links: the split of config/stages.py."""
-    from k3serve.config.stages import Stage, stage_layers
-
     stages = tuple(stage_layers(cfg, pp))
     s = rank // tp
     first = stages[s].start

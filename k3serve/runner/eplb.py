@@ -166,10 +166,8 @@ def move_experts(layer, old: list[int], new: list[int], group) -> int:
             counts[s * M + d] += 1
     received: dict[int, torch.Tensor] = {}
     if any(counts):
-        width = _row(buffers, 0).numel()
-        device = buffers[0].device
-        out = torch.stack([_row(buffers, src - me * S) for _, _, src in sends]) if sends else None
-        out = out if out is not None else torch.zeros(0, width, dtype=torch.uint8, device=device)
+        rows = [_row(buffers, src - me * S) for _, _, src in sends]
+        out = torch.stack(rows) if rows else _row(buffers, 0)[None, :0]  # [sent, W] uint8
         got = group.all_to_all(out, counts)  # [received, W], in source order, each in (destination, slot) order
         mine = [p for _, p in sorted((s, p) for s, _, d, p in plan if d == me and s != me)]
         received = dict(zip(mine, got))
