@@ -167,7 +167,7 @@ def move_experts(layer, old: list[int], new: list[int], group) -> int:
     received: dict[int, torch.Tensor] = {}
     if any(counts):
         rows = [_row(buffers, src - me * S) for _, _, src in sends]
-        out = torch.stack(rows) if rows else _row(buffers, 0)[None, :0]  # [sent, W] uint8
+        out = torch.stack(rows) if rows else _row(buffers, 0)[None][:0]  # [sent, W] uint8 (W kept when nothing is sent)
         got = group.all_to_all(out, counts)  # [received, W], in source order, each in (destination, slot) order
         mine = [p for _, p in sorted((s, p) for s, _, d, p in plan if d == me and s != me)]
         received = dict(zip(mine, got))

@@ -15,7 +15,9 @@ from k3serve.executor import WorkerDied
 from k3serve.parallel.group import CollectiveError
 
 KW = dict(cache_memory="32MiB", max_model_len=512, max_num_batched_tokens=96, seed=0)
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# adaptive off: every proposal is verified (the adaptive policy weighs measured step times, and a busy
+# machine can make it skip drafting, leaving the verify path under test unrun)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
 SHARED = "Once upon a time, in a land far away, there lived a fox. " * 3  # several latent blocks
 PROMPTS = ["hello world, this is", "the quick brown fox jumps over the lazy dog " * 3, "a", SHARED + "The fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
@@ -256,7 +258,7 @@ def test_dspark_speculation_under_tp2_equals_single_process():
     from k3serve.demo import default_model
 
     path = str(default_model())
-    spec = {"method": "dspark", "model": "dspark", "num_speculative_tokens": 4}
+    spec = {"method": "dspark", "model": "dspark", "num_speculative_tokens": 4, "adaptive": False}
     prompts = [
         "<|im_user|>user<|im_middle|>What is 23 + 45?<|im_end|><|im_assistant|>assistant<|im_middle|>",
         "Repeat after me: the quick brown fox",
