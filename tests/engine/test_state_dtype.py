@@ -42,7 +42,11 @@ def test_bf16_state_keeps_the_equality_suite(kind, tiny_k3_dir, tiny_kl_dir):
     assert llm.engine.cache.checkpoints.stats.hit_tokens >= 3 * 32
     cold = LLM(path, **KW, enable_prefix_caching=False)
     assert run(cold, prompts) == together  # prefix hit == recompute
-    spec = LLM(path, **KW, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False})
+    spec = LLM(
+        path,
+        **KW,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False},
+    )
     assert run(spec, prompts, LOOPY) == run(cold, prompts, LOOPY)  # speculation lossless
     assert spec.engine.spec.stats.accepted_tokens > 0
 
