@@ -26,7 +26,8 @@ from k3serve.kernels.packs import GluPack, KdaPack, MlaPack, MoePack
 from k3serve.layers.common import kernel_experts, kernel_matrix
 from k3serve.layers.gemm import SMALL_M
 from k3serve.layers.experts import experts_forward
-from k3serve.layers.mla import MLA_NORM_EPS, to_cache
+from k3serve.forward.cache import to_cache
+from k3serve.layers.mla import MLA_NORM_EPS
 from k3serve.layers.moe import DENSE_KERNEL_ROWS
 
 _DTYPES = (torch.float32, torch.bfloat16)  # what the compiled kernels read

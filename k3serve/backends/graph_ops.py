@@ -25,7 +25,8 @@ from k3serve.layers.activation import situ_and_mul, silu_and_mul
 from k3serve.layers.attnres import attnres_mix as _attnres_mix
 from k3serve.layers.gemm import dense
 from k3serve.layers.kda_ops import kda_step
-from k3serve.layers.mla import attend_absorbed_batched, from_cache, write_rows
+from k3serve.forward.cache import from_cache, write_rows
+from k3serve.layers.mla import attend_absorbed_batched
 from k3serve.layers.norm import l2_normalize
 from k3serve.layers.norm import rms_norm as _rms_norm
 from k3serve.layers.router import route

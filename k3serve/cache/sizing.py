@@ -190,6 +190,7 @@ def plan_cache(
     state_shards: int = 1,
     kda_share: float = 1.0,
     mla_share: float = 1.0,
+    latent_shards: int = 1,
     state_dtype: str = "float32",
 ) -> CachePlan:
     """Split `cache_bytes` by the expected request shape.
@@ -203,9 +204,10 @@ def plan_cache(
     tensor-parallel degree of the attention: KDA state is split by heads across it, while the
     MLA latent (one latent "head") is replicated on every rank (planner-data.md §5.2).
     `kda_share` / `mla_share` are the fractions of those layers on this rank (a pipeline
-    stage holds only its own layers' caches).
+    stage holds only its own layers' caches). `latent_shards` N: decode context parallelism,
+    each rank holding 1/N of every block's latent rows (parallel/dcp.py).
     """
-    token_bytes = _share(mla_cache_bytes_per_token(cfg, kv_dtype), mla_share)
+    token_bytes = _share(mla_cache_bytes_per_token(cfg, kv_dtype), mla_share / latent_shards)
     block_bytes = block_size * token_bytes
     slot_bytes = -(-_share(kda_state_bytes_per_request(cfg, state_dtype), kda_share) // state_shards)
     blocks_per_req = -(-max_model_len // block_size)

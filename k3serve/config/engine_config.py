@@ -69,6 +69,10 @@ class EngineConfig:
     compilation_config: Any = None  # vLLM's --compilation-config JSON (config/compilation.py)
     tensor_parallel_size: int = 1  # ranks the model's heads / channels are split over (distributed/)
     pipeline_parallel_size: int = 1  # stages the layers are split over, TP ranks each (config/stages.py)
+    # decode context parallelism: the MLA latent cache sharded by token over the TP ranks, each
+    # attending over its rows, outputs merged by log-sum-exp (parallel/dcp.py, layers/mla_dcp.py)
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1  # tokens on one rank before the next
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
     all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
     # the expert-parallel load balancer (runner/eplb.py): rebalance experts over the ranks from
@@ -149,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.pipeline_parallel_size > 1:
             self._check_pipeline()
+        if self.decode_context_parallel_size != 1 or self.cp_kv_cache_interleave_size != 1:
+            self._check_dcp()
         if self.data_parallel_backend not in ("mp", "threads"):
             raise ValueError(
                 f"data_parallel_backend must be 'mp' (a worker process per DP-attention rank) or "
@@ -182,6 +188,32 @@ class EngineConfig:
             raise ValueError(
                 f"--kernels {self.kernels} with --pipeline-parallel-size: the static graph step is not built "
                 "across pipeline stages; use --kernels auto (CPU) / cpp / torch"
+            )
+
+    def _check_dcp(self) -> None:
+        """The layouts decode context parallelism runs in; the others refused by their flag."""
+        n, i, tp = self.decode_context_parallel_size, self.cp_kv_cache_interleave_size, self.tensor_parallel_size
+        if n < 1 or i < 1:
+            raise ValueError(f"decode_context_parallel_size and cp_kv_cache_interleave_size must be >= 1, got {n}, {i}")
+        if tp % n:
+            raise ValueError(
+                f"--decode-context-parallel-size {n} must divide --tensor-parallel-size {tp}: the latent "
+                "cache is sharded over the tensor-parallel ranks"
+            )
+        if 1 < n < tp:
+            raise ValueError(
+                f"--decode-context-parallel-size {n} below --tensor-parallel-size {tp} (the cache sharded over "
+                "groups inside the TP ranks) is not built yet: use the TP size"
+            )
+        if self.block_size % (n * i):
+            raise ValueError(
+                f"--block-size {self.block_size} must be a multiple of --decode-context-parallel-size {n} x "
+                f"--cp-kv-cache-interleave-size {i}: each rank holds whole rows of every block"
+            )
+        if n > 1 and self.kernels != "auto" and self.kernels != "torch":
+            raise ValueError(
+                f"--kernels {self.kernels} with --decode-context-parallel-size: the token-sharded attention "
+                "runs in the torch path (layers/mla_dcp.py); use --kernels auto or torch"
             )
 
     @classmethod

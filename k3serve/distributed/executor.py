@@ -104,13 +104,31 @@ class MultiprocExecutor(WorkerGroup, Executor):
         self.rank0.write_state(slot, shares[:1], non_blocking)
 
     def read_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Every MLA layer's rows: rank 0's, and with pipeline stages the other stages' too."""
+        """Every MLA layer's rows: rank 0's, and with pipeline stages the other stages' too;
+        under decode context parallelism each rank's part of them, interleaved."""
+        if self.dcp[0] > 1:
+            return self._gather_rows(rows)
         if self.pp == 1:
             return self.rank0.read_rows(rows)
         out = self.rank0.read_rows(rows)
         for part in self.call("read_rows", rows):
             out.update({i: t.to(rows.device) for i, t in part.items()})
         return out
+
+    def _gather_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        """DCP: TP rank t of each stage holds the rows of its stage's layers that parallel/dcp.py
+        gives it, and sends those, in order (rank g = stage x TP + t)."""
+        from k3serve.parallel.dcp import DCPLayout
+
+        parts = [self.rank0.read_rows(rows)] + self.call("read_rows", rows)
+        owner = DCPLayout(*self.dcp).owner(rows.cpu())
+        out: dict[int, torch.Tensor] = {}
+        for g, part in enumerate(parts):
+            for i, rows_held in part.items():
+                if i not in out:
+                    out[i] = torch.empty(len(rows), *rows_held.shape[1:], dtype=rows_held.dtype)
+                out[i][owner == g % self.size] = rows_held.cpu()
+        return {i: t.to(rows.device) for i, t in out.items()}
 
     def write_rows(self, rows: torch.Tensor, latent: dict[int, torch.Tensor], non_blocking: bool = False) -> None:
         self.send("write_state", -1, {}, {}, rows, {i: t.cpu() for i, t in latent.items()})

@@ -36,6 +36,8 @@ def start_executor(config, where) -> Executor:
         where=where,
         progress=config.load_progress,
         pp_size=config.pipeline_parallel_size,
+        dcp_size=config.decode_context_parallel_size,
+        dcp_interleave=config.cp_kv_cache_interleave_size,
     )
     if config.distributed_executor_backend == "ray":
         from k3serve.distributed.ray_executor import RayExecutor, ray_layout

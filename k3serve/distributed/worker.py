@@ -51,6 +51,8 @@ class WorkerSpec:
     redundant_experts: int | None = None  # EPLB's extra expert slots over the expert group; None: off
     tp_size: int = 1  # DP-attention / pipeline stages: TP ranks per DP rank or stage (rank = block * tp_size + tp rank)
     pp_size: int = 1  # pipeline stages (rank // tp_size: this rank's stage)
+    dcp_size: int = 1  # decode context parallelism: the latent cache sharded by token over the TP ranks
+    dcp_interleave: int = 1  # tokens on one rank before the next (parallel/dcp.py)
     tp_shm_paths: tuple[str, ...] = ()  # DP-attention with TP: each DP rank's TP segment by DP rank ("": none here)
     per_node: int = 0  # ranks on each node (0: all `world`): rank r is local rank r % per_node
     ray: bool = False  # a Ray actor: on CUDA it sees only the GPU Ray gave it
@@ -83,6 +85,8 @@ def make_group(spec: WorkerSpec, store, rank: int):
         shm,
         device_type=spec.rank_device.type,
         redundant_experts=spec.redundant_experts,
+        dcp=spec.dcp_size,
+        dcp_interleave=spec.dcp_interleave,
         **dp,
     )
 
@@ -108,6 +112,7 @@ def make_dp_tp_group(spec: WorkerSpec, store):
         shm,
         device_type=spec.rank_device.type,
         redundant_experts=spec.redundant_experts if ep else None,
+        **({} if spec.dp_attention else dict(dcp=spec.dcp_size, dcp_interleave=spec.dcp_interleave)),
     )
 
 

@@ -45,6 +45,8 @@ def worker_base(
     shm_path: str | None,
     redundant_experts: int | None = None,
     pp_size: int = 1,
+    dcp_size: int = 1,
+    dcp_interleave: int = 1,
 ) -> dict:
     """The WorkerSpec fields every rank of one engine shares (all but `rank`); `tp_size`: every
     rank (TP x PP with `pp_size` pipeline stages: rank g = stage * TP + t)."""
@@ -65,6 +67,7 @@ def worker_base(
         threads=threads,
         redundant_experts=redundant_experts,
         **(dict(pp_size=pp_size, tp_size=tp_size // pp_size) if pp_size > 1 else {}),
+        **(dict(dcp_size=dcp_size, dcp_interleave=dcp_interleave) if dcp_size > 1 else {}),
         master_addr=nodes.master_addr if nodes.multi else "127.0.0.1",
         control=nodes.multi,
         per_node=tp_size // nodes.nnodes,
@@ -126,6 +129,8 @@ class WorkerGroup:
         nodes: NodeLayout = NodeLayout(),
         redundant_experts: int | None = None,
         pp_size: int = 1,
+        dcp_size: int = 1,
+        dcp_interleave: int = 1,
     ):
         """`tp_size`: every rank (TP x PP with pipeline stages); `redundant_experts`: EPLB's
         extra expert slots (parallel/group.py), None: EPLB off; `pp_size`: pipeline stages."""
@@ -134,6 +139,7 @@ class WorkerGroup:
         # make up one state, the TP ranks of a stage (all of them without stages)
         self.world, self.size, self.timeout_s, self.nodes = tp_size, tp_size // pp_size, timeout_s, nodes
         self.pp = pp_size
+        self.dcp = (dcp_size, dcp_interleave)  # decode context parallelism over the TP ranks (parallel/dcp.py)
         self.error: str | None = None
         timeout = datetime.timedelta(seconds=timeout_s)
         if nodes.agent_store:  # torchrun's agent hosts it
@@ -156,6 +162,8 @@ class WorkerGroup:
             shm_path=self._shm_path,
             redundant_experts=redundant_experts,
             pp_size=pp_size,
+            dcp_size=dcp_size,
+            dcp_interleave=dcp_interleave,
         )
         # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
         # spinning on a core a peer needs makes every collective wait for the scheduler

@@ -44,6 +44,9 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
     if config.pipeline_parallel_size > 1 and mode in ("graph", "triton"):  # "auto" on a GPU
         log.info("pipeline stages run their layers eagerly (torch): the graph step across stages is not built")
         mode = "torch"
+    if config.decode_context_parallel_size > 1 and mode != "torch":  # "auto"
+        log.info("decode context parallelism runs the torch path: the token-sharded MLA attention (layers/mla_dcp.py)")
+        mode = "torch"
     kernels = ex.use_kernels(mode)
     tokenizer = Tokenizer.from_dir(config.tokenizer or model_path)
     max_model_len = resolve_max_model_len(config, info)

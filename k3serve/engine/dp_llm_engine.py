@@ -80,6 +80,11 @@ def build_replicas(config: EngineConfig, dp: int, dp_attention: bool) -> list:
             "--pipeline-parallel-size with DP-attention (--data-parallel-size and --enable-expert-parallel): "
             "the lockstep replicas do not run pipeline stages yet; use TP x PP, or DP-attention without stages"
         )
+    if dp_attention and config.decode_context_parallel_size > 1:
+        raise ValueError(
+            "--decode-context-parallel-size with DP-attention (--data-parallel-size and --enable-expert-parallel): "
+            "each DP rank holds its own requests' whole cache; use DCP inside TP without DP-attention"
+        )
     executors = replica_executors(config, dp, dp_attention, placement(config))
     replicas: list[LLMEngine] = []
     try:

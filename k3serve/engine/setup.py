@@ -163,6 +163,7 @@ def make_plan(config: EngineConfig, model: ModelInfo, where: Placement, max_mode
         state_shards=config.tensor_parallel_size,
         kda_share=share.kda,
         mla_share=share.mla,
+        latent_shards=config.decode_context_parallel_size,
         state_dtype=config.ssm_dtype,
     )
 

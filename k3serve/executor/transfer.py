@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.layers.mla import from_cache, to_cache
+from k3serve.forward.cache import from_cache, to_cache
 
 
 def rows_of(

@@ -98,8 +98,7 @@ class UniProcExecutor(Executor):
         self.rank_runner.write_state(slot, rec, conv, non_blocking=non_blocking)
 
     def read_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
-        rows = rows.to(self.device)
-        return {i: t[rows] for i, t in enumerate(self.rank_runner.cache.latent) if t is not None}
+        return self.rank_runner.latent_rows(rows)  # on the device: the tiers copy them once
 
     def write_rows(self, rows: torch.Tensor, latent: dict[int, torch.Tensor], non_blocking: bool = False) -> None:
         self.rank_runner.write_state(-1, {}, {}, rows, latent, non_blocking)

@@ -168,6 +168,13 @@ class ForwardBatch:
 
         return self._once(("rows", seq), build)[start:end]
 
+    def dcp_rows(self, seq: int, layout, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode context parallelism (parallel/dcp.py DCPLayout): (positions [L'], this rank's
+        local latent rows [L']) of the positions of [0, context + new) of sequence `seq` that
+        `rank` holds; built once a step."""
+        n = self.context_lens[seq] + self.seq_lens[seq]
+        return self._once(("dcp rows", seq), lambda: layout.sequence_rows(self.block_tables[seq], n, rank, self.device))
+
     def padded_rows(self, seqs: list[int], lengths: list[int]) -> torch.Tensor:
         """Latent-cache rows of positions [0, lengths[j]) of sequences seqs[j], padded with row 0
         to [len(seqs), max(lengths)] (callers mask the padding); built once a step."""

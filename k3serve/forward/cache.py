@@ -1,7 +1,8 @@
 """CacheTensors: where a rank's cache state lives, indexed by layer (None for the other kind).
 
   KDA layer l:  recurrent[l][slot] [H, D, D] fp32 (or bf16: --mamba-ssm-cache-dtype),  conv[l][slot] [K-1, 3P] fp32
-  MLA layer l:  latent[l][row] [kv_lora + rope], row = block_id * block_size + offset
+  MLA layer l:  latent[l][row] [kv_lora + rope], row = block_id * block_size + offset (under
+                decode context parallelism a rank's share of each block: parallel/dcp.py)
   FP8 latent with scales: latent_scale[l] a 0-d fp32 tensor s on the cache's device; a row holds
                 fp8(latent / s) and reads back as fp8 * s (layers/mla.py to_cache / from_cache).
                 From the checkpoint's `self_attn.k_scale`, or calibrated on the first rows a
@@ -86,11 +87,14 @@ class CacheTensors:
         state_dtype: torch.dtype = torch.float32,
         spare: int = 0,
         layers: range | None = None,
+        latent_shards: int = 1,
     ) -> "CacheTensors":
         """`tp_size`: a tensor-parallel rank holds the KDA state of its H/N heads; the latent is whole.
         `scratch`: one more slot and block for the static step's padding rows. `spare`: state
         slots after those for slot-per-draft rollback (cache/draft_slots.py). `layers`: a
-        pipeline stage's (the others None here), None: all."""
+        pipeline stage's (the others None here), None: all. `latent_shards` N: decode context
+        parallelism, each block's rows split by token over N ranks (parallel/dcp.py): this
+        rank's block_size / N rows of each."""
         k, m = cfg.kda, cfg.mla
         live, num_blocks = num_slots + scratch, num_blocks + scratch
         num_slots = live + spare
@@ -108,8 +112,37 @@ class CacheTensors:
             else:
                 rec.append(None)
                 conv.append(None)
-                lat.append(torch.zeros(num_blocks * block_size, m.cache_dim, dtype=kv_dtype, device=device))
+                rows = num_blocks * (block_size // latent_shards)
+                lat.append(torch.zeros(rows, m.cache_dim, dtype=kv_dtype, device=device))
         spares = dict(first_spare=live, num_spare=spare) if spare else {}
         if scratch:
             return cls(rec, conv, lat, block_size, live - 1, num_blocks - 1, **spares)
         return cls(rec, conv, lat, block_size, **spares)
+
+
+# ---- the latent rows' encoding (fp8 with a scale, or the cache dtype) ----------------------------
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: beyond it a cast gives NaN, so clamp
+
+
+def to_cache(latent: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Latent rows [N, c + r] in the cache dtype; fp8 divided by the layer's scale (0-d fp32;
+    None: unit scale, vLLM's default k_scale), saturating instead of overflowing to NaN."""
+    if dtype == torch.float8_e4m3fn:
+        latent = latent.float() if scale is None else latent.float() / scale
+        latent = latent.clamp(-FP8_MAX, FP8_MAX)
+    return latent.to(dtype)
+
+
+def write_rows(store: torch.Tensor, rows: torch.Tensor, latent: torch.Tensor, scale: torch.Tensor | None = None):
+    """store[rows] = to_cache(latent) as one index_copy_ (graph-safe); fp8 through a uint8 view
+    of both (index_copy_ has no fp8 kernel on the CPU)."""
+    new = to_cache(latent, store.dtype, scale)
+    if store.dtype == torch.float8_e4m3fn:
+        store.view(torch.uint8).index_copy_(0, rows, new.view(torch.uint8))
+    else:
+        store.index_copy_(0, rows, new)
+
+
+def from_cache(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Cached rows [..., c + r] -> fp32 values (times the layer's scale where there is one)."""
+    return rows.float() if scale is None else rows.float() * scale

@@ -23,6 +23,8 @@ from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.backends import TORCH
 from k3serve.layers.common import RMSNorm, linear
 from k3serve.forward import CacheTensors, ForwardBatch
+from k3serve.forward.cache import from_cache, to_cache
+from k3serve.parallel.dcp import layout_of
 
 MLA_NORM_EPS = 1e-6  # HF-REF KimiRMSNorm default for q_a/kv_a layernorms
 
@@ -89,33 +91,6 @@ def _causal_softmax(scores: torch.Tensor, start: int) -> torch.Tensor:
     return torch.softmax(scores.float().masked_fill(~allowed, -torch.inf), dim=-1)
 
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: beyond it a cast gives NaN, so clamp
-
-
-def to_cache(latent: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Latent rows [N, c + r] in the cache dtype; fp8 divided by the layer's scale (0-d fp32;
-    None: unit scale, vLLM's default k_scale), saturating instead of overflowing to NaN."""
-    if dtype == torch.float8_e4m3fn:
-        latent = latent.float() if scale is None else latent.float() / scale
-        latent = latent.clamp(-FP8_MAX, FP8_MAX)
-    return latent.to(dtype)
-
-
-def write_rows(store: torch.Tensor, rows: torch.Tensor, latent: torch.Tensor, scale: torch.Tensor | None = None):
-    """store[rows] = to_cache(latent) as one index_copy_ (graph-safe); fp8 through a uint8 view
-    of both (index_copy_ has no fp8 kernel on the CPU)."""
-    new = to_cache(latent, store.dtype, scale)
-    if store.dtype == torch.float8_e4m3fn:
-        store.view(torch.uint8).index_copy_(0, rows, new.view(torch.uint8))
-    else:
-        store.index_copy_(0, rows, new)
-
-
-def from_cache(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Cached rows [..., c + r] -> fp32 values (times the layer's scale where there is one)."""
-    return rows.float() if scale is None else rows.float() * scale
-
-
 class GatedMLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = NO_TP):
         super().__init__()
@@ -139,6 +114,9 @@ class GatedMLA(nn.Module):
             self.g_proj = linear(m.num_heads * m.v_head_dim, d)
         self.o_proj = linear(d, m.num_heads * m.v_head_dim)
         self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
+        # decode context parallelism: the latent cache sharded by token over the TP ranks, each
+        # attending over its rows (layers/mla_dcp.py); None: every rank caches every row
+        self.dcp = tp if tp.dcp > 1 else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         return self.backend.mla(self, x, batch, cache)
@@ -149,7 +127,13 @@ class GatedMLA(nn.Module):
         q, latent = self.project(x)
         out = torch.empty(x.shape[0], m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
         s = cache.observe(self.layer_idx, latent)
-        self.attend_rest(q, latent, batch, cache.latent[self.layer_idx], out, done=set(), kv_scale=s)
+        if self.dcp is not None:
+            from k3serve.layers.mla_dcp import attend_dcp
+
+            layout = layout_of(self.dcp, batch.block_size)
+            attend_dcp(self, q, latent, batch, cache.latent[self.layer_idx], out, s, self.dcp, layout)
+        else:
+            self.attend_rest(q, latent, batch, cache.latent[self.layer_idx], out, done=set(), kv_scale=s)
         return self.output(out, x)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,6 +88,10 @@ class TPGroup:
     # EPLB's redundant expert slots over the group (--eplb-config num_redundant_experts): the routed
     # experts occupy E + R physical slots, (E + R) / size per rank (layers/expert_map.py)
     redundant_experts: int = 0
+    # decode context parallelism (--decode-context-parallel-size, parallel/dcp.py): the MLA latent
+    # cache sharded by token over the group's ranks, `dcp_interleave` tokens at a time; 1: whole
+    dcp: int = 1
+    dcp_interleave: int = 1
     functional: str | None = field(default=None, compare=False)  # the group's name for compiled steps
     device_type: str = "cpu"  # where its tensors live: "cpu" (gloo) or "cuda" (NCCL, `nccl_group`)
 

@@ -19,6 +19,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, help="attention data parallel (DP-attention) groups")
     p.add_argument("--ep", type=int)
     p.add_argument("--pp", type=int, help="pipeline-parallel stages (default: search 1, 2, 4, 8)")
+    p.add_argument(
+        "--decode-context-parallel-size",
+        "--dcp",
+        type=int,
+        dest="dcp",
+        help="shard the MLA latent cache by token over this many TP ranks (layouts it divides; "
+        "the report shows the concurrency gained)",
+    )
     # The four workload questions. Unasked ones are assumed, and every format says so.
     p.add_argument("--context", type=int, help=f"tokens per request, max_model_len (default {DEFAULTS['context']:,})")
     p.add_argument("--concurrency", type=int, help="requests the deployment must hold at once (default 1)")
@@ -200,6 +208,7 @@ def run_plan(args: argparse.Namespace) -> int:
         dp=args.dp,
         ep=args.ep,
         pp=args.pp,
+        dcp=args.dcp,
         optimize=args.optimize,
         latency_sensitive=args.latency_sensitive,
         cache_bytes=parse_bytes(args.cache_memory) if args.cache_memory else None,

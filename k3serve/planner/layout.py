@@ -24,6 +24,7 @@ class Layout:
     dp: int  # attention data parallel (DP-attention groups) inside one stage
     ep: int  # expert parallel: the GPUs of one stage
     pp: int = 1  # pipeline stages
+    dcp: int = 1  # decode context parallelism: the latent cache sharded by token over this many TP ranks
 
     @property
     def dp_attention(self) -> bool:
@@ -36,7 +37,11 @@ class Layout:
     @property
     def label(self) -> str:
         attn = f"TP{self.tp}" if self.dp == 1 else (f"DP{self.dp}" if self.tp == 1 else f"TP{self.tp}xDP{self.dp}")
-        return f"{attn}/EP{self.ep}" + (f"/PP{self.pp}" if self.pp > 1 else "")
+        return (
+            f"{attn}/EP{self.ep}"
+            + (f"/PP{self.pp}" if self.pp > 1 else "")
+            + (f"/DCP{self.dcp}" if self.dcp > 1 else "")
+        )
 
     def nodes(self, scaleup_domain: int) -> int:
         return -(-self.num_gpus // scaleup_domain)
@@ -53,6 +58,8 @@ class Layout:
         E = cfg.moe.num_experts
         if E and E % self.ep:
             out.append(f"{E} routed experts do not divide by EP {self.ep}")
+        if self.tp % self.dcp:
+            out.append(f"DCP {self.dcp} does not divide TP {self.tp}")
         if self.pp > cfg.num_layers:
             out.append(f"PP {self.pp} exceeds the {cfg.num_layers} layers")
         elif cfg.use_attnres and self.pp > len(cfg.attnres_block_starts):

@@ -117,6 +117,7 @@ def rank_memory(
             state_shards=tp,
             kda_share=share.kda,
             mla_share=share.mla,
+            latent_shards=layout.dcp,
             state_dtype=w.state_dtype,
         )
     except ValueError as e:
@@ -144,7 +145,7 @@ def max_context_one_request(
         return 0
     share = stage_shares(cfg, layout.pp)
     state = -(-int(kda_state_bytes_per_request(cfg, state_dtype) * share.kda) // layout.tp)
-    per_token = math.ceil(mla_cache_bytes_per_token(cfg, kv_dtype) * share.mla)
+    per_token = math.ceil(mla_cache_bytes_per_token(cfg, kv_dtype) * share.mla / layout.dcp)
     if not per_token:
         return cfg.max_position_embeddings
     return max(0, min(cfg.max_position_embeddings, (rank.cache_budget - state) // per_token))

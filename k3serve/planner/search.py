@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from k3serve.cache.sizing import kda_state_bytes_per_request, mla_cache_bytes_per_token
 from k3serve.config.model_config import ModelConfig
@@ -30,6 +30,7 @@ class LayoutResult:
     perf: Perf | None  # at min(wanted, capacity) requests
     wanted: int  # the requested concurrency
     commands: dict[str, str] = field(default_factory=dict)
+    capacity_without_dcp: int | None = None  # a DCP layout's capacity with every rank caching every row
 
     @property
     def loads(self) -> bool:
@@ -127,6 +128,10 @@ def evaluate(
         problems.append(f"{E} experts + {R} redundant do not divide by EP {layout.ep}")
     rank = rank_memory(cfg, gpu, layout, weights, w, cache_bytes)
     capacity = layout.dp * rank.plan.max_concurrency(w.context) if rank.plan else 0
+    without = None
+    if layout.dcp > 1:  # the concurrency DCP gains: the same rank with the whole latent cache
+        whole = rank_memory(cfg, gpu, replace(layout, dcp=1), weights, w, cache_bytes)
+        without = layout.dp * whole.plan.max_concurrency(w.context) if whole.plan else 0
     max_ctx = max_context_one_request(cfg, rank, layout, w.kv_dtype, w.state_dtype)
     perf = None
     if not problems and rank.fits:
@@ -147,7 +152,17 @@ def evaluate(
         w.redundant_experts,
     )
     return LayoutResult(
-        gpu, layout, rank, problems, layout.warnings(gpu.scaleup_domain), capacity, max_ctx, perf, w.concurrency, cmds
+        gpu,
+        layout,
+        rank,
+        problems,
+        layout.warnings(gpu.scaleup_domain),
+        capacity,
+        max_ctx,
+        perf,
+        w.concurrency,
+        cmds,
+        without,
     )
 
 
@@ -180,7 +195,16 @@ def smallest_count(
     return None
 
 
-def _layouts(n: int, tp: int | None, dp: int | None, ep: int | None, pp: int | None) -> list[Layout]:
+def _layouts(
+    n: int, tp: int | None, dp: int | None, ep: int | None, pp: int | None, dcp: int | None = None
+) -> list[Layout]:
+    layouts = _given(n, tp, dp, ep, pp)
+    if dcp and dcp > 1:  # DCP shards one attention group's cache: the TP layouts it divides
+        layouts = [replace(lay, dcp=dcp) for lay in layouts if lay.dp == 1 and lay.tp % dcp == 0]
+    return layouts
+
+
+def _given(n: int, tp: int | None, dp: int | None, ep: int | None, pp: int | None) -> list[Layout]:
     layouts = candidate_layouts(n)
     if tp or dp or ep or pp:
         layouts = [
@@ -210,6 +234,7 @@ def plan(
     dp: int | None = None,
     ep: int | None = None,
     pp: int | None = None,
+    dcp: int | None = None,
     optimize: str = "min-hardware",
     latency_sensitive: bool = False,
     cache_bytes: int | None = None,
@@ -224,7 +249,9 @@ def plan(
             low = smallest[gpu.name]
             counts = [n for n in counts_for(gpu) if low is None or low <= n <= 4 * low]
         for n in counts:
-            results += [evaluate(cfg, model, gpu, lay, weights, w, cache_bytes) for lay in _layouts(n, tp, dp, ep, pp)]
+            results += [
+                evaluate(cfg, model, gpu, lay, weights, w, cache_bytes) for lay in _layouts(n, tp, dp, ep, pp, dcp)
+            ]
     ranked = rank_results(results, optimize, latency_sensitive)
     return PlanReport(
         model,

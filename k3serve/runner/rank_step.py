@@ -16,6 +16,7 @@ import torch
 
 from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
+from k3serve.parallel.dcp import layout_of
 from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.spec_decode.rollback import rollback_states
 
@@ -234,9 +235,18 @@ class RankRunner:
         )
 
     def read_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
-        """This rank's latent rows [R, c + r] per MLA layer (whole on every rank), on the CPU."""
+        """`latent_rows` on the CPU (what travels back to the driver)."""
+        return {i: t.cpu() for i, t in self.latent_rows(rows).items()}
+
+    def latent_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        """This rank's latent rows [R, c + r] per MLA layer (whole on every rank) of the global
+        rows `rows`; under decode context parallelism the [R'] of them it holds, in the order of
+        `rows` (the executor interleaves the ranks' parts: parallel/dcp.py)."""
         rows = rows.to(self.cache.device)
-        return {i: t[rows].cpu() for i, t in enumerate(self.cache.latent) if t is not None}
+        layout = layout_of(self.model.tp, self.cache.block_size)
+        if layout is not None:
+            rows = layout.split(rows, self.model.tp.rank)[1]
+        return {i: t[rows] for i, t in enumerate(self.cache.latent) if t is not None}
 
     def write_state(
         self,
@@ -257,6 +267,10 @@ class RankRunner:
             self.cache.conv[i][slot].copy_(conv[i], non_blocking=non_blocking)
         if latent:  # rows and their values may arrive on the CPU (pickled)
             rows = rows.to(self.cache.device)
+            layout = layout_of(self.model.tp, self.cache.block_size)
+            if layout is not None:  # whole blocks' rows: this rank writes the ones it holds
+                mine, rows = layout.split(rows, self.model.tp.rank)
+                latent = {i: t[mine.to(t.device)] for i, t in latent.items()}
         for i, t in (latent or {}).items():
             dst = self.cache.latent[i]
             if dst is not None:
@@ -289,6 +303,7 @@ def allocate_cache(
         state_dtype=getattr(torch, plan.state_dtype),
         spare=plan.num_slots * draft_positions if scratch else 0,
         layers=model.model.stage.layers,
+        latent_shards=model.tp.dcp,
     )
     scales = getattr(model, "kv_scales", {})
     if kv_dtype == torch.float8_e4m3fn and (scales or calculate_kv_scales):

@@ -114,6 +114,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size ranks: TP x PP local worker processes",
     )
     p.add_argument(
+        "--decode-context-parallel-size",
+        "-dcp",
+        type=int,
+        default=1,
+        help="shard the MLA latent cache by token over this many of the --tensor-parallel-size ranks "
+        "(each attends over its rows; the outputs merge by log-sum-exp): 1/N of the latent bytes per rank",
+    )
+    p.add_argument(
+        "--cp-kv-cache-interleave-size",
+        type=int,
+        default=1,
+        help="with --decode-context-parallel-size: consecutive tokens on one rank before the next "
+        "(--block-size must be a multiple of it times the DCP size)",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="split the routed experts over those ranks by expert id instead of by channel",

@@ -206,9 +206,7 @@ def test_pp2_tiers_across_a_restart_equal_a_cold_recompute(tiny_k3_dir, tmp_path
 def test_pp2_prefill_hands_off_to_one_process_decode_and_back(tiny_k3_dir):
     """A hand-off from a PP2 engine carries every stage's layers (state and latent rows), and
     one into a PP2 engine reaches every stage: both decode the colocated engine's tokens."""
-    import torch
-
-    from tests.engine.test_handoff import disaggregated
+    from tests.engine.test_handoff import both_ways
 
     kw = dict(cache_memory="32MiB", max_model_len=512, block_size=16)
     colocated, one, pp2 = (
@@ -217,13 +215,7 @@ def test_pp2_prefill_hands_off_to_one_process_decode_and_back(tiny_k3_dir):
         LLM(tiny_k3_dir, pipeline_parallel_size=2, **kw),
     )
     try:
-        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-        g = torch.Generator().manual_seed(3)
-        for i, (prefill, decode) in enumerate([(pp2, one), (one, pp2)]):
-            prompt = torch.randint(1, 500, (37,), generator=g).tolist()  # crosses two block boundaries
-            want = colocated.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
-            got, _, _ = disaggregated(prefill.engine, decode.engine, f"pp{i}", prompt)
-            assert got == want, (i, got, want)
+        both_ways(colocated, one, pp2, "pp")
     finally:
         pp2.engine.shutdown()
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve import LLM, SamplingParams
+from k3serve import LLM
 from k3serve.cache.sizing import kda_state_bytes_per_request
 from k3serve.executor.transfer import merge_heads, split_heads
-from tests.engine.test_handoff import disaggregated
+from tests.engine.test_handoff import both_ways
 
 KW = dict(cache_memory="32MiB", max_model_len=512, block_size=16)
 
@@ -38,13 +38,7 @@ def engines(tiny_kl_dir):
 
 def test_tp2_prefill_to_tp1_decode_and_back(engines):
     colocated, tp1, tp2 = engines
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    g = torch.Generator().manual_seed(3)
-    for i, (prefill, decode) in enumerate([(tp2, tp1), (tp1, tp2)]):
-        prompt = torch.randint(1, 500, (37,), generator=g).tolist()  # crosses two block boundaries
-        want = colocated.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
-        got, h, _ = disaggregated(prefill.engine, decode.engine, f"tp{i}", prompt)
-        assert got == want, (i, got, want)
+    for h in both_ways(colocated, tp1, tp2, "tp"):
         assert h.state_bytes == kda_state_bytes_per_request(colocated.engine.model.cfg)  # every head
     for llm in (tp1, tp2):
         assert llm.engine.cache.num_requests == 0 and not llm.engine.handoffs.held

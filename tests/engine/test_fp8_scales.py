@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from k3serve import LLM, SamplingParams
 from k3serve.engine.handoff import capture, from_bytes, install, to_bytes
 from k3serve.forward.cache import K_SCALE_RANGE
-from k3serve.layers.mla import from_cache
+from k3serve.forward.cache import from_cache
 from k3serve.cache.prefix_cache import block_hashes
 from tests.engine.test_state_dtype import LOOPY, run, toks
 

@@ -46,6 +46,21 @@ def disaggregated(prefill, decode, rid, prompt):
     return out, h, held
 
 
+def both_ways(colocated, one, other, tag: str) -> list:
+    """Hand a 37-token prompt (two block boundaries) from `other` to `one` and another back:
+    each decodes the colocated engine's greedy tokens. Returns the two hand-offs."""
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    g = torch.Generator().manual_seed(3)
+    handoffs = []
+    for i, (prefill, decode) in enumerate([(other, one), (one, other)]):
+        prompt = torch.randint(1, 500, (37,), generator=g).tolist()
+        want = colocated.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids
+        got, h, _ = disaggregated(prefill.engine, decode.engine, f"{tag}{i}", prompt)
+        assert got == want, (i, got, want)
+        handoffs.append(h)
+    return handoffs
+
+
 def per_token_latent_bytes(engine) -> int:
     return sum(t.shape[1] * t.element_size() for t in engine.executor.cache.latent if t is not None)
 

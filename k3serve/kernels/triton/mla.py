@@ -19,7 +19,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from k3serve.layers.mla import write_rows
+from k3serve.forward.cache import write_rows
 from k3serve.layers.norm import rms_norm
 
 
