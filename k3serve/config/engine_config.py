@@ -200,11 +200,6 @@ class EngineConfig:
                 f"--decode-context-parallel-size {n} must divide --tensor-parallel-size {tp}: the latent "
                 "cache is sharded over the tensor-parallel ranks"
             )
-        if 1 < n < tp:
-            raise ValueError(
-                f"--decode-context-parallel-size {n} below --tensor-parallel-size {tp} (the cache sharded over "
-                "groups inside the TP ranks) is not built yet: use the TP size"
-            )
         if self.block_size % (n * i):
             raise ValueError(
                 f"--block-size {self.block_size} must be a multiple of --decode-context-parallel-size {n} x "

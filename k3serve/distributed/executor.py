@@ -117,8 +117,9 @@ class MultiprocExecutor(WorkerGroup, Executor):
 
     def _gather_rows(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
         """DCP: TP rank t of each stage holds the rows of its stage's layers that parallel/dcp.py
-        gives it, and sends those, in order (rank g = stage x TP + t)."""
-        from k3serve.parallel.dcp import DCPLayout
+        gives its shard, and sends those, in order (rank g = stage x TP + t; with DCP below TP
+        several ranks hold a shard, and send the same rows)."""
+        from k3serve.parallel.dcp import DCPLayout, shard_of
 
         parts = [self.rank0.read_rows(rows)] + self.call("read_rows", rows)
         owner = DCPLayout(*self.dcp).owner(rows.cpu())
@@ -127,7 +128,7 @@ class MultiprocExecutor(WorkerGroup, Executor):
             for i, rows_held in part.items():
                 if i not in out:
                     out[i] = torch.empty(len(rows), *rows_held.shape[1:], dtype=rows_held.dtype)
-                out[i][owner == g % self.size] = rows_held.cpu()
+                out[i][owner == shard_of(g % self.size, self.dcp[0])] = rows_held.cpu()
         return {i: t.to(rows.device) for i, t in out.items()}
 
     def write_rows(self, rows: torch.Tensor, latent: dict[int, torch.Tensor], non_blocking: bool = False) -> None:

@@ -77,7 +77,7 @@ def make_group(spec: WorkerSpec, store, rank: int):
 
     pg, shm = _process_group(spec, store, spec.prefix, rank, spec.world, spec.shm_path)
     dp = dict(size_flag="--data-parallel-size", all2all=spec.all2all) if spec.dp_attention else {}
-    return TPGroup(
+    group = TPGroup(
         rank,
         spec.world,
         spec.expert_parallel,
@@ -89,6 +89,23 @@ def make_group(spec: WorkerSpec, store, rank: int):
         dcp_interleave=spec.dcp_interleave,
         **dp,
     )
+    return group if spec.pp_size > 1 or spec.dp_attention else with_context_group(spec, store, group, spec.prefix)
+
+
+def with_context_group(spec: WorkerSpec, store, tp, prefix: str):
+    """`tp` with its decode-context-parallel sub-group when --decode-context-parallel-size N is
+    below its size: consecutive ranks t // N share one latent cache (parallel/group.py)."""
+    import dataclasses
+
+    from k3serve.parallel.group import TPGroup
+
+    n = spec.dcp_size
+    if n <= 1 or n == tp.size:
+        return tp
+    g, t = divmod(tp.rank, n)
+    pg, _ = _process_group(spec, store, f"{prefix}/dcp{g}", t, n, None)
+    sub = TPGroup(t, n, pg=pg, device_type=tp.device_type, size_flag="--decode-context-parallel-size")
+    return dataclasses.replace(tp, dcp_group=sub)
 
 
 def make_dp_tp_group(spec: WorkerSpec, store):
@@ -104,7 +121,7 @@ def make_dp_tp_group(spec: WorkerSpec, store):
         spec, store, f"{spec.prefix}/tp{replica}", t, spec.tp_size, paths[replica] or None if paths else None
     )
     ep = spec.expert_parallel and not spec.dp_attention
-    return TPGroup(
+    group = TPGroup(
         t,
         spec.tp_size,
         ep,
@@ -114,6 +131,7 @@ def make_dp_tp_group(spec: WorkerSpec, store):
         redundant_experts=spec.redundant_experts if ep else None,
         **({} if spec.dp_attention else dict(dcp=spec.dcp_size, dcp_interleave=spec.dcp_interleave)),
     )
+    return group if spec.dp_attention else with_context_group(spec, store, group, f"{spec.prefix}/tp{replica}")
 
 
 def rank_groups(spec: WorkerSpec, store, rank: int) -> dict:

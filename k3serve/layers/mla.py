@@ -131,7 +131,8 @@ class GatedMLA(nn.Module):
             from k3serve.layers.mla_dcp import attend_dcp
 
             layout = layout_of(self.dcp, batch.block_size)
-            attend_dcp(self, q, latent, batch, cache.latent[self.layer_idx], out, s, self.dcp, layout)
+            store = cache.latent[self.layer_idx]
+            attend_dcp(self, q, latent, batch, store, out, s, self.dcp.context_group, layout)
         else:
             self.attend_rest(q, latent, batch, cache.latent[self.layer_idx], out, done=set(), kv_scale=s)
         return self.output(out, x)

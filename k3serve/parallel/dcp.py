@@ -62,3 +62,8 @@ def layout_of(group, block_size: int) -> DCPLayout | None:
     if getattr(group, "dcp", 1) <= 1:
         return None
     return DCPLayout(group.dcp, group.dcp_interleave, block_size)
+
+
+def shard_of(tp_rank: int, dcp: int) -> int:
+    """The token shard TP rank `tp_rank` holds: its place in its group of `dcp` consecutive ranks."""
+    return tp_rank % dcp

@@ -92,6 +92,15 @@ class TPGroup:
     # cache sharded by token over the group's ranks, `dcp_interleave` tokens at a time; 1: whole
     dcp: int = 1
     dcp_interleave: int = 1
+    # the N ranks that share one latent cache when N < size: consecutive TP ranks (their heads
+    # consecutive too), rank t in group t // N at position t % N; None: this group itself
+    dcp_group: "TPGroup | None" = field(default=None, compare=False)
+
+    @property
+    def context_group(self) -> "TPGroup":
+        """The group the latent cache is sharded over (decode context parallelism)."""
+        return self if self.dcp_group is None else self.dcp_group
+
     functional: str | None = field(default=None, compare=False)  # the group's name for compiled steps
     device_type: str = "cpu"  # where its tensors live: "cpu" (gloo) or "cuda" (NCCL, `nccl_group`)
 

@@ -70,8 +70,6 @@ def launch_commands(
         k3 += f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $HEAD_IP --master-port 29500"
     if layout.dcp > 1:
         k3 += f" --decode-context-parallel-size {layout.dcp}"
-        if layout.dcp < layout.tp:
-            k3 += f"  # DCP below TP waits for k3serve's sub-groups: use --decode-context-parallel-size {layout.tp}"
     if layout.pp > 1:
         k3 += f" --pipeline-parallel-size {layout.pp}"
         if layout.dp > 1:

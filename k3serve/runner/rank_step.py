@@ -16,7 +16,7 @@ import torch
 
 from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
-from k3serve.parallel.dcp import layout_of
+from k3serve.parallel.dcp import layout_of, shard_of
 from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.spec_decode.rollback import rollback_states
 
@@ -245,7 +245,7 @@ class RankRunner:
         rows = rows.to(self.cache.device)
         layout = layout_of(self.model.tp, self.cache.block_size)
         if layout is not None:
-            rows = layout.split(rows, self.model.tp.rank)[1]
+            rows = layout.split(rows, shard_of(self.model.tp.rank, layout.size))[1]
         return {i: t[rows] for i, t in enumerate(self.cache.latent) if t is not None}
 
     def write_state(
@@ -269,7 +269,7 @@ class RankRunner:
             rows = rows.to(self.cache.device)
             layout = layout_of(self.model.tp, self.cache.block_size)
             if layout is not None:  # whole blocks' rows: this rank writes the ones it holds
-                mine, rows = layout.split(rows, self.model.tp.rank)
+                mine, rows = layout.split(rows, shard_of(self.model.tp.rank, layout.size))
                 latent = {i: t[mine.to(t.device)] for i, t in latent.items()}
         for i, t in (latent or {}).items():
             dst = self.cache.latent[i]

@@ -66,6 +66,27 @@ def test_dcp2_logits_are_as_accurate_as_one_process(kind, interleave, tiny_k3_di
     assert torch.equal(outs[0].argmax(-1), ref.argmax(-1))
 
 
+def test_dcp2_inside_tp4_logits_are_as_accurate_as_one_process(tiny_kl_dir):
+    """DCP below TP: ranks {0, 1} and {2, 3} each share one latent cache by token (their
+    sub-groups gather queries and merge outputs); their heads are consecutive."""
+    from dataclasses import replace
+
+    from k3serve.parallel.expert_group import thread_process_groups
+    from k3serve.parallel.group import TPGroup
+
+    subs = [thread_process_groups(2), thread_process_groups(2)]
+
+    def rank(tp):
+        g, t = divmod(tp.rank, 2)
+        return dcp_decode(tiny_kl_dir, replace(tp, dcp_group=TPGroup(t, 2, pg=subs[g][t])))
+
+    ref, exact = greedy_logits(tiny_kl_dir, kernels="torch"), exact_logits(tiny_kl_dir)
+    outs = run_ranks(4, rank, dcp=2)
+    for got in outs:
+        assert_as_accurate(got, ref, exact)
+    assert torch.equal(outs[0].argmax(-1), ref.argmax(-1))
+
+
 # ---- the engine, worker processes -----------------------------------------------------------
 
 
@@ -107,6 +128,13 @@ def test_dcp2_with_interleave_and_ngram_speculation_equals_one_process(tiny_k3_d
         **_layout("k3"),
     )
     assert dcp2 == one
+
+
+@pytest.mark.slow  # four worker ranks
+def test_dcp2_inside_tp4_equals_one_process(tiny_kl_dir):
+    one, _, _ = twice(tiny_kl_dir, kernels="torch")
+    got, plan, rows = twice(tiny_kl_dir, tensor_parallel_size=4, decode_context_parallel_size=2)
+    assert got == one and rows == plan.num_blocks * plan.block_size // 2
 
 
 @pytest.mark.slow  # four worker ranks
@@ -196,7 +224,6 @@ def test_dcp2_engine_and_planner_agree(tiny_k3_dir):
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        (dict(tensor_parallel_size=4, decode_context_parallel_size=2), "below --tensor-parallel-size 4"),
         (dict(tensor_parallel_size=2, decode_context_parallel_size=4), "must divide --tensor-parallel-size 2"),
         (dict(tensor_parallel_size=2, decode_context_parallel_size=2, block_size=9), "--block-size 9"),
         (
