@@ -68,6 +68,16 @@ def main() -> None:
             speculative_config={"method": "dspark", "model": "dspark", "num_speculative_tokens": args.k},
             **kw,
         ),
+        "dspark-pinned": LLM(  # K fixed: what the draft-length policy is weighed against
+            str(path),
+            speculative_config={
+                "method": "dspark",
+                "model": "dspark",
+                "num_speculative_tokens": args.k,
+                "adaptive": False,
+            },
+            **kw,
+        ),
         "ngram": LLM(
             str(path),
             speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2},

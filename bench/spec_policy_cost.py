@@ -1,6 +1,6 @@
 """What the draft-length policy costs a step (issue 61: under 2% of a decode step at 16 streams).
 
-The demo model's chat prompts, 16 streams, greedy: each engine's steps timed whole, and inside
+The demo model's chat prompts, 16 streams (--streams), greedy: each engine's steps timed whole, and inside
 them the policy's own work (should_draft / choose / shadow scoring / resting, and the step-cost
 sample after the step), by wrapping those calls. Speculation engines: ngram and DSpark, adaptive.
 Writes bench/results/spec_policy_cost.json.
@@ -8,6 +8,7 @@ Writes bench/results/spec_policy_cost.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -31,6 +32,9 @@ POLICY = [
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, default=16, help="requests at once (1: one user, the shortest steps)")
+    args = ap.parse_args()
     spent: Counter = Counter()
     for cls, name in POLICY:
         f = getattr(cls, name)
@@ -52,12 +56,17 @@ def main() -> None:
     ):
         llm = LLM(path, speculative_config={"num_speculative_tokens": 4, **method}, **kw)
         prompts = [{"prompt_token_ids": p} for p in demo_prompts(llm, 2000)["chat"]]
-        llm.generate(prompts, sp)
+
+        def run():
+            for i in range(0, len(prompts), args.streams):
+                llm.generate(prompts[i : i + args.streams], sp)
+
+        run()
         spent.clear()
         steps0 = llm.engine.spec._steps
         t = time.perf_counter()
         for _ in range(5):
-            llm.generate(prompts, sp)
+            run()
         total = time.perf_counter() - t
         steps = llm.engine.spec._steps - steps0
         policy = sum(spent.values())
@@ -73,7 +82,8 @@ def main() -> None:
             f"{name}: {r['step_us']:.0f} us a step, the policy {r['policy_us_per_step']:.1f} us "
             f"({100 * r['share']:.2f}%): " + ", ".join(f"{k} {v:.1f}" for k, v in r["by_call_us_per_step"].items())
         )
-    out = Path(__file__).parent / "results" / "spec_policy_cost.json"
+    name = "spec_policy_cost.json" if args.streams == 16 else f"spec_policy_cost_{args.streams}.json"
+    out = Path(__file__).parent / "results" / name
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 
