@@ -7,7 +7,8 @@ Per attention layer and step (StepRows, forward/batch.py):
 - a mixed step: the decode / verify rows through kda_decode / mla_decode, KDA prefill chunks
   through kda_decode's stepwise recurrence (faster than the chunked form on a CPU), MLA prefill
   through the layer's torch attention;
-- grad enabled or tensors off the CPU: the reference, unchanged.
+- grad enabled or tensors off the CPU: the reference, unchanged;
+- a whole decode / verify step in one call where it runs as the layers would: backends/cpu_stack.py.
 
 Each layer's kernel arguments (projections in panel form, layers/common.py kernel_matrix) are
 built once and kept here, keyed by the layer, until `reset()` (a load or a move).
@@ -22,6 +23,7 @@ from functools import partial
 import torch
 
 from k3serve.backends import Backend
+from k3serve.backends.cpu_stack import KERNEL_DTYPES, DecodeStacks, block_experts
 from k3serve.kernels.packs import GluPack, KdaPack, MlaPack, MoePack
 from k3serve.layers.common import kernel_experts, kernel_matrix
 from k3serve.layers.gemm import SMALL_M
@@ -30,10 +32,8 @@ from k3serve.forward.cache import to_cache
 from k3serve.layers.mla import MLA_NORM_EPS
 from k3serve.layers.moe import DENSE_KERNEL_ROWS
 
-_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled kernels read
 
-
-class CpuKernels(Backend):
+class CpuKernels(DecodeStacks, Backend):
     name = "cpp"
 
     def __init__(self, module):
@@ -42,10 +42,7 @@ class CpuKernels(Backend):
         # layer -> (flat record stores, ((S, T, device), their views)): a verify pass's records,
         # reused step after step (two allocations per layer cost ~2 us a verify step each)
         self._records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # model -> its DecodeStack (False: it has none), the cache's tensors in stack order with
-        # its KDA layers, and whether every MoE layer takes its block per (dtype, few rows)
-        self._stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.stack_enabled = True  # False: every step layer by layer (the stack's reference in tests)
+        self.init_stacks()
 
     def experts_moved(self, layer) -> None:
         """The MoE layer's kernel arguments (kernel_experts may re-lay its experts out) and the
@@ -281,13 +278,13 @@ class CpuKernels(Backend):
 
     # ---- norms, dense MLPs ----------------------------------------------------------------
     def rms_norm(self, layer, x):
-        if self.takes(x) and x.is_contiguous() and x.dtype in _DTYPES:  # one call instead of ~7 ops
+        if self.takes(x) and x.is_contiguous() and x.dtype in KERNEL_DTYPES:  # one call instead of ~7 ops
             return self.kernels.rms_norm(x, layer.weight, layer.eps)
         return layer.reference(x)
 
     def glu(self, layer, x):
         """Three GEMVs and the GLU in C++ (dense layer 0, shared experts)."""
-        if not (self.takes(x) and x.dtype in _DTYPES):
+        if not (self.takes(x) and x.dtype in KERNEL_DTYPES):
             return layer.reference(x)
         k, w = self.kernels, self.glu_weights(layer)
         (act,), (beta, linear_beta) = layer.block_scalars()
@@ -305,9 +302,9 @@ class CpuKernels(Backend):
 
     # ---- the MoE block ---------------------------------------------------------------------
     def moe(self, layer, x, batch=None):
-        if not self.takes(x) or x.dtype not in _DTYPES:
+        if not self.takes(x) or x.dtype not in KERNEL_DTYPES:
             return super().moe(layer, x, batch)
-        if not _block_experts(layer):  # the grouped kernels, the layer's torch around them
+        if not block_experts(layer):  # the grouped kernels, the layer's torch around them
             if layer.ep is None and layer.tp.size == 1:
                 return layer.single_rank(x, partial(self._grouped_experts, layer), lambda x: self.moe_route(layer, x))
             return super().moe(layer, x, batch)  # TP / EP: the layer's route, this backend's pieces
@@ -327,14 +324,14 @@ class CpuKernels(Backend):
         return (
             layer.ep is None
             and layer.tp.size == 1
-            and _block_experts(layer)
+            and block_experts(layer)
             and self.takes(x)
-            and x.dtype in _DTYPES
+            and x.dtype in KERNEL_DTYPES
             and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts())
         )
 
     def moe_route(self, layer, x):
-        if not (self.takes(x) and x.dtype in _DTYPES):
+        if not (self.takes(x) and x.dtype in KERNEL_DTYPES):
             return super().moe_route(layer, x)
         m = layer.cfg
         return self.kernels.moe_route(
@@ -350,14 +347,14 @@ class CpuKernels(Backend):
         )
 
     def moe_down(self, layer, x):
-        if layer.cfg.latent_size is not None and self.takes(x) and x.dtype in _DTYPES:
+        if layer.cfg.latent_size is not None and self.takes(x) and x.dtype in KERNEL_DTYPES:
             return self.kernels.linear(x, layer.routed_expert_down_proj.weight)  # as moe_block runs it
         return super().moe_down(layer, x)
 
     def moe_experts(self, layer, z, ids, weights):
         """kernels/cpu moe_experts: the routed experts alone (MXFP4 on the packed bytes, or
         dense); off the fast path, torch with packed MXFP4 through the grouped kernels."""
-        if not (self.takes(z) and z.dtype in _DTYPES) or not _block_experts(layer):
+        if not (self.takes(z) and z.dtype in KERNEL_DTYPES) or not block_experts(layer):
             return self._grouped_experts(layer, z, ids, weights)
         w = self.moe_weights(layer)  # the experts in the form moe_block takes them (the same bits)
         beta, linear_beta = layer.situ or (0.0, 0.0)
@@ -448,117 +445,6 @@ class CpuKernels(Backend):
             head = pack
         return self.kernels.linear(hidden, head).float()  # torch's bf16 GEMM cost ~90 us for a decode row here
 
-    def decode_stack(self, model, batch, h):
-        """The compiled decode stack (kernels/cpu/fused/decode_stack.cpp) when this step is one it
-        runs as the layers would: decode and verify rows only (no media), in step order, every
-        block on its block kernel; else None. Built once per model."""
-        step = batch.step
-        if (
-            not self.stack_enabled
-            or not self.takes(h)
-            or h.dtype not in _DTYPES
-            or model.tp.size > 1
-            or not step.seqs
-            or not (step.covers_all and step.identity)
-            or batch.media_rows is not None
-        ):
-            return None
-        held = self._stacks.get(model)
-        if held is None:
-            held = self._stacks[model] = {"stack": self._build_stack(model) or False, "takes": {}, "states": None}
-        # whether every MoE layer runs its block kernel: fixed per dtype and row class
-        # (moe_takes_block, ~1.5 us a layer, asked once per kind of step)
-        kind = (h.dtype, h.shape[0] <= DENSE_KERNEL_ROWS)
-        if kind not in held["takes"]:
-            moes = [l.block_sparse_moe for l in model.layers if hasattr(l, "block_sparse_moe")]
-            held["takes"][kind] = all(self.moe_takes_block(m, h) for m in moes)
-        return held["stack"] if held["stack"] and held["takes"][kind] else None
-
-    def stack_of(self, model):
-        """The DecodeStack built for `model`, or None (none built yet, or it has none)."""
-        held = self._stacks.get(model)
-        return held["stack"] or None if held is not None else None
-
-    def _build_stack(self, model):
-        """A DecodeStack of every layer's block arguments, or None where a layer has no block
-        kernel (experts split over ranks)."""
-        from k3serve.layers.kda import KimiDeltaAttention
-
-        vectors = self.attnres_vectors(model) if model.cfg.use_attnres else []
-        stack = self.kernels.DecodeStack(
-            model.cfg.rms_norm_eps, model.cfg.attn_res_block_size if vectors else 1, vectors, model.norm.weight
-        )
-        for layer in model.layers:
-            attn = layer.self_attn
-            mla = not isinstance(attn, KimiDeltaAttention)
-            attn_w = list((self.mla_weights(attn) if mla else self.kda_weights(attn)).args)
-            attn_i, attn_f = self.mla_scalars(attn) if mla else self.kda_scalars(attn)
-            moe = getattr(layer, "block_sparse_moe", None)
-            if moe is not None and (moe.ep is not None or moe.tp.size > 1 or not _block_experts(moe)):
-                return None
-            ffn = list((self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)).args)
-            ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
-            stack.add_layer(
-                int(mla),
-                layer.input_layernorm.weight,
-                attn_w,
-                attn_i,
-                attn_f,
-                int(moe is None),
-                layer.post_attention_layernorm.weight,
-                ffn,
-                ffn_i,
-                ffn_f,
-            )
-        return stack
-
-    def run_stack(self, model, stack, h, batch, cache, capture):
-        """One DecodeStack call -> the final hidden states (the model's last norm applied, as
-        KimiModel.forward's other paths return them); a verify pass's KDA records are allocated and kept as each KDA
-        block does, the tap layers' outputs land in `capture`."""
-        from k3serve.layers.kda import KimiDeltaAttention
-
-        step, held = batch.step, self._stacks[model]
-        if held["states"] is None or held["states"][0] is not cache:  # listed once per cache
-            kdas = [(i, l.self_attn) for i, l in enumerate(model.layers) if isinstance(l.self_attn, KimiDeltaAttention)]
-            states = [
-                t
-                for i in range(len(model.layers))
-                for t in ((cache.conv[i], cache.recurrent[i]) if cache.latent[i] is None else (cache.latent[i],))
-            ]
-            held["states"] = (cache, states, kdas)
-        _, states, kdas = held["states"]
-        bufs = (
-            [self.kda_records(attn, batch, cache.recurrent[i], cache.conv[i]) for i, attn in kdas]
-            if batch.verify
-            else []
-        )
-        taps = list(capture) if capture else []
-        out = stack.run(
-            h,
-            states,
-            [t for b in bufs for t in b],
-            step.slots,
-            step.starts,
-            step.cache_rows,
-            step.table,
-            step.seq,
-            step.positions,
-            batch.block_size,
-            taps,
-        )
-        for (i, _), b in zip(kdas, bufs):
-            batch.keep_kda_records(i, b)
-        for i, t in zip(taps, out[1:]):
-            capture[i] = t
-        return out[0]
-
 
 def _lower_bound(layer) -> float:
     return float("nan") if layer.lower_bound is None else float(layer.lower_bound)
-
-
-def _block_experts(layer) -> bool:
-    """Whether the block and decode-stack kernels take the MoE layer's experts: MXFP4 or dense,
-    inputs in the model dtype. NVFP4 experts and MXFP8 inputs run through the grouped kernels."""
-    return layer.w1.fmt != "nvfp4" and not layer.a8
