@@ -33,6 +33,10 @@ from k3serve.spec_decode.step_costs import StepCosts, seq_bucket
 MARGIN = 1.02
 SPARSE = 12  # a cost bucket is sampled every step until it holds this many samples
 OUTLIER = 5.0  # a step sample this many times the estimate is a compile or a stall, not a cost
+# a plan that drafts is reused this many steps for the same requests and proposals before it is
+# recomputed (a first draft rejected drops it at once): the choice costs ~40-70 us, 1.5-2.5% of a
+# one-stream step (bench/spec_policy_cost.py --streams 1), and a steady stream keeps its plan
+HOLD = 4
 
 
 def draft_gain(reach: list[float], k: int) -> float:
@@ -119,6 +123,7 @@ class DraftPolicy:
         self._first_dropped = False  # record_step's first sample (see there)
         self._reach = None  # (request ids, reach over K) should_draft computed this step
         self._rest, self._backoff, self._probe = 0, 1, False  # should_draft's rests (see there)
+        self._held: tuple | None = None  # (request ids, proposed, lengths, reuses left): see HOLD
         self.chosen = [0] * (max_k + 1)  # request-steps that drafted each length (/metrics)
         self.skipped_steps = 0  # steps whose drafter did not run: drafting could not pay
 
@@ -142,6 +147,9 @@ class DraftPolicy:
         measured); drafting that pays again starts the rests over. `context`: the requests'
         mean cached tokens (the cost table's context bucket)."""
         if not request_ids or not self.costs.measured:
+            return True
+        held = self._held
+        if held is not None and held[3] and held[0] == request_ids:  # a plan that drafts, still held
             return True
         if self._probe:
             self._probe = False
@@ -184,7 +192,12 @@ class DraftPolicy:
         tokens that come after); `drafts`: the proposed ids, kept as shadows of requests that
         verify none of them."""
         B = len(request_ids)
-        if not self.costs.measured:  # nothing measured yet (a graph backend's first steps): draft all
+        held = self._held
+        if held is not None and held[3] and held[0] == request_ids and held[1] == proposed:
+            ks = held[2]
+            self._held = (*held[:3], held[3] - 1)
+            self._reach = None
+        elif not self.costs.measured:  # nothing measured yet (a graph backend's first steps): draft all
             ks = list(proposed)
         else:
             held = self._reach
@@ -194,6 +207,7 @@ class DraftPolicy:
                 reach = [self.acceptance.reach(r, n) for r, n in zip(request_ids, proposed)]
             self._reach = None
             _, ks = self._best(B, reach, context)
+            self._held = (list(request_ids), list(proposed), ks, HOLD - 1) if any(ks) else None
         if any(ks):
             self._backoff = 1  # drafting pays: a later screen that fails rests one step first
         for j, (r, k) in enumerate(zip(request_ids, ks)):
@@ -223,6 +237,8 @@ class DraftPolicy:
 
     def record_verify(self, request_id: str, k: int, tau: int) -> None:
         self.acceptance.record(request_id, k, tau)
+        if k and not tau:  # a first draft rejected: the next step chooses afresh
+            self._held = None
 
     def record_step(self, seqs: int, rows: int, seconds: float, context: float = 0, verifying: int = 0) -> None:
         """A pure decode / verify step of `seqs` sequences, `context` cached tokens each on
@@ -243,6 +259,7 @@ class DraftPolicy:
         return self.costs.samples(seqs, context) < SPARSE
 
     def release(self, request_id: str) -> None:
+        self._held = None
         self.acceptance.release(request_id)
         self._shadows.pop(request_id, None)
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from k3serve.spec_decode.adaptive import MARGIN, Acceptance, DraftPolicy, draft_gain
+from k3serve.spec_decode.adaptive import HOLD, MARGIN, Acceptance, DraftPolicy, draft_gain
 from k3serve.spec_decode.step_costs import StepCosts
 from k3serve.spec_decode.proposer import NgramProposer
 
@@ -120,6 +120,34 @@ def test_flat_costs_draft_everything_linear_costs_draft_only_sure_things():
     assert cpu.choose(["sure", "likely", "coin"], [4, 4, 4], [9] * 3) == [0, 0, 0]  # linear rows: nothing pays
     # a verifier's cost is paid once a request: whole drafts for the likely ones, none for the coin
     assert setup.choose(["sure", "likely", "coin"], [4, 4, 4], [9] * 3) == [4, 4, 0]
+
+
+def test_a_plan_that_drafts_is_held_for_the_same_requests_and_dropped_on_a_rejection(monkeypatch):
+    """The choice runs once per HOLD steps while the same requests get the same proposals; a
+    first draft rejected, another request set or other proposals choose afresh."""
+    p = DraftPolicy(4)
+    gpu_like(p)
+    for _ in range(10):
+        p.record_verify("a", 4, 4)
+        p.record_verify("b", 4, 4)
+    calls = []
+    best = p._best
+    monkeypatch.setattr(p, "_best", lambda *a, **k: calls.append(1) or best(*a, **k))
+    for _ in range(HOLD):
+        assert p.should_draft(["a", "b"], free=True)
+        assert p.choose(["a", "b"], [4, 4], [9, 9]) == [4, 4]
+    assert len(calls) == 1  # chosen once, held for the next HOLD - 1 steps
+    p.choose(["a", "b"], [4, 4], [9, 9])
+    assert len(calls) == 2  # the hold ran out
+    p.choose(["a", "b"], [4, 3], [9, 9])
+    p.choose(["a"], [4], [9])
+    assert len(calls) == 4  # other proposals, another request set
+    p.record_verify("a", 4, 0)
+    p.choose(["a"], [4], [9])
+    assert len(calls) == 5  # a first draft rejected
+    cpu = DraftPolicy(4)
+    cpu_like(cpu)
+    assert cpu.choose(["a"], [4], [9]) == [0] and cpu._held is None  # a plan of no drafts is never held
 
 
 def test_uniform_gives_one_length_or_none():
