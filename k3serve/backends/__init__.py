@@ -3,8 +3,8 @@
 A layer holds parameters and says what it computes; its forward hands itself to the backend
 the model was given (`KimiForCausalLM.use_kernels`), which runs it:
 
-- `torch` (`Backend`, this module): each layer's `reference` body, plain torch; the reference
-  every other backend is tested against;
+- `torch` (`Backend`, layers/backend.py: below the layers that hold it): each layer's `reference`
+  body, plain torch; the reference every other backend is tested against;
 - `cpp` (backends/cpu.py `CpuKernels`): the compiled CPU kernels (k3serve.kernels) for the rows
   they take, each layer's reference for the rest (training with grad, tensors off the CPU);
 - `graph` (backends/graph.py `GraphBackend`): fixed-shape, sync-free torch for the static decode
@@ -18,90 +18,12 @@ Adding a backend is one subclass here; no layer changes.
 
 from __future__ import annotations
 
-import torch
+from k3serve.layers.backend import TORCH, Backend
+
+__all__ = ["BACKENDS", "STATIC", "TORCH", "Backend", "select"]
 
 BACKENDS = ("torch", "cpp", "graph", "triton")
 STATIC = ("graph", "triton")  # the backends whose decode runs as the static step (runner/graph_step.py)
-
-
-class Backend:
-    """The torch reference: every method runs the layer's own `reference` body."""
-
-    name = "torch"
-    kernels = None  # the compiled module of a kernel backend
-
-    def prepare(self, model) -> None:
-        """Weights in the backend's own form, once the model is loaded and placed (none here)."""
-
-    def experts_moved(self, layer) -> None:
-        """EPLB rewrote a MoE layer's expert weights in place (runner/eplb.py): forms derived
-        from them are rebuilt (none here)."""
-
-    def kda(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
-        return layer.reference(x, batch, cache)
-
-    def mla(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
-        return layer.reference(x, batch, cache)
-
-    def rms_norm(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return layer.reference(x)
-
-    def glu(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return layer.reference(x)
-
-    # ---- the MoE block: its route (parallel layout) is the layer's, its pieces the backend's
-    def moe(self, layer, x: torch.Tensor, batch=None) -> torch.Tensor:
-        """`batch`: the step (DP-attention's static step fixes the token exchange's rows)."""
-        if layer.ep is not None:
-            return layer.dp_ep_forward(x, self, batch)
-        if layer.tp.size > 1:
-            return layer.partial_forward(x, self)
-        return layer.reference(x)
-
-    def moe_route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d] -> expert ids [N, k], weights [N, k] (fp32)."""
-        from k3serve.layers.router import route
-
-        return route(x, layer.gate.weight, layer.gate.e_score_correction_bias, layer.cfg)
-
-    def moe_down(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """The experts' input [N, L]: the latent down projection, or x itself."""
-        return layer.routed_expert_down_proj(x) if layer.cfg.latent_size is not None else x
-
-    def moe_local_experts(
-        self, layer, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counted: slice
-    ) -> torch.Tensor:
-        """Expert parallelism: the routed sum over this rank's experts, FP32 [N, L] (the layer's
-        row selection: the (token, slot) pairs routed here, one row each, added back per token)."""
-        return layer.select_local_experts(z, ids, weights, self, counted)
-
-    def moe_experts(self, layer, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Routed sum over the layer's experts (local ids), FP32 [N, L]."""
-        from k3serve.layers.experts import experts_forward
-
-        return experts_forward(z, ids, weights, layer.w1.value, layer.w2.value, layer.w3.value, layer.act, layer.a8)
-
-    # ---- the model around the layers
-    def decode_stack(self, model, batch, h: torch.Tensor):
-        """A whole-stack kernel for this step, or None: every layer runs on its own."""
-        return None
-
-    def attnres_mix(self, bank: list[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
-        from k3serve.layers.attnres import attnres_mix
-
-        return attnres_mix(bank, w, eps)
-
-    def attnres_vectors(self, model) -> list[torch.Tensor]:
-        return model.attnres_vectors()
-
-    def logits(self, lm, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, d] -> fp32 [R, V / N] (this rank's vocabulary shard)."""
-        from k3serve.layers.gemm import dense
-
-        return dense(hidden, lm.head).float()
-
-
-TORCH = Backend()
 
 
 def select(mode: str) -> Backend:

@@ -7,6 +7,7 @@ agree with the `torch` backend); the GPU-kernels issue registers Triton implemen
 CUDA under the same schemas. Each op has a fake (meta) implementation giving output shapes, so
 the compiled step and FakeTensorMode never run a body. `BODIES` are the same functions
 uncalled through the dispatcher: the sync audit runs them to see inside (tests/model/test_graph.py).
+The fakes and the registrar are kernels/graph_registry.py (the Triton ops register through it too).
 
 Shapes: N rows; P = H * D (KDA heads x head dim); c = kv_lora_rank, r = rope dim; E experts.
 """
@@ -19,8 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.library import custom_op
 
+from k3serve.kernels.graph_registry import register
 from k3serve.layers.activation import situ_and_mul, silu_and_mul
 from k3serve.layers.attnres import attnres_mix as _attnres_mix
 from k3serve.layers.gemm import dense
@@ -274,36 +275,6 @@ BODIES = SimpleNamespace(
     glu_mlp=glu_mlp,
     attnres_mix=attnres_mix,
 )
-
-
-# fake (meta) implementations: output shapes only. The Triton ops (kernels/triton/ops.py) share
-# them: their arguments differ from these ops' only past the positions a fake reads.
-FAKES = SimpleNamespace(
-    rms_norm=lambda x, weight, eps: torch.empty_like(x),
-    kda_decode=lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32),
-    kda_verify=lambda u, z, b, gate, *rest: z.new_empty(z.shape, dtype=torch.float32),
-    mla_decode=lambda q, ckv, kv_norm, store, cache_rows, context_rows, lens, kv_b, nope, v_dim, *rest: q.new_empty(
-        q.shape[0], q.shape[1], v_dim, dtype=torch.float32
-    ),
-    moe_route=lambda x, weight, bias, top_k, *rest: (
-        x.new_empty(x.shape[0], top_k, dtype=torch.long),
-        x.new_empty(x.shape[0], top_k, dtype=torch.float32),
-    ),
-    moe_experts=lambda z, ids, weights, w1, w2, *rest: z.new_empty(z.shape[0], w2.shape[1], dtype=torch.float32),
-    glu_mlp=lambda x, gate_w, up_w, down_w, *rest: x.new_empty(x.shape[0], down_w.shape[0]),
-    attnres_mix=lambda bank, w, eps: torch.empty_like(bank[0]),
-)
-MUTATES = dict(kda_decode=("rec", "conv"), kda_verify=("rec", "conv"), mla_decode=("store",))
-
-
-def register(prefix: str, bodies: SimpleNamespace) -> SimpleNamespace:
-    """`k3serve::{prefix}{name}` custom ops over `bodies`, each with FAKES[name]."""
-    ops = {}
-    for name, fn in vars(bodies).items():
-        o = custom_op(f"k3serve::{prefix}{name}", fn, mutates_args=MUTATES.get(name, ()))
-        o.register_fake(getattr(FAKES, name))
-        ops[name] = o
-    return SimpleNamespace(**ops)
 
 
 OPS = register("", BODIES)

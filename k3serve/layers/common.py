@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3serve.backends import TORCH
+from k3serve.layers.backend import TORCH
 from k3serve.layers.gemm import Linear
 from k3serve.layers.norm import rms_norm
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.parallel.group import NO_TP, TPGroup
-from k3serve.backends import TORCH
+from k3serve.layers.backend import TORCH
 from k3serve.layers.common import WeightOnly, linear
 from k3serve.layers.kda_ops import flush_denormals, kda_chunked, kda_step
 from k3serve.layers.norm import l2_normalize, rms_norm

@@ -20,7 +20,7 @@ from torch import nn
 
 from k3serve.config.model_config import ModelConfig
 from k3serve.parallel.group import NO_TP, TPGroup
-from k3serve.backends import TORCH
+from k3serve.layers.backend import TORCH
 from k3serve.layers.common import RMSNorm, linear
 from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.forward.cache import from_cache, to_cache

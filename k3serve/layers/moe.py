@@ -15,7 +15,7 @@ from torch import nn
 from k3serve.config.model_config import ModelConfig
 from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
-from k3serve.backends import TORCH
+from k3serve.layers.backend import TORCH
 from k3serve.layers.common import RMSNorm, WeightOnly, linear
 from k3serve.layers.expert_map import ExpertMap
 from k3serve.layers.expert_weights import ExpertWeights

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from k3serve import backends
-from k3serve.backends import TORCH
+from k3serve.layers.backend import TORCH
 from k3serve.config.model_config import LayerKind, ModelConfig
 from k3serve.parallel.group import NO_TP, TPGroup, vocab_shard
 from k3serve.parallel.pipe import StagePipe

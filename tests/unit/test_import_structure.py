@@ -150,3 +150,27 @@ def test_the_engine_floor_stays_narrow():
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300
     ]
     assert not long, long
+
+
+def test_layers_never_import_backends_and_kernels_never_import_layers_or_backends():
+    """How a layer runs is chosen from above (backends/ select, subclassing layers/backend.py's
+    reference); the kernels below both know neither (issue 65: the backends / layers / kernels
+    circle opened)."""
+    bad = _violations("layers", ("k3serve.backends",))
+    bad += _violations("kernels", ("k3serve.layers", "k3serve.backends", "k3serve.models"))
+    assert not bad, bad
+
+
+FLOOR = ("forward", "parallel", "kernels", "layers", "backends", "models")  # the model floor, bottom up
+
+
+def test_no_import_circle_between_the_model_floors_packages():
+    """Those packages as nodes: none reaches another that reaches it back (at module level or
+    inside a function). The root package `k3serve` is left out: `from k3serve import kernels`
+    names a module, not the root's contents."""
+    pkg = lambda m: m.split(".")[1] if m.count(".") else ""  # noqa: E731
+    graph: dict[str, set[str]] = {p: set() for p in FLOOR}
+    for m in MODULES:
+        if pkg(m) in graph:
+            graph[pkg(m)] |= {pkg(d) for d in imports(m) if pkg(d) in graph and pkg(d) != pkg(m)}
+    assert circles(graph) == []

@@ -1,5 +1,5 @@
 """The Triton kernels as `torch.library` custom ops (namespace `k3serve`, prefix `triton_`),
-each with the graph op's fake implementation (backends/graph_ops.py FAKES): one node to
+each with the graph op's fake implementation (kernels/graph_registry.py FAKES): one node to
 torch.compile, nothing run at trace time, and what FakeTensorMode's sync audit sees
 (tests/model/test_graph.py). The kernels' entry points carry the schemas' annotations; they
 follow the graph backend's ops except where the kernel reads other inputs: KDA takes A_log per
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from k3serve.backends.graph_ops import register
+from k3serve.kernels.graph_registry import register
 from k3serve.kernels.triton import kda, mla, moe
 
 BODIES = SimpleNamespace(
