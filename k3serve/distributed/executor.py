@@ -80,6 +80,19 @@ class MultiprocExecutor(WorkerGroup, Executor):
         self.send("forward", inputs, taps)  # a later pipeline stage captures the tap layers it holds
         return self.rank0.execute(inputs, taps)
 
+    def launch(self, inputs, taps: tuple[int, ...] = ()):
+        """Pipeline stages: every worker gets the step (each runs its steps in the order sent),
+        rank 0 runs stage 0 and hands its rows on; `collect` receives what the later stages send."""
+        self.send("forward", inputs, taps)
+        return self.rank0.launch(inputs, taps)
+
+    def collect(self, handle):
+        return self.rank0.collect(handle)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         self.send("rollback", slots, accepted)
         self.rank0.rollback(slots, accepted)

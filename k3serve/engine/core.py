@@ -35,6 +35,16 @@ class Executed:
 
 
 @dataclass
+class Pending:
+    """A launched step whose result the later pipeline stages still owe (EngineCore.launch)."""
+
+    batch: ScheduledBatch
+    step: object  # runner/model_runner.py PreparedStep
+    handle: object  # the executor's (Executor.collect)
+    started: float
+
+
+@dataclass
 class EngineCore:
     config: EngineConfig
     model_path: str
@@ -54,6 +64,7 @@ class EngineCore:
     spec: object = None  # spec_decode SpecDecoder, or None
     tiers: object = None  # offload/store.py PrefixTiers, or None
     iteration_tokens: IterationTokens = field(default_factory=IterationTokens)  # vllm:iteration_tokens_total
+    overlap: bool = True  # two steps in flight where the executor is pipelined (see `pipelined`)
 
     def schedule(self) -> ScheduledBatch | None:
         """The step's work, its prefix-tier loads issued; None when there is none (a
@@ -74,37 +85,68 @@ class EngineCore:
         self.iteration_tokens.add(sum(s.num_tokens for s in batch.seqs))
         return batch
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether a second step starts while one is in flight: pipeline stages (the first stage
+        on the next batch while the later ones finish this one), without speculation (a verify
+        pass's rollback follows its own step) or DP-attention lockstep; `overlap` False turns
+        it off (bench/pp_overlap.py's A/B)."""
+        return self.overlap and self.executor.pipelined and self.spec is None and not self.executor.lockstep
+
     def execute(self, batch: ScheduledBatch) -> Executed:
         """Run the step on every rank and finish it. A step that raises is retried apart (the
         scheduler requeues its requests to run alone, Scheduler.retry_apart); a broken rank group
         raises: no request can run again."""
+        started = self.launch(batch)
+        return started if isinstance(started, Executed) else self.complete(started)
+
+    def launch(self, batch: ScheduledBatch) -> "Pending | Executed":
+        """Start the step on every rank (EngineCore.execute's first half): its Pending, or the
+        Executed of a step that failed to start. Its requests are in flight until `complete`."""
         try:
             t = time.perf_counter()
             if self.tiers is not None:  # part of the step: if it fails, no loaded block is published
                 self.tiers.load(self.executor.cache, batch.load_blocks, batch.load_states)
             step = self.runner.prepare(batch)
-            out, rollback = self.runner.finish(step, self.executor.execute(step.inputs, self.runner.taps))
-            if rollback is not None:
-                self.executor.rollback(*rollback)
-            if self.spec is not None:  # the draft-length policy's cost table, refreshed online
-                self.spec.step_done(batch, time.perf_counter() - t)
+            handle = self.executor.launch(step.inputs, self.runner.taps)
         except RANK_FAULTS as e:
             self.executor.fail(str(e))
             raise
         except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart
-            log.warning(
-                "model step over %d requests raised %s: %s; retrying them apart",
-                len(batch.seqs),
-                type(e).__name__,
-                e,
-                exc_info=log.isEnabledFor(logging.DEBUG),
-            )
-            why = f"the model step failed for this request ({type(e).__name__})"
-            return Executed(None, self.scheduler.retry_apart(batch), why)
+            return self._failed(batch, e)
+        self.scheduler.in_flight.update(s.request_id for s in batch.seqs)
+        return Pending(batch, step, handle, t)
+
+    def complete(self, pending: Pending) -> Executed:
+        """Finish a launched step: sample, verify and roll back, then bring the scheduler up to date."""
+        batch = pending.batch
+        self.scheduler.in_flight.difference_update(s.request_id for s in batch.seqs)
+        try:
+            out, rollback = self.runner.finish(pending.step, self.executor.collect(pending.handle))
+            if rollback is not None:
+                self.executor.rollback(*rollback)
+            if self.spec is not None:  # the draft-length policy's cost table, refreshed online
+                self.spec.step_done(batch, time.perf_counter() - pending.started)
+        except RANK_FAULTS as e:
+            self.executor.fail(str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart
+            return self._failed(batch, e)
         self.scheduler.update(batch, out)
         if self.tiers is not None:  # before the next step may reuse the rows just published
             self.tiers.store(self.executor.cache, *self.cache.drain_fresh())
         return Executed(out)
+
+    def _failed(self, batch: ScheduledBatch, e: Exception) -> Executed:
+        log.warning(
+            "model step over %d requests raised %s: %s; retrying them apart",
+            len(batch.seqs),
+            type(e).__name__,
+            e,
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
+        why = f"the model step failed for this request ({type(e).__name__})"
+        return Executed(None, self.scheduler.retry_apart(batch), why)
 
     def _propose(self) -> None:
         """Drafts first: the scheduler budgets 1 + k tokens for them. Drafting is an optimisation:

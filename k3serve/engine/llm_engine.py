@@ -19,6 +19,7 @@ from pathlib import Path
 from k3serve.cache.sizing import parse_bytes
 from k3serve.config.engine_config import EngineConfig
 from k3serve.engine.build import build_core
+from k3serve.engine.core import Executed
 from k3serve.engine.disagg import HandoffMixin
 from k3serve.engine.groups import Group, PromptInput, Sample  # noqa: F401 - PromptInput is re-exported
 from k3serve.engine.handoff import HandoffStore
@@ -72,6 +73,7 @@ class LLMEngine(HandoffMixin):
         self.outputs = OutputProcessor(self.scheduler)
         self._arrivals = itertools.count()
         self.handoffs = HandoffStore()  # prefilled requests kept for a decode engine (engine/handoff.py)
+        self._in_flight = None  # pipeline stages: the launched step whose result is owed (core.Pending)
 
     @property
     def ep(self):
@@ -197,7 +199,7 @@ class LLMEngine(HandoffMixin):
         )
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.groups)
+        return bool(self.outputs.groups) or self._in_flight is not None
 
     def write_back(self) -> None:
         self.core.write_back()
@@ -206,17 +208,44 @@ class LLMEngine(HandoffMixin):
     def step(self) -> list[RequestOutput]:
         """One engine step. A request whose sampling, detokenizing or model step fails ends alone
         with `error` set; the other requests of the step go on with unchanged outputs."""
+        overlapped = self.core.pipelined
+        self.scheduler.split = 2 if overlapped else 1
+        if overlapped:
+            return self._overlapped_step()
         batch = self.core.schedule()
         if batch is None:
             return []
         self.outputs.scheduled(batch)
-        done = self.core.execute(batch)
-        if done.out is None:
-            outs = self.outputs.failed_requests(done.culprits, done.why)
-        else:
-            outs = self.outputs.process(batch, done.out)
+        outs = self._outputs(batch, self.core.execute(batch))
         self._free()
         return outs
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Pipeline stages: launch the next batch (the requests not in flight) before completing
+        the one in flight, so the first stage works on it while the later stages finish the
+        other (vLLM's pipeline parallelism with two batches in flight). Each stage runs its
+        steps in the order launched, so a cache row or state slot freed by one step and given to
+        the next is written in that order on every stage. A quarantined request (a failed step's,
+        run alone) waits for the pipeline to drain first."""
+        outs: list[RequestOutput] = []
+        pending, self._in_flight = self._in_flight, None
+        batch = None if pending is not None and self.core.scheduler.quarantine else self.core.schedule()
+        if batch is not None:
+            self.outputs.scheduled(batch)
+            started = self.core.launch(batch)
+            if isinstance(started, Executed):  # it failed to start
+                outs += self._outputs(batch, started)
+            else:
+                self._in_flight = started
+        if pending is not None:
+            outs += self._outputs(pending.batch, self.core.complete(pending))
+        self._free()
+        return outs
+
+    def _outputs(self, batch, done: Executed) -> list[RequestOutput]:
+        if done.out is None:
+            return self.outputs.failed_requests(done.culprits, done.why)
+        return self.outputs.process(batch, done.out)
 
     def _free(self) -> None:
         """What the requests that just ended held: a prefill kept for a decode engine is copied

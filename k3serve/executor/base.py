@@ -99,6 +99,21 @@ class Executor(ABC):
     def execute(self, inputs, taps: tuple[int, ...] = ()):
         """Every rank runs the step; rank 0's StepResult (runner/rank_step.py)."""
 
+    def launch(self, inputs, taps: tuple[int, ...] = ()):
+        """Start a step; `collect` gives its StepResult. Where `pipelined`, the first pipeline
+        stage has run and handed it on, so a second step may start while the later stages work
+        on this one; elsewhere the step runs here whole."""
+        return self.execute(inputs, taps)
+
+    def collect(self, handle):
+        """The StepResult of a `launch`ed step."""
+        return handle
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether two steps may be in flight at once (pipeline stages: the engine's overlap)."""
+        return False
+
     @abstractmethod
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         """After an eager verify pass: each live slot takes its state at the accepted position."""

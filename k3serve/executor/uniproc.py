@@ -81,6 +81,15 @@ class UniProcExecutor(Executor):
         self._threads()
         return self.rank_runner.forward(inputs, taps)
 
+    def launch(self, inputs, taps: tuple[int, ...] = ()):
+        """The driver's first pipeline stage runs now; the later stages' answers are received
+        by `collect` (RankRunner.forward `defer`)."""
+        self._threads()
+        return self.rank_runner.forward(inputs, taps, defer=True)
+
+    def collect(self, handle):
+        return handle() if callable(handle) else handle
+
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         self.rank_runner.rollback(slots, accepted)
 

@@ -11,7 +11,7 @@ Shapes are known on both sides from the step's inputs, so nothing but the tensor
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ class StagePipe:
     bank_size: int = 0  # AttnRes block vectors that arrive with the hidden state
     device: torch.device = torch.device("cpu")
     waited_s: float = 0.0  # seconds spent waiting for another stage (bench/pp_overlap.py)
+    # the last send to the next stage, still in progress: (its work, the tensor it reads)
+    _sending: tuple | None = field(default=None, repr=False)
 
     @property
     def tp_rank(self) -> int:
@@ -46,8 +48,20 @@ class StagePipe:
         return t
 
     def send(self, h: torch.Tensor, bank: list[torch.Tensor]) -> None:
-        """To the next stage: [bank + 1, N, d] (the block vectors, then h)."""
-        self._send(torch.stack([*bank, h]), self.rank + self.tp_size)
+        """To the next stage: [bank + 1, N, d] (the block vectors, then h), without waiting for it
+        to be received: the driver's stage then starts the next step while the next stage may
+        still be sending it the last one's logits (a blocking send on both sides would wait on
+        each other). The previous send is waited for first: the next stage took it when it
+        began that step, so at most one is in progress."""
+        self.flush()
+        t = torch.stack([*bank, h]).contiguous().to(self.device)
+        self._sending = (self.pg.send([t], self.rank + self.tp_size, 0), t)
+
+    def flush(self) -> None:
+        """Wait for the send to the next stage still in progress, if any."""
+        if self._sending is not None:
+            self._sending[0].wait()
+            self._sending = None
 
     def receive(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """From the previous stage: h [N, d] and the bank of block vectors."""

@@ -94,7 +94,10 @@ class RankRunner:
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def forward(self, inp: StepInputs, taps: tuple[int, ...] = ()) -> StepResult:
+    def forward(self, inp: StepInputs, taps: tuple[int, ...] = (), defer: bool = False):
+        """This rank's part of the step; rank 0's StepResult. `defer` (the driver under pipeline
+        stages): return once this stage has sent its rows on, with a callable that receives
+        the later stages' answers (executor launch / collect)."""
         if self.balancer is not None:  # every rank, every step: a due rebalance runs between steps
             self.balancer.step()
         ep_rows = self.graphs.decide(inp, taps) if self.graphs is not None else None
@@ -127,8 +130,15 @@ class RankRunner:
                 rows = hidden if every else hidden[torch.tensor(inp.logit_rows, device=self.device)]
                 logits = self.model.compute_logits(rows).float().cpu()
         if self.model.pipe is not None:
-            return self._pipeline_result(inp, self.model.pipe, logits, prompt, out.taps, taps)
+            args = (inp, self.model.pipe, logits, prompt, out.taps, taps)
+            if defer and self.model.pipe.rank == 0:
+                return lambda: self._receive_result(*args)
+            return self._pipeline_result(*args)
         return StepResult(logits, prompt, out.taps)
+
+    @torch.inference_mode()
+    def _receive_result(self, *args) -> StepResult:
+        return self._pipeline_result(*args)
 
     def _pipeline_result(self, inp: StepInputs, pipe, logits, prompt, captured: dict, taps) -> StepResult:
         """Pipeline stages: each later stage's TP rank 0 sends the driver (rank 0) the tap layers'

@@ -53,6 +53,10 @@ class Scheduler:
         # requests of a batch whose model step raised: each must run alone for QUARANTINE_STEPS
         # sampling steps before it batches again; one that fails alone is the culprit
         self.quarantine: dict[str, int] = {}
+        # requests of a step still in flight (pipeline stages keep two): not scheduled again,
+        # nor preempted, until that step's update
+        self.in_flight: set[str] = set()
+        self.split = 1  # steps in flight at once: each takes at most 1/split of the running requests
 
     # ---- requests in and out ---------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -127,10 +131,13 @@ class Scheduler:
             return batch
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        decodes = [r for r in self.running if r.num_uncomputed == 1]
-        prefills = [r for r in self.running if r.num_uncomputed > 1]
+        ready = [r for r in self.running if r.request_id not in self.in_flight]
+        decodes = [r for r in ready if r.num_uncomputed == 1]
+        prefills = [r for r in ready if r.num_uncomputed > 1]
+        # with steps in flight, a share of the running requests each, so the next step has some
+        cap = -(-len(self.running) // self.split) if self.split > 1 else len(self.running)
         for req in decodes + prefills:
-            if budget == 0:
+            if budget == 0 or len(batch.seqs) >= cap:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in self.quarantine:
                 continue  # preempted earlier in this step, or must run alone
@@ -256,7 +263,7 @@ class Scheduler:
         return True
 
     def _victim(self, exclude: set[str]) -> Request:
-        candidates = [r for r in self.running if r.request_id not in exclude]
+        candidates = [r for r in self.running if r.request_id not in exclude and r.request_id not in self.in_flight]
         if self.config.policy == "priority":
             return max(candidates, key=lambda r: (r.priority, r.arrival))
         return candidates[-1]

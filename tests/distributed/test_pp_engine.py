@@ -251,3 +251,44 @@ def test_pp2_engine_and_planner_agree_on_a_stage_cache(tiny_k3_dir):
         llm.engine.shutdown()
     one = LLM(tiny_k3_dir, **kw).engine.plan
     assert (want.num_slots, want.kv_tokens) > (one.num_slots, one.kv_tokens)
+
+
+def test_pp2_runs_two_steps_in_flight_and_equals_one_process(references, tiny_k3_dir):
+    """Without speculation the engine launches the next batch (requests not in flight) before
+    completing the one in flight, so stage 0 works while stage 1 finishes the other
+    (engine/llm_engine.py `_overlapped_step`); the tokens are those of one process, and of the
+    same engine with the overlap off. A request aborted while its step is in flight ends alone
+    and frees its cache; the others go on."""
+    llm = LLM(tiny_k3_dir, pipeline_parallel_size=2, **KW)
+    try:
+        engine, overlapped = llm.engine, []
+        launch = engine.core.launch
+
+        def spy(batch):
+            overlapped.append(bool(engine.scheduler.in_flight))
+            return launch(batch)
+
+        engine.core.launch = spy
+        assert engine.core.pipelined
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert (first, second) == references["k3"]
+        assert sum(overlapped) >= 10  # a launch while another step was in flight, most steps
+        engine.core.overlap = False
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == second
+        engine.core.overlap = True
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", p, GREEDY)
+        while not engine._in_flight:
+            engine.step()
+        gone = next(iter(engine.scheduler.in_flight))
+        engine.abort(gone)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert gone not in done and [done[f"r{i}"] for i in range(len(PROMPTS)) if f"r{i}" != gone] == [
+            t for i, t in enumerate(second) if f"r{i}" != gone
+        ]
+        assert engine.cache.num_requests == 0
+    finally:
+        llm.engine.shutdown()

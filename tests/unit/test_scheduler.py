@@ -290,3 +290,25 @@ def test_token_slice_equals_slicing_all_token_ids():
     for a in range(len(every) + 1):
         for b in range(a, len(every) + 2):
             assert r.token_slice(a, b) == every[a:b], (a, b)
+
+
+def test_requests_in_flight_are_neither_scheduled_nor_preempted():
+    """Pipeline stages keep two steps in flight (engine/llm_engine.py): the second step takes
+    only the requests not in the first, and never preempts one of those for blocks."""
+    s = make(num_blocks=6, max_num_batched_tokens=64)
+    s.add(req("a", 8, max_tokens=6))
+    s.add(req("b", 12, max_tokens=6, arrival=1))
+    run_step(s)  # both prefilled
+    first = s.schedule()
+    assert [q.request_id for q in first.seqs] == ["a"]  # a needs a 3rd block: b preempted
+    s.add(req("c", 3, max_tokens=2, arrival=2))
+    s.in_flight |= {"a"}
+    second = s.schedule()  # a in flight: not scheduled again; c cannot preempt it for room
+    assert "a" not in [q.request_id for q in second.seqs] and not second.preempted
+    assert s.requests["a"].status is RequestStatus.RUNNING
+    s.in_flight.clear()
+    s.update(first, StepOutput({"a": [SampledToken(7)]}))
+    s.update(second, StepOutput({q.request_id: [SampledToken(7)] for q in second.seqs if q.sample}))
+    while s.has_unfinished:
+        run_step(s)
+    assert s.cache.num_free_blocks == 6 and s.cache.num_free_slots == 4
