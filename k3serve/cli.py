@@ -20,6 +20,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from k3serve.weights.convert import convert
+    from k3serve.weights.hub import resolve_model
+
+    src = resolve_model(args.src, args.revision, args.download_dir, None)
+    r = convert(src, args.dst, args.experts, progress=not args.quiet)
+    print(
+        f"{args.dst}: {r.tensors:,} tensors, {r.quantized:,} routed expert matrices packed {args.experts.upper()}; "
+        f"{r.bytes_in / 2**30:.2f} GiB -> {r.bytes_out / 2**30:.2f} GiB in {r.seconds:.1f} s"
+    )
+    return 0
+
+
 def _cmd_build_tiny(args: argparse.Namespace) -> int:
     from k3serve.testing.builder import build_tiny_checkpoint
     from k3serve.testing.tiny_configs import (
@@ -307,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_dspark)
+    p = sub.add_parser("convert", help="a bf16 / fp32 checkpoint with its routed experts packed MXFP4 or NVFP4")
+    p.add_argument("src", help="checkpoint folder or hub id (bf16 / fp32, no quantization_config)")
+    p.add_argument("dst", help="a new folder: safetensors shards, index, config.json, tokenizer files")
+    p.add_argument(
+        "--experts",
+        choices=("mxfp4", "nvfp4"),
+        default="mxfp4",
+        help="mxfp4: K3's own mxfp4-pack-quantized (E8M0 per 32); nvfp4: nvfp4-pack-quantized (E4M3 per 16 + global)",
+    )
+    p.add_argument("--revision", default=None, help="hub revision of SRC")
+    p.add_argument("--download-dir", default=None, help="hub cache for SRC")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=_cmd_convert)
     p = sub.add_parser("build-tiny", help="write a tiny random-weight checkpoint in the real layout")
     p.add_argument("out")
     p.add_argument("--kind", choices=("k3", "kimi_linear"), default="k3")

@@ -71,6 +71,16 @@ def parse_quant_config(raw: Any) -> QuantConfig | None:
     return QuantConfig(method, fmt, num_bits, group_size, tuple(raw.get("ignore") or ()), input_scales, a8)
 
 
+def mxfp4_quantization_config() -> dict[str, Any]:
+    """K3's own compressed-tensors `mxfp4-pack-quantized` config (its release's: routed experts
+    only, the ignore list keeping attention, shared experts, the dense MLP and lm_head)."""
+    import json
+    from pathlib import Path
+
+    bundled = Path(__file__).parent / "bundled" / "moonshotai--Kimi-K3.json"
+    return json.loads(bundled.read_text())["text_config"]["quantization_config"]
+
+
 def nvfp4_quantization_config() -> dict[str, Any]:
     """compressed-tensors' `nvfp4-pack-quantized` config as llm-compressor writes it for NVFP4A16
     (E2M1 + E4M3 per 16 + a global scale per matrix), routed experts only (K3's ignore list)."""

@@ -150,8 +150,9 @@ def kimi_linear_400m_config(mxfp4: bool = False) -> dict[str, Any]:
 def with_mxfp4_experts(raw: dict[str, Any]) -> dict[str, Any]:
     """A Kimi-Linear config whose routed experts are packed MXFP4, under K3's own
     compressed-tensors quantization_config."""
-    k3 = json.loads((BUNDLED_DIR / "moonshotai--Kimi-K3.json").read_text())
-    return {**raw, "quantization_config": k3["text_config"]["quantization_config"]}
+    from k3serve.config.quant_config import mxfp4_quantization_config
+
+    return {**raw, "quantization_config": mxfp4_quantization_config()}
 
 
 def with_nvfp4_experts(raw: dict[str, Any]) -> dict[str, Any]:
