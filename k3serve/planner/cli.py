@@ -27,6 +27,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="shard the MLA latent cache by token over this many TP ranks (layouts it divides; "
         "the report shows the concurrency gained)",
     )
+    p.add_argument(
+        "--cpu",
+        metavar="HOST",
+        help="plan a CPU host instead of GPUs: fit in RAM, decode tok/s from memory bandwidth, the launch "
+        "line (hosts: epyc-9654-2s, epyc-9755-2s, xeon-8480-2s, threadripper-7980x, ryzen-9950x, "
+        "desktop-64g; or custom with the three figures below)",
+    )
+    p.add_argument("--ram-gib", type=float, help="--cpu: the host's RAM")
+    p.add_argument("--mem-bw-gbs", type=float, help="--cpu: measured sustained memory bandwidth, GB/s")
+    p.add_argument("--cpu-cores", type=int, help="--cpu: physical cores")
     # The four workload questions. Unasked ones are assumed, and every format says so.
     p.add_argument("--context", type=int, help=f"tokens per request, max_model_len (default {DEFAULTS['context']:,})")
     p.add_argument("--concurrency", type=int, help="requests the deployment must hold at once (default 1)")
@@ -177,6 +187,18 @@ def run_plan(args: argparse.Namespace) -> int:
     is_dir = Path(args.model).is_dir() and any(Path(args.model).glob("*.safetensors"))
     if is_dir and args.experts != "checkpoint":
         raise SystemExit("plan: --experts re-packs a config's experts; a checkpoint's headers already say its format")
+    if args.cpu:
+        from k3serve.planner.cpu import format_cpu_plan, host, plan_cpu
+
+        h = host(args.cpu, args.ram_gib, args.mem_bw_gbs, args.cpu_cores)
+        w = weight_split(cfg, args.model if is_dir else None)
+        seqs = args.concurrency or 1
+        p = plan_cpu(cfg, args.model, w, h, args.context, seqs, args.kv_cache_dtype, args.experts)
+        print(format_cpu_plan(p, args.model, args.experts, args.context, seqs))
+        for line in assumed:  # context and concurrency (the others rank GPU layouts)
+            if line.startswith(("context", "concurrency")):
+                print(f"  {line}")
+        return 0 if p.fits else 1
     gpus = [load_gpu_file(args.gpu_file)] if args.gpu_file else []
     names = args.gpu or ([] if gpus else ["all"])
     gpus += list(GPUS.values()) if "all" in names else [get_gpu(n) for n in names]
