@@ -74,6 +74,11 @@ class EngineConfig:
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1  # tokens on one rank before the next
     enable_expert_parallel: bool = False  # routed experts split by expert id over those ranks instead
+    # CPU ranks pinned one thread per physical core (executor/cpu_topology.py): spread over the NUMA
+    # nodes (llama.cpp's --numa distribute, the default on several nodes), all on node 0
+    # (isolate) or the cores in order (none); or vLLM's explicit CPU lists, "0-31|32-63"
+    numa: str | None = None
+    cpu_threads_bind: str | None = None
     all2all_backend: str = "auto"  # DP-attention + EP's token exchange (layers/moe_dispatch.py)
     # the expert-parallel load balancer (runner/eplb.py): rebalance experts over the ranks from
     # their measured load; its window, interval and redundant slots in vLLM's --eplb-config JSON
@@ -155,6 +160,8 @@ class EngineConfig:
             self._check_pipeline()
         if self.decode_context_parallel_size != 1 or self.cp_kv_cache_interleave_size != 1:
             self._check_dcp()
+        if self.numa is not None and self.numa not in ("distribute", "isolate", "none"):
+            raise ValueError(f"numa must be distribute, isolate or none, got {self.numa!r}")
         if self.data_parallel_backend not in ("mp", "threads"):
             raise ValueError(
                 f"data_parallel_backend must be 'mp' (a worker process per DP-attention rank) or "

@@ -28,6 +28,7 @@ def start_executor(config, where) -> Executor:
     )
     check_layout(model_path, group)
     kw = dict(
+        cpu_plan=rank_cpus(config, where, config.tensor_parallel_size * config.pipeline_parallel_size),
         expert_parallel=config.enable_expert_parallel,
         redundant_experts=config.redundant_experts,
         load_format=config.load_format,
@@ -44,6 +45,21 @@ def start_executor(config, where) -> Executor:
 
         return RayExecutor(model_path, config.tensor_parallel_size, nodes=ray_layout(), **kw)
     return MultiprocExecutor(model_path, config.tensor_parallel_size, nodes=node_layout(config), **kw)
+
+
+def rank_cpus(config, where, ranks: int) -> tuple[tuple[int, ...], ...]:
+    """CPU ranks' CPUs on this host (executor/cpu_topology.py), logged; () on a GPU or unpinned."""
+    if where.device.type != "cpu" or config.distributed_executor_backend == "ray":  # Ray places its actors
+        return ()
+    import logging
+
+    from k3serve.executor.cpu_topology import RankCPUs, cpu_plan, describe
+
+    local = ranks // max(1, config.nnodes)
+    plan = cpu_plan(local, config.numa, config.cpu_threads_bind)
+    for line in describe([RankCPUs(r, None, c) for r, c in enumerate(plan)]):
+        logging.getLogger("k3serve.engine").info("CPU placement: %s", line)
+    return plan
 
 
 def node_layout(config) -> NodeLayout:

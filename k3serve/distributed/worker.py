@@ -53,6 +53,7 @@ class WorkerSpec:
     pp_size: int = 1  # pipeline stages (rank // tp_size: this rank's stage)
     dcp_size: int = 1  # decode context parallelism: the latent cache sharded by token over the TP ranks
     dcp_interleave: int = 1  # tokens on one rank before the next (parallel/dcp.py)
+    cpu_plan: tuple[tuple[int, ...], ...] = ()  # CPU ranks: each local rank's CPUs to pin to (executor/cpu_topology.py)
     tp_shm_paths: tuple[str, ...] = ()  # DP-attention with TP: each DP rank's TP segment by DP rank ("": none here)
     per_node: int = 0  # ranks on each node (0: all `world`): rank r is local rank r % per_node
     ray: bool = False  # a Ray actor: on CUDA it sees only the GPU Ray gave it
@@ -195,7 +196,14 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
     """One rank: join the groups, load the shard, report, serve commands. `conn`: the pipe to a
     driver on this machine; None: commands come over the control group (TP across nodes), or a
     connection this rank dials to the driver (DP-attention across nodes)."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    threads = spec.threads
+    if spec.cpu_plan:  # pinned before anything is loaded: first touch puts its memory on its node
+        from k3serve.executor.cpu_topology import RankCPUs, pin
+
+        cpus = spec.cpu_plan[spec.rank % len(spec.cpu_plan)]
+        os.sched_setaffinity(0, cpus)
+        threads = len(cpus)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     channel, store = None, None
     try:
         import torch
@@ -206,7 +214,10 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         from k3serve.models.registry import load_model
         from k3serve.runner.rank_step import weight_bytes
 
-        torch.set_num_threads(spec.threads)
+        if spec.cpu_plan:
+            pin(RankCPUs(spec.rank, None, cpus))
+        else:
+            torch.set_num_threads(spec.threads)
         store = dist.TCPStore(
             spec.master_addr, spec.port, spec.world, False, timeout=datetime.timedelta(seconds=spec.timeout_s)
         )

@@ -47,6 +47,7 @@ def worker_base(
     pp_size: int = 1,
     dcp_size: int = 1,
     dcp_interleave: int = 1,
+    cpu_plan: tuple[tuple[int, ...], ...] = (),
 ) -> dict:
     """The WorkerSpec fields every rank of one engine shares (all but `rank`); `tp_size`: every
     rank (TP x PP with `pp_size` pipeline stages: rank g = stage * TP + t)."""
@@ -68,6 +69,7 @@ def worker_base(
         redundant_experts=redundant_experts,
         **(dict(pp_size=pp_size, tp_size=tp_size // pp_size) if pp_size > 1 else {}),
         **(dict(dcp_size=dcp_size, dcp_interleave=dcp_interleave) if dcp_size > 1 else {}),
+        **(dict(cpu_plan=cpu_plan) if cpu_plan else {}),
         master_addr=nodes.master_addr if nodes.multi else "127.0.0.1",
         control=nodes.multi,
         per_node=tp_size // nodes.nnodes,
@@ -131,6 +133,7 @@ class WorkerGroup:
         pp_size: int = 1,
         dcp_size: int = 1,
         dcp_interleave: int = 1,
+        cpu_plan: tuple[tuple[int, ...], ...] = (),
     ):
         """`tp_size`: every rank (TP x PP with pipeline stages); `redundant_experts`: EPLB's
         extra expert slots (parallel/group.py), None: EPLB off; `pp_size`: pipeline stages."""
@@ -164,11 +167,19 @@ class WorkerGroup:
             pp_size=pp_size,
             dcp_size=dcp_size,
             dcp_interleave=dcp_interleave,
+            cpu_plan=cpu_plan,
         )
         # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
         # spinning on a core a peer needs makes every collective wait for the scheduler
         self._driver_threads = torch.get_num_threads()
-        torch.set_num_threads(base["threads"])
+        self._driver_cpus = None  # the driver's affinity before it pinned rank 0 (restored at shutdown)
+        if cpu_plan:
+            from k3serve.executor.cpu_topology import RankCPUs, pin
+
+            self._driver_cpus = os.sched_getaffinity(0)
+            pin(RankCPUs(0, None, cpu_plan[0]))
+        else:
+            torch.set_num_threads(base["threads"])
         local = [] if nodes.torchrun else nodes.ranks(tp_size)[1:]  # torchrun started every rank itself
         self._procs, self._conns = self._start_workers(base, local, pipes=not nodes.multi)
         self._spec, self._base = WorkerSpec(rank=0, **base), base
@@ -335,6 +346,9 @@ class WorkerGroup:
         if self._driver_threads is not None:
             torch.set_num_threads(self._driver_threads)
             self._driver_threads = None
+        if getattr(self, "_driver_cpus", None) is not None:
+            os.sched_setaffinity(0, self._driver_cpus)
+            self._driver_cpus = None
         if self._channel is not None and self.error is None:
             try:
                 self._channel.send(("shutdown", ()))

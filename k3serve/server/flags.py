@@ -129,6 +129,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(--block-size must be a multiple of it times the DCP size)",
     )
     p.add_argument(
+        "--numa",
+        choices=("distribute", "isolate", "none"),
+        default=None,
+        help="CPU ranks, one thread per physical core, pinned: spread over the NUMA nodes (distribute, the "
+        "default on several nodes), all on node 0 (isolate), or the cores in order (none)",
+    )
+    p.add_argument(
+        "--cpu-threads-bind",
+        default=None,
+        help="CPU ranks' CPUs, one list per rank: '0-31|32-63' (vLLM's VLLM_CPU_OMP_THREADS_BIND); auto: --numa's plan",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="split the routed experts over those ranks by expert id instead of by channel",

@@ -148,6 +148,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         pipeline_parallel_size=args.pipeline_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
         cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
+        numa=args.numa,
+        cpu_threads_bind=args.cpu_threads_bind,
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout=args.distributed_timeout,
         all2all_backend=args.all2all_backend,
@@ -306,7 +308,10 @@ def headless(args: argparse.Namespace) -> int | None:
         return None
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     where = placement(config)
+    from k3serve.distributed.start import rank_cpus
+
     kw = dict(
+        cpu_plan=rank_cpus(config, where, args.tensor_parallel_size * config.pipeline_parallel_size),
         expert_parallel=config.enable_expert_parallel,
         redundant_experts=config.redundant_experts,
         pp_size=config.pipeline_parallel_size,
