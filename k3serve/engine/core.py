@@ -97,10 +97,10 @@ class EngineCore:
         """Run the step on every rank and finish it. A step that raises is retried apart (the
         scheduler requeues its requests to run alone, Scheduler.retry_apart); a broken rank group
         raises: no request can run again."""
-        started = self.launch(batch)
+        started = self.launch(batch, in_flight=False)
         return started if isinstance(started, Executed) else self.complete(started)
 
-    def launch(self, batch: ScheduledBatch) -> "Pending | Executed":
+    def launch(self, batch: ScheduledBatch, in_flight: bool = True) -> "Pending | Executed":
         """Start the step on every rank (EngineCore.execute's first half): its Pending, or the
         Executed of a step that failed to start. Its requests are in flight until `complete`."""
         try:
@@ -114,13 +114,15 @@ class EngineCore:
             raise
         except Exception as e:  # noqa: BLE001 - the step is retried apart; see Scheduler.retry_apart
             return self._failed(batch, e)
-        self.scheduler.in_flight.update(s.request_id for s in batch.seqs)
+        if in_flight:  # another step may be scheduled before this one completes
+            self.scheduler.in_flight.update(s.request_id for s in batch.seqs)
         return Pending(batch, step, handle, t)
 
     def complete(self, pending: Pending) -> Executed:
         """Finish a launched step: sample, verify and roll back, then bring the scheduler up to date."""
         batch = pending.batch
-        self.scheduler.in_flight.difference_update(s.request_id for s in batch.seqs)
+        if self.scheduler.in_flight:
+            self.scheduler.in_flight.difference_update(s.request_id for s in batch.seqs)
         try:
             out, rollback = self.runner.finish(pending.step, self.executor.collect(pending.handle))
             if rollback is not None:

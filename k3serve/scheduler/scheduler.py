@@ -131,7 +131,7 @@ class Scheduler:
             return batch
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        ready = [r for r in self.running if r.request_id not in self.in_flight]
+        ready = [r for r in self.running if r.request_id not in self.in_flight] if self.in_flight else self.running
         decodes = [r for r in ready if r.num_uncomputed == 1]
         prefills = [r for r in ready if r.num_uncomputed > 1]
         # with steps in flight, a share of the running requests each, so the next step has some

@@ -264,9 +264,9 @@ def test_pp2_runs_two_steps_in_flight_and_equals_one_process(references, tiny_k3
         engine, overlapped = llm.engine, []
         launch = engine.core.launch
 
-        def spy(batch):
+        def spy(batch, **kw):
             overlapped.append(bool(engine.scheduler.in_flight))
-            return launch(batch)
+            return launch(batch, **kw)
 
         engine.core.launch = spy
         assert engine.core.pipelined
