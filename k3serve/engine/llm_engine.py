@@ -162,7 +162,14 @@ class LLMEngine(HandoffMixin):
         self.outputs.add(group)
 
     def shutdown(self) -> None:
-        """Stop the ranks (nothing to stop for one process); the engine cannot step after."""
+        """Stop the ranks (nothing to stop for one process); the engine cannot step after. A step
+        still in flight is received first: its last stage is sending the driver its logits."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None and self.executor.alive:
+            try:
+                self.core.complete(pending)
+            except Exception as e:  # noqa: BLE001 - shutting down: the ranks stop either way
+                log.warning("the step in flight at shutdown raised %s: %s", type(e).__name__, e)
         self.core.shutdown()
 
     def abort(self, request_id: str) -> bool:

@@ -8,6 +8,8 @@ id (slow)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from k3serve import LLM, SamplingParams
@@ -290,5 +292,12 @@ def test_pp2_runs_two_steps_in_flight_and_equals_one_process(references, tiny_k3
             t for i, t in enumerate(second) if f"r{i}" != gone
         ]
         assert engine.cache.num_requests == 0
+        for i, p in enumerate(PROMPTS):  # shut down with a step in flight: received first, no hang
+            engine.add_request(f"s{i}", p, GREEDY)
+        while not engine._in_flight:
+            engine.step()
+        began = time.perf_counter()
+        engine.shutdown()
+        assert time.perf_counter() - began < 10 and engine._in_flight is None
     finally:
         llm.engine.shutdown()
