@@ -212,7 +212,7 @@ class EngineConfig:
                 f"--block-size {self.block_size} must be a multiple of --decode-context-parallel-size {n} x "
                 f"--cp-kv-cache-interleave-size {i}: each rank holds whole rows of every block"
             )
-        if n > 1 and self.kernels != "auto" and self.kernels != "torch":
+        if n > 1 and self.kernels not in ("auto", "torch"):
             raise ValueError(
                 f"--kernels {self.kernels} with --decode-context-parallel-size: the token-sharded attention "
                 "runs in the torch path (layers/mla_dcp.py); use --kernels auto or torch"

@@ -198,11 +198,9 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
     connection this rank dials to the driver (DP-attention across nodes)."""
     threads = spec.threads
     if spec.cpu_plan:  # pinned before anything is loaded: first touch puts its memory on its node
-        from k3serve.executor.cpu_topology import RankCPUs, pin
-
         cpus = spec.cpu_plan[spec.rank % len(spec.cpu_plan)]
         os.sched_setaffinity(0, cpus)
-        threads = len(cpus)
+        threads = len(cpus)  # one per physical core it holds
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     channel, store = None, None
     try:
@@ -214,10 +212,7 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         from k3serve.models.registry import load_model
         from k3serve.runner.rank_step import weight_bytes
 
-        if spec.cpu_plan:
-            pin(RankCPUs(spec.rank, None, cpus))
-        else:
-            torch.set_num_threads(spec.threads)
+        torch.set_num_threads(threads)
         store = dist.TCPStore(
             spec.master_addr, spec.port, spec.world, False, timeout=datetime.timedelta(seconds=spec.timeout_s)
         )

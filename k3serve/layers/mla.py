@@ -24,6 +24,7 @@ from k3serve.layers.backend import TORCH
 from k3serve.layers.common import RMSNorm, linear
 from k3serve.forward import CacheTensors, ForwardBatch
 from k3serve.forward.cache import from_cache, to_cache
+from k3serve.layers.mla_dcp import attend_dcp
 from k3serve.parallel.dcp import layout_of
 
 MLA_NORM_EPS = 1e-6  # HF-REF KimiRMSNorm default for q_a/kv_a layernorms
@@ -128,8 +129,6 @@ class GatedMLA(nn.Module):
         out = torch.empty(x.shape[0], m.num_heads, m.v_head_dim, dtype=torch.float32, device=x.device)
         s = cache.observe(self.layer_idx, latent)
         if self.dcp is not None:
-            from k3serve.layers.mla_dcp import attend_dcp
-
             layout = layout_of(self.dcp, batch.block_size)
             store = cache.latent[self.layer_idx]
             attend_dcp(self, q, latent, batch, store, out, s, self.dcp.context_group, layout)

@@ -59,7 +59,7 @@ class DCPLayout:
 
 def layout_of(group, block_size: int) -> DCPLayout | None:
     """The DCP layout of a TPGroup (parallel/group.py), None without DCP."""
-    if getattr(group, "dcp", 1) <= 1:
+    if group.dcp <= 1:
         return None
     return DCPLayout(group.dcp, group.dcp_interleave, block_size)
 

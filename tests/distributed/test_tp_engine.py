@@ -13,17 +13,9 @@ import pytest
 from k3serve import LLM, SamplingParams
 from k3serve.executor import WorkerDied
 from k3serve.parallel.group import CollectiveError
+from tests.distributed.test_gpu_node import SPEC  # ngram, K pinned: every proposal verified
 
 KW = dict(cache_memory="32MiB", max_model_len=512, max_num_batched_tokens=96, seed=0)
-# adaptive off: every proposal is verified (the adaptive policy weighs measured step times, and a busy
-# machine can make it skip drafting, leaving the verify path under test unrun)
-SPEC = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_max": 3,
-    "prompt_lookup_min": 1,
-    "adaptive": False,
-}
 SHARED = "Once upon a time, in a land far away, there lived a fox. " * 3  # several latent blocks
 PROMPTS = ["hello world, this is", "the quick brown fox jumps over the lazy dog " * 3, "a", SHARED + "The fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
