@@ -346,7 +346,7 @@ class WorkerGroup:
         if self._driver_threads is not None:
             torch.set_num_threads(self._driver_threads)
             self._driver_threads = None
-        if self._driver_cpus is not None:
+        if getattr(self, "_driver_cpus", None) is not None:  # DPAttentionWorkers never pins (nor sets it)
             os.sched_setaffinity(0, self._driver_cpus)
             self._driver_cpus = None
         if self._channel is not None and self.error is None:
