@@ -80,10 +80,11 @@ def pytest_configure(config):
     dtype, kernels = os.environ.get("K3SERVE_TEST_DTYPE"), os.environ.get("K3SERVE_TEST_KERNELS")
     if not (dtype or kernels):  # import nothing of the engine at configure time otherwise (the Ray
         return  # test's cluster then timed out the next TP server's rendezvous)
+    import dataclasses
+
     from k3serve.engine import build
 
     if dtype:
-        import dataclasses
 
         def placement(cfg, _orig=build.placement):
             return _orig(dataclasses.replace(cfg, dtype=dtype) if cfg.dtype == "auto" else cfg)
@@ -91,7 +92,7 @@ def pytest_configure(config):
         build.placement = placement
     if kernels:
 
-        def kernel_mode(mode, device, *args, _orig=build.kernel_mode):
-            return _orig(kernels if mode == "auto" else mode, device, *args)
+        def resolve_backend(cfg, device, _orig=build.resolve_backend):
+            return _orig(dataclasses.replace(cfg, kernels=kernels) if cfg.kernels == "auto" else cfg, device)
 
-        build.kernel_mode = kernel_mode
+        build.resolve_backend = resolve_backend

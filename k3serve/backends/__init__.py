@@ -30,7 +30,7 @@ def select(mode: str) -> Backend:
     """The backend for a kernels mode ("auto": the compiled kernels if they build, "cpp": or
     raise, "torch": the reference, "graph": the compiled static decode, "triton": the same with
     the Triton kernels). Engine placement has already turned "auto" on a GPU into "triton",
-    "graph" or "torch" (engine/setup.py kernel_mode)."""
+    "graph" or "torch" (executor/placement.py)."""
     from k3serve import kernels
 
     if mode == "graph":

@@ -18,8 +18,9 @@ BUNDLED_MODELS = {
 
 
 def resolve_config_path(path_or_name: str | Path) -> Path:
-    """A checkpoint dir, a config.json file, a bundled model name, or a Hugging Face repo id (its
-    config.json fetched, weights/hub.py) -> config.json path."""
+    """A checkpoint dir, a config.json file or a bundled model name -> config.json path. A
+    Hugging Face repo id is resolved where models come from (weights/hub.py `load_config`);
+    config/ takes paths."""
     p = Path(path_or_name)
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -30,18 +31,9 @@ def resolve_config_path(path_or_name: str | Path) -> Path:
     for name, path in BUNDLED_MODELS.items():
         if str(path_or_name).lower() == name.lower():
             return path
-    from k3serve.weights.hub import ModelSourceError, is_repo_id, resolve_model
-
-    hub = ""
-    if is_repo_id(str(path_or_name)):  # another repo: its config.json alone from the hub (or its cache)
-        try:
-            return Path(resolve_model(str(path_or_name), config_only=True)) / "config.json"
-        except ModelSourceError as e:
-            hub = f"; as a Hugging Face repo: {e}"
     raise ConfigError(
         "model",
-        f"{path_or_name!r} is neither a directory, a config file, nor a bundled model "
-        f"({', '.join(BUNDLED_MODELS)}){hub}",
+        f"{path_or_name!r} is neither a directory, a config file, nor a bundled model ({', '.join(BUNDLED_MODELS)})",
     )
 
 

@@ -12,6 +12,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.reason = message
         super().__init__(f"config field '{field}': {message}")
 
 

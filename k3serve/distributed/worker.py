@@ -208,7 +208,7 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         import torch.distributed as dist
 
         from k3serve.distributed.multinode import ControlChannel, control_group, dial_driver
-        from k3serve.executor.placement import kernel_mode
+        from k3serve.executor.placement import resolve_mode
         from k3serve.models.registry import load_model
         from k3serve.runner.rank_step import weight_bytes
 
@@ -225,7 +225,7 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
         model = load_model(
             spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format, progress=False, **groups
         ).to(device)
-        model.use_kernels(kernel_mode(spec.kernels, device))
+        model.use_kernels(resolve_mode(spec.kernels, device))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         why = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         if conn is not None:

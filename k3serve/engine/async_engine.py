@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
-from k3serve.engine.outputs import RequestOutput
+from k3serve.outputs import RequestOutput
 from k3serve.engine.stats import EngineStats, snapshot
 from k3serve.sampling_params import SamplingParams
-from k3serve.scheduler.batch import ModelFault
+from k3serve.outputs import ModelFault
 
 log = logging.getLogger("k3serve.engine")
 

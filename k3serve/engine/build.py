@@ -11,7 +11,7 @@ from k3serve.config.engine_config import EngineConfig
 from k3serve.engine.core import EngineCore
 from k3serve.engine.setup import check_quantization, make_plan, resolve_max_model_len, seq_limit_note, startup_lines
 from k3serve.executor import Allocation, Executor
-from k3serve.executor.placement import kernel_mode, placement
+from k3serve.executor.placement import placement, resolve_backend
 from k3serve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("k3serve.engine")
@@ -40,13 +40,7 @@ def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> Engine
 
     info = ex.info  # the model's config, dtype and weight bytes; the weights are the executor's
     check_quantization(config, info)
-    mode = kernel_mode(config.kernels, where.device, config.enforce_eager, config.ssm_dtype)
-    if config.pipeline_parallel_size > 1 and mode in ("graph", "triton"):  # "auto" on a GPU
-        log.info("pipeline stages run their layers eagerly (torch): the graph step across stages is not built")
-        mode = "torch"
-    if config.decode_context_parallel_size > 1 and mode != "torch":  # "auto"
-        log.info("decode context parallelism runs the torch path: the token-sharded MLA attention (layers/mla_dcp.py)")
-        mode = "torch"
+    mode = resolve_backend(config, where.device)
     kernels = ex.use_kernels(mode)
     tokenizer = Tokenizer.from_dir(config.tokenizer or model_path)
     max_model_len = resolve_max_model_len(config, info)

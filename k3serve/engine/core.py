@@ -3,7 +3,7 @@
 `schedule` asks the drafter for tokens, lets the prefix tiers land what they read, and picks
 the step's work; `execute` hands the prepared step to the executor (every rank runs it), has
 the runner sample and verify, rolls an eager verify pass back, and brings the scheduler up to
-date. The core knows nothing of requests as callers see them (engine/output.py) nor of how
+date. The core knows nothing of requests as callers see them (engine/output_processor.py) nor of how
 many processes run the model (executor/base.py). Built by engine/build.py `build_core`.
 """
 
@@ -18,7 +18,8 @@ from k3serve.config.engine_config import EngineConfig
 from k3serve.engine.stats import IterationTokens
 from k3serve.executor import RANK_FAULTS, Executor, ModelInfo
 from k3serve.runner.model_runner import ModelRunner
-from k3serve.scheduler.batch import ScheduledBatch, StepOutput
+from k3serve.scheduler.batch import ScheduledBatch
+from k3serve.outputs import StepOutput
 from k3serve.scheduler.request import Request
 from k3serve.scheduler.scheduler import Scheduler
 

@@ -12,9 +12,9 @@ import time
 
 from k3serve.engine.groups import Group, PromptInput, Sample
 from k3serve.engine.handoff import KVHandoff, capture, install
-from k3serve.engine.outputs import RequestOutput
+from k3serve.outputs import RequestOutput
 from k3serve.sampling_params import ParamError, SamplingParams
-from k3serve.scheduler.batch import SampledToken
+from k3serve.outputs import SampledToken
 from k3serve.scheduler.request import Request
 from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from k3serve.config.engine_config import EngineConfig
 from k3serve.executor.placement import placement
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
-from k3serve.engine.outputs import RequestOutput
+from k3serve.outputs import RequestOutput
 from k3serve.sampling_params import SamplingParams
 
 

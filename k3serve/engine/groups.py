@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from k3serve.scheduler.batch import PromptLogprob, SampledToken
+from k3serve.outputs import PromptLogprob, SampledToken
 from k3serve.scheduler.request import Request
 from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 

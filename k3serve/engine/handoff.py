@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.executor.transfer import read_request, write_request
-from k3serve.scheduler.batch import PromptLogprob
+from k3serve.outputs import PromptLogprob
 
 
 @dataclass

@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Sequence
 
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
-from k3serve.engine.outputs import RequestOutput
+from k3serve.outputs import RequestOutput
 from k3serve.sampling_params import SamplingParams
 
 

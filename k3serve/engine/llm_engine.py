@@ -3,7 +3,7 @@
 One step = the core's schedule (pure Python) -> execute on every rank (executor/base.py) ->
 finish (sampling, verification) -> scheduler update (engine/core.py), then the output
 processor's detokenizing and stop strings -> RequestOutputs for requests that produced tokens
-or finished (engine/output.py). An n > 1 request fans out into n scheduler requests with seeds
+or finished (engine/output_processor.py). An n > 1 request fans out into n scheduler requests with seeds
 offset by sample index (vLLM v1 does the same); prefix caching lets them share the prompt's
 cache. This class checks and tokenizes what callers add; taking and handing over prefilled
 requests (prefill/decode disaggregation) is engine/disagg.py, a mixin of it.
@@ -25,8 +25,8 @@ from k3serve.engine.groups import Group, PromptInput, Sample  # noqa: F401 - Pro
 from k3serve.engine.handoff import HandoffStore
 from k3serve.engine.info import EngineInfo
 from k3serve.multimodal.prompt_media import MediaEncoder
-from k3serve.engine.output import OutputProcessor
-from k3serve.engine.outputs import RequestOutput
+from k3serve.engine.output_processor import OutputProcessor
+from k3serve.outputs import RequestOutput
 from k3serve.executor import Executor
 from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from k3serve.sampling_params import ParamError, SamplingParams

@@ -1,5 +1,6 @@
-"""Where each rank runs, which backend it runs, and how its groups talk: one rule for every
-executor.
+"""Where each rank runs and how its groups talk: one rule for every executor, and which backend it
+runs (`resolve_backend`: decided once by the engine's build, carried to every rank by the
+allocation).
 
 The driver's placement (device, dtypes) comes from the engine's flags; rank r of a layout runs
 on the same device type, and on CUDA on GPU `local_rank` of its node's visible devices
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger("k3serve.engine")
+
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
@@ -62,8 +64,22 @@ def check_multi_rank(where: Placement, flag: str) -> None:
         )
 
 
-def kernel_mode(mode: str, device: torch.device, enforce_eager: bool = False, ssm_dtype: str = "float32") -> str:
-    """EngineConfig.kernels for an engine on `device`: the compiled kernels read CPU tensors only,
+def resolve_backend(config, device: torch.device) -> str:
+    """The backend of an engine (an EngineConfig) whose driver runs on `device`: `resolve_mode`,
+    then the layouts the compiled steps do not cover run torch ("auto" on a GPU asked for them)."""
+    mode = resolve_mode(config.kernels, device, config.enforce_eager, config.ssm_dtype)
+    if config.pipeline_parallel_size > 1 and mode in ("graph", "triton"):  # "auto" on a GPU
+        log.info("pipeline stages run their layers eagerly (torch): the graph step across stages is not built")
+        mode = "torch"
+    if config.decode_context_parallel_size > 1 and mode != "torch":  # "auto"
+        log.info("decode context parallelism runs the torch path: the token-sharded MLA attention (layers/mla_dcp.py)")
+        mode = "torch"
+    return mode
+
+
+def resolve_mode(mode: str, device: torch.device, enforce_eager: bool = False, ssm_dtype: str = "float32") -> str:
+    """A `--kernels` mode for a model on `device` (what a worker loads with; the engine's whole
+    rule is `resolve`): the compiled kernels read CPU tensors only,
     so an engine elsewhere builds none and "cpp" there is refused by name; "auto" on a GPU is the
     triton backend (compiled, captured decode steps with the Triton kernels; "graph" where Triton
     or fla-core is not installed), or the torch reference under --enforce-eager. "triton" where

@@ -5,7 +5,7 @@ returns the module, or None with one warning when it cannot be built: every call
 its plain torch path, which stays beside each kernel as its reference. `--kernels torch`
 (EngineConfig.kernels) asks for the torch path outright; so does K3SERVE_KERNELS=torch for
 every `get("auto")` of the process (tests, workers: callers without an engine config). An
-engine on a GPU builds none (the kernels are CPU-only; engine/setup.py kernel_mode).
+engine on a GPU builds none (the kernels are CPU-only; executor/placement.py).
 
 Each install and source version builds in a directory of its own (`build_dir`: keyed by the
 install path, the sources, the ISA and torch's version, under $K3SERVE_KERNEL_CACHE, else

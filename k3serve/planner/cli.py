@@ -165,10 +165,10 @@ def _draft(args: argparse.Namespace) -> dict:
     if not args.draft_model:
         return dict(draft_bytes=int(args.draft_params * 2))
     from k3serve.cache.sizing import draft_cache_bytes
-    from k3serve.config.bundled import load_model_config
+    from k3serve.weights.hub import load_config
     from k3serve.weights.schema import loaded_weight_bytes
 
-    draft = load_model_config(args.draft_model)
+    draft = load_config(args.draft_model)
     return dict(
         draft_bytes=loaded_weight_bytes(draft),
         draft_cache_bytes=draft_cache_bytes(draft, args.max_num_seqs, args.context),
@@ -176,14 +176,14 @@ def _draft(args: argparse.Namespace) -> dict:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from k3serve.config.bundled import load_model_config
     from k3serve.planner.html import to_html
     from k3serve.planner.report import print_table, to_json, to_markdown
     from k3serve.planner.search import plan
     from k3serve.planner.weights import weight_split
+    from k3serve.weights.hub import load_config
 
     assumed = workload_questions(args)
-    cfg = experts_as(load_model_config(args.model), args.experts)
+    cfg = experts_as(load_config(args.model), args.experts)
     is_dir = Path(args.model).is_dir() and any(Path(args.model).glob("*.safetensors"))
     if is_dir and args.experts != "checkpoint":
         raise SystemExit("plan: --experts re-packs a config's experts; a checkpoint's headers already say its format")

@@ -24,8 +24,9 @@ from k3serve.multimodal.prompt_media import PromptMedia
 from k3serve.sampling.grammar import Constraint, refuse
 from k3serve.sampling_params import ParamError
 from k3serve.sampling.logits_process import apply_bias_and_penalties, suppressed_ends
-from k3serve.sampling.structured import ConstraintStats
-from k3serve.scheduler.batch import PromptLogprob, SampledToken, ScheduledBatch, StepOutput
+from k3serve.sampling.grammar import ConstraintStats
+from k3serve.scheduler.batch import ScheduledBatch
+from k3serve.outputs import PromptLogprob, SampledToken, StepOutput
 from k3serve.scheduler.request import Request
 
 log = logging.getLogger("k3serve.engine")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +29,7 @@ from k3serve.chat.markers import (
     K2_SECTION_END,
     K3_STRUCTURAL,
 )
-from k3serve.sampling.structured import StructuredOutputs
+from k3serve.sampling_params import StructuredOutputs
 
 FREE, OPENING, GRAMMAR, TAIL, DONE = "free", "opening", "grammar", "tail", "done"
 # chat markup spelled in the tool-call vocabulary: K3 XTML, then the K2 family's tool markers
@@ -275,3 +276,11 @@ def refuse(bitmask: torch.Tensor, row: int, token_ids) -> None:
     """Clear the bits of `token_ids` in one row of an int32 bitmask (bit 31 is the sign bit)."""
     for t in token_ids:
         bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 2**31 - 1
+
+
+@dataclass
+class ConstraintStats:
+    """Counts for the metrics and the tests: drafts cut by the grammar before verification."""
+
+    drafts_cut: int = 0
+    masked_rows: int = 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.sampling.logits_process import apply_bias_and_penalties, row_params, truncate
-from k3serve.scheduler.batch import ModelFault, SampledToken
+from k3serve.outputs import ModelFault, SampledToken
 from k3serve.scheduler.request import Request
 
 log = logging.getLogger("k3serve.sampling")

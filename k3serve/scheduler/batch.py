@@ -1,16 +1,10 @@
-"""What the scheduler hands the runner (`ScheduledBatch`) and gets back (`StepOutput`)."""
+"""What the scheduler hands the runner (`ScheduledBatch`); what it gets back is k3serve/outputs.py's `StepOutput`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from k3serve.scheduler.request import Request
-
-
-class ModelFault(str):
-    """A request's failure reason that is the model's fault (non-finite logits from its
-    weights), not the request's: the server answers 500 naming the model, never a 400 that
-    blames the client's sampling settings."""
 
 
 @dataclass
@@ -55,35 +49,3 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None  # log p(token) under the model's raw distribution
-    top_logprobs: tuple[tuple[int, float], ...] = ()  # the n most likely (id, logprob), best first
-
-
-@dataclass
-class StepOutput:
-    """Tokens emitted per request this step: one, or with speculation the accepted drafts plus
-    the residual/bonus token."""
-
-    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone this step
-    # request id -> {prompt index i: its PromptLogprob} for the prompt tokens i >= 1 this step computed
-    prompt_logprobs: dict[str, dict[int, PromptLogprob]] = field(default_factory=dict)
-    # request id -> the verify position whose state slot becomes its live one (a static verify
-    # step wrote each position's state to its own slot: cache/draft_slots.py)
-    accepted: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PromptLogprob:
-    """Prompt token i given tokens < i: its logprob and rank (1 = the model's top choice) and the
-    top-n alternatives as (token id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()

@@ -17,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from k3serve.cache.manager import CacheAllocation, HybridCacheManager, PrefixHit
-from k3serve.scheduler.batch import ScheduledBatch, ScheduledSeq, StepOutput
+from k3serve.scheduler.batch import ScheduledBatch, ScheduledSeq
+from k3serve.outputs import StepOutput
 from k3serve.scheduler.request import Request, RequestStatus
 
 KDA_CHUNK = 64  # k3serve.layers.kda_ops.CHUNK (kept here so this module stays torch-free)

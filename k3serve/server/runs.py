@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request
 
 from k3serve.engine.async_engine import EngineOverloaded, EngineUnavailable, RequestFailed
-from k3serve.engine.outputs import RequestOutput
+from k3serve.outputs import RequestOutput
 from k3serve.server.media import engine_prompt
 from k3serve.server.tracing import HEADERS as TRACE_HEADERS
 from k3serve.sampling_params import ParamError, SamplingParams

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from k3serve.chat.messages import ChatInputError, check_depth
 from k3serve.chat.render import ChatOptions, RenderedPrompt
 from k3serve.sampling.grammar import grammar_error_text
-from k3serve.sampling.structured import StructuredOutputs
+from k3serve.sampling_params import StructuredOutputs
 from k3serve.server.errors import APIError
 from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
 from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from k3serve.chat.k3_xtml import EOM, OPEN, Seg, close_tag, encode_segments, open_tag
-from k3serve.sampling.structured import StructuredOutputs
+from k3serve.sampling_params import StructuredOutputs
 from k3serve.server.errors import APIError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

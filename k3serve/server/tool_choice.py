@@ -37,7 +37,7 @@ from k3serve.chat.markers import (
     SEP,
 )
 from k3serve.sampling.grammar import _JSON_CHARS, _LOOSE_CHARS, _XGR_JSON_CHARS
-from k3serve.sampling.structured import StructuredOutputs
+from k3serve.sampling_params import StructuredOutputs
 
 # xgrammar's kimi_k3_xml style allows whitespace runs around argument values and between
 # arguments. Around a length-bounded string value that whitespace would become part of the value

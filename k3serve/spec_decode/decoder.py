@@ -9,7 +9,8 @@ import time
 import torch
 
 from k3serve.sampling.sampler import sampled_token
-from k3serve.scheduler.batch import SampledToken, ScheduledBatch
+from k3serve.scheduler.batch import ScheduledBatch
+from k3serve.outputs import SampledToken
 from k3serve.scheduler.request import Request
 from k3serve.config.speculative import SpeculativeConfig
 from k3serve.spec_decode.adaptive import DraftPolicy

@@ -21,6 +21,10 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
+from k3serve.config.bundled import resolve_config_path
+from k3serve.config.model_config import ModelConfig
+from k3serve.config.parse import ConfigError
+
 KINDS = ("kimi_k3", "kimi_linear")  # config.json model_type values the engine serves
 # what the engine reads besides the shards (missing ones are simply absent from the repo)
 ENGINE_FILES = (
@@ -99,6 +103,22 @@ def resolve_model(
         raise ModelSourceError(
             f"model {model!r}: download failed ({type(e).__name__}: {e}); HF_HUB_OFFLINE=1 reads the cache only"
         ) from None
+
+
+def load_config(path_or_name: str | Path) -> ModelConfig:
+    """A checkpoint dir, a config.json file, a bundled model name, or a Hugging Face repo id (its
+    config.json alone, fetched or from the hub cache) -> its ModelConfig: what `plan`, `inspect`
+    and a draft model name read."""
+    try:
+        return ModelConfig.from_file(resolve_config_path(path_or_name))
+    except ConfigError as e:
+        if e.field != "model" or not is_repo_id(str(path_or_name)):
+            raise
+        try:
+            path = Path(resolve_model(str(path_or_name), config_only=True)) / "config.json"
+        except ModelSourceError as hub:
+            raise ConfigError("model", f"{e.reason}; as a Hugging Face repo: {hub}") from None
+    return ModelConfig.from_file(path)
 
 
 def _hub_kw(revision: str | None, token: str | None, download_dir: str | None = None) -> dict:

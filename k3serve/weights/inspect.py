@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3serve.cache import sizing
-from k3serve.config.bundled import load_model_config
 from k3serve.config.model_config import ModelConfig
 from k3serve.weights.checkpoint import CheckpointIndex
+from k3serve.weights.hub import load_config
 from k3serve.weights.loader import validate_checkpoint
 from k3serve.weights.schema import TensorSpec, model_tensor_specs
 
@@ -44,7 +44,7 @@ class InspectReport:
 
 
 def inspect_model(path_or_name: str | Path) -> InspectReport:
-    cfg = load_model_config(path_or_name)
+    cfg = load_config(path_or_name)
     p = Path(path_or_name)
     if p.is_dir() and any(p.glob("*.safetensors")):
         index = CheckpointIndex.open(p)

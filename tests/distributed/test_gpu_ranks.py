@@ -17,7 +17,8 @@ import torch.distributed as dist
 from k3serve.distributed.worker_group import worker_base
 from k3serve.distributed.multinode import NodeLayout
 from k3serve.distributed.worker import WorkerSpec, make_dp_tp_group, make_group
-from k3serve.executor.placement import check_multi_rank, kernel_mode, placement
+from k3serve.executor.placement import resolve_mode
+from k3serve.executor.placement import check_multi_rank, placement
 from k3serve.config.engine_config import EngineConfig
 
 
@@ -73,7 +74,7 @@ def test_tp2_ranks_take_their_gpu_and_nccl(fake_cuda):
     where = placement(EngineConfig.from_kwargs("ckpt", tensor_parallel_size=2))
     check_multi_rank(where, "--tensor-parallel-size")
     assert where.device == torch.device("cuda", 0) and where.dtype == torch.bfloat16
-    assert kernel_mode("auto", where.device) == "triton"  # compiled, captured steps on every rank
+    assert resolve_mode("auto", where.device) == "triton"  # compiled, captured steps on every rank
     tp = specs(2)
     assert [s.rank_device for s in tp] == [torch.device("cuda", 0), torch.device("cuda", 1)]
     made = groups(tp)

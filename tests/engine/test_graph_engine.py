@@ -115,7 +115,7 @@ def test_grammar_masks_and_min_tokens_ride_in_the_static_step(tiny_k3_dir):
     torch engine's. min_tokens' suppressed ends ride in the same bits."""
     import re
 
-    from k3serve.sampling.structured import StructuredOutputs
+    from k3serve.sampling_params import StructuredOutputs
 
     kw = dict(cache_memory="16MiB", max_model_len=256, max_num_seqs=4)
     llm = LLM(str(tiny_k3_dir), **GRAPH, **kw)

@@ -179,7 +179,7 @@ def test_a_grammar_is_replayed_over_the_first_token(tiny_k3_dir):
     matches the pattern, and is the colocated one."""
     import re
 
-    from k3serve.sampling.structured import StructuredOutputs
+    from k3serve.sampling_params import StructuredOutputs
 
     colocated, p_llm, d_llm = engines(tiny_k3_dir)
     eos = colocated.engine.model.cfg.eos_token_id

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from k3serve import LLM, SamplingParams
 from k3serve.sampling.grammar import GrammarBackend
 from k3serve.sampling_params import ParamError
-from k3serve.sampling.structured import StructuredOutputs
+from k3serve.sampling_params import StructuredOutputs
 
 KW = dict(cache_memory="32MiB", max_model_len=1024, max_num_batched_tokens=256, seed=0)
 NAMES = st.text("abcdefghij_", min_size=1, max_size=6)

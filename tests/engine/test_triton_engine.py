@@ -92,8 +92,8 @@ def test_triton_verify_pass_with_dspark_equals_torch(tiny_k3_dir, random_dspark)
 
 def test_triton_is_refused_by_name_where_it_cannot_run(monkeypatch, tiny_kl_dir):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from k3serve.executor.placement import kernel_mode
+    from k3serve.executor.placement import resolve_mode
 
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        kernel_mode("triton", torch.device("cpu"))
-    assert kernel_mode("triton", torch.device("cuda")) == "triton"
+        resolve_mode("triton", torch.device("cpu"))
+    assert resolve_mode("triton", torch.device("cuda")) == "triton"

@@ -78,21 +78,21 @@ def test_an_engine_off_the_cpu_builds_no_cpu_kernels(monkeypatch):
     issues 46, 52) without compiling any CPU kernel and "cpp" is refused by name;
     K3SERVE_KERNELS=torch does the same for a whole process."""
     from k3serve import kernels
-    from k3serve.executor.placement import kernel_mode
+    from k3serve.executor.placement import resolve_mode
     from k3serve.kernels import triton as triton_kernels
 
     cuda = torch.device("cuda", 0)
     with_triton = triton_kernels.unavailable("cuda") is None
-    assert kernel_mode("auto", cuda) == ("triton" if with_triton else "graph")
+    assert resolve_mode("auto", cuda) == ("triton" if with_triton else "graph")
     monkeypatch.setattr(triton_kernels, "unavailable", lambda device_type: "pip install triton")
-    assert kernel_mode("auto", cuda) == "graph" and kernel_mode("torch", cuda) == "torch"
+    assert resolve_mode("auto", cuda) == "graph" and resolve_mode("torch", cuda) == "torch"
     with pytest.raises(ValueError, match="pip install triton"):
-        kernel_mode("triton", cuda)
+        resolve_mode("triton", cuda)
     monkeypatch.undo()
-    assert kernel_mode("auto", cuda, enforce_eager=True) == "torch"
+    assert resolve_mode("auto", cuda, enforce_eager=True) == "torch"
     with pytest.raises(ValueError, match="CPU-only.*cuda:0"):
-        kernel_mode("cpp", cuda)
-    assert [kernel_mode(m, torch.device("cpu")) for m in ("auto", "cpp", "torch")] == ["auto", "cpp", "torch"]
+        resolve_mode("cpp", cuda)
+    assert [resolve_mode(m, torch.device("cpu")) for m in ("auto", "cpp", "torch")] == ["auto", "cpp", "torch"]
     monkeypatch.setenv("K3SERVE_KERNELS", "torch")
     assert kernels.get("auto") is None
 

@@ -95,8 +95,14 @@ def test_kimi_linear_missing_linear_attn_config():
 
 def test_unknown_model_name():
     # a repo id goes to the hub (weights/hub.py); the suite runs offline (tests/conftest.py)
+    from k3serve.weights.hub import load_config
+
     with pytest.raises(ConfigError, match="bundled model.*HF_HUB_OFFLINE"):
+        load_config("moonshotai/Kimi-K9")
+    # config/ takes paths and bundled names only: it never reaches for the hub
+    with pytest.raises(ConfigError, match="bundled model") as e:
         load_model_config("moonshotai/Kimi-K9")
+    assert "HF_HUB" not in str(e.value)
 
 
 def test_config_is_frozen():
@@ -132,10 +138,10 @@ def test_auto_kernels_on_a_gpu_is_the_triton_backend_unless_eager():
     fla-core is missing; the torch reference under --enforce-eager."""
     import torch
 
-    from k3serve.executor.placement import kernel_mode
+    from k3serve.executor.placement import resolve_mode
     from k3serve.kernels.triton import unavailable
 
     cuda = torch.device("cuda", 0)
     compiled = "graph" if unavailable("cuda") else "triton"
-    assert kernel_mode("auto", cuda) == compiled and kernel_mode("auto", cuda, enforce_eager=True) == "torch"
-    assert kernel_mode("graph", torch.device("cpu")) == "graph" and kernel_mode("auto", torch.device("cpu")) == "auto"
+    assert resolve_mode("auto", cuda) == compiled and resolve_mode("auto", cuda, enforce_eager=True) == "torch"
+    assert resolve_mode("graph", torch.device("cpu")) == "graph" and resolve_mode("auto", torch.device("cpu")) == "auto"

@@ -161,16 +161,41 @@ def test_layers_never_import_backends_and_kernels_never_import_layers_or_backend
     assert not bad, bad
 
 
-FLOOR = ("forward", "parallel", "kernels", "layers", "backends", "models")  # the model floor, bottom up
-
-
-def test_no_import_circle_between_the_model_floors_packages():
-    """Those packages as nodes: none reaches another that reaches it back (at module level or
-    inside a function). The root package `k3serve` is left out: `from k3serve import kernels`
-    names a module, not the root's contents."""
+def package_graph(extra: tuple[tuple[str, str], ...] = ()) -> dict[str, set[str]]:
+    """Every package of k3serve and every module at its root (sampling_params, outputs, cli) as
+    one node; an arrow where a module of one imports a module of another, at module level or
+    inside a function. The root package `k3serve` is left out: `from k3serve import kernels`
+    names a module, not the root's contents, and its lazy `LLM` / `SamplingParams` are the public
+    face. `extra` adds arrows (the control below)."""
     pkg = lambda m: m.split(".")[1] if m.count(".") else ""  # noqa: E731
-    graph: dict[str, set[str]] = {p: set() for p in FLOOR}
+    graph: dict[str, set[str]] = {pkg(m): set() for m in MODULES if pkg(m)}
     for m in MODULES:
-        if pkg(m) in graph:
-            graph[pkg(m)] |= {pkg(d) for d in imports(m) if pkg(d) in graph and pkg(d) != pkg(m)}
-    assert circles(graph) == []
+        if pkg(m):
+            graph[pkg(m)] |= {pkg(d) for d in imports(m) if pkg(d) and pkg(d) != pkg(m)}
+    for a, b in extra:
+        graph[a].add(b)
+    return graph
+
+
+def test_no_import_circle_between_packages():
+    """No package reaches another that reaches it back (issue 65: config -> weights -> cache ->
+    config closed through the hub-id lookup, now weights/hub.py `load_config`; scheduler ->
+    sampling_params -> sampling -> scheduler through StructuredOutputs and the step outputs, now
+    at the root beside SamplingParams)."""
+    assert circles(package_graph()) == []
+
+
+def test_a_reintroduced_upward_import_makes_a_circle():
+    """The control: the two arrows issue 65 removed, put back one at a time, are each found."""
+    assert circles(package_graph((("config", "weights"),))) == [["cache", "config", "weights"]]
+    assert circles(package_graph((("sampling_params", "sampling"),))) == [["sampling", "sampling_params", "scheduler"]]
+
+
+def test_value_types_and_configs_sit_low():
+    """config/ takes paths (no hub, no spec_decode class); the root's value types import no
+    package above them; scheduler/ and cache/ never import torch (pure bookkeeping)."""
+    bad = _violations("config", ("k3serve.weights", "k3serve.spec_decode", "k3serve.engine", "torch"))
+    for root_module in ("sampling_params.py", "outputs.py"):
+        bad += [f"{root_module} imports {m}" for m in sorted(_imports(ROOT / root_module)) if m.startswith("k3serve")]
+    bad += _violations("scheduler", ("torch",)) + _violations("cache", ("torch",))
+    assert not bad, bad

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.sampling_params import SamplingParams
-from k3serve.scheduler.batch import SampledToken, StepOutput
+from k3serve.outputs import SampledToken, StepOutput
 from k3serve.scheduler.request import Request, RequestStatus
 from k3serve.scheduler.scheduler import Scheduler, SchedulerConfig
 

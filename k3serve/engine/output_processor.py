@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import time
 from k3serve.engine.groups import Group
-from k3serve.engine.outputs import CompletionOutput, RequestOutput
-from k3serve.scheduler.batch import SampledToken, ScheduledBatch, StepOutput
+from k3serve.outputs import CompletionOutput, RequestOutput
+from k3serve.scheduler.batch import ScheduledBatch
+from k3serve.outputs import SampledToken, StepOutput
 from k3serve.scheduler.request import Request
 from k3serve.scheduler.scheduler import Scheduler
 
