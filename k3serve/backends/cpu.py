@@ -10,7 +10,7 @@ Per attention layer and step (StepRows, forward/batch.py):
 - grad enabled or tensors off the CPU: the reference, unchanged;
 - a whole decode / verify step in one call where it runs as the layers would: backends/cpu_stack.py.
 
-Each layer's kernel arguments (projections in panel form, layers/common.py kernel_matrix) are
+Each layer's kernel arguments (projections in panel form, kernels/packs.py kernel_matrix) are
 built once and kept here, keyed by the layer, until `reset()` (a load or a move).
 """
 
@@ -23,14 +23,13 @@ from functools import partial
 import torch
 
 from k3serve.backends import Backend
+from k3serve.backends.cpu_args import DENSE_KERNEL_ROWS, big_experts, glu_scalars, moe_scalars
 from k3serve.backends.cpu_stack import KERNEL_DTYPES, DecodeStacks, block_experts
-from k3serve.kernels.packs import GluPack, KdaPack, MlaPack, MoePack
-from k3serve.layers.common import kernel_experts, kernel_matrix
+from k3serve.kernels.packs import GluPack, KdaPack, MlaPack, MoePack, kernel_experts, kernel_matrix
 from k3serve.layers.gemm import SMALL_M
 from k3serve.layers.experts import experts_forward
 from k3serve.forward.cache import to_cache
 from k3serve.layers.mla import MLA_NORM_EPS
-from k3serve.layers.moe import DENSE_KERNEL_ROWS
 
 
 class CpuKernels(DecodeStacks, Backend):
@@ -287,11 +286,11 @@ class CpuKernels(DecodeStacks, Backend):
         if not (self.takes(x) and x.dtype in KERNEL_DTYPES):
             return layer.reference(x)
         k, w = self.kernels, self.glu_weights(layer)
-        (act,), (beta, linear_beta) = layer.block_scalars()
+        (act,), (beta, linear_beta) = glu_scalars(layer)
         return k.linear(k.glu(k.linear(x, w.gate), k.linear(x, w.up), act, beta, linear_beta), w.down)
 
     def glu_weights(self, layer) -> GluPack:
-        """gate, up, down in the kernels' form (layers/common.py kernel_matrix), built once."""
+        """gate, up, down in the kernels' form (kernels/packs.py kernel_matrix), built once."""
         pack = self._packs.get(layer)
         if pack is None:
             mat = lambda w: kernel_matrix(w, self.kernels)  # noqa: E731
@@ -320,14 +319,14 @@ class CpuKernels(DecodeStacks, Backend):
     def moe_takes_block(self, layer, x: torch.Tensor) -> bool:
         """Whether the block kernel runs this layer at x's rows (one rank, and experts the
         kernel takes at this many rows: past DENSE_KERNEL_ROWS big dense experts go to torch's
-        GEMM, layers/moe.py)."""
+        GEMM, backends/cpu_args.py)."""
         return (
             layer.ep is None
             and layer.tp.size == 1
             and block_experts(layer)
             and self.takes(x)
             and x.dtype in KERNEL_DTYPES
-            and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not layer.big_experts())
+            and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not big_experts(layer))
         )
 
     def moe_route(self, layer, x):
@@ -382,7 +381,7 @@ class CpuKernels(DecodeStacks, Backend):
 
     def moe_weights(self, layer) -> MoePack:
         """moe_block's weights (kernels/packs.py, None where absent), built once; with
-        layer.block_scalars, what the decode stack (kernels/cpu/fused/decode_stack.cpp) takes for it."""
+        moe_scalars, what the decode stack (kernels/cpu/fused/decode_stack.cpp) takes for it."""
         pack = self._packs.get(layer)
         if pack is None:
             m = layer.cfg
@@ -414,7 +413,7 @@ class CpuKernels(DecodeStacks, Backend):
     def _moe_block(self, layer, x):
         """Router, routed experts, latent norm / up projection and shared experts in one compiled
         call (kernels/cpu/fused/blocks.cpp moe_block), for any number of rows."""
-        ints, floats = layer.block_scalars()
+        ints, floats = moe_scalars(layer)
         return self.kernels.moe_block(
             x, *self.moe_weights(layer).args, ints[0], bool(ints[1]), bool(ints[2]), floats[0], *ints[3:], *floats[1:]
         )

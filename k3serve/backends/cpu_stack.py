@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from k3serve.layers.moe import DENSE_KERNEL_ROWS
+from k3serve.backends.cpu_args import DENSE_KERNEL_ROWS, glu_scalars, moe_scalars
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled kernels read
 
@@ -74,7 +74,7 @@ class DecodeStacks:
             if moe is not None and (moe.ep is not None or moe.tp.size > 1 or not block_experts(moe)):
                 return None
             ffn = list((self.moe_weights(moe) if moe is not None else self.glu_weights(layer.mlp)).args)
-            ffn_i, ffn_f = (moe if moe is not None else layer.mlp).block_scalars()
+            ffn_i, ffn_f = moe_scalars(moe) if moe is not None else glu_scalars(layer.mlp)
             stack.add_layer(
                 int(mla),
                 layer.input_layernorm.weight,

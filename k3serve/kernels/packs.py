@@ -2,7 +2,8 @@
 its fields the op schema's weight arguments in their order (kernels/cpu/registry.cpp;
 tests/model/test_kernel_ops.py checks the two agree). Built once per layer by the `cpp` backend
 (backends/cpu.py); `args` is what the op takes after its input rows and, as a list, what the
-decode stack's add_layer takes for the layer (absent weights None in both)."""
+decode stack's add_layer takes for the layer (absent weights None in both). `kernel_matrix` and
+`kernel_experts` turn a layer's weights into the forms the packs hold."""
 
 from __future__ import annotations
 
@@ -10,6 +11,36 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 
 import torch
+
+
+def kernel_matrix(w: torch.Tensor | None, kernels) -> torch.Tensor | None:
+    """A projection weight [N, K] in the form the compiled blocks read fastest: panels of 16
+    rows where the build takes them (kernels/cpu/core/panels.h; fp32: 2.5-6x a row-major GEMV at a
+    decode's few rows, bf16 with AVX512-BF16: 1.3-1.7x), else w itself. A copy: the modules
+    build it once, in their cached block arguments (reset by use_kernels, after the last load
+    or move)."""
+    return w if kernels is None or w is None or w.numel() == 0 else kernels.panel_form(w)
+
+
+EXPERT_PANEL_BYTES = 1 << 20  # an expert matrix's fp32 form up to this stays in cache
+
+
+def kernel_experts(w, kernels, fp32_model: bool) -> list:
+    """One routed-expert matrix (layers/expert_weights.py) as moe_experts takes it: [packed codes,
+    E8M0 scales] or [dense, None]; an fp32 model's experts whose fp32 form is at most 1 MB a
+    matrix as fp32 panels [E, O/16, I, 16] and None (kernels/cpu/core/panels.h expert_panel_form, the
+    MXFP4 values exactly: a 4-bit value times a power of two). Cache-resident experts are
+    compute bound, and there decoding a 4-bit row for each token it meets cost more than the
+    dot (the bundled demo's 5-row verify: ~70 of ~345 us); larger ones stream from memory, where
+    the packed bytes are the point. A copy: built once, in the modules' cached block arguments."""
+    E, O, I = w.shape
+    if kernels is not None and fp32_model and E * O * I * 4 <= EXPERT_PANEL_BYTES:
+        value = w.value
+        dense = value.dequantize(torch.float32) if w.is_packed else value.float()
+        panels = kernels.expert_panel_form(dense.contiguous())
+        if panels.dim() == 4:
+            return [panels, None]
+    return [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
 
 
 class _Pack:
@@ -21,7 +52,7 @@ class _Pack:
 
 @dataclass(frozen=True)
 class KdaPack(_Pack):
-    """A KDA attention block: projections in kernel form (layers/common.py kernel_matrix),
+    """A KDA attention block: projections in kernel form (kernel_matrix),
     g_proj the full gate or the low-rank gate's first half (g_b_proj its second), conv taps
     [P, 1, K], dt_bias [P], a_log [H], o_norm [D]."""
 

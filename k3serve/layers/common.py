@@ -16,36 +16,6 @@ def linear(out_features: int, in_features: int) -> nn.Linear:
     return Linear(in_features, out_features, bias=False)
 
 
-def kernel_matrix(w: torch.Tensor | None, kernels) -> torch.Tensor | None:
-    """A projection weight [N, K] in the form the compiled blocks read fastest: panels of 16
-    rows where the build takes them (kernels/cpu/core/panels.h; fp32: 2.5-6x a row-major GEMV at a
-    decode's few rows, bf16 with AVX512-BF16: 1.3-1.7x), else w itself. A copy: the modules
-    build it once, in their cached block arguments (reset by use_kernels, after the last load
-    or move)."""
-    return w if kernels is None or w is None or w.numel() == 0 else kernels.panel_form(w)
-
-
-EXPERT_PANEL_BYTES = 1 << 20  # an expert matrix's fp32 form up to this stays in cache
-
-
-def kernel_experts(w, kernels, fp32_model: bool) -> list:
-    """One routed-expert matrix (layers/expert_weights.py) as moe_experts takes it: [packed codes,
-    E8M0 scales] or [dense, None]; an fp32 model's experts whose fp32 form is at most 1 MB a
-    matrix as fp32 panels [E, O/16, I, 16] and None (kernels/cpu/core/panels.h expert_panel_form, the
-    MXFP4 values exactly: a 4-bit value times a power of two). Cache-resident experts are
-    compute bound, and there decoding a 4-bit row for each token it meets cost more than the
-    dot (the bundled demo's 5-row verify: ~70 of ~345 us); larger ones stream from memory, where
-    the packed bytes are the point. A copy: built once, in the modules' cached block arguments."""
-    E, O, I = w.shape
-    if kernels is not None and fp32_model and E * O * I * 4 <= EXPERT_PANEL_BYTES:
-        value = w.value
-        dense = value.dequantize(torch.float32) if w.is_packed else value.float()
-        panels = kernels.expert_panel_form(dense.contiguous())
-        if panels.dim() == 4:
-            return [panels, None]
-    return [w.packed, w.scale] if w.is_packed else [w.value.contiguous(), None]
-
-
 class WeightOnly(nn.Module):
     """A module whose only parameter is `weight` (norms, conv taps, AttnRes vectors)."""
 

@@ -23,15 +23,6 @@ from k3serve.layers.moe_dispatch import all_to_all_routed, fixed_gather_routed, 
 from k3serve.layers.router import route
 
 
-# Past this many rows, dense (bf16 / fp32) experts of at least DENSE_GEMM_ELEMS weights per
-# matrix run as one torch matmul per selected expert (oneDNN's GEMM) instead of the compiled
-# block's per-row dots. 400 M Kimi-Linear (512 x 1024 experts), 7 MoE layers, 2 cores: 32 rows
-# 38 vs 48 ms, 64 rows 70 vs 55 ms, 256 rows 238 vs 88 ms (a prefill: 4x). Small experts stay
-# compiled: tiny Kimi-Linear's (32 x 64) 512-token prefill takes 13-14 ms so, 17 ms through torch.
-DENSE_KERNEL_ROWS = 48
-DENSE_GEMM_ELEMS = 1 << 16
-
-
 def glu_activation(cfg: ModelConfig):
     if cfg.use_situ:
         return partial(situ_and_mul, beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
@@ -57,11 +48,6 @@ class GluMLP(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-
-    def block_scalars(self) -> tuple[list[int], list[float]]:
-        """ints {situ}, floats {beta, linear_beta}: the kernels' GLU arguments"""
-        beta, linear_beta = self.situ or (0.0, 0.0)
-        return [int(self.situ is not None)], [beta, linear_beta]
 
 
 class Gate(WeightOnly):
@@ -242,9 +228,6 @@ class SparseMoE(nn.Module):
         without EPLB). Expert-parallel paths count load and pick ranks by slot."""
         return ids if self.expert_map is None else self.expert_map.physical(ids)
 
-    def big_experts(self) -> bool:
-        return self.w1.shape[1] * self.w1.shape[2] >= DENSE_GEMM_ELEMS
-
     def local_experts(
         self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops, counted: slice = slice(None)
     ) -> torch.Tensor:
@@ -279,19 +262,3 @@ class SparseMoE(nn.Module):
             self.expert_load = self.expert_load.to(flat.device)
         ones = torch.ones_like(flat) if live is None else live[:, None].expand(ids.shape).reshape(-1).long()
         self.expert_load.index_add_(0, flat, ones)
-
-    def block_scalars(self) -> tuple[list[int], list[float]]:
-        """ints {top_k, sigmoid, renormalize, groups, topk_group, situ}, floats {scaling, beta, linear_beta, eps}"""
-        m = self.cfg
-        beta, linear_beta = self.situ or (0.0, 0.0)
-        return (
-            [
-                m.top_k,
-                int(m.router_activation == "sigmoid"),
-                int(m.renormalize),
-                m.num_expert_group,
-                m.topk_group,
-                int(self.situ is not None),
-            ],
-            [m.routed_scaling_factor, beta, linear_beta, self.eps],
-        )

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3serve.layers.common import kernel_matrix
+from k3serve.kernels.packs import kernel_matrix
 from k3serve.sampling.logits_process import needs_processing
 from k3serve.scheduler.request import Request
 from k3serve.spec_decode.drafting import draft_token, request_generator, stack_q
@@ -153,7 +153,7 @@ class DSparkModel(nn.Module):
 
     def kernel_weights(self, kernels) -> list[torch.Tensor]:
         """dspark_forward's argument list, its projections in the kernels' form (fp32 panels:
-        layers/common.py kernel_matrix), built once (a served draft is frozen)."""
+        kernels/packs.py kernel_matrix), built once (a served draft is frozen)."""
         if self._kernel_weights is None:
             mat = partial(kernel_matrix, kernels=kernels)
             weights = [mat(self.fc.weight), self.ctx_norm.weight, self.embed.weight, self.pos]

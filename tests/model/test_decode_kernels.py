@@ -343,10 +343,10 @@ def test_experts_split_over_threads_by_cost_give_one_threads_bits(kind):
 
 @pytest.mark.skipif("avx512" not in K.simd(), reason="fp32 panels are read with AVX-512 only")
 def test_an_fp32_models_small_experts_become_panels_and_others_stay_packed():
-    """layers/common.py kernel_experts: an fp32 model's experts whose fp32 form fits in 1 MB a
+    """kernels/packs.py kernel_experts: an fp32 model's experts whose fp32 form fits in 1 MB a
     matrix as fp32 panels holding the MXFP4 values exactly; a bf16 model's, or larger ones (a
     4-bit checkpoint's traffic is its packed bytes), stay packed."""
-    from k3serve.layers.common import kernel_experts
+    from k3serve.kernels.packs import kernel_experts
     from k3serve.layers.expert_weights import ExpertWeights
 
     def experts(E, O, I):

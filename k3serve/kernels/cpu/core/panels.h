@@ -9,7 +9,7 @@
 // invariance), and the scalar form (std::fma in the same order) gives the same bits. bf16 (with
 // AVX512-BF16): the same shape in vdpbf16ps column pairs, below.
 // The blocks take a weight in any form (common.h out_features / as_matrix); the model packs
-// its projections once (layers/common.py kernel_matrix -> module.cpp panel_form).
+// its projections once (kernels/packs.py kernel_matrix -> module.cpp panel_form).
 // Reference: x @ W^T (torch), compared in tests/model/test_block_kernels.py.
 #pragma once
 
@@ -175,7 +175,7 @@ inline at::Tensor panel_form(at::Tensor w) {
 
 // Routed experts [E, O, I] fp32 as panels [E, O/16, I, 16] (each expert's matrix in panel_form's
 // fp32 order; moe_fused.cpp's panel route) where this build reads fp32 panels and O is a multiple
-// of 16, else w itself. A copy: the caller bounds it (layers/common.py kernel_experts).
+// of 16, else w itself. A copy: the caller bounds it (kernels/packs.py kernel_experts).
 inline at::Tensor expert_panel_form(at::Tensor w) {
 #ifdef __AVX512F__
   if (w.dim() == 3 && w.device().is_cpu() && w.scalar_type() == at::kFloat && w.size(1) % kPanel == 0)
