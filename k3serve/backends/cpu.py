@@ -38,6 +38,7 @@ class CpuKernels(DecodeStacks, Backend):
     def __init__(self, module):
         self.kernels = module
         self._packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its kernel arguments
+        self._head_pack = None
         # layer -> (flat record stores, ((S, T, device), their views)): a verify pass's records,
         # reused step after step (two allocations per layer cost ~2 us a verify step each)
         self._records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -276,10 +277,10 @@ class CpuKernels(DecodeStacks, Backend):
         return y if step.identity else y.new_empty(y.shape).index_copy_(0, step.rows, y)
 
     # ---- norms, dense MLPs ----------------------------------------------------------------
-    def rms_norm(self, layer, x):
+    def rms_norm(self, x, weight, eps):
         if self.takes(x) and x.is_contiguous() and x.dtype in KERNEL_DTYPES:  # one call instead of ~7 ops
-            return self.kernels.rms_norm(x, layer.weight, layer.eps)
-        return layer.reference(x)
+            return self.kernels.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
 
     def glu(self, layer, x):
         """Three GEMVs and the GLU in C++ (dense layer 0, shared experts)."""
@@ -305,7 +306,9 @@ class CpuKernels(DecodeStacks, Backend):
             return super().moe(layer, x, batch)
         if not block_experts(layer):  # the grouped kernels, the layer's torch around them
             if layer.ep is None and layer.tp.size == 1:
-                return layer.single_rank(x, partial(self._grouped_experts, layer), lambda x: self.moe_route(layer, x))
+                return layer.single_rank(
+                    x, partial(self._grouped_experts, layer), lambda x: self.moe_route(x, *layer.router_args)
+                )
             return super().moe(layer, x, batch)  # TP / EP: the layer's route, this backend's pieces
         if layer.ep is None and (
             layer.tp.size == 1 or (layer.cfg.latent_size is None and not layer.tp.expert_parallel)
@@ -329,14 +332,13 @@ class CpuKernels(DecodeStacks, Backend):
             and (x.shape[0] <= DENSE_KERNEL_ROWS or layer.w1.is_packed or not big_experts(layer))
         )
 
-    def moe_route(self, layer, x):
+    def moe_route(self, x, gate, bias, m):
         if not (self.takes(x) and x.dtype in KERNEL_DTYPES):
-            return super().moe_route(layer, x)
-        m = layer.cfg
+            return super().moe_route(x, gate, bias, m)
         return self.kernels.moe_route(
             x,
-            layer.gate.weight,
-            layer.gate.e_score_correction_bias,
+            gate,
+            bias,
             m.top_k,
             m.router_activation == "sigmoid",
             m.renormalize,
@@ -433,15 +435,14 @@ class CpuKernels(DecodeStacks, Backend):
             pack = self._packs[model] = model.attnres_vectors()
         return pack
 
-    def logits(self, lm, hidden):
-        head = lm.head
+    def logits(self, hidden, head):
         if not (self.takes(hidden) and hidden.dim() == 2 and hidden.dtype == head.dtype):
-            return super().logits(lm, hidden)
+            return super().logits(hidden, head)
         if hidden.shape[0] <= SMALL_M:  # decode / verify rows: the GEMV, on fp32 panels where they pay
-            pack = self._packs.get(lm)
-            if pack is None:
-                pack = self._packs[lm] = kernel_matrix(head, self.kernels)
-            head = pack
+            held = self._head_pack  # (a weak reference to the head, its panel form): one model, one head
+            if held is None or held[0]() is not head:
+                held = self._head_pack = (weakref.ref(head), kernel_matrix(head, self.kernels))
+            head = held[1]
         return self.kernels.linear(hidden, head).float()  # torch's bf16 GEMM cost ~90 us for a decode row here
 
 

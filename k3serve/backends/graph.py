@@ -128,8 +128,8 @@ class GraphBackend(Backend):
         )
 
     # ---- norms, MLPs and the MoE block: any row count, no host sync
-    def rms_norm(self, layer, x):
-        return self.ops.rms_norm(x, layer.weight, layer.eps)
+    def rms_norm(self, x, weight, eps):
+        return self.ops.rms_norm(x, weight, eps)
 
     def glu(self, layer, x):
         beta, linear_beta = layer.situ or (0.0, 0.0)
@@ -153,15 +153,14 @@ class GraphBackend(Backend):
         if layer.tp.size > 1:  # this rank's channels of every expert; the all-reduces trace (group.py)
             return layer.partial_forward(x, self, batch.live() if getattr(batch, "static", False) else None)
         return layer.single_rank(
-            x, lambda z, ids, w: self.moe_experts(layer, z, ids, w), lambda x: self.moe_route(layer, x)
+            x, lambda z, ids, w: self.moe_experts(layer, z, ids, w), lambda x: self.moe_route(x, *layer.router_args)
         )
 
-    def moe_route(self, layer, x):
-        m = layer.cfg
+    def moe_route(self, x, gate, bias, m):
         return self.ops.moe_route(
             x,
-            layer.gate.weight,
-            layer.gate.e_score_correction_bias,
+            gate,
+            bias,
             m.top_k,
             m.router_activation == "sigmoid",
             m.renormalize,
@@ -217,5 +216,5 @@ class GraphBackend(Backend):
     def attnres_vectors(self, model):
         return self.vectors if self.vectors is not None else model.attnres_vectors()
 
-    def logits(self, lm, hidden):
-        return dense(hidden, lm.head).float()
+    def logits(self, hidden, head):
+        return dense(hidden, head).float()

@@ -67,10 +67,10 @@ class TritonBackend(GraphBackend):
         lens = [bounds[j][1] - bounds[j][0] for j in seqs]
         slots = batch.index(("prefill slots", tuple(seqs)), [batch.state_slots[j] for j in seqs])
         # each sequence from its slot's conv window and recurrent state (a new sequence's were zeroed)
-        q, k, v = layer._qkv(short_conv_varlen(u, conv_w, conv, slots, lens))
-        g = layer._decay(z).view(N, layer.heads, layer.head_dim)
+        q, k, v = layer.qkv(short_conv_varlen(u, conv_w, conv, slots, lens))
+        g = layer.decay(z).view(N, layer.heads, layer.head_dim)
         o = kda_prefill(q, k, v, g, torch.sigmoid(b), rec, slots, lens)
-        return layer.o_proj(layer._gated_norm(o, gate).to(x.dtype))
+        return layer.o_proj(layer.gated_norm(o, gate).to(x.dtype))
 
     def mla_core(self, layer, q, ckv, batch, cache):
         m = layer.cfg

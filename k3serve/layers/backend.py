@@ -9,7 +9,15 @@ import torch
 
 
 class Backend:
-    """The torch reference: every method runs the layer's own `reference` body."""
+    """The torch reference. Two kinds of entry point:
+
+    - ops, tensors in and tensors out (and the step's plan where a shape depends on it):
+      `rms_norm`, `moe_route`, `logits`, `attnres_mix`, `moe_experts`' rows;
+    - whole-layer entry points (`kda`, `mla`, `glu`, `moe`, `decode_stack`), kept for the fused
+      kernels that take a layer's weights in their own packed form, built once per layer
+      (backends/cpu.py packs, the graph and Triton steps' weights): the reference runs the
+      layer's own `reference` body, composed of the layer's public pieces. No backend calls a
+      layer's private methods."""
 
     name = "torch"
     kernels = None  # the compiled module of a kernel backend
@@ -27,8 +35,10 @@ class Backend:
     def mla(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
         return layer.reference(x, batch, cache)
 
-    def rms_norm(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return layer.reference(x)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from k3serve.layers.norm import rms_norm
+
+        return rms_norm(x, weight, eps)
 
     def glu(self, layer, x: torch.Tensor) -> torch.Tensor:
         return layer.reference(x)
@@ -42,11 +52,14 @@ class Backend:
             return layer.partial_forward(x, self)
         return layer.reference(x)
 
-    def moe_route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d] -> expert ids [N, k], weights [N, k] (fp32)."""
+    def moe_route(
+        self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d], the router's weight [E, d] and correction bias [E], the MoE config ->
+        expert ids [N, k], weights [N, k] (fp32)."""
         from k3serve.layers.router import route
 
-        return route(x, layer.gate.weight, layer.gate.e_score_correction_bias, layer.cfg)
+        return route(x, gate, bias, cfg)
 
     def moe_down(self, layer, x: torch.Tensor) -> torch.Tensor:
         """The experts' input [N, L]: the latent down projection, or x itself."""
@@ -78,11 +91,11 @@ class Backend:
     def attnres_vectors(self, model) -> list[torch.Tensor]:
         return model.attnres_vectors()
 
-    def logits(self, lm, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, d] -> fp32 [R, V / N] (this rank's vocabulary shard)."""
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """hidden [R, d], this rank's vocabulary rows [V / N, d] -> fp32 [R, V / N]."""
         from k3serve.layers.gemm import dense
 
-        return dense(hidden, lm.head).float()
+        return dense(hidden, head).float()
 
 
 TORCH = Backend()

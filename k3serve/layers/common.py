@@ -31,7 +31,7 @@ class RMSNorm(WeightOnly):
         self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.rms_norm(self, x)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

@@ -67,13 +67,13 @@ class KimiDeltaAttention(nn.Module):
         u, z, b, gate = self.projections(x)
         conv_w = self.conv_weight()  # [3P, K]
         o = torch.empty(N, self.heads, self.head_dim, dtype=torch.float32, device=x.device)
-        beta, g = torch.sigmoid(b), self._decay(z).view(N, self.heads, self.head_dim)
+        beta, g = torch.sigmoid(b), self.decay(z).view(N, self.heads, self.head_dim)
         rec, conv = cache.recurrent[self.layer_idx], cache.conv[self.layer_idx]
         with flush_denormals():
             if batch.verify:
                 self._verify(u, conv_w, g, beta, batch, cache, o)
             self._run(batch.step.decodes, u, conv_w, g, beta, batch, rec, conv, o)
-        return self.o_proj(self._gated_norm(o, gate).to(x.dtype))
+        return self.o_proj(self.gated_norm(o, gate).to(x.dtype))
 
     def conv_weight(self) -> torch.Tensor:
         return torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), 0).squeeze(1).float()
@@ -93,7 +93,7 @@ class KimiDeltaAttention(nn.Module):
             slots = batch.index(("verify slots", t), [batch.state_slots[idx[j]] for j in act])
             at = batch.index(("verify seqs", t), act)
             c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
-            q, k, v = self._qkv(c)
+            q, k, v = self.qkv(c)
             o[rows], new = kda_step(q, k, v, g[rows], beta[rows], rec[slots].float())
             rec[slots] = new.to(rec.dtype)  # a bf16 pool (--mamba-ssm-cache-dtype) rounds here
             rec_buf[at, t], conv_buf[at, t] = rec[slots].float(), conv[slots]
@@ -111,7 +111,7 @@ class KimiDeltaAttention(nn.Module):
             c0 = torch.zeros_like(conv[slot]) if fresh else conv[slot]
             s0 = rec.new_zeros(rec.shape[1:], dtype=torch.float32) if fresh else rec[slot].float()
             c, conv[slot] = short_conv(u[s:e], conv_w, c0)
-            q, k, v = self._qkv(c)
+            q, k, v = self.qkv(c)
             o[s:e], rec[slot] = kda_chunked(q, k, v, g[s:e], beta[s:e], s0)
 
     def _decode(self, idx, bounds, u, conv_w, g, beta, batch, rec, conv, o) -> None:
@@ -119,16 +119,16 @@ class KimiDeltaAttention(nn.Module):
         rows = batch.index(("decode rows", tuple(idx)), [bounds[i][0] for i in idx])
         slots = batch.index(("decode slots", tuple(idx)), [batch.state_slots[i] for i in idx])
         c, conv[slots] = short_conv_step(u[rows], conv_w, conv[slots])
-        q, k, v = self._qkv(c)
+        q, k, v = self.qkv(c)
         o[rows], new = kda_step(q, k, v, g[rows], beta[rows], rec[slots].float())
         rec[slots] = new.to(rec.dtype)  # a bf16 pool (--mamba-ssm-cache-dtype) rounds here
 
-    def _qkv(self, c: torch.Tensor):
+    def qkv(self, c: torch.Tensor):
         """Post-conv [T, 3P] -> q (l2norm, * D^-1/2), k (l2norm), v, each [T, H, D]."""
         q, k, v = c.view(c.shape[0], 3, self.heads, self.head_dim).unbind(1)
         return l2_normalize(q) * self.head_dim**-0.5, l2_normalize(k), v
 
-    def _decay(self, z: torch.Tensor) -> torch.Tensor:
+    def decay(self, z: torch.Tensor) -> torch.Tensor:
         """Log decay g [N, P] (<= 0), FP32, from z = f_b(f_a x) [N, P]."""
         z = z + self.dt_bias.float()
         a = self.A_log.float().exp().repeat_interleave(self.head_dim)  # per channel
@@ -136,7 +136,7 @@ class KimiDeltaAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(a * z)
         return -a * F.softplus(z)
 
-    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm_D(o) * sigmoid(gate): o [N, H, D], gate [N, P] fp32 -> [N, P] fp32."""
         y = rms_norm(o, self.o_norm.weight.float(), self.eps) * torch.sigmoid(gate.view_as(o))
         return y.reshape(o.shape[0], -1)

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from k3serve.config.model_config import ModelConfig
+from k3serve.config.model_config import ModelConfig, MoEConfig
 from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.layers.activation import silu_and_mul, situ_and_mul
 from k3serve.layers.backend import TORCH
@@ -170,7 +170,7 @@ class SparseMoE(nn.Module):
         backend's router and experts; `live` [N] bool: a static step's token rows (padding rows
         add no expert load), None: every row."""
         m = self.cfg
-        ids, weights = ops.moe_route(self, x)  # [N, k], on every rank
+        ids, weights = ops.moe_route(x, *self.router_args)  # [N, k], on every rank
         ids = self.physical(ids)
         z = self.routed_expert_down_proj(x) if m.latent_size is not None else x
         counted = slice(None) if live is None else live
@@ -222,6 +222,12 @@ class SparseMoE(nn.Module):
         if m.num_shared_experts:
             y = y + self.shared_experts(x)
         return y
+
+    @property
+    def router_args(self) -> tuple[torch.Tensor, torch.Tensor, MoEConfig]:
+        """What `Backend.moe_route` takes after the rows: the router's weight [E, d], its
+        correction bias [E] and the MoE config."""
+        return self.gate.weight, self.gate.e_score_correction_bias, self.cfg
 
     def physical(self, ids: torch.Tensor) -> torch.Tensor:
         """Routed expert ids [N, k] -> the physical slots that serve them (the ids themselves

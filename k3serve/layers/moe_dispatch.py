@@ -54,7 +54,7 @@ def gather_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     if not most:  # every replica idle: all of them skip the rest alike
         return None
     xs = torch.cat([every[r, :c] for r, c in enumerate(counts)]).to(x.dtype)  # [sum n, d]
-    ids, weights = ops.moe_route(moe, xs)
+    ids, weights = ops.moe_route(xs, *moe.router_args)
     ids = moe.physical(ids)  # EPLB: the replica serving each choice (every rank picks alike)
     z = ops.moe_down(moe, xs)
     start = sum(counts[: ep.rank])
@@ -77,7 +77,7 @@ def fixed_gather_routed(moe, x: torch.Tensor, rows: int, live: torch.Tensor, ops
     ep, n = moe.ep, x.shape[0]
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, rows - n))  # [rows, d] fp32, as gather_routed sends
     every = ep.all_gather(padded.reshape(-1)).view(ep.size * rows, -1).to(x.dtype)  # [M * rows, d], rank-major
-    ids, weights = ops.moe_route(moe, every)
+    ids, weights = ops.moe_route(every, *moe.router_args)
     ids = moe.physical(ids)
     z = ops.moe_down(moe, every)
     mine = slice(ep.rank * rows, ep.rank * rows + n)
@@ -91,7 +91,7 @@ def all_to_all_routed(moe, x: torch.Tensor, ops) -> torch.Tensor | None:
     ep, n, k = moe.ep, x.shape[0], moe.cfg.top_k
     per = moe.w1.shape[0]  # experts per rank: rank r owns global ids [r * per, (r + 1) * per)
     if n:
-        ids, weights = ops.moe_route(moe, x)  # [n, k]
+        ids, weights = ops.moe_route(x, *moe.router_args)  # [n, k]
         ids = moe.physical(ids)  # slots: rank d owns [d * per, (d + 1) * per)
         moe.count_load(ids)
         z = ops.moe_down(moe, x)  # [n, L]

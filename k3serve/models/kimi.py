@@ -198,7 +198,7 @@ class KimiForCausalLM(nn.Module):
         return self.tp.all_gather(self._shard_logits(hidden))[:, : self.cfg.vocab_size]
 
     def _shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.backend.logits(self, hidden)
+        return self.model.backend.logits(hidden, self.head)
 
     @property
     def head(self) -> torch.Tensor:
