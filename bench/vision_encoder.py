@@ -25,7 +25,7 @@ from k3serve import LLM, SamplingParams
 from k3serve.chat.k3_xtml import Seg, encode_segments, media_block, message, open_tag
 from k3serve.multimodal.image import ImageSpec, load_image
 from k3serve.multimodal.video import VideoSpec, load_video
-from k3serve.testing.media import random_video
+from k3serve.testing.sample_media import random_video
 from k3serve.testing.builder import build_tiny_checkpoint
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

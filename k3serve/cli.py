@@ -133,7 +133,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from k3serve.server.http import uvicorn_config
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     from k3serve.server.launch import tracing
 
@@ -216,7 +216,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_run_batch(args: argparse.Namespace) -> int:
     import logging
 
-    from k3serve.server.run_batch import run_batch
+    from k3serve.server.openai.run_batch import run_batch
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     return run_batch(args)

@@ -30,6 +30,7 @@ from k3serve.layers.gemm import SMALL_M
 from k3serve.layers.experts import experts_forward
 from k3serve.forward.cache import to_cache
 from k3serve.layers.mla import MLA_NORM_EPS
+from k3serve.layers.router import route_scalars
 
 
 class CpuKernels(DecodeStacks, Backend):
@@ -335,17 +336,7 @@ class CpuKernels(DecodeStacks, Backend):
     def moe_route(self, x, gate, bias, m):
         if not (self.takes(x) and x.dtype in KERNEL_DTYPES):
             return super().moe_route(x, gate, bias, m)
-        return self.kernels.moe_route(
-            x,
-            gate,
-            bias,
-            m.top_k,
-            m.router_activation == "sigmoid",
-            m.renormalize,
-            m.routed_scaling_factor,
-            m.num_expert_group,
-            m.topk_group,
-        )
+        return self.kernels.moe_route(x, gate, bias, *route_scalars(m))
 
     def moe_down(self, layer, x):
         if layer.cfg.latent_size is not None and self.takes(x) and x.dtype in KERNEL_DTYPES:

@@ -24,6 +24,7 @@ from k3serve.backends import TORCH, Backend
 from k3serve.backends.graph_ops import BODIES, OPS
 from k3serve.layers.gemm import dense
 from k3serve.layers.mla import MLA_NORM_EPS
+from k3serve.layers.router import route_scalars
 from k3serve.weights.mxfp4 import decode_tables
 
 
@@ -110,22 +111,29 @@ class GraphBackend(Backend):
 
     def mla_core(self, layer, q, ckv, batch, cache):
         """q [N, H, nope + r] fp32, ckv [N, c + r] -> [N, H, v] fp32, the latent row written."""
-        m = layer.cfg
-        return self.ops.mla_decode(
+        m, i = layer.cfg, layer.layer_idx
+        pages, tail = self.mla_pages(batch)
+        return self.core_ops.mla_decode(
             q,
             ckv,
             layer.kv_a_layernorm.weight,
-            cache.latent[layer.layer_idx],
+            cache.latent[i],
             batch.cache_rows,
-            batch.context_rows,
+            pages,
             batch.lens,
-            self.kv_b[layer.layer_idx],
+            self.kv_b[i],
             m.qk_nope_head_dim,
             m.v_head_dim,
             layer.scale,
             MLA_NORM_EPS,
-            cache.kv_scale(layer.layer_idx),
+            *tail,
+            cache.kv_scale(i),
         )
+
+    def mla_pages(self, batch) -> tuple:
+        """Where each sequence's latent rows are, as the MLA op reads them, and the op's arguments
+        for that form before the kv scale: the static step's context rows [B, C] (none)."""
+        return batch.context_rows, ()
 
     # ---- norms, MLPs and the MoE block: any row count, no host sync
     def rms_norm(self, x, weight, eps):
@@ -157,17 +165,7 @@ class GraphBackend(Backend):
         )
 
     def moe_route(self, x, gate, bias, m):
-        return self.ops.moe_route(
-            x,
-            gate,
-            bias,
-            m.top_k,
-            m.router_activation == "sigmoid",
-            m.renormalize,
-            m.num_expert_group,
-            m.topk_group,
-            m.routed_scaling_factor,
-        )
+        return self.ops.moe_route(x, gate, bias, *route_scalars(m))
 
     def moe_local_experts(self, layer, z, ids, weights, counted):
         """Expert parallelism with every row on every rank (TP + EP): this rank's experts' share of

@@ -29,6 +29,7 @@ from k3serve.layers.kda_ops import kda_step
 from k3serve.forward.cache import from_cache, write_rows
 from k3serve.layers.mla import attend_absorbed_batched
 from k3serve.layers.norm import l2_normalize
+from k3serve.layers.norm import gated_rms_norm
 from k3serve.layers.norm import rms_norm as _rms_norm
 from k3serve.layers.router import route
 from k3serve.weights.mxfp8 import fake_quantize_mxfp8
@@ -57,7 +58,7 @@ def _kda_gates(z, b, gate, decay, dt_bias, o_norm, H, D, lower_bound, eps):
     g = lower_bound * torch.sigmoid(decay * z) if lower_bound is not None else -decay * F.softplus(z)
 
     def gated(o):  # [N, H, D] -> RMSNorm_D(o) * sigmoid(gate) [N, P] fp32
-        return (_rms_norm(o, o_norm, eps) * torch.sigmoid(gate.view(N, H, D))).reshape(N, H * D)
+        return gated_rms_norm(o, gate, o_norm, eps)
 
     return g.view(N, H, D), torch.sigmoid(b), gated
 
@@ -163,9 +164,9 @@ def moe_route(
     top_k: int,
     sigmoid: bool,
     renormalize: bool,
+    scaling: float,
     groups: int,
     topk_group: int,
-    scaling: float,
 ) -> tuple[Tensor, Tensor]:
     """x [N, d] -> expert ids [N, k] int64, weights [N, k] fp32 (layers/router.py)."""
     cfg = SimpleNamespace(

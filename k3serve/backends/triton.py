@@ -19,7 +19,6 @@ import sys
 import torch
 
 from k3serve.backends.graph import GraphBackend
-from k3serve.layers.mla import MLA_NORM_EPS
 
 
 class TritonBackend(GraphBackend):
@@ -72,24 +71,9 @@ class TritonBackend(GraphBackend):
         o = kda_prefill(q, k, v, g, torch.sigmoid(b), rec, slots, lens)
         return layer.o_proj(layer.gated_norm(o, gate).to(x.dtype))
 
-    def mla_core(self, layer, q, ckv, batch, cache):
-        m = layer.cfg
-        return self.kernels_ops.mla_decode(
-            q,
-            ckv,
-            layer.kv_a_layernorm.weight,
-            cache.latent[layer.layer_idx],
-            batch.cache_rows,
-            batch.table,
-            batch.lens,
-            self.kv_b[layer.layer_idx],
-            m.qk_nope_head_dim,
-            m.v_head_dim,
-            layer.scale,
-            MLA_NORM_EPS,
-            batch.block_size,
-            cache.kv_scale(layer.layer_idx),
-        )
+    def mla_pages(self, batch) -> tuple:
+        """The paged kernel reads block tables [B, max blocks] and the block size."""
+        return batch.table, (batch.block_size,)
 
     def moe_experts(self, layer, z, ids, weights):
         """Routed sum, FP32 [N, L]: the grouped GEMM kernels, packed experts read packed."""

@@ -137,7 +137,7 @@ def spec_records_bytes(
     """What speculative decoding holds beside the cache: a verify pass records the KDA state after
     each of its 1 + k positions (spec_decode/rollback.py) for every running sequence, at most
     max_num_seqs; one rank's heads (`shards`), its stage's layers (`share`). The engine takes it
-    out of a budget it derives from device memory (engine/setup.py cache_budget) and the planner
+    out of a budget it derives from device memory (engine/startup.py cache_budget) and the planner
     out of the same arithmetic (planner/memory.py), so their figures agree; an explicit
     --cache-memory is the cache's alone."""
     if not spec_tokens:
@@ -147,6 +147,19 @@ def spec_records_bytes(
 
 
 DRAFT_BLOCK = 16  # the draft model's own cache blocks (spec_decode/draft_model.py)
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, seqs: int, ep: int = 1, elem_bytes: int = 2) -> int:
+    """What a step's activations take outside the cache, the one formula of the engine's
+    `--gpu-memory-utilization` reserve and the planner's: a prefill chunk of `tokens` rows holds
+    ~12 [tokens, hidden] buffers live plus AttnRes's block snapshots, its routed experts'
+    [tokens x top_k, intermediate] gate and up rows (this rank's 1/ep of them), in the serving
+    dtype (`elem_bytes`); and the fp32 logits of `seqs` sampled rows."""
+    d = cfg.hidden_size
+    snapshots = cfg.num_layers // cfg.attn_res_block_size + 1 if cfg.use_attnres else 0
+    moe = cfg.moe
+    experts = tokens * moe.top_k * moe.expert_intermediate_size * 2 * elem_bytes // ep if moe.num_experts else 0
+    return tokens * d * elem_bytes * (12 + snapshots) + experts + seqs * cfg.vocab_size * 4
 
 
 def draft_cache_shape(max_num_seqs: int, max_model_len: int) -> tuple[int, int]:

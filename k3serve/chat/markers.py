@@ -1,7 +1,7 @@
 """The chat markers of the two model families, spelled once (issue 51).
 
 K3 (XTML): elements open with `<|open|>NAME attrs<|sep|>` and close with `<|close|>NAME<|sep|>`;
-a message ends with `<|end_of_msg|>` (chat/k3_xtml.py renders, server/xtml.py lexes).
+a message ends with `<|end_of_msg|>` (chat/k3_xtml.py renders, server/parsers/xtml.py lexes).
 K2 family (Kimi-Linear): tool calls between section markers, in the two spellings checkpoints
 use (`tool_calls_section` and `tool_call_section`); reasoning between `<think>` tags.
 """

@@ -9,7 +9,7 @@ from k3serve.cache.draft_slots import DraftSlots, first_spare
 from k3serve.cache.manager import HybridCacheManager
 from k3serve.config.engine_config import EngineConfig
 from k3serve.engine.core import EngineCore
-from k3serve.engine.setup import check_quantization, make_plan, resolve_max_model_len, seq_limit_note, startup_lines
+from k3serve.engine.startup import check_quantization, make_plan, resolve_max_model_len, seq_limit_note, startup_lines
 from k3serve.executor import Allocation, Executor
 from k3serve.executor.placement import placement, resolve_backend
 from k3serve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -33,7 +33,7 @@ def build_core(config: EngineConfig, executor: Executor | None = None) -> Engine
 
 
 def _build(config: EngineConfig, model_path: str, where, ex: Executor) -> EngineCore:
-    from k3serve.offload.setup import make_tiers
+    from k3serve.offload.from_config import make_tiers
     from k3serve.runner.graph_step import graph_settings
     from k3serve.runner.model_runner import ModelRunner, speculation
     from k3serve.tokenizer import Tokenizer

@@ -1,7 +1,7 @@
 """Data parallelism: M engine replicas behind one API server, routed by prefix, then by load.
 
 Each replica is a whole `AsyncEngine` (its own scheduler, cache and, with TP, its own worker
-processes) with its own step thread. A request goes to the replica holding the longest cached
+processes) with its own step thread. A request goes where engine/dp_routing.py says: the replica holding the longest cached
 prefix of its prompt (latent blocks with a KDA checkpoint are per replica: sending a follow-up
 turn elsewhere recomputes its whole history), and among equals to the least loaded one
 (running + waiting), then the lowest index. The server sees the same interface as one
@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from k3serve.engine.async_engine import AsyncEngine
+from k3serve.engine.dp_routing import pick_replica
 from k3serve.engine.lockstep import Lockstep
 from k3serve.engine.stats import EngineStats
 
@@ -66,11 +67,8 @@ class DPEngine:
         """Index of the replica for a prompt: longest cached prefix, then least loaded."""
         held = [await r.reusable_tokens(prompt_token_ids) for r in self.replicas]  # tiers included
 
-        def load(i: int) -> int:
-            s = self.replicas[i].stats
-            return s.num_running + self.replicas[i].num_waiting
-
-        best = max(range(len(self.replicas)), key=lambda i: (held[i], -load(i), -i))
+        load = [r.stats.num_running + r.num_waiting for r in self.replicas]
+        best = pick_replica(held, load)
         if held[best] > 0:
             self.routed_by_prefix += 1
         return best

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from k3serve.config.engine_config import EngineConfig
 from k3serve.executor.placement import placement
+from k3serve.engine.dp_routing import pick_replica
 from k3serve.engine.llm_engine import LLMEngine, PromptInput
 from k3serve.outputs import RequestOutput
 from k3serve.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ class DataParallelEngine:
         ids = self.replicas[0].cache_ids(prompt)
         held = [r.reusable_tokens(ids) for r in self.replicas]  # prefix-cache tiers included
         load = [len(r.scheduler.running) + len(r.scheduler.waiting) for r in self.replicas]
-        i = max(range(len(self.replicas)), key=lambda j: (held[j], -load[j], -j))
+        i = pick_replica(held, load)
         self.replicas[i].add_request(request_id, prompt, params, priority)
         self._owner[request_id] = self.replicas[i]
         self.routed[i] += 1

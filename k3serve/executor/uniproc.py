@@ -41,7 +41,7 @@ class UniProcExecutor(Executor):
         pipe=None,
     ) -> "UniProcExecutor":
         """Load the checkpoint's share for (`tp`, `ep`, pipeline stage `pipe`) onto `where.device`
-        (engine/setup.py Placement)."""
+        (engine/startup.py Placement)."""
         from k3serve.models.registry import load_model
 
         model = load_model(

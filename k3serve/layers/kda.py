@@ -18,7 +18,7 @@ from k3serve.parallel.group import NO_TP, TPGroup
 from k3serve.layers.backend import TORCH
 from k3serve.layers.common import WeightOnly, linear
 from k3serve.layers.kda_ops import flush_denormals, kda_chunked, kda_step
-from k3serve.layers.norm import l2_normalize, rms_norm
+from k3serve.layers.norm import gated_rms_norm, l2_normalize
 from k3serve.layers.short_conv import short_conv, short_conv_step
 from k3serve.forward import CacheTensors, ForwardBatch
 
@@ -138,5 +138,4 @@ class KimiDeltaAttention(nn.Module):
 
     def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm_D(o) * sigmoid(gate): o [N, H, D], gate [N, P] fp32 -> [N, P] fp32."""
-        y = rms_norm(o, self.o_norm.weight.float(), self.eps) * torch.sigmoid(gate.view_as(o))
-        return y.reshape(o.shape[0], -1)
+        return gated_rms_norm(o, gate, self.o_norm.weight.float(), self.eps)

@@ -8,6 +8,20 @@ import torch
 from k3serve.config.model_config import MoEConfig
 
 
+def route_scalars(cfg: MoEConfig) -> tuple[int, bool, bool, float, int, int]:
+    """The router's settings in the one order every compiled route op takes them after x, weight
+    and bias (kernels/cpu/registry.cpp moe_route, backends/graph_ops.py moe_route): top_k,
+    sigmoid, renormalize, scaling, groups, topk_group."""
+    return (
+        cfg.top_k,
+        cfg.router_activation == "sigmoid",
+        cfg.renormalize,
+        cfg.routed_scaling_factor,
+        cfg.num_expert_group,
+        cfg.topk_group,
+    )
+
+
 def route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:

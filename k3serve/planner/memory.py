@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from k3serve.cache import sizing
 from k3serve.cache.sizing import (
     CachePlan,
     kda_state_bytes_per_request,
@@ -77,11 +78,8 @@ class RankMemory:
 
 
 def activation_bytes(cfg: ModelConfig, w: Workload, layout: Layout) -> int:
-    C, d = w.max_num_batched_tokens, cfg.hidden_size
-    snapshots = cfg.num_layers // cfg.attn_res_block_size + 1 if cfg.use_attnres else 0
-    moe = cfg.moe
-    experts = C * moe.top_k * moe.expert_intermediate_size * 2 * 2 // layout.ep if moe.num_experts else 0
-    return C * d * 2 * (12 + snapshots) + experts + w.max_num_seqs * cfg.vocab_size * 4
+    """The engine's reserve (cache/sizing.py activation_bytes) for bf16 serving."""
+    return sizing.activation_bytes(cfg, w.max_num_batched_tokens, w.max_num_seqs, layout.ep)
 
 
 def rank_memory(

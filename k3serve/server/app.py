@@ -19,24 +19,24 @@ from fastapi.responses import Response, StreamingResponse
 from k3serve import __version__
 from k3serve.chat.messages import ChatInputError
 from k3serve.chat.render import ChatOptions
-from k3serve.server.errors import APIError, install_error_handlers
+from k3serve.server.openai.errors import APIError, install_error_handlers
 from k3serve.server.guard import GuardConfig, GuardMiddleware
 from k3serve.server.heap import trim_forever
-from k3serve.server.kv_endpoints import HeldRequest, PullRequest, ReleaseRequest, held, pull, release
-from k3serve.server.protocol import (
+from k3serve.server.pd.endpoints import HeldRequest, PullRequest, ReleaseRequest, held, pull, release
+from k3serve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     as_dicts,
 )
-from k3serve.server.serving_chat import create_chat_completion, template_options
-from k3serve.server.serving_completion import create_completion
-from k3serve.server.responses_convert import ResponsesRequest
-from k3serve.server.serving_responses import create_response
-from k3serve.server.runs import UNAVAILABLE_RETRY_AFTER_S
+from k3serve.server.openai.serving_chat import create_chat_completion, template_options
+from k3serve.server.openai.serving_completion import create_completion
+from k3serve.server.openai.responses_convert import ResponsesRequest
+from k3serve.server.openai.serving_responses import create_response
+from k3serve.server.openai.runs import UNAVAILABLE_RETRY_AFTER_S
 from k3serve.server.state import ServerState
-from k3serve.server.stats_log import log_stats_forever
+from k3serve.server.observability.stats_log import log_stats_forever
 
 ROUTES = frozenset(
     {
@@ -216,8 +216,8 @@ def build_app(
         routes=ROUTES,
         count=lambda route, status: state.metrics.http.labels(route, status).inc(),
     )
-    if state.tracing is not None:  # the request's traceparent, for its span (server/tracing.py)
-        from k3serve.server.tracing import TraceHeaders
+    if state.tracing is not None:  # the request's traceparent, for its span (server/observability/tracing.py)
+        from k3serve.server.observability.tracing import TraceHeaders
 
         app.add_middleware(TraceHeaders)
     if cors:  # outermost: a preflight carries no API key and is answered here

@@ -318,7 +318,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         help='prefill/decode disaggregation, JSON: {"kv_connector": "K3HttpConnector", '
-        '"kv_role": "kv_producer"} (server/kv_transfer.py)',
+        '"kv_role": "kv_producer"} (server/pd/kv_transfer.py)',
     )
     p.add_argument(
         "--max-stored-responses",

@@ -33,7 +33,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from k3serve.server.errors import error_body
+from k3serve.server.openai.errors import error_body
 
 log = logging.getLogger("k3serve.server")
 

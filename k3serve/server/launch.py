@@ -23,10 +23,10 @@ STRAGGLERS_S = 0.5  # uvicorn's wait for the connections it closes at shutdown, 
 
 
 def tracing(endpoint: str | None, service: str = "k3serve"):
-    """Tracing to `endpoint` (server/tracing.py), or None."""
+    """Tracing to `endpoint` (server/observability/tracing.py), or None."""
     if not endpoint:
         return None
-    from k3serve.server.tracing import Tracing
+    from k3serve.server.observability.tracing import Tracing
 
     return Tracing(endpoint, service)
 
@@ -65,7 +65,7 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
 
 def structured_outputs_config(args: argparse.Namespace) -> list[str]:
     """--structured-outputs-config: the backend must be xgrammar (or auto); disable_any_whitespace
-    sets the default of requests that do not say (server/structured.py reads args)."""
+    sets the default of requests that do not say (server/parsers/response_format.py reads args)."""
     cfg = args.structured_outputs_config
     if cfg is None:
         return []
@@ -183,13 +183,13 @@ def start_engines(args: argparse.Namespace):
 
 
 def kv_transfer(args: argparse.Namespace):
-    from k3serve.server.kv_transfer import KVTransferConfig
+    from k3serve.server.pd.kv_transfer import KVTransferConfig
 
     return None if args.kv_transfer_config is None else KVTransferConfig.from_dict(args.kv_transfer_config)
 
 
 def media_limits(args: argparse.Namespace):
-    from k3serve.server.media import MediaLimits
+    from k3serve.server.openai.media_parts import MediaLimits
 
     limit = args.limit_mm_per_prompt
     if (
@@ -242,7 +242,7 @@ def build_server(args: argparse.Namespace):
     log = logging.getLogger("k3serve.server")
     for note in resolve_args(args):
         log.info("%s", note)
-    from k3serve.server.structured import xgrammar_missing
+    from k3serve.server.parsers.response_format import xgrammar_missing
 
     if (why := xgrammar_missing()) is not None:
         log.warning("%s; those requests are answered 501", why)

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3serve.chat.render import ChatRenderer
-from k3serve.server.kv_transfer import KVTransferConfig
+from k3serve.server.pd.kv_transfer import KVTransferConfig
 from k3serve.engine.async_engine import AsyncEngine
 from k3serve.server.guard import Lifecycle
-from k3serve.server.media import MediaLimits, MediaLoader
-from k3serve.server.response_store import ResponseStore
+from k3serve.server.openai.media_parts import MediaLimits, MediaLoader
+from k3serve.server.openai.response_store import ResponseStore
 from k3serve.chat.markers import K2_STRUCTURAL, K3_STRUCTURAL
-from k3serve.server.errors import APIError
-from k3serve.server.metrics import ServerMetrics
+from k3serve.server.openai.errors import APIError
+from k3serve.server.observability.metrics import ServerMetrics
 
 PREP_THREADS = 2
 STRUCTURAL = {"kimi_k3": K3_STRUCTURAL, "kimi_k2": K2_STRUCTURAL}
@@ -44,10 +44,10 @@ class ServerState:
     max_logprobs: int = 20
     max_stored_responses: int = 1024  # /v1/responses store=true, oldest evicted first
     media_limits: MediaLimits = field(default_factory=MediaLimits)
-    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (server/kv_transfer.py)
+    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (server/pd/kv_transfer.py)
     response_role: str = "assistant"  # --response-role: the role chat completions answer with
     json_any_whitespace: bool = False  # --structured-outputs-config disable_any_whitespace false: allowed by default
-    tracing: Any = None  # --otlp-traces-endpoint: server/tracing.py Tracing
+    tracing: Any = None  # --otlp-traces-endpoint: server/observability/tracing.py Tracing
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -76,9 +76,9 @@ class ServerState:
         self.unmapped_ids = info.unmapped  # frozenset
         self.max_num_seqs = info.num_slots  # what can run at once (info.seq_limit_note says why if fewer)
         self.responses = ResponseStore(self.max_stored_responses)
-        self.nixl = None  # the NIXL agent of a NixlConnector server (server/kv_nixl.py)
+        self.nixl = None  # the NIXL agent of a NixlConnector server (server/pd/nixl.py)
         if self.kv_transfer is not None and self.kv_transfer.kv_connector == "NixlConnector":
-            from k3serve.server.kv_nixl import NixlTransport
+            from k3serve.server.pd.nixl import NixlTransport
 
             self.nixl = NixlTransport(ttl_s=info.handoffs.ttl_s)
         self.metrics.watch_handoffs(info.handoffs, self.nixl)

@@ -223,7 +223,7 @@ def loaded_weight_bytes(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
     """Bytes a text model's weights take once loaded with float tensors `dtype_bytes` wide
     (models/registry.py load_model: float32 by default, as the engine loads a `draft_model`
     drafter): packed experts and their scales stay as stored. The engine reserves a draft's this
-    way (engine/setup.py spec_reserve) and the planner the same (--draft-model)."""
+    way (engine/startup.py spec_reserve) and the planner the same (--draft-model)."""
     return sum(
         s.params * dtype_bytes if s.role == "float" else s.nbytes for s in model_tensor_specs(cfg, include_vision=False)
     )

@@ -10,7 +10,7 @@ import torch
 
 from k3serve.chat.render import ChatOptions, ChatRenderer
 from k3serve.demo.data import TOOLS, add_thought, arithmetic, conversations
-from k3serve.server.output_parser import OutputParser
+from k3serve.server.parsers.output import OutputParser
 from k3serve.tokenizer import Tokenizer
 
 

@@ -552,3 +552,35 @@ def test_vector_glu_matches_torch_across_the_whole_range(act):
     )
     assert torch.equal(torch.isnan(half), torch.isnan(ref))
     torch.testing.assert_close(half.float()[~torch.isnan(ref)], ref.float()[~torch.isnan(ref)], rtol=8e-3, atol=1e-37)
+
+
+@pytest.mark.parametrize("groups,keep", [(1, 1), (4, 2)])
+def test_both_compiled_route_ops_take_route_scalars_order(groups, keep):
+    """The C++ op and the graph op read the router's settings in one order (layers/router.py
+    route_scalars; they once put scaling on either side of the groups): each, given those
+    settings, equals the router. A scaling of 2.5 and groups 4 / keep 2 would not survive a swap."""
+    from k3serve.backends.graph_ops import OPS
+    from k3serve.layers.router import route_scalars
+
+    g = torch.Generator().manual_seed(7 + groups)
+    cfg = MoEConfig(
+        num_experts=16,
+        top_k=4,
+        num_shared_experts=0,
+        expert_intermediate_size=8,
+        latent_size=None,
+        latent_use_norm=False,
+        router_activation="sigmoid",
+        renormalize=True,
+        routed_scaling_factor=2.5,
+        num_expert_group=groups,
+        topk_group=keep,
+        first_k_dense_replace=0,
+        layer_freq=1,
+    )
+    x, w, bias = torch.randn(9, 24, generator=g), torch.randn(16, 24, generator=g), torch.randn(16, generator=g) / 10
+    ids_ref, w_ref = route(x, w, bias, cfg)
+    for op in (K.moe_route, OPS.moe_route):
+        ids, wts = op(x, w, bias, *route_scalars(cfg))
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(wts, w_ref, rtol=1e-5, atol=1e-6)

@@ -120,7 +120,7 @@ def test_small_ops_opcheck():
     torch.library.opcheck(OPS.rms_norm, (x, torch.rand(16, generator=G), 1e-6))
     torch.library.opcheck(OPS.glu_mlp, (x, randn(24, 16), randn(24, 16), randn(16, 24), True, 4.0, 25.0))
     torch.library.opcheck(OPS.attnres_mix, ([x, randn(5, 16), randn(5, 16)], randn(16), 1e-6))
-    torch.library.opcheck(OPS.moe_route, (x, randn(8, 16), randn(8), 3, True, True, 2, 1, 2.5))
+    torch.library.opcheck(OPS.moe_route, (x, randn(8, 16), randn(8), 3, True, True, 2.5, 2, 1))
 
 
 @pytest.mark.parametrize("N", [2, 7])

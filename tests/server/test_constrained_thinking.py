@@ -281,7 +281,7 @@ def test_bad_budgets_are_400s(base):
 def test_raw_string_arguments_hold_no_markup():
     """A K3 call's string value is raw text up to `<|close|>argument<|sep|>`: the grammar must
     also keep the other markers out of it, or the parser cannot read the call back."""
-    from k3serve.server.tool_choice import VALUE_END, VALUE_EXCLUDES, k3_tool_choice
+    from k3serve.server.parsers.tool_choice import VALUE_END, VALUE_EXCLUDES, k3_tool_choice
 
     so = k3_tool_choice(TOOLS, "required", {}, True, 0)
     assert VALUE_EXCLUDES in so.spec and VALUE_END not in so.spec

@@ -33,8 +33,8 @@ from k3serve.chat.markers import (
     OPEN,
 )
 from k3serve.chat.messages import Message, ToolCall
-from k3serve.server.protocol import ChatCompletionRequest
-from k3serve.server.xtml import lex
+from k3serve.server.openai.protocol import ChatCompletionRequest
+from k3serve.server.parsers.xtml import lex
 from tests.live import serving
 from tests.server.test_tool_choice import WEATHER
 from tests.server.conftest import make_app
@@ -47,13 +47,13 @@ EOS = 0  # the grammar's stop token is not part of its text: any id does for the
 
 
 def _k3_auto(tools=WEATHER_ONLY, parallel=True):
-    from k3serve.server.tool_choice import k3_auto_tool_choice
+    from k3serve.server.parsers.tool_choice import k3_auto_tool_choice
 
     return k3_auto_tool_choice(tools, {}, parallel, EOS)
 
 
 def _k2_auto(tools=WEATHER_ONLY, parallel=True):
-    from k3serve.server.tool_choice import k2_auto_tool_choice
+    from k3serve.server.parsers.tool_choice import k2_auto_tool_choice
 
     return k2_auto_tool_choice(tools, parallel, EOS)
 
@@ -169,7 +169,7 @@ def test_k2_auto_grammar_refuses_undeclared_tools_and_invalid_arguments():
 def test_k2_auto_stays_off_where_the_grammar_would_refuse_a_free_text_marker():
     """A tokenizer with `<think>` (or the other section spelling) as a special: the call
     vocabulary leaves it unspelled, so the grammar would keep the model from writing it."""
-    from k3serve.server.tool_choice import k2_auto_applies
+    from k3serve.server.parsers.tool_choice import k2_auto_applies
 
     assert k2_auto_applies(SimpleNamespace(special_tokens={K2_CALL_BEGIN: 1}))
     assert not k2_auto_applies(SimpleNamespace(special_tokens={"<think>": 1}))
@@ -184,7 +184,7 @@ def test_auto_gets_the_grammar_only_where_it_applies(live_server, monkeypatch):
     """K3 server: auto gets the declared-calls grammar (from the first token, or after the think
     channel under a thinking budget); another output constraint keeps its own; without
     xgrammar, or with a tool schema xgrammar cannot compile, auto stays unconstrained."""
-    from k3serve.server import serving_chat
+    from k3serve.server.openai import serving_chat
 
     _, state = live_server
 

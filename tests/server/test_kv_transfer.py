@@ -141,7 +141,7 @@ CONSUMER = [
 
 @pytest.fixture(scope="module")
 def disaggregated(tiny_k3_dir, prefill_server):
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     decode_app, decode_state = make_app(tiny_k3_dir, *CONSUMER)
     colocated_app, _ = make_app(tiny_k3_dir, "--block-size", "16")
@@ -240,7 +240,7 @@ def per_token_bytes(state) -> int:
 
 
 def test_a_dead_decode_server_is_retried_elsewhere_then_503(prefill_server, disaggregated):
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     dead = "http://127.0.0.1:9"  # nothing listens there
     with serving(build_router([prefill_server[0]], [dead, disaggregated.decode])) as router:
@@ -261,7 +261,7 @@ def test_a_prefill_server_that_dies_before_the_pull_is_named_not_the_decode_serv
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     fake = FastAPI()
 
@@ -295,7 +295,7 @@ def test_a_decode_server_dying_mid_request_gets_a_retry_with_the_full_answer(pre
     import socket
     import threading
 
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -331,7 +331,7 @@ def test_a_decode_server_dying_mid_request_gets_a_retry_with_the_full_answer(pre
 def test_a_speculating_decode_server_behind_the_router(tiny_k3_dir, prefill_server, disaggregated):
     """ngram speculative decoding on the decode server (greedy verification is exact) and prefix
     caching on both sides: the router's answer is still the colocated one."""
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     app, state = make_app(
         tiny_k3_dir, *CONSUMER, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -384,7 +384,7 @@ def test_sampling_logprobs_and_grammars_cross_the_router(disaggregated):
 def test_the_router_sends_a_prompt_to_the_prefill_server_that_caches_it(tiny_k3_dir, prefill_server, disaggregated):
     """Two prefill servers: the one whose prefix cache holds the prompt's blocks gets it, though
     the hash choice would pick the other."""
-    from k3serve.server.router import Pool, build_router
+    from k3serve.server.pd.proxy import Pool, build_router
 
     other_app, other_state = make_app(tiny_k3_dir, *PRODUCER)
     prompt = list(range(100, 148))  # three whole blocks
@@ -416,7 +416,7 @@ def test_nixl_connector_moves_the_handoff_by_a_nixl_read(kind, tiny_k3_dir, tiny
     dropped after the read."""
     import time
 
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     pytest.importorskip("nixl", reason="NIXL is installed by `make` (the [nixl] extra)")
     path = tiny_k3_dir if kind == "k3" else tiny_kl_dir
@@ -455,7 +455,7 @@ def test_nixl_connector_moves_the_handoff_by_a_nixl_read(kind, tiny_k3_dir, tiny
 
 def test_a_nixl_read_of_memory_the_prefill_agent_never_lent_is_a_connection_error():
     pytest.importorskip("nixl", reason="NIXL is installed by `make` (the [nixl] extra)")
-    from k3serve.server.kv_nixl import NixlTransport
+    from k3serve.server.pd.nixl import NixlTransport
 
     lender, reader = NixlTransport(), NixlTransport()
     offer = lender.lend("r", b"state" * 1000)
@@ -507,7 +507,7 @@ def test_a_decode_server_serves_a_prefix_from_the_tier_directory_it_shares_with_
     finds the prefix in the shared directory (written after its start-up scan), reads it and
     prefills only the rest itself; no prefill server is involved and the text is a colocated
     server's."""
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     shared = ["--kv-offloading-dir", str(tmp_path / "shared"), "--kv-offloading-size", "0.05"]
     prefill_app, prefill_state = make_app(tiny_k3_dir, *PRODUCER, *shared)

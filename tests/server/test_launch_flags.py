@@ -9,8 +9,8 @@ import pytest
 from k3serve.cli import build_parser, main
 from k3serve.server.config_file import apply_config_file
 from k3serve.server.launch import engine_kwargs, resolve_args
-from k3serve.server.protocol import ChatCompletionRequest
-from k3serve.server.structured import requested
+from k3serve.server.openai.protocol import ChatCompletionRequest
+from k3serve.server.parsers.response_format import requested
 from tests.live import serving
 from tests.server.conftest import make_app
 

@@ -7,7 +7,7 @@ import logging
 import httpx
 
 from k3serve.engine.stats import EngineStats
-from k3serve.server.stats_log import stats_line
+from k3serve.server.observability.stats_log import stats_line
 from tests.live import serving
 from tests.server.conftest import make_app
 

@@ -85,6 +85,11 @@ def in_process(tiny_k3_dir, flags):
         yield base, rss_bytes, lambda: not state.engine.engine.has_unfinished_requests()
 
 
+# where a server process writes its log (K3SERVE_SOAK_LOG): the soak prints the graph buckets it
+# compiled beside the resident set, to tell a compile's step from a creep
+SERVER_LOG = os.environ.get("K3SERVE_SOAK_LOG")
+
+
 @contextmanager
 def server_process(tiny_k3_dir, flags):
     """The same server as `k3serve serve` runs it, in its own process: its resident set is the
@@ -92,7 +97,8 @@ def server_process(tiny_k3_dir, flags):
     20 minutes in issue 63's soak: most of a 1% bound)."""
     port = free_port()
     cmd = [sys.executable, "-m", "k3serve", "serve", str(tiny_k3_dir), *FLAGS, "--max-num-seqs", "16", *flags]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(SERVER_LOG, "w") if SERVER_LOG else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -107,6 +113,8 @@ def server_process(tiny_k3_dir, flags):
     finally:
         proc.terminate()
         proc.wait(30)
+        if SERVER_LOG:
+            log.close()
 
 
 def soak(
@@ -244,4 +252,6 @@ def test_thirty_minute_soak_with_dspark_tiers_and_the_graph_backend(tiny_k3_dir,
     0 errors, the greedy subset equal to a cache-off server, resident memory flat."""
     stats = tiers_soak(1800, tiny_k3_dir, random_dspark, tmp_path)
     check(stats)
-    assert rss_growth(stats["rss"], after_s=300) < 0.01, stats["rss"][::12]
+    per_minute = [(round(t), b // 2**20) for t, b in stats["rss"][::12]]
+    print(f"soak: RSS (s, MiB) every minute {per_minute}")
+    assert rss_growth(stats["rss"], after_s=300) < 0.01, per_minute

@@ -14,9 +14,9 @@ import pytest
 
 from k3serve.chat.k3_xtml import assistant_body, encode_segments, message, open_tag
 from k3serve.chat.messages import Message, ToolCall
-from k3serve.server.output_parser import OutputParser
-from k3serve.server.structured import k3_think_close
-from k3serve.server.tool_choice import k3_tool_choice
+from k3serve.server.parsers.output import OutputParser
+from k3serve.server.parsers.response_format import k3_think_close
+from k3serve.server.parsers.tool_choice import k3_tool_choice
 from tests.live import serving
 from tests.server.conftest import make_app
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (issue 47, server/tracing.py) at a real OTLP/HTTP receiver started by the
+"""OpenTelemetry traces (issue 47, server/observability/tracing.py) at a real OTLP/HTTP receiver started by the
 test (k3serve/testing/otlp_receiver.py, the protocol's own protobuf types): a request to the
 server with a W3C traceparent arrives as one `llm_request` span whose parent is the caller's
 span, with vLLM's attribute names and the usage the response reported; a request through the
@@ -76,7 +76,7 @@ def test_a_speculating_request_carries_its_draft_and_accepted_counts(tiny_k3_dir
 
 def test_the_router_span_parents_the_prefill_and_decode_spans(tiny_k3_dir, receiver):
     from k3serve.server.launch import tracing
-    from k3serve.server.router import build_router
+    from k3serve.server.pd.proxy import build_router
 
     kv = '{"kv_connector": "K3HttpConnector", "kv_role": "%s"}'
     flags = ("--otlp-traces-endpoint", receiver.url, "--block-size", "16", "--kv-transfer-config")

@@ -21,7 +21,7 @@ from PIL import Image
 
 from k3serve.multimodal.image import ImageSpec, preprocess
 from k3serve.multimodal.video import VideoSpec, load_video, sample_indices
-from k3serve.testing.media import random_video
+from k3serve.testing.sample_media import random_video
 from tests.live import serving
 from tests.server.conftest import make_app
 from tests.server.test_multimodal import chat, data_url, png
@@ -209,7 +209,7 @@ def test_gpu_memory_utilization_keeps_the_tower_and_its_encoder_cache_out_of_the
 
     from k3serve import LLM
     from k3serve.config.engine_config import EngineConfig
-    from k3serve.engine.setup import cache_budget, vision_reserve
+    from k3serve.engine.startup import cache_budget, vision_reserve
 
     model = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256).engine.model_info
     tower = 0

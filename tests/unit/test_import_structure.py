@@ -8,6 +8,7 @@ source (ast), so a lazy import counts too."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import k3serve
@@ -127,9 +128,11 @@ def test_the_checker_sees_a_circle():
     issue 51, through a lazy import), and the imports it reads include the lazy ones."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert "k3serve.distributed.ray_executor" in imports("k3serve.distributed.start")  # inside a function
-    assert "k3serve.server.kv_transfer" in imports("k3serve.server.serving_chat")
-    assert "k3serve.server.serving_chat" in imports("k3serve.server.kv_endpoints")
-    assert imports("k3serve.server.kv_transfer").isdisjoint({"k3serve.server.serving_chat", "k3serve.server.runs"})
+    assert "k3serve.server.pd.kv_transfer" in imports("k3serve.server.openai.serving_chat")
+    assert "k3serve.server.openai.serving_chat" in imports("k3serve.server.pd.endpoints")
+    assert imports("k3serve.server.pd.kv_transfer").isdisjoint(
+        {"k3serve.server.openai.serving_chat", "k3serve.server.openai.runs"}
+    )
 
 
 def test_the_engine_floor_stays_narrow():
@@ -199,3 +202,17 @@ def test_value_types_and_configs_sit_low():
         bad += [f"{root_module} imports {m}" for m in sorted(_imports(ROOT / root_module)) if m.startswith("k3serve")]
     bad += _violations("scheduler", ("torch",)) + _violations("cache", ("torch",))
     assert not bad, bad
+
+
+def test_the_architecture_page_names_every_package():
+    """docs/architecture.md's package map matches the tree: every package of k3serve (and every
+    room of server/) is named there as `name/`, and every `name/` it names in the map exists."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    packages = {p.parent.relative_to(ROOT).as_posix() for p in ROOT.rglob("__init__.py") if p.parent != ROOT}
+    missing = sorted(p for p in packages if f"`{p.rsplit('/', 1)[-1]}/`" not in page and f"`{p}/`" not in page)
+    assert not missing, missing
+    table = [line for line in page.splitlines() if line.startswith("| `")]
+    named = {name for line in table for name in re.findall(r"`([a-z_]+)/`", line.split("|")[1])}
+    assert named <= {p.rsplit("/", 1)[-1] for p in packages} | {"bench"}, named - {
+        p.rsplit("/", 1)[-1] for p in packages
+    }

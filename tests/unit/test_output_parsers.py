@@ -12,8 +12,8 @@ from k3serve.chat.k3_xtml import close_tag, element, open_tag, segments_text, to
 from k3serve.chat.messages import ToolCall
 from k3serve.tokenizer.detokenizer import IncrementalDetokenizer
 from k3serve.sampling_params import SamplingParams
-from k3serve.server.output_parser import OutputParser
-from k3serve.server.parsed import ParsedCall
+from k3serve.server.parsers.output import OutputParser
+from k3serve.server.parsers.parsed import ParsedCall
 
 
 def xtml_calls(calls: list[tuple[str, object]]) -> str:

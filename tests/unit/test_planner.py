@@ -546,7 +546,7 @@ def test_speculative_records_are_one_formula_in_the_engine_and_the_planner(tiny_
     from k3serve import LLM
     from k3serve.cache.sizing import kda_state_bytes_per_request, spec_records_bytes
     from k3serve.config.engine_config import EngineConfig
-    from k3serve.engine.setup import cache_budget
+    from k3serve.engine.startup import cache_budget
     from k3serve.planner.memory import rank_memory
 
     model = LLM(str(tiny_k3_dir), cache_memory="16MiB", max_model_len=256).engine.model_info
@@ -601,7 +601,7 @@ def test_a_draft_models_weights_and_cache_are_one_formula_in_the_engine_and_the_
     from k3serve.cache.sizing import draft_cache_bytes, spec_records_bytes
     from k3serve.config.bundled import load_model_config
     from k3serve.config.engine_config import EngineConfig
-    from k3serve.engine.setup import cache_budget
+    from k3serve.engine.startup import cache_budget
     from k3serve.planner.cli import _draft
     from k3serve.planner.memory import rank_memory
     from k3serve.weights.schema import loaded_weight_bytes
@@ -635,3 +635,24 @@ def test_a_draft_models_weights_and_cache_are_one_formula_in_the_engine_and_the_
     ]  # fmt: skip
     assert ranks[0].cache_budget - ranks[1].cache_budget == records + weights + own
     assert ranks[1].draft_cache == own
+
+
+def test_the_engine_reserves_the_planners_activations():
+    """One activation formula (cache/sizing.py activation_bytes): an engine's
+    --gpu-memory-utilization reserve for bf16 K3 at TP8 + EP equals the planner's for the same
+    chunk, batch and layout (they used two formulas before: 16 fp32 rows against 12 bf16 rows,
+    AttnRes snapshots and experts)."""
+    import torch
+
+    from k3serve.config.engine_config import EngineConfig
+    from k3serve.engine.startup import activation_reserve
+    from k3serve.executor.base import ModelInfo
+    from k3serve.planner.memory import Workload, activation_bytes
+
+    cfg = load_model_config(K3)
+    config = EngineConfig(
+        max_num_batched_tokens=4096, max_num_seqs=64, tensor_parallel_size=8, enable_expert_parallel=True
+    )
+    engine = activation_reserve(config, ModelInfo(cfg, torch.bfloat16, 0))
+    planner = activation_bytes(cfg, Workload(max_num_batched_tokens=4096, max_num_seqs=64), Layout(8, 8, 1, 8))
+    assert engine == planner > 4096 * cfg.hidden_size * 2 * 12

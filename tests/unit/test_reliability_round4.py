@@ -216,7 +216,7 @@ def test_tracing_flush_and_shutdown_are_bounded_with_an_unreachable_collector(wh
     provider's shutdown at exit (13-19 s on a 2-core VM)."""
     pytest.importorskip("opentelemetry.sdk", reason="tracing needs opentelemetry-sdk")
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="tracing needs the OTLP/HTTP exporter")
-    from k3serve.server.tracing import Tracing
+    from k3serve.server.observability.tracing import Tracing
 
     if where == "closed_port":
         with socket.create_server(("127.0.0.1", 0)) as s:

@@ -75,7 +75,9 @@ def _recurrent(q, k, v, z, b, a_log, dt_bias, pool, slots, lower_bound, T):
 
 
 def _gated(o, gate, o_norm, eps):
-    """RMSNorm_D(o) * sigmoid(gate): o [N, H, D], gate [N, P] -> [N, P] fp32 (the graph body's)."""
+    """RMSNorm_D(o) * sigmoid(gate): o [N, H, D], gate [N, P] -> [N, P] fp32: layers/norm.py
+    gated_rms_norm's body, written here because kernels/ never import layers/ (the equality
+    tests against the graph step hold the two together)."""
     N, H, D = o.shape
     normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * o_norm
     return (normed * torch.sigmoid(gate.view(N, H, D))).reshape(N, H * D)

@@ -20,9 +20,9 @@ from k3serve.chat.markers import K2_SECTION_END
 import json
 import re
 
-from k3serve.server.parsed import ParsedCall
-from k3serve.server.reasoning_parser import K2_SECTION_BEGIN
-from k3serve.server.xtml import lex
+from k3serve.server.parsers.parsed import ParsedCall
+from k3serve.server.parsers.reasoning import K2_SECTION_BEGIN
+from k3serve.server.parsers.xtml import lex
 
 
 def typed_value(text: str, kind: str):

@@ -10,7 +10,7 @@ kimi_k2: `<think>…</think>` text; a tool-call section also ends it (vllm PR #3
 from __future__ import annotations
 
 from k3serve.chat.markers import K2_SECTION_BEGIN
-from k3serve.server.xtml import lex
+from k3serve.server.parsers.xtml import lex
 
 
 class KimiK3ReasoningParser:

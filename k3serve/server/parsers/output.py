@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from k3serve.server.parsed import Parsed, ParsedCall, hold_back
-from k3serve.server.reasoning_parser import REASONING_PARSERS
-from k3serve.server.tool_parser import TOOL_PARSERS
+from k3serve.server.parsers.parsed import Parsed, ParsedCall, hold_back
+from k3serve.server.parsers.reasoning import REASONING_PARSERS
+from k3serve.server.parsers.tool import TOOL_PARSERS
 from k3serve.chat.markers import (
     K2_ARGUMENT_BEGIN,
     K2_CALL_BEGIN,
@@ -24,7 +24,7 @@ from k3serve.chat.markers import (
     K2_SECTION_END,
     K2_THINK,
 )
-from k3serve.server.xtml import complete_length, stable_length
+from k3serve.server.parsers.xtml import complete_length, stable_length
 
 K2_MARKERS = (*K2_THINK, *K2_SECTION_BEGIN, K2_CALL_BEGIN, K2_ARGUMENT_BEGIN, K2_CALL_END, *K2_SECTION_END)
 
@@ -83,7 +83,7 @@ class OutputParser:
         declared: frozenset[str] | None = None,
         json_calls: bool = False,
     ):
-        """`json_calls`: the reply is a JSON array of calls (server/tool_choice.py
+        """`json_calls`: the reply is a JSON array of calls (server/parsers/tool_choice.py
         json_tool_choice); it becomes tool_calls once whole, and stays content if it never is."""
         if family not in TOOL_PARSERS:
             raise ValueError(f"unknown parser {family!r}; choose one of {sorted(TOOL_PARSERS)}")

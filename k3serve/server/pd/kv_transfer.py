@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on the server (issue 17): `--kv-transfer-config` roles, the
 `kv_transfer_params` request field, and the decode side's pull (fetch_handoff); the endpoints
-the pull reaches are server/kv_endpoints.py.
+the pull reaches are server/pd/endpoints.py.
 
 vLLM's spelling: `--kv-transfer-config '{"kv_connector": "NixlConnector" | "K3HttpConnector",
 "kv_role": "kv_producer" | "kv_consumer" | "kv_both"}'`. A producer (prefill) server takes
@@ -17,7 +17,7 @@ over the first token. `kv_producers` limits the prefill servers it pulls from.
 
 Transports (both ends use the same connector):
   NixlConnector    the pull answers a NIXL offer and the decode side READs the bytes out of the
-                   prefill server's memory over UCX (server/kv_nixl.py; shared memory on one host,
+                   prefill server's memory over UCX (server/pd/nixl.py; shared memory on one host,
                    TCP/RDMA across hosts; `pip install -e '.[nixl]'`).
   K3HttpConnector  the pull answers the bytes themselves (one safetensors blob); no extra library.
 Mooncake's transfer engine was evaluated too: its engine.so links libcudart, libcuda and
@@ -29,8 +29,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from k3serve.server.errors import APIError
-from k3serve.server.media import engine_prompt
+from k3serve.server.openai.errors import APIError
+from k3serve.server.openai.media_parts import engine_prompt
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("K3HttpConnector", "NixlConnector")

@@ -81,7 +81,7 @@ class Pool:
 def build_router(
     prefill: list[str], decode: list[str], timeout_s: float = 600.0, tracing=None, decode_prefill_tokens: int = 0
 ) -> FastAPI:
-    """`tracing` (server/tracing.py): a `router_request` span per request, the parent of the
+    """`tracing` (server/observability/tracing.py): a `router_request` span per request, the parent of the
     prefill and decode servers' spans (its traceparent goes on to both). `decode_prefill_tokens`:
     see the module."""
     if not prefill or not decode:
@@ -253,7 +253,7 @@ async def _decode(
         pool.in_flight[url] -= 1
         log.warning("decode server %s failed (%s); retrying elsewhere", url, type(e).__name__)
         return None
-    if r.status_code == 502 and kv is not None:  # server/kv_transfer.py: the pull from the prefill server failed
+    if r.status_code == 502 and kv is not None:  # server/pd/kv_transfer.py: the pull from the prefill server failed
         try:
             message = json.loads(await r.aread())["error"]["message"]
         except (ValueError, KeyError, TypeError):

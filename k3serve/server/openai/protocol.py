@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
-from k3serve.server.errors import APIError
+from k3serve.server.openai.errors import APIError
 from k3serve.sampling_params import SamplingParams
 
 
@@ -101,7 +101,7 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     n: StrictInt = 1
-    kv_transfer_params: dict[str, Any] | None = None  # {"do_remote_decode": true}: server/kv_transfer.py
+    kv_transfer_params: dict[str, Any] | None = None  # {"do_remote_decode": true}: server/pd/kv_transfer.py
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
@@ -123,7 +123,7 @@ class _Sampling(BaseModel):
     prompt_logprobs: StrictInt | None = None  # vLLM: top-n logprobs of every prompt token
     skip_special_tokens: StrictBool = True
     add_special_tokens: StrictBool = False  # Kimi prompts carry no BOS: nothing to add either way
-    # output constraints, enforced with xgrammar (server/structured.py)
+    # output constraints, enforced with xgrammar (server/parsers/response_format.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

@@ -12,6 +12,7 @@ import torch
 from k3serve.config.stages import stage_shares
 from k3serve.cache.sizing import (
     CachePlan,
+    activation_bytes,
     draft_cache_bytes,
     full_request_bytes,
     parse_bytes,
@@ -45,10 +46,10 @@ def total_memory(device: torch.device) -> int:
 
 
 def activation_reserve(config: EngineConfig, model: ModelInfo) -> int:
-    """A prefill chunk's live activations (~16 [tokens, hidden] fp32 buffers) + the fp32 logits
-    of every sampled row: what `--gpu-memory-utilization` keeps outside the cache."""
-    cfg = model.cfg
-    return config.max_num_batched_tokens * cfg.hidden_size * 4 * 16 + config.max_num_seqs * cfg.vocab_size * 4
+    """What `--gpu-memory-utilization` keeps outside the cache for activations: the planner's
+    formula (cache/sizing.py activation_bytes) in the serving dtype."""
+    ep = config.tensor_parallel_size if config.enable_expert_parallel else 1
+    return activation_bytes(model.cfg, config.max_num_batched_tokens, config.max_num_seqs, ep, model.dtype.itemsize)
 
 
 def vision_reserve(config: EngineConfig, model: ModelInfo) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from k3serve.chat.k3_xtml import EOM, OPEN, Seg, close_tag, encode_segments, open_tag
 from k3serve.sampling_params import StructuredOutputs
-from k3serve.server.errors import APIError
+from k3serve.server.openai.errors import APIError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 SO_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

@@ -9,12 +9,12 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from k3serve.server.errors import APIError
-from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
-from k3serve.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs_json
-from k3serve.server.protocol import CompletionRequest
-from k3serve.server.structured import need_xgrammar, requested, to_spec, whole_output_span
-from k3serve.server.runs import ClientGone, Run, finals, stream_error, unless_disconnected
+from k3serve.server.openai.errors import APIError
+from k3serve.server.pd.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
+from k3serve.server.openai.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs_json
+from k3serve.server.openai.protocol import CompletionRequest
+from k3serve.server.parsers.response_format import need_xgrammar, requested, to_spec, whole_output_span
+from k3serve.server.openai.runs import ClientGone, Run, finals, stream_error, unless_disconnected
 from k3serve.server.state import ServerState, new_id, sse, usage
 
 

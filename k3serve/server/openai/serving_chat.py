@@ -15,10 +15,10 @@ from k3serve.chat.messages import ChatInputError, check_depth
 from k3serve.chat.render import ChatOptions, RenderedPrompt
 from k3serve.sampling.grammar import grammar_error_text
 from k3serve.sampling_params import StructuredOutputs
-from k3serve.server.errors import APIError
-from k3serve.server.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
-from k3serve.server.logprobs import chat_logprobs, prompt_logprobs_json
-from k3serve.server.structured import (
+from k3serve.server.openai.errors import APIError
+from k3serve.server.pd.kv_transfer import RemotePrefill, fetch_handoff, handoff_role
+from k3serve.server.openai.logprobs import chat_logprobs, prompt_logprobs_json
+from k3serve.server.parsers.response_format import (
     k3_chat_span,
     k3_think_close,
     need_xgrammar,
@@ -27,7 +27,7 @@ from k3serve.server.structured import (
     whole_output_span,
     xgrammar_missing,
 )
-from k3serve.server.tool_choice import (
+from k3serve.server.parsers.tool_choice import (
     json_tool_choice,
     k2_auto_applies,
     k2_auto_tool_choice,
@@ -35,9 +35,9 @@ from k3serve.server.tool_choice import (
     k3_auto_tool_choice,
     k3_tool_choice,
 )
-from k3serve.server.output_parser import Delta, OutputParser
-from k3serve.server.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
-from k3serve.server.runs import ClientGone, Run, stream_error, unless_disconnected
+from k3serve.server.parsers.output import Delta, OutputParser
+from k3serve.server.openai.protocol import ChatCompletionRequest, NamedToolChoice, as_dicts
+from k3serve.server.openai.runs import ClientGone, Run, stream_error, unless_disconnected
 from k3serve.server.state import ServerState, new_id, sse, usage
 
 log = logging.getLogger("k3serve.server")

@@ -21,9 +21,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.chat.markers import CLOSE
-from k3serve.server.errors import APIError
-from k3serve.server.protocol import ChatCompletionRequest
-from k3serve.server.responses_convert import (
+from k3serve.server.openai.errors import APIError
+from k3serve.server.openai.protocol import ChatCompletionRequest
+from k3serve.server.openai.responses_convert import (
     ECHOED,
     ResponsesRequest,
     assistant_message,
@@ -33,8 +33,8 @@ from k3serve.server.responses_convert import (
     message_item,
     output_items,
 )
-from k3serve.server.runs import ClientGone, stream_error, unless_disconnected
-from k3serve.server.serving_chat import start_chat
+from k3serve.server.openai.runs import ClientGone, stream_error, unless_disconnected
+from k3serve.server.openai.serving_chat import start_chat
 from k3serve.server.state import ServerState, new_id
 
 

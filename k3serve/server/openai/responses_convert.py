@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
-from k3serve.server.errors import APIError
-from k3serve.server.parsed import Parsed
+from k3serve.server.openai.errors import APIError
+from k3serve.server.parsers.parsed import Parsed
 from k3serve.server.state import new_id
 
 # Fields of the Responses request that change nothing here (they are echoed back).

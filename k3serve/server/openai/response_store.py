@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from k3serve.server.errors import APIError
+from k3serve.server.openai.errors import APIError
 
 
 class ResponseStore:

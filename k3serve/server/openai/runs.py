@@ -13,10 +13,10 @@ from fastapi import Request
 
 from k3serve.engine.async_engine import EngineOverloaded, EngineUnavailable, RequestFailed
 from k3serve.outputs import RequestOutput
-from k3serve.server.media import engine_prompt
-from k3serve.server.tracing import HEADERS as TRACE_HEADERS
+from k3serve.server.openai.media_parts import engine_prompt
+from k3serve.server.observability.tracing import HEADERS as TRACE_HEADERS
 from k3serve.sampling_params import ParamError, SamplingParams
-from k3serve.server.errors import APIError, error_body
+from k3serve.server.openai.errors import APIError, error_body
 from k3serve.server.state import ServerState
 
 log = logging.getLogger("k3serve.server")
@@ -90,7 +90,7 @@ class Run:
         handoff=None,
     ):
         self.state, self.prompt_ids, self.params, self.request_id = state, prompt_ids, params, request_id
-        self.trace_headers = TRACE_HEADERS.get()  # the request's traceparent (server/tracing.py)
+        self.trace_headers = TRACE_HEADERS.get()  # the request's traceparent (server/observability/tracing.py)
         self.arrival, self.first_token, self.last = time.monotonic(), None, None
         self._gen = state.engine.generate(
             engine_prompt(prompt_ids, media), params, request_id, priority, keep_cache, handoff

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from k3serve.chat.markers import CLOSE, OPEN, SEP
-from k3serve.server.parsed import hold_back
+from k3serve.server.parsers.parsed import hold_back
 
 _MARKER = re.compile(
     r"<\|open\|>\s*([A-Za-z_][\w-]*)((?:\s+[\w-]+\s*=\s*\"[^\"]*\")*)\s*<\|sep\|>"

@@ -126,7 +126,7 @@ def k2_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: int)
 
 
 def k3_tool_choice(tools: list[dict], choice, think: dict, parallel: bool, eos_token_id: int) -> StructuredOutputs:
-    """`think`: server/structured.py k3_think_close, the think channel the prompt opened (its
+    """`think`: server/parsers/response_format.py k3_think_close, the think channel the prompt opened (its
     closing enforced and budgeted before the calls), or {} when the prompt opened the response."""
     from xgrammar.structural_tag import ConstStringFormat, TagsWithSeparatorFormat
 
@@ -168,7 +168,7 @@ def json_tool_choice(tools: list[dict], choice, parallel: bool, eos_token_id: in
 
 
 # tool_choice "auto": the text is free, but a call, once opened, is to a declared tool with
-# arguments its schema allows. K3's lexer (server/xtml.py) reads a call's attributes in any
+# arguments its schema allows. K3's lexer (server/parsers/xtml.py) reads a call's attributes in any
 # order, so the trigger stops at the element's name (`<|open|>call`) and the tag spells the rest
 # as the renderer writes it; the lexer also takes whitespace after `<|open|>`, which K3 never
 # writes, so free text may not spell that either (`<|open|> call tool="x"` would escape the

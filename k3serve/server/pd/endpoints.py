@@ -1,4 +1,4 @@
-"""The prefill server's hand-off endpoints (server/kv_transfer.py has the roles and the pull):
+"""The prefill server's hand-off endpoints (server/pd/kv_transfer.py has the roles and the pull):
 `POST /v1/kv/held` (how much of a request's prompt this server's prefix cache holds, for a
 router), `/v1/kv/pull` (a kept prefill's latent rows past the puller's held tokens, KDA state and
 continuation, as bytes or a NIXL offer) and `/v1/kv/release`."""
@@ -8,17 +8,17 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from k3serve.server.errors import APIError
-from k3serve.server.media import engine_prompt
-from k3serve.server.protocol import ChatCompletionRequest, CompletionRequest
-from k3serve.server.serving_chat import render_chat
-from k3serve.server.serving_completion import _prompts
+from k3serve.server.openai.errors import APIError
+from k3serve.server.openai.media_parts import engine_prompt
+from k3serve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from k3serve.server.openai.serving_chat import render_chat
+from k3serve.server.openai.serving_completion import _prompts
 
 
 class PullRequest(BaseModel):
     request_id: str
     held_tokens: int = 0
-    transport: str = "http"  # "http": the bytes in the answer; "nixl": an offer to READ them (server/kv_nixl.py)
+    transport: str = "http"  # "http": the bytes in the answer; "nixl": an offer to READ them (server/pd/nixl.py)
 
 
 class ReleaseRequest(BaseModel):

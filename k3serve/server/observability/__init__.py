@@ -1,0 +1,1 @@
+"""What the server reports: Prometheus metrics, the periodic stats log, OpenTelemetry spans."""
