@@ -42,7 +42,9 @@ class EngineConfig:
     cache_memory: int | str | None = None  # absolute ("1GiB"); wins over the fraction
     cache_memory_fraction: float | None = None  # of free memory after weights; default 0.9 GPU, 0.1 CPU
     gpu_memory_utilization: float | None = None  # vLLM: fraction of TOTAL device memory for everything
-    quantization: str | None = None  # must match the checkpoint; never requantizes
+    # a quantized checkpoint's own format (never requantized), or mxfp4 / nvfp4 on an unquantized
+    # one: its routed experts quantized as they load (the bytes `k3serve convert` writes)
+    quantization: str | None = None
     max_logprobs: int = 20
     mm_encoder_cache: int | str = "256MiB"  # vision-tower rows kept by image digest (models with a tower)
     num_state_slots: int | None = None  # fix the KDA slot count instead of deriving it
@@ -124,9 +126,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization {self.quantization!r} is not supported: k3serve serves the checkpoint's "
-                f"own format ({' / '.join(QUANTIZATIONS)} for MXFP4 / NVFP4 checkpoints, or none) and "
-                f"never requantizes at load time; convert the checkpoint offline"
+                f"quantization {self.quantization!r} is not supported: k3serve serves a quantized "
+                f"checkpoint's own format ({' / '.join(QUANTIZATIONS)}) and never requantizes it; mxfp4 "
+                f"or nvfp4 on an unquantized checkpoint quantizes its routed experts at load"
             )
         if self.cache_memory_fraction is not None and not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")

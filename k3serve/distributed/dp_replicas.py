@@ -13,6 +13,7 @@ from k3serve.distributed.dp_workers import DPAttentionWorkers
 from k3serve.executor.base import Allocation, Executor, ModelInfo
 from k3serve.executor.placement import check_multi_rank
 from k3serve.distributed.multinode import NodeLayout
+from k3serve.distributed.worker_group import WorkerLaunch
 from k3serve.parallel.group import TPGroup
 
 
@@ -108,17 +109,11 @@ def start_dp_workers(config, m: int, model_path: str, where) -> list[DPWorkerExe
     check_multi_rank(where, "--data-parallel-size")
     n = config.tensor_parallel_size
     workers = DPAttentionWorkers(
-        model_path,
+        WorkerLaunch.from_config(config, where, model_path, pin=False),
         m,
         all2all=config.all2all_backend,
-        dtype=where.dtype,
-        load_format=config.load_format,
-        kernels=config.kernels,
-        device=where.device,
-        timeout_s=config.distributed_timeout,
         tp_size=n,
         nodes=NodeLayout(config.nnodes, config.node_rank, config.master_addr, config.master_port),
-        redundant_experts=config.redundant_experts,
     )
     try:
         workers.wait_ready()
@@ -172,7 +167,13 @@ def replica_executors(config, dp: int, dp_attention: bool, where) -> list[Execut
     model_path, threads = model_source(config), max(1, (os.cpu_count() or 1) // dp)
     return [
         UniProcExecutor.load(
-            model_path, where, load_format=config.load_format, progress=config.load_progress, ep=g, threads=threads
+            model_path,
+            where,
+            load_format=config.load_format,
+            quantization=config.quantization,
+            progress=config.load_progress,
+            ep=g,
+            threads=threads,
         )
         for g in expert_groups(dp, config.distributed_timeout, config.all2all_backend, config.redundant_experts)
     ]

@@ -21,13 +21,13 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from k3serve.distributed.worker_group import WorkerGroup, spawn_workers, worker_base
+from k3serve.distributed.worker_group import WorkerGroup, WorkerLaunch, spawn_workers, worker_base
 from k3serve.executor.base import WorkerDied
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import CommandListener, NodeLayout
@@ -44,20 +44,11 @@ class DPAttentionWorkers(WorkerGroup):
     kind = "DP-attention"
 
     def __init__(
-        self,
-        model_path: str,
-        dp_size: int,
-        *,
-        all2all: str,
-        dtype: torch.dtype,
-        load_format: str,
-        kernels: str,
-        device: torch.device,
-        timeout_s: float = 120.0,
-        tp_size: int = 1,
-        nodes: NodeLayout = NodeLayout(),
-        redundant_experts: int | None = None,
+        self, launch: WorkerLaunch, dp_size: int, *, all2all: str, tp_size: int = 1, nodes: NodeLayout = NodeLayout()
     ):
+        """`launch`: every rank's (experts by id over the group whatever it says)."""
+        launch = replace(launch, expert_parallel=True)
+        timeout_s = launch.timeout_s
         world = dp_size * tp_size
         check_dp_nodes(nodes, world, tp_size)
         self.size = self.world = world
@@ -70,20 +61,7 @@ class DPAttentionWorkers(WorkerGroup):
         local = nodes.ranks(world)
         self._shm_path = None if nodes.multi else create_segment(world)  # the expert group's: one host only
         self._tp_shm = tp_segments(local, tp_size)
-        base = worker_base(
-            model_path,
-            world,
-            nodes,
-            self._store.port,
-            expert_parallel=True,
-            dtype=dtype,
-            load_format=load_format,
-            kernels=kernels,
-            device=device,
-            timeout_s=timeout_s,
-            shm_path=self._shm_path,
-            redundant_experts=redundant_experts,
-        )
+        base = worker_base(launch, world, nodes, self._store.port, self._shm_path)
         base.update(dp_attention=True, all2all=all2all, tp_size=tp_size, tp_shm_paths=self._tp_shm)
         self._listener = CommandListener(self._store, base["prefix"], host, world) if nodes.multi else None
         self._driver_threads = None  # the driver runs no forward: its threads stay as they are
@@ -263,14 +241,14 @@ def tp_segments(local: list[int], tp_size: int) -> tuple[str, ...]:
     return tuple(create_segment(tp_size) if m in dp else "" for m in range(max(dp) + 1))
 
 
-def run_headless_dp(model_path: str, dp_size: int, tp_size: int, nodes: NodeLayout, *, all2all: str, **kw) -> int:
+def run_headless_dp(launch: WorkerLaunch, dp_size: int, tp_size: int, nodes: NodeLayout, *, all2all: str) -> int:
     """A node other than 0 of DP-attention: start its ranks (they dial node 0's driver), wait
     until they exit (the driver shut down or died)."""
     world = dp_size * tp_size
     check_dp_nodes(nodes, world, tp_size)
     local = nodes.ranks(world)
     segments = tp_segments(local, tp_size)
-    base = worker_base(model_path, world, nodes, nodes.master_port, expert_parallel=True, shm_path=None, **kw)
+    base = worker_base(replace(launch, expert_parallel=True), world, nodes, nodes.master_port, None)
     base.update(dp_attention=True, all2all=all2all, tp_size=tp_size, tp_shm_paths=segments)
     try:
         procs, _ = spawn_workers(base, local, pipes=False)

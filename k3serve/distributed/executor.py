@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.distributed.worker_group import WorkerGroup
+from k3serve.distributed.multinode import NodeLayout
+from k3serve.distributed.worker_group import WorkerGroup, WorkerLaunch
 from k3serve.executor.base import Allocation, Executor, ModelInfo
 from k3serve.executor.uniproc import UniProcExecutor
 from k3serve.parallel.group import TPGroup
 
 
-def check_layout(model_path: str, tp: TPGroup) -> None:
+def check_layout(model_path: str, tp: TPGroup, quantization: str | None = None) -> None:
     """Refuse a layout the model cannot split before any worker starts: build rank 0's model on
-    the meta device (no memory) and check the MXFP4 expert split, naming the dimension."""
+    the meta device (no memory) and check the MXFP4 expert split, naming the dimension (the
+    experts' format after `quantization` at load)."""
     from k3serve.config.bundled import load_model_config
     from k3serve.parallel.shard import check_expert_split
-    from k3serve.models.registry import build_model
+    from k3serve.models.registry import build_model, quantized_config
 
-    cfg = load_model_config(model_path)
+    cfg = quantized_config(load_model_config(model_path), quantization, tp)
     with torch.device("meta"):
         build_model(cfg, tp=tp)
     check_expert_split(cfg, tp)
@@ -37,14 +39,22 @@ class MultiprocExecutor(WorkerGroup, Executor):
     """Tensor-parallel ranks: rank 0 a UniProcExecutor in this process, ranks 1..N-1 workers that
     run every command rank 0 runs, in the same order (their collectives pair with its)."""
 
-    def __init__(self, model_path: str, tp_size: int, *, where, progress: bool = True, pp_size: int = 1, **kw):
-        """`tp_size` ranks per pipeline stage, `pp_size` stages (rank 0, the driver's, on stage 0)."""
-        super().__init__(model_path, tp_size * pp_size, dtype=where.dtype, device=where.device, pp_size=pp_size, **kw)
-        self.model_path = model_path
+    def __init__(
+        self, launch: WorkerLaunch, tp_size: int, *, where, progress: bool = True, nodes: NodeLayout = NodeLayout()
+    ):
+        """`tp_size` ranks per pipeline stage, `launch.pp_size` stages (rank 0, the driver's, on
+        stage 0); `where`: the driver's placement."""
+        super().__init__(launch, tp_size * launch.pp_size, nodes)
+        self.model_path = launch.model_path
         try:
             groups = self.join_group()
             self.rank0 = UniProcExecutor.load(
-                model_path, where, load_format=kw["load_format"], progress=progress, **groups
+                launch.model_path,
+                where,
+                load_format=launch.load_format,
+                quantization=launch.quantization,
+                progress=progress,
+                **groups,
             )
             self.wait_ready()
         except BaseException:  # no worker outlives an executor that failed to start

@@ -12,6 +12,7 @@ from k3serve.executor import Executor, UniProcExecutor
 from k3serve.executor.placement import check_multi_rank
 from k3serve.parallel.group import TPGroup
 from k3serve.distributed.multinode import NodeLayout
+from k3serve.distributed.worker_group import WorkerLaunch
 
 
 def start_executor(config, where) -> Executor:
@@ -19,47 +20,27 @@ def start_executor(config, where) -> Executor:
     when `config.model` is a hub id)."""
     model_path = model_source(config)
     if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
-        return UniProcExecutor.load(model_path, where, load_format=config.load_format, progress=config.load_progress)
+        return UniProcExecutor.load(
+            model_path,
+            where,
+            load_format=config.load_format,
+            quantization=config.quantization,
+            progress=config.load_progress,
+        )
     check_multi_rank(
         where, "--tensor-parallel-size" if config.pipeline_parallel_size == 1 else "--pipeline-parallel-size"
     )
     group = TPGroup(
         0, config.tensor_parallel_size, config.enable_expert_parallel, redundant_experts=config.redundant_experts
     )
-    check_layout(model_path, group)
-    kw = dict(
-        cpu_plan=rank_cpus(config, where, config.tensor_parallel_size * config.pipeline_parallel_size),
-        expert_parallel=config.enable_expert_parallel,
-        redundant_experts=config.redundant_experts,
-        load_format=config.load_format,
-        kernels=config.kernels,
-        timeout_s=config.distributed_timeout,
-        where=where,
-        progress=config.load_progress,
-        pp_size=config.pipeline_parallel_size,
-        dcp_size=config.decode_context_parallel_size,
-        dcp_interleave=config.cp_kv_cache_interleave_size,
-    )
+    check_layout(model_path, group, config.quantization)
+    launch = WorkerLaunch.from_config(config, where, model_path)
+    kw = dict(where=where, progress=config.load_progress)
     if config.distributed_executor_backend == "ray":
         from k3serve.distributed.ray_executor import RayExecutor, ray_layout
 
-        return RayExecutor(model_path, config.tensor_parallel_size, nodes=ray_layout(), **kw)
-    return MultiprocExecutor(model_path, config.tensor_parallel_size, nodes=node_layout(config), **kw)
-
-
-def rank_cpus(config, where, ranks: int) -> tuple[tuple[int, ...], ...]:
-    """CPU ranks' CPUs on this host (executor/cpu_topology.py), logged; () on a GPU or unpinned."""
-    if where.device.type != "cpu" or config.distributed_executor_backend == "ray":  # Ray places its actors
-        return ()
-    import logging
-
-    from k3serve.executor.cpu_topology import RankCPUs, cpu_plan, describe
-
-    local = ranks // max(1, config.nnodes)
-    plan = cpu_plan(local, config.numa, config.cpu_threads_bind)
-    for line in describe([RankCPUs(r, None, c) for r, c in enumerate(plan)]):
-        logging.getLogger("k3serve.engine").info("CPU placement: %s", line)
-    return plan
+        return RayExecutor(launch, config.tensor_parallel_size, nodes=ray_layout(), **kw)
+    return MultiprocExecutor(launch, config.tensor_parallel_size, nodes=node_layout(config), **kw)
 
 
 def node_layout(config) -> NodeLayout:

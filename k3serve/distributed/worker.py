@@ -57,6 +57,7 @@ class WorkerSpec:
     tp_shm_paths: tuple[str, ...] = ()  # DP-attention with TP: each DP rank's TP segment by DP rank ("": none here)
     per_node: int = 0  # ranks on each node (0: all `world`): rank r is local rank r % per_node
     ray: bool = False  # a Ray actor: on CUDA it sees only the GPU Ray gave it
+    quantization: str | None = None  # routed experts quantized at load (models/registry.py load_model)
 
     @property
     def rank_device(self):
@@ -223,7 +224,12 @@ def worker_main(spec: WorkerSpec, conn=None) -> None:
             channel = ControlChannel(control_group(store, spec.prefix, spec.rank, spec.world), spec.rank)
         device = spec.rank_device
         model = load_model(
-            spec.model_path, dtype=getattr(torch, spec.dtype), load_format=spec.load_format, progress=False, **groups
+            spec.model_path,
+            dtype=getattr(torch, spec.dtype),
+            load_format=spec.load_format,
+            quantization=spec.quantization,
+            progress=False,
+            **groups,
         ).to(device)
         model.use_kernels(resolve_mode(spec.kernels, device))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it

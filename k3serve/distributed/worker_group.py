@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -30,27 +31,65 @@ from k3serve.parallel.shm import create_segment
 log = logging.getLogger("k3serve.distributed")
 
 
-def worker_base(
-    model_path: str,
-    tp_size: int,
-    nodes: NodeLayout,
-    port: int,
-    *,
-    expert_parallel: bool,
-    dtype: torch.dtype,
-    load_format: str,
-    kernels: str,
-    device: torch.device,
-    timeout_s: float,
-    shm_path: str | None,
-    redundant_experts: int | None = None,
-    pp_size: int = 1,
-    dcp_size: int = 1,
-    dcp_interleave: int = 1,
-    cpu_plan: tuple[tuple[int, ...], ...] = (),
-) -> dict:
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What every rank of one engine is started with, from its config and placement: the one copy
+    of the launch arguments the TP / PP executors, the DP-attention workers and a headless node's
+    ranks share (they were nine keywords written in four places)."""
+
+    model_path: str
+    dtype: torch.dtype
+    device: torch.device
+    load_format: str = "auto"
+    quantization: str | None = None  # routed experts quantized at load (models/registry.py load_model)
+    kernels: str = "auto"
+    timeout_s: float = 120.0  # every collective's and every start-up's
+    expert_parallel: bool = False
+    redundant_experts: int | None = None  # EPLB's extra expert slots (parallel/group.py); None: off
+    pp_size: int = 1  # pipeline stages
+    dcp_size: int = 1  # decode context parallelism over the TP ranks (parallel/dcp.py)
+    dcp_interleave: int = 1
+    cpu_plan: tuple[tuple[int, ...], ...] = ()  # CPU ranks: each local rank's CPUs (executor/cpu_topology.py)
+
+    @classmethod
+    def from_config(cls, config, where, model_path: str, pin: bool = True) -> "WorkerLaunch":
+        """An EngineConfig's TP x PP ranks on `where` (executor/placement.py Placement); `pin`:
+        place CPU ranks on cores (the DP-attention workers are not placed)."""
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        return cls(
+            model_path=model_path,
+            dtype=where.dtype,
+            device=where.device,
+            load_format=config.load_format,
+            quantization=config.quantization,
+            kernels=config.kernels,
+            timeout_s=config.distributed_timeout,
+            expert_parallel=config.enable_expert_parallel,
+            redundant_experts=config.redundant_experts,
+            pp_size=config.pipeline_parallel_size,
+            dcp_size=config.decode_context_parallel_size,
+            dcp_interleave=config.cp_kv_cache_interleave_size,
+            cpu_plan=rank_cpus(config, where, ranks) if pin else (),
+        )
+
+
+def rank_cpus(config, where, ranks: int) -> tuple[tuple[int, ...], ...]:
+    """CPU ranks' CPUs on this host (executor/cpu_topology.py), logged; () on a GPU or unpinned."""
+    if where.device.type != "cpu" or config.distributed_executor_backend == "ray":  # Ray places its actors
+        return ()
+    from k3serve.executor.cpu_topology import RankCPUs, cpu_plan, describe
+
+    local = ranks // max(1, config.nnodes)
+    plan = cpu_plan(local, config.numa, config.cpu_threads_bind)
+    for line in describe([RankCPUs(r, None, c) for r, c in enumerate(plan)]):
+        logging.getLogger("k3serve.engine").info("CPU placement: %s", line)
+    return plan
+
+
+def worker_base(launch: WorkerLaunch, tp_size: int, nodes: NodeLayout, port: int, shm_path: str | None) -> dict:
     """The WorkerSpec fields every rank of one engine shares (all but `rank`); `tp_size`: every
-    rank (TP x PP with `pp_size` pipeline stages: rank g = stage * TP + t)."""
+    rank (TP x PP with `launch.pp_size` pipeline stages: rank g = stage * TP + t)."""
+    pp_size, dcp_size = launch.pp_size, launch.dcp_size
     threads = max(1, (os.cpu_count() or 1) // len(nodes.ranks(tp_size)))  # this node's share of its cores
     prefix = f"k3serve-tp-{port}" if nodes.multi else f"k3serve-{uuid.uuid4().hex}"  # nodes must agree
     return dict(
@@ -58,18 +97,19 @@ def worker_base(
         world=tp_size,
         port=port,
         prefix=prefix,
-        timeout_s=timeout_s,
-        expert_parallel=expert_parallel,
-        model_path=model_path,
-        dtype=str(dtype).removeprefix("torch."),
-        load_format=load_format,
-        kernels=kernels,
-        device=torch.device(device).type,  # each rank's own device: WorkerSpec.rank_device
+        timeout_s=launch.timeout_s,
+        expert_parallel=launch.expert_parallel,
+        model_path=launch.model_path,
+        dtype=str(launch.dtype).removeprefix("torch."),
+        load_format=launch.load_format,
+        quantization=launch.quantization,
+        kernels=launch.kernels,
+        device=torch.device(launch.device).type,  # each rank's own device: WorkerSpec.rank_device
         threads=threads,
-        redundant_experts=redundant_experts,
+        redundant_experts=launch.redundant_experts,
         **(dict(pp_size=pp_size, tp_size=tp_size // pp_size) if pp_size > 1 else {}),
-        **(dict(dcp_size=dcp_size, dcp_interleave=dcp_interleave) if dcp_size > 1 else {}),
-        **(dict(cpu_plan=cpu_plan) if cpu_plan else {}),
+        **(dict(dcp_size=dcp_size, dcp_interleave=launch.dcp_interleave) if dcp_size > 1 else {}),
+        **(dict(cpu_plan=launch.cpu_plan) if launch.cpu_plan else {}),
         master_addr=nodes.master_addr if nodes.multi else "127.0.0.1",
         control=nodes.multi,
         per_node=tp_size // nodes.nnodes,
@@ -100,10 +140,10 @@ def spawn_workers(base: dict, ranks: list[int], pipes: bool) -> tuple[list, list
     return procs, conns
 
 
-def run_headless(model_path: str, tp_size: int, nodes: NodeLayout, **kw) -> int:
+def run_headless(launch: WorkerLaunch, tp_size: int, nodes: NodeLayout) -> int:
     """A node other than 0: start its ranks, wait until they exit (the driver shut down or died)."""
     nodes.check(tp_size)
-    base = worker_base(model_path, tp_size, nodes, nodes.master_port, shm_path=None, **kw)
+    base = worker_base(launch, tp_size, nodes, nodes.master_port, None)
     procs, _ = spawn_workers(base, nodes.ranks(tp_size), pipes=False)
     for p in procs:
         p.join()
@@ -117,32 +157,18 @@ class WorkerGroup:
 
     kind = "tensor-parallel"  # how errors name a worker
 
-    def __init__(
-        self,
-        model_path: str,
-        tp_size: int,
-        *,
-        expert_parallel: bool,
-        dtype: torch.dtype,
-        load_format: str,
-        kernels: str,
-        device: torch.device,
-        timeout_s: float = 120.0,
-        nodes: NodeLayout = NodeLayout(),
-        redundant_experts: int | None = None,
-        pp_size: int = 1,
-        dcp_size: int = 1,
-        dcp_interleave: int = 1,
-        cpu_plan: tuple[tuple[int, ...], ...] = (),
-    ):
-        """`tp_size`: every rank (TP x PP with pipeline stages); `redundant_experts`: EPLB's
-        extra expert slots (parallel/group.py), None: EPLB off; `pp_size`: pipeline stages."""
+    def __init__(self, launch: WorkerLaunch, tp_size: int, nodes: NodeLayout = NodeLayout()):
+        """`tp_size`: every rank (TP x PP with `launch.pp_size` pipeline stages)."""
         nodes.check(tp_size)
+        timeout_s, pp_size = launch.timeout_s, launch.pp_size
         # `world`: every process of the group; `size` (executor/base.py): the ranks whose KDA heads
         # make up one state, the TP ranks of a stage (all of them without stages)
         self.world, self.size, self.timeout_s, self.nodes = tp_size, tp_size // pp_size, timeout_s, nodes
         self.pp = pp_size
-        self.dcp = (dcp_size, dcp_interleave)  # decode context parallelism over the TP ranks (parallel/dcp.py)
+        self.dcp = (
+            launch.dcp_size,
+            launch.dcp_interleave,
+        )  # decode context parallelism over the TP ranks (parallel/dcp.py)
         self.error: str | None = None
         timeout = datetime.timedelta(seconds=timeout_s)
         if nodes.agent_store:  # torchrun's agent hosts it
@@ -151,33 +177,16 @@ class WorkerGroup:
             host, port = (nodes.master_addr, nodes.master_port) if nodes.multi else ("127.0.0.1", 0)
             self._store = dist.TCPStore(host, port, tp_size, True, wait_for_workers=False, timeout=timeout)
         self._shm_path = None if nodes.multi else create_segment(tp_size)  # ranks on one host only
-        base = worker_base(
-            model_path,
-            tp_size,
-            nodes,
-            self._store.port,
-            expert_parallel=expert_parallel,
-            dtype=dtype,
-            load_format=load_format,
-            kernels=kernels,
-            device=device,
-            timeout_s=timeout_s,
-            shm_path=self._shm_path,
-            redundant_experts=redundant_experts,
-            pp_size=pp_size,
-            dcp_size=dcp_size,
-            dcp_interleave=dcp_interleave,
-            cpu_plan=cpu_plan,
-        )
+        base = worker_base(launch, tp_size, nodes, self._store.port, self._shm_path)
         # each rank gets its share of the cores, the driver's included: an idle OpenMP thread
         # spinning on a core a peer needs makes every collective wait for the scheduler
         self._driver_threads = torch.get_num_threads()
         self._driver_cpus = None  # the driver's affinity before it pinned rank 0 (restored at shutdown)
-        if cpu_plan:
+        if launch.cpu_plan:
             from k3serve.executor.cpu_topology import RankCPUs, pin
 
             self._driver_cpus = os.sched_getaffinity(0)
-            pin(RankCPUs(0, None, cpu_plan[0]))
+            pin(RankCPUs(0, None, launch.cpu_plan[0]))
         else:
             torch.set_num_threads(base["threads"])
         local = [] if nodes.torchrun else nodes.ranks(tp_size)[1:]  # torchrun started every rank itself

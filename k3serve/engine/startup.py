@@ -116,14 +116,16 @@ def spec_reserve(config: EngineConfig, model: ModelInfo) -> int:
 
 
 def check_quantization(config: EngineConfig, model: ModelInfo) -> None:
-    """--quantization must name the checkpoint's own format (k3serve never requantizes)."""
+    """--quantization names a quantized checkpoint's own format (k3serve never requantizes a
+    quantized checkpoint), or mxfp4 / nvfp4 for an unquantized one's routed experts, which the
+    load quantized (models/registry.py quantized_config): `model` is what was loaded."""
     if config.quantization is None:
         return
     if model.cfg.quant is None:
         raise ValueError(
             f"--quantization {config.quantization}: this checkpoint is not quantized (no "
-            f"quantization_config); k3serve does not quantize at load time: drop the flag or serve "
-            f"an MXFP4 checkpoint"
+            f"quantization_config); pass --quantization mxfp4 or nvfp4 to quantize its routed experts "
+            f"at load, or convert it first (k3serve convert)"
         )
     scheme = model.cfg.quant.scheme
     if config.quantization in ("mxfp4", "nvfp4") and config.quantization != scheme:

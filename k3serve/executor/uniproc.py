@@ -34,6 +34,7 @@ class UniProcExecutor(Executor):
         where,
         *,
         load_format: str = "auto",
+        quantization: str | None = None,
         progress: bool = True,
         tp: TPGroup = NO_TP,
         ep: TPGroup | None = None,
@@ -41,11 +42,18 @@ class UniProcExecutor(Executor):
         pipe=None,
     ) -> "UniProcExecutor":
         """Load the checkpoint's share for (`tp`, `ep`, pipeline stage `pipe`) onto `where.device`
-        (engine/startup.py Placement)."""
+        (executor/placement.py Placement); `quantization`: routed experts quantized at load."""
         from k3serve.models.registry import load_model
 
         model = load_model(
-            model_path, dtype=where.dtype, load_format=load_format, progress=progress, tp=tp, ep=ep, pipe=pipe
+            model_path,
+            dtype=where.dtype,
+            load_format=load_format,
+            quantization=quantization,
+            progress=progress,
+            tp=tp,
+            ep=ep,
+            pipe=pipe,
         )
         return cls(model.to(where.device), where.device, threads, str(model_path))
 

@@ -28,6 +28,7 @@ def assign_weights(model, weights) -> None:
     device, holding nothing) never holds a second copy; a layer's experts are stacked as soon as
     its last one arrives."""
     params = dict(model.named_parameters())
+    quant = model.cfg.quant  # packed experts; an unquantized checkpoint's are quantized as they come
     experts: dict[tuple[int, str], dict[int, object]] = {}  # layers still waiting for experts
     loaded: set[tuple[int, str]] = set()
     model.kv_scales = {}  # MLA layer -> the checkpoint's fp8 cache scale (compressed-tensors kv_cache_scheme)
@@ -35,7 +36,7 @@ def assign_weights(model, weights) -> None:
         m = _EXPERT.match(name)
         if m:
             key = (int(m[1]), m[3])
-            experts.setdefault(key, {})[int(m[2])] = value
+            experts.setdefault(key, {})[int(m[2])] = _as_packed(value, quant)
             moe = model.model.layers[key[0]].block_sparse_moe
             if len(experts[key]) == getattr(moe, key[1]).shape[0]:  # the layer's last expert
                 _load_experts(model, moe, key[1], experts.pop(key))
@@ -71,6 +72,16 @@ def assign_weights(model, weights) -> None:
                     "routed expert weight missing",
                     tensor=f"model.layers.{i}.block_sparse_moe.experts.{missing}.{w}.weight",
                 )
+
+
+def _as_packed(value, quant):
+    """An expert matrix [out, in] as the model takes it: a dense one from an unquantized
+    checkpoint, for a model built with packed experts (--quantization at load,
+    models/registry.py quantized_config), is quantized now, one matrix at a time, to the bytes
+    `k3serve convert` writes (weights/convert.py _pack)."""
+    if quant is None or not isinstance(value, torch.Tensor):
+        return value
+    return (PackedMXFP4 if quant.scheme == "mxfp4" else PackedNVFP4).quantize(value.float())
 
 
 def _load_experts(model, moe, w: str, per: dict[int, object]) -> None:

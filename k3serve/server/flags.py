@@ -275,8 +275,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         "-q",
-        help="must match the checkpoint (compressed-tensors / mxfp4 / nvfp4): "
-        "k3serve reads the format from config.json and never requantizes",
+        help="a quantized checkpoint's own format (compressed-tensors / mxfp4 / nvfp4: read from "
+        "config.json, never requantized), or mxfp4 / nvfp4 on an unquantized checkpoint: its routed "
+        "experts quantized at load, the bytes `k3serve convert` writes, without a second copy on disk",
     )
     p.add_argument(
         "--chat-template",

@@ -297,7 +297,7 @@ def headless(args: argparse.Namespace) -> int | None:
     """On a node other than 0 (or a torchrun rank other than 0): run this node's tensor-parallel
     ranks until the driver shuts down, and return their exit status; None on the serving node."""
     from k3serve.config.engine_config import EngineConfig
-    from k3serve.distributed.worker_group import run_headless, worker_base
+    from k3serve.distributed.worker_group import WorkerLaunch, run_headless, worker_base
     from k3serve.distributed.multinode import NodeLayout, torchrun_layout, torchrun_rank
     from k3serve.distributed.worker import WorkerSpec, worker_main
     from k3serve.demo import default_model
@@ -308,25 +308,11 @@ def headless(args: argparse.Namespace) -> int | None:
         return None
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     where = placement(config)
-    from k3serve.distributed.start import rank_cpus
-
-    kw = dict(
-        cpu_plan=rank_cpus(config, where, args.tensor_parallel_size * config.pipeline_parallel_size),
-        expert_parallel=config.enable_expert_parallel,
-        redundant_experts=config.redundant_experts,
-        pp_size=config.pipeline_parallel_size,
-        dcp_size=config.decode_context_parallel_size,
-        dcp_interleave=config.cp_kv_cache_interleave_size,
-        dtype=where.dtype,
-        load_format=config.load_format,
-        kernels=config.kernels,
-        device=where.device,
-        timeout_s=config.distributed_timeout,
-    )
     path = str(config.model or default_model())
     if ran is not None:  # torchrun started this process as one rank: be it
         nodes = torchrun_layout()
-        worker_main(WorkerSpec(rank=ran[0], **worker_base(path, ran[1], nodes, nodes.master_port, shm_path=None, **kw)))
+        launch = WorkerLaunch.from_config(config, where, path)
+        worker_main(WorkerSpec(rank=ran[0], **worker_base(launch, ran[1], nodes, nodes.master_port, None)))
         return 0
     nodes = NodeLayout(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     dp, tp = args.data_parallel_size, args.tensor_parallel_size
@@ -341,8 +327,8 @@ def headless(args: argparse.Namespace) -> int | None:
             args.master_addr,
             args.master_port,
         )
-        kw.pop("expert_parallel")
-        return run_headless_dp(path, dp, tp, nodes, all2all=config.all2all_backend, **kw)
+        launch = WorkerLaunch.from_config(config, where, path, pin=False)
+        return run_headless_dp(launch, dp, tp, nodes, all2all=config.all2all_backend)
     logging.getLogger("k3serve.server").info(
         "node %d of %d: tensor-parallel ranks %s, driver at %s:%d",
         args.node_rank,
@@ -351,7 +337,7 @@ def headless(args: argparse.Namespace) -> int | None:
         args.master_addr,
         args.master_port,
     )
-    return run_headless(path, tp * config.pipeline_parallel_size, nodes, **kw)
+    return run_headless(WorkerLaunch.from_config(config, where, path), tp * config.pipeline_parallel_size, nodes)
 
 
 def start_line(args: argparse.Namespace) -> str:

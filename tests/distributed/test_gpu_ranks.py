@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3serve.distributed.worker_group import worker_base
+from k3serve.distributed.worker_group import WorkerLaunch, worker_base
 from k3serve.distributed.multinode import NodeLayout
 from k3serve.distributed.worker import WorkerSpec, make_dp_tp_group, make_group
 from k3serve.executor.placement import resolve_mode
@@ -47,19 +47,8 @@ def fake_cuda(monkeypatch):
 
 
 def specs(world: int, nodes: NodeLayout = NodeLayout(), **extra) -> list[WorkerSpec]:
-    base = worker_base(
-        "ckpt",
-        world,
-        nodes,
-        0,
-        expert_parallel=True,
-        dtype=torch.bfloat16,
-        load_format="auto",
-        kernels="auto",
-        device=torch.device("cuda", 0),
-        timeout_s=7.0,
-        shm_path=None,
-    )
+    launch = WorkerLaunch("ckpt", torch.bfloat16, torch.device("cuda", 0), timeout_s=7.0, expert_parallel=True)
+    base = worker_base(launch, world, nodes, 0, None)
     base.update(extra)
     return [WorkerSpec(rank=r, **base) for r in nodes.ranks(world)]
 
@@ -106,17 +95,7 @@ def test_the_second_node_counts_its_gpus_from_zero(fake_cuda):
 def test_cpu_ranks_keep_gloo(tmp_path):
     """The same code on the CPU: gloo groups (this is what every equality test here runs)."""
     base = worker_base(
-        "ckpt",
-        2,
-        NodeLayout(),
-        0,
-        expert_parallel=False,
-        dtype=torch.float32,
-        load_format="auto",
-        kernels="auto",
-        device=torch.device("cpu"),
-        timeout_s=30.0,
-        shm_path=None,
+        WorkerLaunch("ckpt", torch.float32, torch.device("cpu"), timeout_s=30.0), 2, NodeLayout(), 0, None
     )
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     base["port"] = store.port

@@ -162,3 +162,65 @@ def test_converting_streams_with_bounded_memory(layers, tmp_path):
     print(f"converting {size / 2**20:.0f} MiB: peak {grew / 2**20:.0f} MiB above the baseline")
     assert grew < min(96 * 2**20, 0.4 * size), (grew, size)
     assert sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors")) < 0.45 * size
+
+
+def _experts(llm) -> dict[str, torch.Tensor]:
+    """Every routed-expert buffer of an engine's model (rank 0's), by name, as raw bits (NVFP4's
+    factor tables hold E4M3's NaN byte as a NaN)."""
+    out = {}
+    for n, b in llm.engine.model.named_buffers():
+        if any(f".{w}." in n for w in ("w1", "w2", "w3")):
+            out[n] = b.view(torch.int32) if b.dtype == torch.float32 else b.clone()
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear"])
+def test_quantizing_at_load_is_converting_without_the_second_copy(kind, scheme, tmp_path):
+    """`--quantization mxfp4|nvfp4` on a bf16 checkpoint (issue 64 item 1): the routed experts are
+    quantized as they load to the bytes `k3serve convert` writes (each packed code, scale and
+    global scale equal, bit for bit), and the engine serves the converted checkpoint's greedy
+    tokens on the torch and cpp backends."""
+    if kind == "k3":
+        src = write_bf16_twin(build_tiny_checkpoint(tmp_path / "release", kind="k3", seed=4), tmp_path / "bf16")
+    else:
+        src = build_tiny_checkpoint(tmp_path / "bf16", kind="kimi_linear", seed=4)
+    convert(src, tmp_path / "packed", scheme, progress=False)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(50, 61))}]
+    kw = dict(dtype="float32", cache_memory="16MiB", max_model_len=256)
+    for kernels in ("torch", "cpp"):
+        converted = LLM(str(tmp_path / "packed"), kernels=kernels, **kw)
+        at_load = LLM(str(src), kernels=kernels, quantization=scheme, **kw)
+        want, got = _experts(converted), _experts(at_load)
+        assert want.keys() == got.keys() and any(n.endswith(".packed") for n in want)
+        for n in want:
+            assert want[n].dtype == got[n].dtype and torch.equal(want[n], got[n]), n
+        assert at_load.engine.model.cfg.quant == converted.engine.model.cfg.quant
+        assert [o.outputs[0].token_ids for o in at_load.generate(prompts, greedy)] == [
+            o.outputs[0].token_ids for o in converted.generate(prompts, greedy)
+        ], kernels
+
+
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear"])
+def test_quantizing_at_load_under_tensor_parallelism_equals_one_process(kind, tmp_path):
+    """Every rank quantizes the whole experts it reads (split by id): a TP2 engine serves the
+    one-process engine's tokens. Split by channel, the tiny Kimi-Linear's 32-channel experts give
+    16 a rank, not whole MXFP4 groups: refused by name before any worker starts, as for a
+    converted checkpoint."""
+    if kind == "k3":
+        src = write_bf16_twin(build_tiny_checkpoint(tmp_path / "release", kind="k3", seed=5), tmp_path / "bf16")
+    else:
+        src = build_tiny_checkpoint(tmp_path / "bf16", kind="kimi_linear", seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 30))}]
+    kw = dict(dtype="float32", cache_memory="16MiB", max_model_len=256, kernels="torch", quantization="mxfp4")
+    want = [o.outputs[0].token_ids for o in LLM(str(src), **kw).generate(prompts, greedy)]
+    if kind == "kimi_linear":
+        with pytest.raises(ValueError, match="not a multiple of the MXFP4 group of 32"):
+            LLM(str(src), tensor_parallel_size=2, **kw)
+    tp2 = LLM(str(src), tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, greedy)] == want
+    finally:
+        tp2.engine.shutdown()

@@ -112,7 +112,9 @@ def test_unsupported_vllm_flags_say_why(tiny_k3_dir, capsys, flags, says):
 
 
 def test_quantization_must_match_the_checkpoint(tiny_kl_dir, capsys):
-    assert main(["serve", str(tiny_kl_dir), "--cache-memory", "16MiB", "--quantization", "mxfp4"]) == 2
+    # (mxfp4 / nvfp4 on this unquantized checkpoint quantize its experts at load: issue 64,
+    # tests/model/test_convert.py; a compressed-tensors checkpoint it is not)
+    assert main(["serve", str(tiny_kl_dir), "--cache-memory", "16MiB", "--quantization", "compressed-tensors"]) == 2
     assert "not quantized" in capsys.readouterr().err
 
 
