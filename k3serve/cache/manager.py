@@ -157,6 +157,10 @@ class HybridCacheManager:
             self.drafts.accept(self._slot_of[req_id], position)
 
     @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free
 
@@ -262,7 +266,23 @@ class HybridCacheManager:
             n += 1
         return n
 
+    def save_points(self, prompt_len: int, hit: PrefixHit, interval: int = 0) -> list[int]:
+        """Where a request's prefill should leave KDA checkpoints (prefix caching's policy; none
+        without it): the end of the prompt's last full block, the junction where it left the
+        cached prefix `hit`, and every `interval` tokens (multiples of the block size)."""
+        if not self.prefix_caching:
+            return []
+        bs, start = self.block_size, hit.num_tokens
+        prompt_end = prompt_len // bs * bs
+        points = {prompt_end, hit.junction}
+        if interval:
+            points.update(range(interval, prompt_end + 1, interval))
+        return sorted(p for p in points if start < p <= prompt_end and p % bs == 0)
+
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
+        """A prompt's lookup for the hit-rate counters (prefix caching on)."""
+        if not self.prefix_caching:
+            return
         st = self.checkpoints.stats
         st.queries, st.query_tokens, st.hit_tokens = (
             st.queries + 1,

@@ -63,7 +63,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        need, have = self.cache.blocks_for(req.max_total_tokens), self.cache.blocks.num_blocks
+        need, have = self.cache.blocks_for(req.max_total_tokens), self.cache.num_blocks
         if need > have:  # could never run: it would preempt itself forever
             raise ValueError(
                 f"request {req.request_id!r} may reach {req.max_total_tokens} tokens = {need} "
@@ -297,7 +297,7 @@ class Scheduler:
         if hit.pending:  # its longer prefix is being read from disk (k3serve/offload): next step
             return None
         req.num_computed_tokens = hit.num_tokens
-        req.checkpoint_at = self._save_points(req, hit)
+        req.checkpoint_at = self.cache.save_points(len(req.prompt_token_ids), hit, self.config.checkpoint_interval)
         n = self._chunk(req, budget)
         if not self.cache.can_admit(hit.num_tokens + n, hit):
             req.num_computed_tokens, req.checkpoint_at = 0, []
@@ -310,26 +310,12 @@ class Scheduler:
         batch.load_blocks.extend(alloc.loads)
         if alloc.load_state is not None:
             batch.load_states.append((alloc.load_state, alloc.state_slot))
-        if self.cache.prefix_caching:
-            self.cache.record_query(len(req.prompt_token_ids), min(hit.num_tokens, len(req.prompt_token_ids)))
+        self.cache.record_query(len(req.prompt_token_ids), min(hit.num_tokens, len(req.prompt_token_ids)))
         req.num_cached_tokens = hit.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         batch.seqs.append(self._seq(req, n, batch))
         return budget - n
-
-    def _save_points(self, req: Request, hit) -> list[int]:
-        """Where this request's prefill should leave KDA checkpoints: the end of the prompt's last
-        full block, the junction where it left the cached prefix, every `checkpoint_interval`."""
-        if not self.cache.prefix_caching:
-            return []
-        bs, start = self.cache.block_size, hit.num_tokens
-        prompt_end = len(req.prompt_token_ids) // bs * bs
-        points = {prompt_end, hit.junction}
-        step = self.config.checkpoint_interval
-        if step:
-            points.update(range(step, prompt_end + 1, step))
-        return sorted(p for p in points if start < p <= prompt_end and p % bs == 0)
 
     def _enqueue(self, req: Request, front: bool) -> None:
         req.status = RequestStatus.WAITING
