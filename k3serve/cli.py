@@ -71,7 +71,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from k3serve import LLM, SamplingParams
-    from k3serve.server.flags import backend_kwargs, source_kwargs
+    from k3serve.server.flags import config_kwargs
 
     if not args.json:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -90,17 +90,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=args.stop or [],
     )
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        **backend_kwargs(args),
-        **source_kwargs(args),
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        cache_memory=args.cache_memory,
-        seed=args.seed,
-    )
+    llm = LLM(args.model, **config_kwargs(args))
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3serve.config.engine_config import ALL2ALL_BACKENDS, KERNELS
+from dataclasses import fields
+
+from k3serve.config.engine_config import ALL2ALL_BACKENDS, KERNELS, EngineConfig
 from k3serve.server.vllm_flags import add_vllm_flags
 
 
@@ -38,8 +40,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def backend_kwargs(args: argparse.Namespace) -> dict:
-    return dict(kernels=args.kernels, enforce_eager=args.enforce_eager, compilation_config=args.compilation_config)
+def config_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields a command's flags set, by name (a flag's dest is its field's name):
+    what `serve` and `generate` hand the engine, written once."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model" and hasattr(args, f.name)}
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
@@ -47,10 +51,6 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="branch, tag or commit of a Hugging Face repo id (default: main)")
     p.add_argument("--download-dir", help="hub cache folder for a repo id (default: HF_HUB_CACHE)")
     p.add_argument("--hf-token", help="token for gated repos (default: HF_TOKEN or the saved login)")
-
-
-def source_kwargs(args: argparse.Namespace) -> dict:
-    return dict(revision=args.revision, download_dir=args.download_dir, hf_token=args.hf_token)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from k3serve.server.flags import backend_kwargs, source_kwargs
+from k3serve.server.flags import config_kwargs
 
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
 STRAGGLERS_S = 0.5  # uvicorn's wait for the connections it closes at shutdown, after the drain
@@ -115,53 +115,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             spec = json.loads(args.speculative_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    return dict(
-        dtype=args.dtype,
-        load_format=args.load_format,
-        **backend_kwargs(args),
-        **source_kwargs(args),
+    kw = config_kwargs(args)  # every EngineConfig field a flag sets, read by name: no hand copy
+    return kw | dict(
         load_progress=True,
-        tokenizer=args.tokenizer,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        cache_memory=args.cache_memory,
-        seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=spec,
-        prefix_cache_state_interval=args.prefix_cache_state_interval,
-        prefix_cache_state_fraction=args.prefix_cache_state_fraction,
-        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-        calculate_kv_scales=args.calculate_kv_scales,
-        kv_offloading_size=args.kv_offloading_size,
-        kv_offloading_backend=args.kv_offloading_backend,
-        kv_offloading_dir=args.kv_offloading_dir,
-        kv_offloading_dir_size=args.kv_offloading_dir_size,
-        kv_offloading_write_policy=args.kv_offloading_write_policy,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
-        quantization=args.quantization,
-        mm_encoder_cache=args.mm_encoder_cache,
-        max_logprobs=args.max_logprobs,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        decode_context_parallel_size=args.decode_context_parallel_size,
-        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
-        numa=args.numa,
-        cpu_threads_bind=args.cpu_threads_bind,
-        enable_expert_parallel=args.enable_expert_parallel,
-        distributed_timeout=args.distributed_timeout,
-        all2all_backend=args.all2all_backend,
-        enable_eplb=args.enable_eplb,
-        eplb_config=args.eplb_config,
-        data_parallel_backend=args.data_parallel_backend,
-        distributed_executor_backend="ray" if args.distributed_executor_backend == "ray" else "mp",
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        scheduling_policy=args.scheduling_policy,
+        kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,  # vLLM's alias
+        distributed_executor_backend="ray" if args.distributed_executor_backend == "ray" else "mp",  # uni: one rank
     )
 
 

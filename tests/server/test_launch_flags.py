@@ -99,9 +99,9 @@ def test_flags_accepted_because_they_hold():
     assert not any("hf_x" in n for n in notes)  # the token is used now (weights/hub.py), never printed
     assert any("--async-scheduling" in n and "changes nothing" in n for n in notes)
     from k3serve.config.engine_config import EngineConfig
-    from k3serve.server.flags import source_kwargs
+    from k3serve.server.launch import engine_kwargs
 
-    cfg = EngineConfig(model="org/name", **source_kwargs(args))
+    cfg = EngineConfig.from_kwargs("org/name", **engine_kwargs(args))
     assert (cfg.revision, cfg.download_dir, cfg.hf_token) == ("v2", "/d", "hf_x") and "hf_x" not in repr(cfg)
 
 

@@ -233,3 +233,39 @@ def test_fields_the_server_does_not_honour_are_refused_by_name(live_server, path
         },
     )
     assert ok.status_code == 200
+
+
+def test_every_engine_knob_is_one_serve_flag_read_by_name():
+    """Each EngineConfig field is set by the `serve` flag whose dest is its name, and the server
+    hands it on by that name (server/flags.py config_kwargs: no hand copy to fall out of step);
+    the few that are not flags say why here."""
+    import argparse
+    import dataclasses
+
+    from k3serve.cli import build_parser
+    from k3serve.config.engine_config import EngineConfig
+    from k3serve.server.launch import engine_kwargs
+
+    not_flags = {  # (`model` is the positional MODEL, or --model, resolved apart)
+        "extra": "unknown keywords, refused",
+        "device": "library callers only (the server places by --tensor-parallel-size and CUDA_VISIBLE_DEVICES)",
+        "cache_memory_fraction": "library callers only (the server's is --gpu-memory-utilization / --cache-memory)",
+        "num_state_slots": "library callers and tests only",
+        "load_progress": "the server always shows it",
+    }
+    args = build_parser().parse_args(["serve"])
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert fields - set(vars(args)) == set(not_flags)
+    # a value set on every flag's dest reaches the engine's kwargs under the field's name
+    marked = argparse.Namespace(**vars(args))
+    for name in fields & set(vars(args)) - {"model", "kv_cache_dtype", "distributed_executor_backend"}:
+        if name != "speculative_config":
+            setattr(marked, name, ("marker", name))
+    kw = engine_kwargs(marked)
+    for name in fields & set(vars(args)) - {
+        "model",
+        "kv_cache_dtype",
+        "distributed_executor_backend",
+        "speculative_config",
+    }:
+        assert kw[name] == ("marker", name), name
