@@ -56,7 +56,7 @@ class CpuKernels(DecodeStacks, Backend):
         return x.device.type == "cpu" and not torch.is_grad_enabled()
 
     # ---- Kimi Delta Attention ------------------------------------------------------------
-    def kda(self, layer, x, batch, cache):
+    def kda_layer(self, layer, x, batch, cache):
         step = batch.step
         if not self.takes(x):
             return layer.reference(x, batch, cache)
@@ -201,7 +201,7 @@ class CpuKernels(DecodeStacks, Backend):
         return views
 
     # ---- gated MLA -----------------------------------------------------------------------
-    def mla(self, layer, x, batch, cache):
+    def mla_layer(self, layer, x, batch, cache):
         step = batch.step
         if not (self.takes(x) and step.seqs):
             return layer.reference(x, batch, cache)
@@ -283,7 +283,7 @@ class CpuKernels(DecodeStacks, Backend):
             return self.kernels.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def glu(self, layer, x):
+    def glu_layer(self, layer, x):
         """Three GEMVs and the GLU in C++ (dense layer 0, shared experts)."""
         if not (self.takes(x) and x.dtype in KERNEL_DTYPES):
             return layer.reference(x)
@@ -302,15 +302,15 @@ class CpuKernels(DecodeStacks, Backend):
         return pack
 
     # ---- the MoE block ---------------------------------------------------------------------
-    def moe(self, layer, x, batch=None):
+    def moe_layer(self, layer, x, batch=None):
         if not self.takes(x) or x.dtype not in KERNEL_DTYPES:
-            return super().moe(layer, x, batch)
+            return super().moe_layer(layer, x, batch)
         if not block_experts(layer):  # the grouped kernels, the layer's torch around them
             if layer.ep is None and layer.tp.size == 1:
                 return layer.single_rank(
                     x, partial(self._grouped_experts, layer), lambda x: self.moe_route(x, *layer.router_args)
                 )
-            return super().moe(layer, x, batch)  # TP / EP: the layer's route, this backend's pieces
+            return super().moe_layer(layer, x, batch)  # TP / EP: the layer's route, this backend's pieces
         if layer.ep is None and (
             layer.tp.size == 1 or (layer.cfg.latent_size is None and not layer.tp.expert_parallel)
         ):
@@ -318,7 +318,7 @@ class CpuKernels(DecodeStacks, Backend):
             if layer.tp.size > 1 or self.moe_takes_block(layer, x):
                 return self._moe_block(layer, x)
             return layer.single_rank(x, partial(self._grouped_experts, layer))  # big dense experts, many rows
-        return super().moe(layer, x, batch)
+        return super().moe_layer(layer, x, batch)
 
     def moe_takes_block(self, layer, x: torch.Tensor) -> bool:
         """Whether the block kernel runs this layer at x's rows (one rank, and experts the

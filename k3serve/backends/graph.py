@@ -75,7 +75,7 @@ class GraphBackend(Backend):
             self.nv_tables[layer].copy_(torch.stack([w.tables for w in (layer.w1, layer.w2, layer.w3)]))
 
     # ---- attention: static steps here, everything else the reference
-    def kda(self, layer, x, batch, cache):
+    def kda_layer(self, layer, x, batch, cache):
         if not batch.static:
             return layer.reference(x, batch, cache)
         u, z, b, gate = layer.projections(x)  # [N, 3P], [N, P], [N, H], [N, P] fp32
@@ -99,7 +99,7 @@ class GraphBackend(Backend):
         op = self.core_ops.kda_decode if batch.T == 1 else self.core_ops.kda_verify
         return op(u, z, b, gate, *state, layer.head_dim, layer.lower_bound, layer.eps)
 
-    def mla(self, layer, x, batch, cache):
+    def mla_layer(self, layer, x, batch, cache):
         if not batch.static:
             return layer.reference(x, batch, cache)
         m, N = layer.cfg, x.shape[0]
@@ -139,7 +139,7 @@ class GraphBackend(Backend):
     def rms_norm(self, x, weight, eps):
         return self.ops.rms_norm(x, weight, eps)
 
-    def glu(self, layer, x):
+    def glu_layer(self, layer, x):
         beta, linear_beta = layer.situ or (0.0, 0.0)
         return self.ops.glu_mlp(
             x,
@@ -151,13 +151,13 @@ class GraphBackend(Backend):
             linear_beta,
         )
 
-    def moe(self, layer, x, batch=None):
+    def moe_layer(self, layer, x, batch=None):
         if layer.ep is not None:  # DP-attention: every rank's rows fixed in a static step, else the reference
             if getattr(batch, "ep_rows", 0):
                 return layer.dp_ep_forward(x, self, batch)
-            return Backend.moe(TORCH, layer, x)
+            return Backend.moe_layer(TORCH, layer, x)
         if x.shape[0] > self.static_rows:  # an eager prefill chunk: the reference's sorted experts
-            return Backend.moe(TORCH, layer, x)
+            return Backend.moe_layer(TORCH, layer, x)
         if layer.tp.size > 1:  # this rank's channels of every expert; the all-reduces trace (group.py)
             return layer.partial_forward(x, self, batch.live() if getattr(batch, "static", False) else None)
         return layer.single_rank(

@@ -48,13 +48,13 @@ class TritonBackend(GraphBackend):
     def kda_gate(self, i: int) -> torch.Tensor:
         return self.a_log[i]
 
-    def kda(self, layer, x, batch, cache):
+    def kda_layer(self, layer, x, batch, cache):
         """Static steps: the graph backend's (the fused recurrent kernel). An eager step without
         a verify pass (prefill chunks, with any decode rows beside them): every sequence in one
         varlen `chunk_kda` call from its slot's state; a verify pass keeps the reference (its
         per-position records)."""
         if batch.static or batch.verify:
-            return super().kda(layer, x, batch, cache)
+            return super().kda_layer(layer, x, batch, cache)
         from k3serve.kernels.triton.kda import kda_prefill
         from k3serve.kernels.triton.short_conv import short_conv_varlen
 

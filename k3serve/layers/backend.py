@@ -13,11 +13,11 @@ class Backend:
 
     - ops, tensors in and tensors out (and the step's plan where a shape depends on it):
       `rms_norm`, `moe_route`, `logits`, `attnres_mix`, `moe_experts`' rows;
-    - whole-layer entry points (`kda`, `mla`, `glu`, `moe`, `decode_stack`), kept for the fused
-      kernels that take a layer's weights in their own packed form, built once per layer
-      (backends/cpu.py packs, the graph and Triton steps' weights): the reference runs the
-      layer's own `reference` body, composed of the layer's public pieces. No backend calls a
-      layer's private methods."""
+    - whole-layer entry points, named so (`kda_layer`, `mla_layer`, `glu_layer`, `moe_layer`,
+      `decode_stack`), kept for the fused kernels that take a layer's weights in their own
+      packed form, built once per layer (backends/cpu.py packs, the graph and Triton steps'
+      weights): the reference runs the layer's own `reference` body, composed of the layer's
+      public pieces. No backend calls a layer's private methods."""
 
     name = "torch"
     kernels = None  # the compiled module of a kernel backend
@@ -29,10 +29,10 @@ class Backend:
         """EPLB rewrote a MoE layer's expert weights in place (runner/eplb.py): forms derived
         from them are rebuilt (none here)."""
 
-    def kda(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def kda_layer(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
         return layer.reference(x, batch, cache)
 
-    def mla(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def mla_layer(self, layer, x: torch.Tensor, batch, cache) -> torch.Tensor:
         return layer.reference(x, batch, cache)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,11 +40,11 @@ class Backend:
 
         return rms_norm(x, weight, eps)
 
-    def glu(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def glu_layer(self, layer, x: torch.Tensor) -> torch.Tensor:
         return layer.reference(x)
 
     # ---- the MoE block: its route (parallel layout) is the layer's, its pieces the backend's
-    def moe(self, layer, x: torch.Tensor, batch=None) -> torch.Tensor:
+    def moe_layer(self, layer, x: torch.Tensor, batch=None) -> torch.Tensor:
         """`batch`: the step (DP-attention's static step fixes the token exchange's rows)."""
         if layer.ep is not None:
             return layer.dp_ep_forward(x, self, batch)

@@ -49,7 +49,7 @@ class KimiDeltaAttention(nn.Module):
         self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        return self.backend.kda(self, x, batch, cache)
+        return self.backend.kda_layer(self, x, batch, cache)
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, d] -> u = q|k|v before the conv [N, 3P], z = f_b(f_a x) [N, P] (decay logits before

@@ -120,7 +120,7 @@ class GatedMLA(nn.Module):
         self.dcp = tp if tp.dcp > 1 else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        return self.backend.mla(self, x, batch, cache)
+        return self.backend.mla_layer(self, x, batch, cache)
 
     def reference(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """The torch path (every backend's reference)."""

@@ -44,7 +44,7 @@ class GluMLP(nn.Module):
         self.backend = TORCH  # how forward runs (k3serve/backends), chosen once by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.glu(self, x)
+        return self.backend.glu_layer(self, x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
@@ -141,7 +141,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """`batch`: the step (a DP-attention static step fixes its token exchange's rows)."""
-        return self.backend.moe(self, x, batch)
+        return self.backend.moe_layer(self, x, batch)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The block on one rank in torch (every backend's reference)."""

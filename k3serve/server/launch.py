@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from k3serve.server.flags import config_kwargs
+from k3serve.server.heap import limit_arenas
 
 DEFAULT_SERVED_NAME = "k3serve/default-tiny-k3"
 STRAGGLERS_S = 0.5  # uvicorn's wait for the connections it closes at shutdown, after the drain
@@ -314,6 +315,7 @@ def serve(args: argparse.Namespace) -> int:
     # said before torch and the engine are imported: on a loaded machine they took 20 s and more,
     # with nothing in the log to say what was starting
     logging.getLogger("k3serve.server").info("%s", start_line(args))
+    limit_arenas()  # before any serving thread allocates (server/heap.py)
     status = headless(args)
     if status is not None:
         return status
