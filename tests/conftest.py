@@ -39,6 +39,19 @@ def _fla_under_the_interpreter():
 
 
 @pytest.fixture(autouse=True)
+def _compiles_end_with_their_test():
+    """A graph bucket one test queued finishes compiling before the next test starts: a compile
+    thread outlives its engine, and one still tracing while the next test called
+    torch._dynamo.reset() killed the suite's process (SIGFPE, a loaded machine)."""
+    yield
+    import sys
+
+    steps = sys.modules.get("k3serve.runner.graph_step")
+    if steps is not None:
+        assert steps.wait_for_compiles(600), "a graph bucket still compiling 10 minutes after its test"
+
+
+@pytest.fixture(autouse=True)
 def _no_hub_downloads(monkeypatch):
     """Nothing in the suite reaches the Hugging Face Hub: a repo id resolves from a cache or fails
     fast (weights/hub.py reads the variable per call); tests/unit/test_hub.py serves its own hub."""

@@ -250,6 +250,7 @@ class GraphSteps:
             threading.Thread(target=_compile_loop, args=(self._jobs,), name="k3serve-compile").start()
             weakref.finalize(self, self._jobs.put, None)  # the thread ends with its GraphSteps
         self._building[key] = Future()
+        _count(1)
         self._jobs.put((weakref.WeakMethod(self._warm), key, self._building[key]))  # dropped with its GraphSteps
         return False
 
@@ -397,6 +398,26 @@ class GraphSteps:
         return replay
 
 
+_IDLE = threading.Condition()
+_pending = 0  # compile jobs queued or running, over every GraphSteps of this process
+
+
+def _count(n: int) -> None:
+    global _pending
+    with _IDLE:
+        _pending += n
+        _IDLE.notify_all()
+
+
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Block until no bucket is queued or compiling anywhere in this process; False on timeout.
+    A compile thread outlives the engine that queued its job (a compile under way finishes):
+    the tests wait here between tests, so that one test's compile never overlaps the next
+    test's own torch.compile or torch._dynamo.reset() (which crashed a process with SIGFPE)."""
+    with _IDLE:
+        return _IDLE.wait_for(lambda: _pending == 0, timeout)
+
+
 def _compile_loop(jobs: queue.Queue) -> None:
     """The compile thread: builds the buckets queued to it until its GraphSteps is gone (a None
     job) or the interpreter exits. It is no daemon: a compile under way finishes before the
@@ -411,6 +432,7 @@ def _compile_loop(jobs: queue.Queue) -> None:
         (warm, key, fut), job = job, None
         warm = warm()  # None: its engine is gone, the job with it
         if warm is None:
+            _count(-1)
             continue
         t0, interval = time.perf_counter(), sys.getswitchinterval()
         # tracing is Python that holds the GIL: each time the engine thread lets it go (inside a
@@ -424,6 +446,7 @@ def _compile_loop(jobs: queue.Queue) -> None:
         finally:
             sys.setswitchinterval(interval)
             warm = None  # no reference to the GraphSteps while waiting: its finalizer ends the thread
+            _count(-1)
         log.info(
             "graph backend: bucket B=%d W=%d T=%d compiled in %.1f s", key.B, key.W, key.T, time.perf_counter() - t0
         )
