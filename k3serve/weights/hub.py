@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
-from k3serve.config.bundled import resolve_config_path
+from k3serve.config.bundled import load_model_config
 from k3serve.config.model_config import ModelConfig
 from k3serve.config.parse import ConfigError
 
@@ -110,7 +110,7 @@ def load_config(path_or_name: str | Path) -> ModelConfig:
     config.json alone, fetched or from the hub cache) -> its ModelConfig: what `plan`, `inspect`
     and a draft model name read."""
     try:
-        return ModelConfig.from_file(resolve_config_path(path_or_name))
+        return load_model_config(path_or_name)
     except ConfigError as e:
         if e.field != "model" or not is_repo_id(str(path_or_name)):
             raise
@@ -118,7 +118,7 @@ def load_config(path_or_name: str | Path) -> ModelConfig:
             path = Path(resolve_model(str(path_or_name), config_only=True)) / "config.json"
         except ModelSourceError as hub:
             raise ConfigError("model", f"{e.reason}; as a Hugging Face repo: {hub}") from None
-    return ModelConfig.from_file(path)
+    return load_model_config(path)
 
 
 def _hub_kw(revision: str | None, token: str | None, download_dir: str | None = None) -> dict:

@@ -189,11 +189,9 @@ def test_mla_decode_refuses_rows_outside_their_table():
         K.mla_decode(q, 8, cache, w, torch.tensor([[9]]), torch.tensor([0]), torch.tensor([1]), 4, 1.0)
 
 
-@pytest.mark.parametrize("groups,keep,act", [(1, 1, "sigmoid"), (4, 2, "sigmoid"), (1, 1, "softmax")])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_route_equals_the_router(groups, keep, act, dtype):
-    g = torch.Generator().manual_seed(groups + keep)
-    cfg = MoEConfig(
+def route_cfg(groups: int, keep: int, act: str) -> MoEConfig:
+    """16 experts, top 4, scaling 2.5: the route ops' test router."""
+    return MoEConfig(
         num_experts=16,
         top_k=4,
         num_shared_experts=0,
@@ -208,6 +206,13 @@ def test_moe_route_equals_the_router(groups, keep, act, dtype):
         first_k_dense_replace=0,
         layer_freq=1,
     )
+
+
+@pytest.mark.parametrize("groups,keep,act", [(1, 1, "sigmoid"), (4, 2, "sigmoid"), (1, 1, "softmax")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_route_equals_the_router(groups, keep, act, dtype):
+    g = torch.Generator().manual_seed(groups + keep)
+    cfg = route_cfg(groups, keep, act)
     x, w, bias = (
         torch.randn(11, 24, generator=g).to(dtype),
         torch.randn(16, 24, generator=g).to(dtype),
@@ -563,21 +568,7 @@ def test_both_compiled_route_ops_take_route_scalars_order(groups, keep):
     from k3serve.layers.router import route_scalars
 
     g = torch.Generator().manual_seed(7 + groups)
-    cfg = MoEConfig(
-        num_experts=16,
-        top_k=4,
-        num_shared_experts=0,
-        expert_intermediate_size=8,
-        latent_size=None,
-        latent_use_norm=False,
-        router_activation="sigmoid",
-        renormalize=True,
-        routed_scaling_factor=2.5,
-        num_expert_group=groups,
-        topk_group=keep,
-        first_k_dense_replace=0,
-        layer_freq=1,
-    )
+    cfg = route_cfg(groups, keep, "sigmoid")
     x, w, bias = torch.randn(9, 24, generator=g), torch.randn(16, 24, generator=g), torch.randn(16, generator=g) / 10
     ids_ref, w_ref = route(x, w, bias, cfg)
     for op in (K.moe_route, OPS.moe_route):
