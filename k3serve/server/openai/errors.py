@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 TYPES = {
@@ -58,6 +59,33 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return "the request body is not valid JSON", None
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
     return "; ".join(parts), param
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    """`body` as the route's pydantic model, with FastAPI's errors: pydantic reads the bytes
+    itself, so a route that parses on a worker thread holds the GIL once, briefly (see /tokenize)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:  # locations as FastAPI writes them: under "body"
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI requestBody of a route that parses `model` itself (`parse_body`)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):  # "#/$defs/X" means this schema's own defs, not the OpenAPI document's
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            return (
+                inline(defs[ref.rsplit("/", 1)[1]])
+                if ref.startswith("#/$defs/")
+                else {k: inline(v) for k, v in node.items()}
+            )
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def install_error_handlers(app: FastAPI) -> None:
