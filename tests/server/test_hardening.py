@@ -159,6 +159,20 @@ def test_a_large_tokenize_body_does_not_stall_health(server_apart, tiny_k3_dir, 
     assert probes >= 5 and worst < 0.5, f"/health took {worst:.2f} s while tokenizing ({probes} probes)"
 
 
+def test_tokenize_parses_its_own_body_with_the_errors_fastapi_gives(live_server):
+    """/tokenize reads its body off the event loop (server/openai/errors.py parse_body): its
+    bad bodies get the same 400 / 422 as a route FastAPI parses, and /openapi.json keeps its body."""
+    base, _ = live_server
+    bad_json = httpx.post(base + "/tokenize", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["message"] == "the request body is not valid JSON"
+    for route in ("/tokenize", "/v1/completions"):  # one parsed here, one by FastAPI: the same error
+        r = httpx.post(base + route, json={"prompt": "hi", "add_special_tokens": "yes", "max_tokens": 1})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "add_special_tokens", (route, r.text)
+    schema = httpx.get(base + "/openapi.json").json()["paths"]["/tokenize"]["post"]["requestBody"]
+    props = schema["content"]["application/json"]["schema"]["properties"]
+    assert {"prompt", "messages", "model"} <= props.keys() and "$ref" not in json.dumps(schema)
+
+
 def test_a_chunked_body_over_the_limit_gets_413(tiny_k3_dir):
     app, _ = make_app(tiny_k3_dir, "--max-request-body-bytes", "100000")
     with serving(app) as base:

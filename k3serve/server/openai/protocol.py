@@ -251,9 +251,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True  # strict as the other bodies' flags: "yes" is a 422
     chat_template_kwargs: dict[str, Any] | None = None  # as chat: {"thinking": false} renders that prompt
-    add_special_tokens: bool = False  # parsed for vLLM compatibility; Kimi prompts carry no BOS
+    add_special_tokens: StrictBool = False  # parsed for vLLM compatibility; Kimi prompts carry no BOS
 
 
 class DetokenizeRequest(BaseModel):
