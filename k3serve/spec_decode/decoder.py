@@ -85,7 +85,7 @@ class SpecDecoder:
             self._propose(reqs, policy)
 
     def _propose(self, reqs: list[Request], policy) -> None:
-        context = 0.0
+        context, t = 0.0, time.perf_counter()
         if policy is not None:
             policy.score_shadows(reqs)
             context = sum(r.num_computed_tokens for r in reqs) / len(reqs)
@@ -95,12 +95,10 @@ class SpecDecoder:
                     self._propose(fixed, None)
                 return
         ks = [min(self.cfg.num_speculative_tokens, r.max_drafts) for r in reqs]
-        t = time.perf_counter()
         drafts = self.proposer.propose(reqs, ks)
         if policy is None:
             lengths = [len(d.token_ids) for d in drafts]
         else:
-            policy.record_draft_time(len(reqs), time.perf_counter() - t)
             lengths = policy.choose(
                 [r.request_id for r in reqs],
                 [len(d.token_ids) for d in drafts],
@@ -108,6 +106,8 @@ class SpecDecoder:
                 [d.token_ids for d in drafts],
                 context,
             )
+            # the whole phase, policy included: what drafting costs a step beyond its verify rows
+            policy.record_draft_time(len(reqs), time.perf_counter() - t)
         for r, d, k in zip(reqs, drafts, lengths):
             k = len(d.token_ids) if _seeded(r) else k
             r.spec_token_ids = list(d.token_ids[:k])
