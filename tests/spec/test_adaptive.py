@@ -207,6 +207,31 @@ def test_a_useless_drafter_rests_longer_and_longer_and_still_probes():
     assert all(good.should_draft(ids) for _ in range(10))  # nothing measured against it yet: 1/2 a position
 
 
+def test_a_free_drafters_proposing_phase_is_charged():
+    """A lookup drafter (ngram) whose drafts win on rows alone loses once its proposing phase
+    (the lookup and the policy's own work, timed by the decoder) is counted: at one stream,
+    500 us steps and 40% acceptance, a draft of one token gains 1.4 tokens for 1.3 steps of rows,
+    and 60 us of proposing a step takes the gain away. The screen (a bound: it credits every
+    position the first one's rate) rests once the phase costs more than four such drafts gain."""
+
+    def policy(proposing: float) -> DraftPolicy:
+        p = DraftPolicy(4)
+        affine(p, 3.5e-4, 1.5e-4)  # 500 us a one-row step, 150 us a row
+        for _ in range(30):
+            p.record_verify("a", 1, 0)
+            p.record_verify("a", 1, 1)
+            p.record_verify("a", 1, 0)
+            p.record_verify("a", 1, 1)
+            p.record_verify("a", 1, 0)
+        p.record_draft_time(1, proposing)
+        return p
+
+    cheap, costly, ruinous = policy(5e-6), policy(6e-5), policy(3e-4)
+    assert cheap.should_draft(["a"], free=True) and cheap.choose(["a"], [1], [9]) == [1]
+    assert costly.should_draft(["a"], free=True) and costly.choose(["a"], [1], [9]) == [0]
+    assert not ruinous.should_draft(["a"], free=True) and ruinous.resting()
+
+
 def test_packed_ngram_lookup_equals_the_scan():
     for trial in range(200):
         rng = random.Random(trial)
