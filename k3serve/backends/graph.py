@@ -66,7 +66,7 @@ class GraphBackend(Backend):
         if model.cfg.use_attnres:
             self.vectors = model.model.attnres_vectors()
         # not the shared table cache: prepare may run on fake tensors (the sync audit)
-        self.luts = decode_tables(model.head.device, model.dtype)
+        self.luts = decode_tables(next(model.parameters()).device, model.dtype)  # any stage holds parameters
 
     @torch.no_grad()
     def experts_moved(self, layer) -> None:

@@ -158,8 +158,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pipeline_parallel_size > 1:
-            self._check_pipeline()
         if self.decode_context_parallel_size != 1 or self.cp_kv_cache_interleave_size != 1:
             self._check_dcp()
         if self.numa is not None and self.numa not in ("distribute", "isolate", "none"):
@@ -190,14 +188,6 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)  # fail early, naming the key
         if self.extra:
             raise ValueError(f"unknown engine arguments: {sorted(self.extra)}")
-
-    def _check_pipeline(self) -> None:
-        """What pipeline stages do not run yet, refused by the flag that asks for it."""
-        if self.kernels in ("graph", "triton"):
-            raise ValueError(
-                f"--kernels {self.kernels} with --pipeline-parallel-size: the static graph step is not built "
-                "across pipeline stages; use --kernels auto (CPU) / cpp / torch"
-            )
 
     def _check_dcp(self) -> None:
         """The layouts decode context parallelism runs in; the others refused by their flag."""

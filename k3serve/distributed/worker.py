@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger("k3serve.distributed")
 ANSWERS = frozenset(
-    {"read_state", "read_rows", "pipe_stats"}
+    {"read_state", "read_rows", "pipe_stats", "graph_steps"}
 )  # commands whose result goes back to the driver (pipes only)
 DP_ANSWERS = ANSWERS | {"dp_forward"}  # a DP-attention rank's forward, whose logits are sampled
 START_TIMEOUT_S = 120.0  # at least this long for a group to form (a loaded 2-core machine took > 20 s)

@@ -68,9 +68,6 @@ def resolve_backend(config, device: torch.device) -> str:
     """The backend of an engine (an EngineConfig) whose driver runs on `device`: `resolve_mode`,
     then the layouts the compiled steps do not cover run torch ("auto" on a GPU asked for them)."""
     mode = resolve_mode(config.kernels, device, config.enforce_eager, config.ssm_dtype)
-    if config.pipeline_parallel_size > 1 and mode in ("graph", "triton"):  # "auto" on a GPU
-        log.info("pipeline stages run their layers eagerly (torch): the graph step across stages is not built")
-        mode = "torch"
     if config.decode_context_parallel_size > 1 and mode != "torch":  # "auto"
         log.info("decode context parallelism runs the torch path: the token-sharded MLA attention (layers/mla_dcp.py)")
         mode = "torch"

@@ -64,6 +64,9 @@ class StaticStep:
     output_ids: torch.Tensor | None = None  # [B, Po]
     context_rows: torch.Tensor | None = None  # [N, W * bs] latent rows of every position < W * bs
     lens: torch.Tensor | None = None  # [N] valid context rows (position + 1: causal within the new rows)
+    # a pipeline stage after the first: the previous stage's [bank + 1, N, d] (AttnRes block
+    # vectors, then h), received into this buffer before each call (runner/graph_step.py)
+    incoming: torch.Tensor | None = None
     static = True
     fresh = None  # a decode or verify step has no new sequence to zero
     media_rows = None
@@ -94,6 +97,7 @@ class StaticStep:
             self.output_ids,
             rows,
             self.positions + 1,
+            self.incoming,
         )
 
     def live(self) -> torch.Tensor:
@@ -142,10 +146,12 @@ class StaticBuffers:
         mask_words: int = 0,
         history: tuple[int, int] = (0, 0),
         vocab: int = 0,
+        incoming: tuple[int, int, torch.dtype] | None = None,
     ):
         """`mask_words`: ceil(V / 64) for a bucket whose steps carry grammar masks, else 0;
         `history`: (Pp, Po) for a bucket whose steps apply penalties, else (0, 0); `vocab` V:
-        the histories' padding id."""
+        the histories' padding id; `incoming`: (bank + 1, d, dtype) of a pipeline stage after
+        the first, whose step starts from the previous stage's [bank + 1, N, d]."""
         self.B, self.W, self.T, self.block_size = B, W, T, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
         N, self.mask_words, self.history, self.vocab = B * T, mask_words, history, vocab
@@ -172,6 +178,9 @@ class StaticBuffers:
             prompt.view(B, Pp) if Po else None,
             output.view(B, Po) if Po else None,
         )
+        if incoming is not None:
+            parts, d, dtype = incoming
+            self.step.incoming = torch.zeros(parts, N, d, dtype=dtype, device=device)
         self.fill_padding()
 
     def fill_padding(self) -> None:

@@ -85,7 +85,9 @@ class KimiModel(nn.Module):
     ) -> torch.Tensor:
         """`capture`: {layer index: None} to be filled with that layer's output hidden states
         [N, d] (the tap layers a DSpark drafter reads). Under pipeline stages a stage before the
-        last sends its hidden state (and the AttnRes bank) on and returns None."""
+        last sends its hidden state (and the AttnRes bank) on and returns None; a static step
+        (graph backend) takes them from `batch.incoming` and returns them stacked instead, so
+        that no send or receive is inside the compiled step."""
         if batch.fresh is not None and batch.fresh.numel():  # new sequences start from zero KDA state
             for t in cache.recurrent + cache.conv:
                 if t is not None:
@@ -95,6 +97,8 @@ class KimiModel(nn.Module):
             h = self.embed(batch.input_ids)  # [N, d]
             if batch.media_rows is not None:  # media pads take the vision tower's rows
                 h = h.index_copy(0, batch.media_rows, batch.media_embeds.to(h.dtype))
+        elif batch.static:  # received into the step's buffer [bank + 1, N, d] before the compiled call
+            h, bank = batch.incoming[-1], list(batch.incoming[:-1].unbind(0))
         else:  # the previous stage's hidden state [N, d] and AttnRes block vectors
             h, bank = self.pipe.receive(len(batch.input_ids), self.dtype)
         # the stack's MLA blocks write fp8 rows at unit scale: a cache with scales runs layer by layer
@@ -112,6 +116,8 @@ class KimiModel(nn.Module):
         else:
             h = self._attnres_forward(h, bank, batch, cache, capture)
         if not self.stage.last:
+            if batch.static:  # the static step's output: its caller sends it (runner/graph_step.py)
+                return torch.stack([*bank, h])  # [bank + 1, N, d]
             self.pipe.send(h, bank)
             return None
         return self.norm(h)

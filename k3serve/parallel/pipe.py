@@ -40,8 +40,8 @@ class StagePipe:
     def _send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.pg.send([t.contiguous().to(self.device)], dst, tag).wait()
 
-    def _recv(self, shape, dtype, src: int, tag: int = 0) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.device)
+    def _recv(self, shape, dtype, src: int, tag: int = 0, into: torch.Tensor | None = None) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.device) if into is None else into
         t0 = time.perf_counter()
         self.pg.recv([t], src, tag).wait()
         self.waited_s += time.perf_counter() - t0
@@ -53,9 +53,17 @@ class StagePipe:
         still be sending it the last one's logits (a blocking send on both sides would wait on
         each other). The previous send is waited for first: the next stage took it when it
         began that step, so at most one is in progress."""
+        self.send_stacked(torch.stack([*bank, h]).contiguous().to(self.device))
+
+    def send_stacked(self, t: torch.Tensor) -> None:
+        """`send` for a static step (runner/graph_step.py), whose stage returns [bank + 1, N, d]
+        stacked already; N counts its bucket's padding rows, which the next stage's bucket has too."""
         self.flush()
-        t = torch.stack([*bank, h]).contiguous().to(self.device)
         self._sending = (self.pg.send([t], self.rank + self.tp_size, 0), t)
+
+    def receive_into(self, buf: torch.Tensor) -> None:
+        """`receive` into a static step's input buffer [bank + 1, N, d] (the compiled step reads it)."""
+        self._recv(None, None, self.rank - self.tp_size, into=buf)
 
     def flush(self) -> None:
         """Wait for the send to the next stage still in progress, if any."""

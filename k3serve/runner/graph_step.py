@@ -71,6 +71,17 @@ def static_sample(model, step, cache, taps, bias):
     return sample(logits, step.sampling_params(), counts=counts, prompt_mask=seen), faults, taps_out
 
 
+def static_stage(model, step, cache, taps):
+    """A pipeline stage before the last (parallel/pipe.py): its layers on the static step. Returns
+    its output [bank + 1, N, d] in static row order (the next stage's static rows, sent on by
+    `GraphSteps.run`) and its tap layers' hidden states in the flat batch's row order."""
+    step = step.expand()
+    out = model(step, cache, taps)
+    if step.T == 1:
+        return out.hidden, out.taps
+    return out.hidden, {i: t[step.gather] for i, t in out.taps.items()}
+
+
 @dataclass
 class GraphOut:
     """What a static step hands back, on the CPU: logits [n, V], or with device sampling the
@@ -158,6 +169,9 @@ class GraphSteps:
         self.model, self.cache, self.device, self.config, self.eager = model, cache, device, config, eager
         model.tp.enable_functional()  # its collectives become graph nodes (parallel/group.py)
         self.ep = model.ep  # DP-attention's expert group: its ranks agree on each step (`decide`)
+        # pipeline stages: each rank runs its stage's layers static, the hand-offs between the
+        # calls (`run`); every stage takes the same bucket, from the same StepInputs
+        self.pipe = model.pipe
         if self.ep is not None:
             self.ep.enable_functional()
         self.sizes = config.capture_sizes(max_num_seqs)
@@ -174,7 +188,9 @@ class GraphSteps:
         self.eager_steps = 0  # steps static would take, run eagerly: their bucket compiling or over the cap
         # a single rank compiles new buckets off the step path; a TP or DP-attention group's ranks
         # must take the same path each step, so they build in the step, as they agree
-        self.background = config.compile_in_background and not eager and self.ep is None and model.tp.size == 1
+        self.background = (
+            config.compile_in_background and not eager and self.ep is None and model.tp.size == 1 and self.pipe is None
+        )
         self._building: dict[Bucket, Future] = {}  # bucket -> its background build
         self._failed: set[Bucket] = set()  # builds that raised: those steps stay eager
         self._jobs: queue.Queue | None = None  # the compile thread's queue, started on first use
@@ -289,12 +305,15 @@ class GraphSteps:
     def _positions(self, inp) -> int:
         return self.verify_positions if inp.verify else 1
 
-    def run(self, inp, taps: tuple[int, ...], ep_rows: int = 0) -> GraphOut:
+    def run(self, inp, taps: tuple[int, ...], ep_rows: int = 0, defer: bool = False):
         """A step `takes` accepted: its logits, or with `inp.sampling` its sampled ids.
-        `ep_rows`: DP-attention's agreed exchange rows (`decide`)."""
-        n, rows = len(inp.seq_lens), sum(inp.seq_lens)
+        `ep_rows`: DP-attention's agreed exchange rows (`decide`). Under pipeline stages every
+        rank runs its stage; the driver's GraphOut carries what the later stages sent it, the
+        other ranks' is empty, and with `defer` the driver returns once its stage has sent its
+        rows on, with a callable that receives the rest (RankRunner.forward)."""
         key = self._key(inp, taps, ep_rows)
-        with self._patient(key not in self.entries):
+        new = key not in self.entries
+        with self._patient(new):
             entry = self.entries.get(key)
             if entry is None:
                 entry = self.entries[key] = self._build(*key)
@@ -310,11 +329,72 @@ class GraphSteps:
                 inp.token_mask,
                 inp.histories,
             )
+            pipe = self.pipe
+            if pipe is None:
+                return self._out(inp, entry.run())
+            if not pipe.stage.first:  # the previous stage's rows, into the step's input buffer
+                pipe.receive_into(entry.buffers.step.incoming)
             out = entry.run()
+            if not pipe.stage.last:  # a captured graph's output is overwritten by its next replay
+                pipe.send_stacked(out[0].clone() if self.device.type == "cuda" and not self.eager else out[0])
+            if pipe.rank != 0:
+                self._report(inp, out, taps)
+                return GraphOut(None, None, None, {})
+            if defer:  # received in step order (collect), patient while the later stages compile
+                return lambda: self._from_stages(inp, out, taps, new)
+        return self._from_stages(inp, out, taps, new)
+
+    def _out(self, inp, out) -> GraphOut:
+        """The last stage's outputs (logits / sampled ids and faults, taps) as a GraphOut."""
+        n, rows = len(inp.seq_lens), sum(inp.seq_lens)
         if inp.sampling is not None:
             ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
             return GraphOut(None, ids, [bool(f) for f in faults], {i: t[:n] for i, t in out[2].items()})
         return GraphOut(out[0][:rows].cpu(), None, None, {i: t[:rows] for i, t in out[1].items()})
+
+    def _report(self, inp, out, taps: tuple[int, ...]) -> None:
+        """A stage after the first, its TP rank 0: the tap layers it holds (rows in the flat
+        batch's order), and on the last stage the sampled ids and faults [2, n] or the logits
+        [rows, V], to the driver (the eager path's order, RankRunner._pipeline_result)."""
+        pipe = self.pipe
+        if not pipe.reports:
+            return
+        m = len(inp.seq_lens) if inp.sampling is not None else sum(inp.seq_lens)
+        captured = out[-1]
+        sent = [captured[i][:m] for i in sorted(captured)]
+        if pipe.stage.last:
+            if inp.sampling is not None:
+                sent.append(torch.stack((out[0], out[1].long()))[:, :m])
+            else:
+                sent.append(out[0][:m].float())
+        pipe.to_driver(sent)
+
+    def _from_stages(self, inp, out, taps: tuple[int, ...], new: bool) -> GraphOut:
+        """The driver (stage 0, TP rank 0): its own taps and what each later stage reported
+        (`new`: the step built its bucket, which the later stages compile before they answer)."""
+        with self._patient(new):
+            return self._received(inp, out, taps)
+
+    def _received(self, inp, out, taps: tuple[int, ...]) -> GraphOut:
+        pipe, n, rows = self.pipe, len(inp.seq_lens), sum(inp.seq_lens)
+        m = n if inp.sampling is not None else rows
+        d, vocab = self.model.cfg.hidden_size, self.model.cfg.vocab_size
+        got = {i: t[:m] for i, t in out[-1].items()}
+        result = None
+        for s in range(1, pipe.stage.count):
+            here = sorted(i for i in taps if i in pipe.stages[s])
+            specs = [((m, d), self.model.dtype)] * len(here)
+            last = s == pipe.stage.count - 1
+            if last:
+                specs.append(((2, n), torch.long) if inp.sampling is not None else ((rows, vocab), torch.float32))
+            received = pipe.from_rank(s * pipe.tp_size, specs)
+            got.update(zip(here, received))
+            if last:
+                result = received[-1]
+        if inp.sampling is not None:
+            ids, faults = result.tolist()
+            return GraphOut(None, ids, [bool(f) for f in faults], got)
+        return GraphOut(result.cpu(), None, None, got)
 
     def run_padding(self, ep_rows: int) -> None:
         """A DP-attention rank with nothing scheduled, when its peers run static: the smallest
@@ -335,13 +415,16 @@ class GraphSteps:
         that inside the step's collectives. The ranks say whether any of them builds a new bucket
         (one more small all-gather, before anyone builds), and if one does, every rank's gloo
         groups wait up to COMPILE_TIMEOUT_S in this step instead of --distributed-timeout."""
-        if self.ep is None:
+        if self.ep is None and (self.pipe is None or not new):
             yield
             return
-        if not max(int(v) for v in self.ep.all_gather(torch.tensor([float(new)]))):
+        # every pipeline stage builds the same new bucket in the same step (no all-gather needed):
+        # a stage waits in its receive while the one before it compiles
+        if self.ep is not None and not max(int(v) for v in self.ep.all_gather(torch.tensor([float(new)]))):
             yield
             return
-        pgs = [g.pg for g in (self.ep, self.model.tp) if g.size > 1 and g.pg is not None]
+        groups = [g.pg for g in (self.ep, self.model.tp) if g is not None and g.size > 1 and g.pg is not None]
+        pgs = groups + ([self.pipe.pg] if self.pipe is not None else [])
         before = [pg.options._timeout for pg in pgs]
         for pg, t in zip(pgs, before):
             pg._set_default_timeout(max(t, datetime.timedelta(seconds=COMPILE_TIMEOUT_S)))
@@ -355,17 +438,24 @@ class GraphSteps:
         self.compiles += 1
         V = self.model.cfg.vocab_size
         cache = self.cache
+        staged = self.pipe is not None
+        incoming = None
+        if staged and not self.pipe.stage.first:  # the previous stage's [bank + 1, N, d]
+            incoming = (self.pipe.bank_size + 1, self.model.cfg.hidden_size, self.model.dtype)
         buffers = StaticBuffers(
             B, W, cache.block_size, self.device, cache.scratch_slot, cache.scratch_block, T, ep_rows,
-            -(-V // 64) if masked else 0, history, V,
+            -(-V // 64) if masked else 0, history, V, incoming,
         )  # fmt: skip
-        body = static_sample if sampled else static_forward
+        last = not staged or self.pipe.stage.last
+        body = (static_sample if sampled else static_forward) if last else static_stage
         name = f"{body.__name__}_b{B}_w{W}_t{T}" + ("_masked" if masked else "") + (f"_ep{ep_rows}" if ep_rows else "")
         name += f"_h{history[0]}x{history[1]}" if history[1] else ""
         fn = types.FunctionType(body.__code__.replace(), body.__globals__, name)
         if not self.eager:
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.config.backend)
-        args = (self.model, buffers.step, self.cache, taps) + ((self.bias,) if sampled else ())
+        if staged:  # the tap layers this stage holds
+            taps = tuple(i for i in taps if self.pipe.stage.holds(i))
+        args = (self.model, buffers.step, self.cache, taps) + ((self.bias,) if sampled and last else ())
 
         def call():
             return fn(*args)

@@ -58,6 +58,11 @@ class StepResult:
     static: bool = False  # the step ran as the graph backend's static step (runner/graph_step.py)
 
 
+def _static_result(out, inp: StepInputs) -> StepResult:
+    """A static step's GraphOut (runner/graph_step.py) as the StepResult the driver finishes."""
+    return StepResult(out.logits, [], out.taps, out.ids, out.faults, bool(inp.verify), static=True)
+
+
 class RankRunner:
     """The model and this rank's cache tensors (KDA state of this rank's heads, the whole latent)."""
 
@@ -103,10 +108,12 @@ class RankRunner:
         ep_rows = self.graphs.decide(inp, taps) if self.graphs is not None else None
         if ep_rows is not None:
             self.copy_states(inp.restore)
-            out = self.graphs.run(inp, taps, ep_rows)
+            out = self.graphs.run(inp, taps, ep_rows, defer)
             self.records = {}
             self.copy_states(inp.save)
-            return StepResult(out.logits, [], out.taps, out.ids, out.faults, bool(inp.verify), static=True)
+            if callable(out):  # the driver's stage has sent its rows on: the rest comes later
+                return lambda: _static_result(out(), inp)
+            return _static_result(out, inp)
         fb = ForwardBatch(
             input_ids=torch.tensor(inp.input_ids, dtype=torch.long, device=self.device),
             seq_lens=inp.seq_lens,
@@ -205,6 +212,10 @@ class RankRunner:
         each routed its own share of the rows, so the expert load is theirs summed."""
         result = self.forward(inp, taps)
         return (result, self.parallel_stats()) if leader else (None, self.parallel_stats())
+
+    def graph_steps(self) -> tuple[int, int] | None:
+        """(static steps run, buckets built) on this rank (graph backend), else None."""
+        return (self.graphs.steps, self.graphs.compiles) if self.graphs is not None else None
 
     def pipe_stats(self) -> tuple[int, float]:
         """(this rank's pipeline stage, seconds it has waited for another stage)."""

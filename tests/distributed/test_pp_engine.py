@@ -86,6 +86,8 @@ def test_tp2_x_pp2_with_expert_parallel_and_ngram_equals_one_process(kind, refer
         path, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, speculative_config=NGRAM
     )
     assert got == references[kind]
+    got = twice(path, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, kernels="graph")
+    assert got == references[kind]  # each stage's static step with its TP collectives compiled in
 
 
 def test_pp2_with_expert_parallel_equals_one_process(references, tiny_kl_dir):
@@ -94,9 +96,32 @@ def test_pp2_with_expert_parallel_equals_one_process(references, tiny_kl_dir):
     assert got == references["kl"]
 
 
+@pytest.mark.parametrize("kind, spec", [("k3", None), ("kl", None), ("k3", "dspark")])
+def test_pp2_graph_steps_equal_one_process(kind, spec, references, tiny_k3_dir, tiny_kl_dir, random_dspark):
+    """`--kernels graph` under stages: each stage runs its layers as a compiled static step (its
+    bucket's input buffer filled from the previous stage between the calls); decode steps two
+    in flight, prefix hits, and DSpark's verify buckets with tap layers on both stages."""
+    config = {"method": "dspark", "model": random_dspark, "num_speculative_tokens": 4, "adaptive": False}
+    llm = LLM(
+        _path(kind, tiny_k3_dir, tiny_kl_dir),
+        pipeline_parallel_size=2,
+        kernels="graph",
+        speculative_config=config if spec else None,
+        **KW,
+    )
+    try:
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        graphs = llm.engine.executor.rank0.rank_runner.graphs
+        steps, eager = graphs.steps, graphs.eager_steps
+        stages = llm.engine.executor.call("graph_steps")  # stage 1's (steps, compiles)
+    finally:
+        llm.engine.shutdown()
+    assert (first, second) == references[kind]
+    assert steps >= 20 and eager == 0 and stages == [(steps, graphs.compiles)]
+
+
 def test_what_stages_do_not_run_yet_is_refused_by_name(tiny_k3_dir):
-    with pytest.raises(ValueError, match="--kernels graph with --pipeline-parallel-size"):
-        LLM(tiny_k3_dir, pipeline_parallel_size=2, kernels="graph", **KW)
     with pytest.raises(ValueError, match="--pipeline-parallel-size with DP-attention"):
         LLM(tiny_k3_dir, pipeline_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, **KW)
 

@@ -95,7 +95,6 @@ def test_a_vllm_launch_line_starts_the_server(tiny_k3_dir, tmp_path):
     "flags, says",
     [
         (["--limit-mm-per-prompt", '{"audio": 1}'], "takes a JSON object like"),
-        (["--pipeline-parallel-size", "2", "--kernels", "graph"], "static graph step is not built across pipeline"),
         (["--tensor-parallel-size", "3"], "num_heads = 4 is not divisible by --tensor-parallel-size 3"),
         (["--distributed-executor-backend", "uni", "-tp", "2"], "needs --tensor-parallel-size 1"),
         (["--quantization", "awq"], "never requantizes"),
