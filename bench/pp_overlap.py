@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from k3serve import LLM, SamplingParams
-from k3serve.runner.graph_step import wait_for_compiles
+from k3serve.runner.compile_thread import wait_for_compiles
 from k3serve.testing.builder import build_tiny_checkpoint
 from k3serve.testing.tiny_configs import kimi_linear_400m_config
 

@@ -46,7 +46,7 @@ def _compiles_end_with_their_test():
     yield
     import sys
 
-    steps = sys.modules.get("k3serve.runner.graph_step")
+    steps = sys.modules.get("k3serve.runner.compile_thread")
     if steps is not None:
         assert steps.wait_for_compiles(600), "a graph bucket still compiling 10 minutes after its test"
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
-import sys
 import threading
-import time
 import types
 import weakref
 from concurrent.futures import Future
@@ -32,6 +30,8 @@ import torch
 from k3serve.backends import STATIC
 from k3serve.config.compilation import CompilationConfig
 from k3serve.forward import CacheTensors, StaticBuffers
+from k3serve.runner.compile_thread import compile_loop, count
+from k3serve.runner.graph_stages import received, report, static_stage
 from k3serve.sampling.device import NEG_INF, allowed_tokens, model_faults, sample
 
 log = logging.getLogger("k3serve.graph")
@@ -39,7 +39,6 @@ log = logging.getLogger("k3serve.graph")
 # DP-attention: how long a step's collectives wait while a peer compiles a new bucket (its first
 # call compiles the whole step: minutes for a large model on a few cores)
 COMPILE_TIMEOUT_S = 1800.0
-COMPILE_SWITCH_S = 2e-4  # the GIL switch interval while a bucket compiles on its thread (default 5 ms)
 
 
 def static_forward(model, step, cache, taps):
@@ -69,17 +68,6 @@ def static_sample(model, step, cache, taps, bias):
         logits = logits.masked_fill(~allowed_tokens(step.token_mask, logits.shape[1]), NEG_INF)
     counts, seen = step.penalty_counts(logits.shape[1])  # None without penalties
     return sample(logits, step.sampling_params(), counts=counts, prompt_mask=seen), faults, taps_out
-
-
-def static_stage(model, step, cache, taps):
-    """A pipeline stage before the last (parallel/pipe.py): its layers on the static step. Returns
-    its output [bank + 1, N, d] in static row order (the next stage's static rows, sent on by
-    `GraphSteps.run`) and its tap layers' hidden states in the flat batch's row order."""
-    step = step.expand()
-    out = model(step, cache, taps)
-    if step.T == 1:
-        return out.hidden, out.taps
-    return out.hidden, {i: t[step.gather] for i, t in out.taps.items()}
 
 
 @dataclass
@@ -263,10 +251,10 @@ class GraphSteps:
             return True
         if self._jobs is None:
             self._jobs = queue.Queue()
-            threading.Thread(target=_compile_loop, args=(self._jobs,), name="k3serve-compile").start()
+            threading.Thread(target=compile_loop, args=(self._jobs,), name="k3serve-compile").start()
             weakref.finalize(self, self._jobs.put, None)  # the thread ends with its GraphSteps
         self._building[key] = Future()
-        _count(1)
+        count(1)
         self._jobs.put((weakref.WeakMethod(self._warm), key, self._building[key]))  # dropped with its GraphSteps
         return False
 
@@ -338,11 +326,17 @@ class GraphSteps:
             if not pipe.stage.last:  # a captured graph's output is overwritten by its next replay
                 pipe.send_stacked(out[0].clone() if self.device.type == "cuda" and not self.eager else out[0])
             if pipe.rank != 0:
-                self._report(inp, out, taps)
+                report(pipe, inp, out)
                 return GraphOut(None, None, None, {})
             if defer:  # received in step order (collect), patient while the later stages compile
                 return lambda: self._from_stages(inp, out, taps, new)
         return self._from_stages(inp, out, taps, new)
+
+    def _from_stages(self, inp, out, taps: tuple[int, ...], new: bool) -> GraphOut:
+        """The driver: what the later stages reported (`new`: the step built its bucket, which
+        they compile before they answer)."""
+        with self._patient(new):
+            return GraphOut(*received(self.pipe, self.model, inp, out, taps))
 
     def _out(self, inp, out) -> GraphOut:
         """The last stage's outputs (logits / sampled ids and faults, taps) as a GraphOut."""
@@ -351,50 +345,6 @@ class GraphSteps:
             ids, faults = torch.stack((out[0], out[1].long()))[:, :n].tolist()  # one copy back
             return GraphOut(None, ids, [bool(f) for f in faults], {i: t[:n] for i, t in out[2].items()})
         return GraphOut(out[0][:rows].cpu(), None, None, {i: t[:rows] for i, t in out[1].items()})
-
-    def _report(self, inp, out, taps: tuple[int, ...]) -> None:
-        """A stage after the first, its TP rank 0: the tap layers it holds (rows in the flat
-        batch's order), and on the last stage the sampled ids and faults [2, n] or the logits
-        [rows, V], to the driver (the eager path's order, RankRunner._pipeline_result)."""
-        pipe = self.pipe
-        if not pipe.reports:
-            return
-        m = len(inp.seq_lens) if inp.sampling is not None else sum(inp.seq_lens)
-        captured = out[-1]
-        sent = [captured[i][:m] for i in sorted(captured)]
-        if pipe.stage.last:
-            if inp.sampling is not None:
-                sent.append(torch.stack((out[0], out[1].long()))[:, :m])
-            else:
-                sent.append(out[0][:m].float())
-        pipe.to_driver(sent)
-
-    def _from_stages(self, inp, out, taps: tuple[int, ...], new: bool) -> GraphOut:
-        """The driver (stage 0, TP rank 0): its own taps and what each later stage reported
-        (`new`: the step built its bucket, which the later stages compile before they answer)."""
-        with self._patient(new):
-            return self._received(inp, out, taps)
-
-    def _received(self, inp, out, taps: tuple[int, ...]) -> GraphOut:
-        pipe, n, rows = self.pipe, len(inp.seq_lens), sum(inp.seq_lens)
-        m = n if inp.sampling is not None else rows
-        d, vocab = self.model.cfg.hidden_size, self.model.cfg.vocab_size
-        got = {i: t[:m] for i, t in out[-1].items()}
-        result = None
-        for s in range(1, pipe.stage.count):
-            here = sorted(i for i in taps if i in pipe.stages[s])
-            specs = [((m, d), self.model.dtype)] * len(here)
-            last = s == pipe.stage.count - 1
-            if last:
-                specs.append(((2, n), torch.long) if inp.sampling is not None else ((rows, vocab), torch.float32))
-            received = pipe.from_rank(s * pipe.tp_size, specs)
-            got.update(zip(here, received))
-            if last:
-                result = received[-1]
-        if inp.sampling is not None:
-            ids, faults = result.tolist()
-            return GraphOut(None, ids, [bool(f) for f in faults], got)
-        return GraphOut(result.cpu(), None, None, got)
 
     def run_padding(self, ep_rows: int) -> None:
         """A DP-attention rank with nothing scheduled, when its peers run static: the smallest
@@ -486,61 +436,6 @@ class GraphSteps:
             return out
 
         return replay
-
-
-_IDLE = threading.Condition()
-_pending = 0  # compile jobs queued or running, over every GraphSteps of this process
-
-
-def _count(n: int) -> None:
-    global _pending
-    with _IDLE:
-        _pending += n
-        _IDLE.notify_all()
-
-
-def wait_for_compiles(timeout: float | None = None) -> bool:
-    """Block until no bucket is queued or compiling anywhere in this process; False on timeout.
-    A compile thread outlives the engine that queued its job (a compile under way finishes):
-    the tests wait here between tests, so that one test's compile never overlaps the next
-    test's own torch.compile or torch._dynamo.reset() (which crashed a process with SIGFPE)."""
-    with _IDLE:
-        return _IDLE.wait_for(lambda: _pending == 0, timeout)
-
-
-def _compile_loop(jobs: queue.Queue) -> None:
-    """The compile thread: builds the buckets queued to it until its GraphSteps is gone (a None
-    job) or the interpreter exits. It is no daemon: a compile under way finishes before the
-    process exits (a daemon thread inside torch at exit aborted the process)."""
-    while threading.main_thread().is_alive():
-        try:
-            job = jobs.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        if job is None:
-            return
-        (warm, key, fut), job = job, None
-        warm = warm()  # None: its engine is gone, the job with it
-        if warm is None:
-            _count(-1)
-            continue
-        t0, interval = time.perf_counter(), sys.getswitchinterval()
-        # tracing is Python that holds the GIL: each time the engine thread lets it go (inside a
-        # torch op) it waits a whole switch interval to get it back, hundreds of times a step
-        sys.setswitchinterval(COMPILE_SWITCH_S)
-        try:
-            entry = warm(key)
-        except Exception as e:  # noqa: BLE001 - reported on the engine thread (GraphSteps._ready)
-            fut.set_exception(e)
-            continue
-        finally:
-            sys.setswitchinterval(interval)
-            warm = None  # no reference to the GraphSteps while waiting: its finalizer ends the thread
-            _count(-1)
-        log.info(
-            "graph backend: bucket B=%d W=%d T=%d compiled in %.1f s", key.B, key.W, key.T, time.perf_counter() - t0
-        )
-        fut.set_result(entry)
 
 
 def _pow2(n: int) -> int:
