@@ -232,6 +232,24 @@ def test_a_free_drafters_proposing_phase_is_charged():
     assert not ruinous.should_draft(["a"], free=True) and ruinous.resting()
 
 
+def test_a_choice_of_no_drafts_rests_like_a_failed_screen():
+    """The screen is a bound (every position credited the first one's rate), so it can pass
+    while the choice drafts nothing; then the drafter rests 1, 2, 4 .. steps with a probe after
+    each rest, as after a failed screen, instead of proposing every step for nothing."""
+    p = DraftPolicy(4, probe_every=8)
+    affine(p, 3.5e-4, 1.5e-4, 3e-4)  # a verifying sequence costs two rows
+    for _ in range(30):
+        for tau in (1, 1, 1, 0, 0):  # the first position 60%, the second never
+            p.record_verify("a", 2, tau)
+    ran = []
+    for i in range(40):
+        if p.resting() or not p.should_draft(["a"], free=True):
+            continue
+        assert p.choose(["a"], [2], [9]) == [0]
+        ran.append(i)
+    assert ran[:4] == [0, 2, 5, 10] and all(b - a == 9 for a, b in zip(ran[3:], ran[4:]))
+
+
 def test_packed_ngram_lookup_equals_the_scan():
     for trial in range(200):
         rng = random.Random(trial)
