@@ -109,7 +109,7 @@ def start_dp_workers(config, m: int, model_path: str, where) -> list[DPWorkerExe
     check_multi_rank(where, "--data-parallel-size")
     n = config.tensor_parallel_size
     workers = DPAttentionWorkers(
-        WorkerLaunch.from_config(config, where, model_path, pin=False),
+        WorkerLaunch.from_config(config, where, model_path, ranks=m * n),
         m,
         all2all=config.all2all_backend,
         tp_size=n,

@@ -52,10 +52,10 @@ class WorkerLaunch:
     cpu_plan: tuple[tuple[int, ...], ...] = ()  # CPU ranks: each local rank's CPUs (executor/cpu_topology.py)
 
     @classmethod
-    def from_config(cls, config, where, model_path: str, pin: bool = True) -> "WorkerLaunch":
-        """An EngineConfig's TP x PP ranks on `where` (executor/placement.py Placement); `pin`:
-        place CPU ranks on cores (the DP-attention workers are not placed)."""
-        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    def from_config(cls, config, where, model_path: str, ranks: int | None = None) -> "WorkerLaunch":
+        """An EngineConfig's TP x PP ranks on `where` (executor/placement.py Placement), or
+        `ranks` of them (DP-attention: DP x TP worker ranks); CPU ranks are placed on cores."""
+        ranks = ranks or config.tensor_parallel_size * config.pipeline_parallel_size
         return cls(
             model_path=model_path,
             dtype=where.dtype,
@@ -69,7 +69,7 @@ class WorkerLaunch:
             pp_size=config.pipeline_parallel_size,
             dcp_size=config.decode_context_parallel_size,
             dcp_interleave=config.cp_kv_cache_interleave_size,
-            cpu_plan=rank_cpus(config, where, ranks) if pin else (),
+            cpu_plan=rank_cpus(config, where, ranks),
         )
 
 

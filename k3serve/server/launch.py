@@ -287,7 +287,7 @@ def headless(args: argparse.Namespace) -> int | None:
             args.master_addr,
             args.master_port,
         )
-        launch = WorkerLaunch.from_config(config, where, path, pin=False)
+        launch = WorkerLaunch.from_config(config, where, path, ranks=dp * tp)
         return run_headless_dp(launch, dp, tp, nodes, all2all=config.all2all_backend)
     logging.getLogger("k3serve.server").info(
         "node %d of %d: tensor-parallel ranks %s, driver at %s:%d",

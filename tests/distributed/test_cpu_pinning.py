@@ -1,6 +1,7 @@
 """A TP2 engine with its CPU ranks pinned one per physical core (`--numa none` on this one-node
 host: rank 0 in the driver on the first core, rank 1's worker on the second; issue 64 item 3)
-answers exactly as one process; the driver's own affinity comes back at shutdown."""
+answers exactly as one process; the driver's own affinity comes back at shutdown. DP-attention's
+worker ranks are placed the same way."""
 
 from __future__ import annotations
 
@@ -37,3 +38,24 @@ def test_tp2_pinned_one_rank_per_core_equals_one_process(tiny_kl_dir):
     finally:
         tp.engine.shutdown()
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(read_topology().cores < 2, reason="two physical cores to pin two ranks to")
+def test_dp2_attention_workers_pinned_one_per_core_equal_one_process(tiny_k3_dir):
+    """DP-attention's worker ranks take the same placement as TP's (`--numa none`: one rank a
+    physical core); the driver, which holds the replicas' schedulers and no rank, stays as it was."""
+    kw = dict(cache_memory="32MiB", max_model_len=256, seed=0)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["the quick brown fox", "hello world, this is", "a", "Zebra"]
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_k3_dir), **kw).generate(prompts, greedy)]
+    before = os.sched_getaffinity(0)
+    cores = read_topology().nodes
+    first, second = [core[0] for n in sorted(cores) for core in cores[n]][:2]
+    dp = LLM(str(tiny_k3_dir), data_parallel_size=2, enable_expert_parallel=True, numa="none", **kw)
+    try:
+        workers = dp.engine.replicas[0].executor.workers
+        assert [_allowed(p.pid) for p in workers._procs] == [str(first), str(second)]
+        assert os.sched_getaffinity(0) == before
+        assert [o.outputs[0].token_ids for o in dp.generate(prompts, greedy)] == want
+    finally:
+        dp.engine.shutdown()
