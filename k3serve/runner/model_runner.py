@@ -167,6 +167,9 @@ class ModelRunner:
         slots, taus, committed = [], [], {}
         for i, p in spans:
             s, row = seqs[i], bounds[i][1] - 1
+            if s.drafts and not res.rows_written:  # the pass's record row j is the j-th verifying
+                slots.append(s.state_slot)  # sequence's, whether it verifies or fails (-1: no copy)
+                taus.append(-1)
             if s.request_id in out.failed:
                 continue
             if s.drafts:
@@ -188,10 +191,8 @@ class ModelRunner:
                 out.sampled[s.request_id] = emitted
                 if res.rows_written:  # the state after position tau sits in its own slot: no copy
                     out.accepted[s.request_id] = tau
-                else:
-                    slots.append(s.state_slot)
-                    # every draft accepted: the live state already is the last position's (-1: no copy)
-                    taus.append(tau if tau < len(s.drafts) else -1)
+                else:  # every draft accepted: the live state already is the last position's (-1: no copy)
+                    taus[-1] = tau if tau < len(s.drafts) else -1
                 row = bounds[i][0] + tau  # the last committed input
             committed[s.request_id] = row
         self._advance(out)
@@ -199,7 +200,7 @@ class ModelRunner:
             states = torch.stack([res.taps[i] for i in self.taps], 1)  # [N, taps, d]
             for rid, row in committed.items():
                 self.spec.observe(rid, states[row])
-        return out, ((slots, taus) if slots else None)
+        return out, ((slots, taus) if any(t >= 0 for t in taus) else None)
 
     def _fused_sampling(self, seqs, asks) -> list[dict] | None:
         """Each row's device sampling values when the whole step can sample inside the static

@@ -44,6 +44,37 @@ def test_ngram_greedy_equals_plain_and_accepts(tiny_k3_dir, base):
     assert st.accepted_per_position[0] >= st.accepted_per_position[-1]
 
 
+def test_a_verifying_request_that_fails_leaves_the_others_rollback_aligned(tiny_k3_dir, base):
+    """The pass's KDA records are one row per verifying sequence, in batch order; when the first
+    of several verifying requests fails its verification (alone), the others still take their
+    own rows back (the rollback once skipped the failed one and shifted every later request
+    onto its neighbour's recorded states: wrong text)."""
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, **LOOPY)
+    llm = spec_llm(tiny_k3_dir, method="ngram", prompt_lookup_min=2)
+    runner, spec = llm.engine.core.runner, llm.engine.spec
+    finish, verify, step, failed = runner.finish, spec.verify, [], []
+
+    def watched_finish(prepared, res):  # the step's verifying requests, in batch order
+        step[:] = [s.request_id for s in prepared.batch.seqs if s.drafts]
+        return finish(prepared, res)
+
+    def first_of_several_fails_once(req, logits, drafts, gen):
+        if not failed and len(step) >= 2 and req.request_id == step[0]:
+            failed.append(req.request_id)
+            raise ValueError("this request's own fault")
+        return verify(req, logits, drafts, gen)
+
+    runner.finish, spec.verify = watched_finish, first_of_several_fails_once
+    for i, p in enumerate(prompts(4)):
+        llm.engine.add_request(f"r{i}", p, sp)
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in llm.engine.step() if o.finished})
+    assert len(failed) == 1 and done[failed[0]].finish_reason == "error"
+    want = dict(zip((f"r{i}" for i in range(4)), ids(base.generate(prompts(4), sp))))
+    assert {r: o.token_ids for r, o in done.items() if r != failed[0]} == {r: want[r] for r in done if r != failed[0]}
+
+
 @pytest.mark.parametrize("method", ["dspark", "draft_model"])
 def test_model_drafters_greedy_equal_plain(tiny_k3_dir, tiny_kl_dir, base, random_dspark, method):
     draft = random_dspark if method == "dspark" else str(tiny_kl_dir)
