@@ -25,6 +25,7 @@ import torch
 from k3serve.backends import Backend
 from k3serve.backends.cpu_args import DENSE_KERNEL_ROWS, big_experts, glu_scalars, moe_scalars
 from k3serve.backends.cpu_stack import KERNEL_DTYPES, DecodeStacks, block_experts
+from k3serve.forward import RECORDS_IN_FLIGHT
 from k3serve.kernels.packs import GluPack, KdaPack, MlaPack, MoePack, kernel_experts, kernel_matrix
 from k3serve.layers.gemm import SMALL_M
 from k3serve.layers.experts import experts_forward
@@ -40,8 +41,9 @@ class CpuKernels(DecodeStacks, Backend):
         self.kernels = module
         self._packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> its kernel arguments
         self._head_pack = None
-        # layer -> (flat record stores, ((S, T, device), their views)): a verify pass's records,
-        # reused step after step (two allocations per layer cost ~2 us a verify step each)
+        # layer -> [RECORDS_IN_FLIGHT entries of (flat record stores, ((S, T, device), their
+        # views)), the next one's index]: verify passes' records, the stores reused in turn pass
+        # after pass (two allocations per layer cost ~2 us a verify step each)
         self._records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.init_stacks()
 
@@ -184,20 +186,26 @@ class CpuKernels(DecodeStacks, Backend):
 
     def kda_records(self, layer, batch, rec: torch.Tensor, conv: torch.Tensor):
         """Per-position state buffers [S, T, ...] for a verify pass, else (None, None): views of
-        this layer's record store, grown as needed and reused step after step (the records live
-        until the step's rollback)."""
+        one of this layer's RECORDS_IN_FLIGHT record stores, taken in turn, grown as needed (the
+        records live until the pass's rollback, which under pipeline stages may follow the next
+        pass: one store would then hold the later pass's states)."""
         if not batch.verify:
             return None, None
         S, T = len(batch.step.seqs), batch.step.longest
-        held = self._records.get(layer)
-        if held is not None and held[1] is not None and held[1][0] == (S, T, rec.device):
-            return held[1][1]  # the same shape as the last verify step: its views (~3 us a layer)
+        ring = self._records.get(layer)
+        if ring is None:
+            ring = self._records[layer] = [[None] * RECORDS_IN_FLIGHT, 0]
+        i = ring[1]
+        ring[1] = (i + 1) % RECORDS_IN_FLIGHT
+        held = ring[0][i]
+        if held is not None and held[1][0] == (S, T, rec.device):
+            return held[1][1]  # the same shape as this store's last pass: its views (~3 us a layer)
         n_rec, n_conv = S * T * rec[0].numel(), S * T * conv[0].numel()
         store = held[0] if held is not None else None
         if store is None or store[0].numel() < n_rec or store[1].numel() < n_conv or store[0].device != rec.device:
             store = (torch.empty(n_rec, device=rec.device), torch.empty(n_conv, device=conv.device))
         views = store[0][:n_rec].view(S, T, *rec.shape[1:]), store[1][:n_conv].view(S, T, *conv.shape[1:])
-        self._records[layer] = (store, ((S, T, rec.device), views))
+        ring[0][i] = (store, ((S, T, rec.device), views))
         return views
 
     # ---- gated MLA -----------------------------------------------------------------------

@@ -89,10 +89,11 @@ class EngineCore:
     @property
     def pipelined(self) -> bool:
         """Whether a second step starts while one is in flight: pipeline stages (the first stage
-        on the next batch while the later ones finish this one), without speculation (a verify
-        pass's rollback follows its own step) or DP-attention lockstep; `overlap` False turns
-        it off (bench/pp_overlap.py's A/B)."""
-        return self.overlap and self.executor.pipelined and self.spec is None and not self.executor.lockstep
+        on the next batch while the later ones finish this one), without DP-attention lockstep;
+        `overlap` False turns it off (bench/pp_overlap.py's A/B). Speculation too: a verify
+        pass's rollback may then follow the next step's forward (ranks keep each pass's records
+        by its slots, runner/rank_step.py), and the requests in flight draft nothing."""
+        return self.overlap and self.executor.pipelined and not self.executor.lockstep
 
     def execute(self, batch: ScheduledBatch) -> Executed:
         """Run the step on every rank and finish it. A step that raises is retried apart (the
@@ -128,7 +129,9 @@ class EngineCore:
             out, rollback = self.runner.finish(pending.step, self.executor.collect(pending.handle))
             if rollback is not None:
                 self.executor.rollback(*rollback)
-            if self.spec is not None:  # the draft-length policy's cost table, refreshed online
+            # the draft-length policy's cost table, refreshed online; two steps in flight share
+            # the time between launch and completion, which is then no step's own cost
+            if self.spec is not None and not self.pipelined:
                 self.spec.step_done(batch, time.perf_counter() - pending.started)
         except RANK_FAULTS as e:
             self.executor.fail(str(e))
@@ -156,11 +159,14 @@ class EngineCore:
         if it raises, this step runs without drafts."""
         if self.spec is None:
             return
+        running = self.scheduler.running
+        if self.scheduler.in_flight:  # their tokens are not sampled yet: they wait for the next step
+            running = [r for r in running if r.request_id not in self.scheduler.in_flight]
         try:
-            self.runner.propose(self.scheduler.running)
+            self.runner.propose(running)
         except Exception as e:  # noqa: BLE001
             log.warning("drafting raised %s: %s; this step runs without drafts", type(e).__name__, e)
-            for r in self.scheduler.running:
+            for r in running:
                 r.spec_token_ids = []
 
     def write_back(self) -> None:

@@ -19,6 +19,10 @@ import torch
 # this size (demo model, a 10-token chunk after a prefix hit: ~0.4 ms vs ~3.8 ms). It matches
 # kernels/cpu/core/common.h kSmallM, the most rows the GEMV-shaped kernels take.
 SHORT_PREFILL = 16
+# verify passes whose KDA records live at once: under pipeline stages a pass's rollback may follow
+# the next step's forward (two steps in flight), so a rank keeps two (runner/rank_step.py) and a
+# backend that reuses record buffers rotates two of them (backends/cpu.py)
+RECORDS_IN_FLIGHT = 2
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from k3serve.cache.sizing import CachePlan
 from k3serve.models.kimi import KimiForCausalLM
 from k3serve.parallel.dcp import layout_of, shard_of
-from k3serve.forward import CacheTensors, ForwardBatch
+from k3serve.forward import RECORDS_IN_FLIGHT, CacheTensors, ForwardBatch
 from k3serve.spec_decode.rollback import rollback_states
 
 
@@ -94,9 +94,11 @@ class RankRunner:
         `balancer`: runner/eplb.py ExpertBalancer (--enable-eplb), stepped before each forward."""
         self.model, self.cache, self.device, self.graphs = model, cache, device, graphs
         self.balancer = balancer
-        # the last verify pass's per-position KDA states, until its rollback command (which
-        # arrives after the driver sampled: a second, small command under tensor parallelism)
-        self.records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # verify passes' per-position KDA states until their rollback command (which arrives after
+        # the driver sampled: a second, small command under tensor parallelism), keyed by the
+        # pass's verifying slots: with pipeline stages two steps are in flight, and a rollback
+        # may follow the next step's forward (at most RECORDS_IN_FLIGHT passes are kept)
+        self.records: dict[tuple[int, ...], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, taps: tuple[int, ...] = (), defer: bool = False):
@@ -109,7 +111,6 @@ class RankRunner:
         if ep_rows is not None:
             self.copy_states(inp.restore)
             out = self.graphs.run(inp, taps, ep_rows, defer)
-            self.records = {}
             self.copy_states(inp.save)
             if callable(out):  # the driver's stage has sent its rows on: the rest comes later
                 return lambda: _static_result(out(), inp)
@@ -127,7 +128,11 @@ class RankRunner:
             fb.media_rows, fb.media_embeds = inp.media_rows.to(self.device), inp.media_embeds.to(self.device)
         self.copy_states(inp.restore)  # a prefix hit resumes from its checkpoint
         out = self.model(fb, self.cache, taps)
-        hidden, self.records = out.hidden, out.kda_records  # [N, d]; None on a stage before the last
+        hidden = out.hidden  # [N, d]; None on a stage before the last
+        if out.kda_records:
+            self.records[tuple(inp.state_slots[i] for i in inp.verify)] = out.kda_records
+            while len(self.records) > RECORDS_IN_FLIGHT:  # a pass whose requests all kept their last state
+                del self.records[next(iter(self.records))]
         self.copy_states(inp.save)  # states exactly at chunk ends become checkpoints
         prompt, logits = [], None
         if hidden is not None:
@@ -239,7 +244,7 @@ class RankRunner:
 
     def rollback(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify pass: each live slot takes its recorded state at the accepted position."""
-        records, self.records = self.records, {}
+        records = self.records.pop(tuple(slots), {})  # {}: this rank holds no KDA layer
         rollback_states(
             self.cache,
             records,

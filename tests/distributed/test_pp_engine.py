@@ -71,9 +71,28 @@ def test_pp2_prefix_cache_hits_and_stage_caches(tiny_k3_dir):
 
 @pytest.mark.parametrize("spec", ["ngram", "dspark"])
 def test_pp2_with_speculation_equals_one_process(spec, references, tiny_k3_dir, random_dspark):
+    """Two steps in flight with speculation too: a verify pass's rollback then follows the next
+    step's forward on every stage, so each rank keeps two passes' records (by their slots) and
+    the CPU kernels rotate two record stores (one store held the next pass's states: wrong
+    text). K pinned, so that every proposal is verified."""
     config = NGRAM if spec == "ngram" else {"method": "dspark", "model": random_dspark, "num_speculative_tokens": 4}
-    first, second = twice(tiny_k3_dir, pipeline_parallel_size=2, speculative_config=config)
+    llm = LLM(tiny_k3_dir, pipeline_parallel_size=2, speculative_config={**config, "adaptive": False}, **KW)
+    try:
+        engine, overlapped = llm.engine, []
+        launch = engine.core.launch
+
+        def spy(batch, **kw):
+            overlapped.append(bool(engine.scheduler.in_flight) and any(s.drafts for s in batch.seqs))
+            return launch(batch, **kw)
+
+        engine.core.launch = spy
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        drafts = engine.spec.stats.drafts
+    finally:
+        llm.engine.shutdown()
     assert (first, second) == references["k3"]
+    assert sum(overlapped) >= 3 and drafts > 0  # verify passes launched while another step was in flight
 
 
 @pytest.mark.slow
