@@ -110,7 +110,7 @@ class EngineCore:
             if self.tiers is not None:  # part of the step: if it fails, no loaded block is published
                 self.tiers.load(self.executor.cache, batch.load_blocks, batch.load_states)
             step = self.runner.prepare(batch)
-            handle = self.executor.launch(step.inputs, self.runner.taps)
+            handle = self.executor.launch(step.inputs, step.taps)
         except RANK_FAULTS as e:
             self.executor.fail(str(e))
             raise

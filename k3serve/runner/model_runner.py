@@ -41,6 +41,10 @@ class PreparedStep:
     bounds: list[tuple[int, int]]  # each sequence's flat rows [begin, end)
     spans: list[tuple[int, int]]  # (sequence index, first logits row) of the sampling sequences
     asks: list[tuple[int, int, int, int]]  # prompt-logprob spans (_prompt_logprob_spans)
+    # the layers whose hidden states the step returns for the drafter: none while the draft-length
+    # policy rests the drafter through the next step (capturing and keeping them cost a DSpark
+    # engine ~5% of a 16-stream step it did not draft in)
+    taps: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -131,7 +135,8 @@ class ModelRunner:
             token_mask=self._token_mask(seqs) if sampling is not None else None,
             histories=_histories(seqs) if sampling is not None else None,
         )
-        return PreparedStep(batch, inputs, bounds, spans, asks)
+        taps = self.taps if self.spec is not None and self.spec.wants_taps([s.request for s in seqs]) else ()
+        return PreparedStep(batch, inputs, bounds, spans, asks, taps)
 
     @torch.inference_mode()
     def finish(self, step: PreparedStep, res: StepResult) -> tuple[StepOutput, tuple[list[int], list[int]] | None]:
@@ -196,10 +201,13 @@ class ModelRunner:
                 row = bounds[i][0] + tau  # the last committed input
             committed[s.request_id] = row
         self._advance(out)
-        if self.taps:  # the drafter reads tap-layer states at the last committed position
-            states = torch.stack([res.taps[i] for i in self.taps], 1)  # [N, taps, d]
+        if step.taps:  # the drafter reads tap-layer states at the last committed position
+            states = torch.stack([res.taps[i] for i in step.taps], 1)  # [N, taps, d]
             for rid, row in committed.items():
                 self.spec.observe(rid, states[row])
+        elif self.taps:  # none captured: what the drafter holds of these requests is stale now
+            for rid in committed:
+                self.spec.observe(rid, None)
         return out, ((slots, taus) if any(t >= 0 for t in taus) else None)
 
     def _fused_sampling(self, seqs, asks) -> list[dict] | None:

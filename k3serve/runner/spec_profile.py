@@ -82,7 +82,7 @@ def _step(runner, executor, cache, reqs, start: int, ks: list[int], token: int =
     ]
     t = time.perf_counter()
     step = runner.prepare(ScheduledBatch(seqs))
-    _, rollback = runner.finish(step, executor.execute(step.inputs, runner.taps))
+    _, rollback = runner.finish(step, executor.execute(step.inputs, step.taps))
     if rollback is not None:
         executor.rollback(*rollback)
     return time.perf_counter() - t

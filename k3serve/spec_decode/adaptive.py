@@ -137,6 +137,10 @@ class DraftPolicy:
             return True
         return False
 
+    def resting_next(self) -> int:
+        """The steps still to rest after this one's proposal (0: the next step may draft)."""
+        return self._rest
+
     def should_draft(self, request_ids: list[str], free: bool = False, context: float = 0) -> bool:
         """Whether running the drafter this step can pay for itself. A bound, not a guess: every
         draft position is credited the best first-position acceptance of any request (reach

@@ -64,6 +64,12 @@ class SpecDecoder:
     def tap_layers(self) -> tuple[int, ...]:
         return getattr(self.proposer, "tap_layers", ())
 
+    def wants_taps(self, reqs: list[Request]) -> bool:
+        """Whether a step of these requests returns the tap layers' states: the next step may
+        draft (the policy is not resting it), or one of them is a seeded sampled request, which
+        is proposed every draft whatever the policy says (see `propose`)."""
+        return self.policy is None or self.policy.resting_next() == 0 or any(_seeded(r) for r in reqs)
+
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on the running requests that decode this step (at most
         num_speculative_tokens each; with the policy, the lengths it chooses, none at all when

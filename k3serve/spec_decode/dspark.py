@@ -240,7 +240,11 @@ class DSparkProposer:
         return cls(load_dspark(path), target, draft_sample_method, device)
 
     def observe(self, request_id: str, taps: torch.Tensor | None) -> None:
-        if taps is not None:
+        """The request's tap states at its last committed position; None: a step ran without
+        them, so the ones held are stale (the request drafts nothing until a step brings them)."""
+        if taps is None:
+            self._taps.pop(request_id, None)
+        else:
             self._taps[request_id] = taps.to(self.device, torch.float32)  # a DP-attention worker's come on the CPU
 
     def release(self, request_id: str) -> None:

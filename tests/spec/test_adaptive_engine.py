@@ -174,3 +174,41 @@ def test_a_seeded_sampled_request_gives_the_same_text_whatever_the_policy_does(t
     llm.engine.spec.policy = policy = RandomLengths(4, seed=9)
     out = llm.generate(p + prompts(6, seed=10), [seeded] + [greedy] * 6)
     assert ids(out)[:1] == want and policy.chosen[0] > 0  # the others' lengths did vary
+
+
+class RestsEveryOther(RandomLengths):
+    """Drafts on one step, rests the next (a rest of one step after each drafting step)."""
+
+    def should_draft(self, request_ids, free=False, context=0):
+        self._rest = 1
+        return True
+
+
+def test_a_step_before_a_rest_returns_no_taps_and_the_drafter_forgets_stale_ones(tiny_k3_dir, random_dspark):
+    """While the policy rests the drafter through the next step, the step captures no tap states
+    (DSpark's ~5% of a 16-stream step) and the drafter drops the ones it holds of those requests
+    (stale now); the step before a drafting one captures them. Greedy text stays speculation off's."""
+    spec = {"method": "dspark", "model": random_dspark, "num_speculative_tokens": 4}
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **LOOPY)
+    want = ids(LLM(str(tiny_k3_dir), **KW).generate(prompts(4, seed=11), greedy))
+    llm = LLM(str(tiny_k3_dir), speculative_config=spec, **KW)
+    llm.engine.spec.policy = RestsEveryOther(4, seed=3)
+    core, held, taps = llm.engine.core, llm.engine.spec.proposer._taps, []
+    launch = core.executor.launch
+
+    def spy(inputs, step_taps):
+        taps.append(step_taps)
+        return launch(inputs, step_taps)
+
+    core.executor.launch = spy
+    finish = core.runner.finish
+
+    def watched(step, res):
+        out = finish(step, res)
+        if not step.taps:
+            assert not any(s.request_id in held for s in step.batch.seqs)
+        return out
+
+    core.runner.finish = watched
+    assert ids(llm.generate(prompts(4, seed=11), greedy)) == want
+    assert () in taps and core.runner.taps in taps and llm.engine.spec.stats.drafts > 0
