@@ -159,9 +159,7 @@ class EngineCore:
         if it raises, this step runs without drafts."""
         if self.spec is None:
             return
-        running = self.scheduler.running
-        if self.scheduler.in_flight:  # their tokens are not sampled yet: they wait for the next step
-            running = [r for r in running if r.request_id not in self.scheduler.in_flight]
+        running = self.scheduler.ready()  # those in flight have no sampled token yet: the next step
         try:
             self.runner.propose(running)
         except Exception as e:  # noqa: BLE001

@@ -136,6 +136,7 @@ class Bucket(NamedTuple):
 class _Entry:
     buffers: StaticBuffers
     run: object  # () -> (logits, taps): the compiled call, or a graph replay returning its outputs
+    captured: bool = False  # a CUDA graph replay: its outputs are overwritten by the next replay
 
 
 class GraphSteps:
@@ -323,8 +324,8 @@ class GraphSteps:
             if not pipe.stage.first:  # the previous stage's rows, into the step's input buffer
                 pipe.receive_into(entry.buffers.step.incoming)
             out = entry.run()
-            if not pipe.stage.last:  # a captured graph's output is overwritten by its next replay
-                pipe.send_stacked(out[0].clone() if self.device.type == "cuda" and not self.eager else out[0])
+            if not pipe.stage.last:  # still being sent when the next replay writes a captured output
+                pipe.send_stacked(out[0].clone() if entry.captured else out[0])
             if pipe.rank != 0:
                 report(pipe, inp, out)
                 return GraphOut(None, None, None, {})
@@ -412,7 +413,7 @@ class GraphSteps:
 
         if self.eager or self.device.type != "cuda":
             return _Entry(buffers, call)
-        return _Entry(buffers, self._capture(call))
+        return _Entry(buffers, self._capture(call), captured=True)
 
     def _capture(self, call):
         """Warm up on a side stream (the compile happens there), then capture one replayable graph;

@@ -135,7 +135,7 @@ class ModelRunner:
             token_mask=self._token_mask(seqs) if sampling is not None else None,
             histories=_histories(seqs) if sampling is not None else None,
         )
-        taps = self.taps if self.spec is not None and self.spec.wants_taps([s.request for s in seqs]) else ()
+        taps = self.taps if self.spec is not None and self.spec.wants_taps(s.request for s in seqs) else ()
         return PreparedStep(batch, inputs, bounds, spans, asks, taps)
 
     @torch.inference_mode()

@@ -126,13 +126,17 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step --------------------------------------------------------------------
+    def ready(self) -> list[Request]:
+        """The running requests not in a step in flight (pipeline stages' second step)."""
+        return [r for r in self.running if r.request_id not in self.in_flight] if self.in_flight else self.running
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         if self.quarantine and self._schedule_alone(batch):
             return batch
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        ready = [r for r in self.running if r.request_id not in self.in_flight] if self.in_flight else self.running
+        ready = self.ready()
         decodes = [r for r in ready if r.num_uncomputed == 1]
         prefills = [r for r in ready if r.num_uncomputed > 1]
         # with steps in flight, a share of the running requests each, so the next step has some

@@ -5,6 +5,7 @@ verify them after the target's forward, keep acceptance statistics and step timi
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -64,7 +65,7 @@ class SpecDecoder:
     def tap_layers(self) -> tuple[int, ...]:
         return getattr(self.proposer, "tap_layers", ())
 
-    def wants_taps(self, reqs: list[Request]) -> bool:
+    def wants_taps(self, reqs: Iterable[Request]) -> bool:
         """Whether a step of these requests returns the tap layers' states: the next step may
         draft (the policy is not resting it), or one of them is a seeded sampled request, which
         is proposed every draft whatever the policy says (see `propose`)."""
